@@ -1,0 +1,233 @@
+"""Model and run configuration (layer L0: stdlib only).
+
+`ModelConfig` describes a LLaMA-family network; `RunConfig` describes how lcjax runs it (dtypes, paged cache,
+chunked prefill, attention backend, mesh). Both are frozen dataclasses built from plain dicts that refuse unknown
+keys by name, so a typo in a config file or a CLI override is an error, never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+  """A configuration value or key that lcjax cannot use."""
+
+
+def _from_dict(cls, d: Mapping[str, Any], where: str):
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ConfigError(f"unknown {where} key(s) {unknown}; known keys: {sorted(names)}")
+  return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1 ("llama3") frequency-dependent rotary scaling."""
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  name: str
+  vocab_size: int
+  dim: int                  # D
+  n_layers: int             # L
+  n_heads: int              # N
+  n_kv_heads: int           # K
+  head_dim: int             # H
+  ffn_dim: int              # F
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  tie_embeddings: bool = False
+  max_position: int = 4096  # trained context length (max_position_embeddings)
+  bos_id: int | None = 1
+  eos_ids: tuple[int, ...] = (2,)
+  add_bos: bool = True
+
+  def __post_init__(self):
+    for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+      if getattr(self, f) < 1:
+        raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    if self.n_heads % self.n_kv_heads:
+      raise ConfigError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if isinstance(self.rope_scaling, Mapping):
+      object.__setattr__(self, "rope_scaling", _from_dict(RopeScaling, self.rope_scaling, "rope_scaling"))
+    object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  def param_count(self) -> int:
+    """Exact number of parameters (checked against jax.eval_shape of the model in tests)."""
+    D, F, V, L = self.dim, self.ffn_dim, self.vocab_size, self.n_layers
+    attn = D * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+    per_layer = attn + 3 * D * F + 2 * D
+    head = 0 if self.tie_embeddings else V * D
+    return V * D + L * per_layer + D + head
+
+  def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+    return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["eos_ids"] = list(self.eos_ids)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    return _from_dict(cls, d, "model config")
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], name: str | None = None) -> "ModelConfig":
+    """Build from an HF `config.json` dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x `rope_parameters`)."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type", "")
+    if model_type not in ("llama", "mistral") and not any(a in ("LlamaForCausalLM", "MistralForCausalLM")
+                                                           for a in archs):
+      raise ConfigError(f"unsupported architecture model_type={model_type!r} architectures={archs}: "
+                        "lcjax converts LLaMA-family models only")
+    rope_params = dict(hf.get("rope_parameters") or {})
+    rope_scaling = hf.get("rope_scaling") or None
+    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling_src = rope_scaling if rope_scaling else rope_params
+    rope_type = (scaling_src or {}).get("rope_type", (scaling_src or {}).get("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+      scaling = RopeScaling(
+          factor=float(scaling_src["factor"]),
+          low_freq_factor=float(scaling_src["low_freq_factor"]),
+          high_freq_factor=float(scaling_src["high_freq_factor"]),
+          original_max_position=int(scaling_src["original_max_position_embeddings"]))
+    elif rope_type not in ("default", None):
+      raise ConfigError(f"unsupported rope_type={rope_type!r}; lcjax supports 'default' and 'llama3'")
+    n_heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id", 2)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return cls(
+        name=name or hf.get("_name_or_path") or model_type,
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+        rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
+        eos_ids=eos_ids)
+
+  def to_hf(self) -> dict:
+    """An HF LlamaConfig dict of this model (used by tests that build an HF oracle)."""
+    d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=self.vocab_size,
+             hidden_size=self.dim, num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+             num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim, intermediate_size=self.ffn_dim,
+             rms_norm_eps=self.norm_eps, rope_theta=self.rope_theta, tie_word_embeddings=self.tie_embeddings,
+             max_position_embeddings=self.max_position, bos_token_id=self.bos_id,
+             eos_token_id=list(self.eos_ids) if len(self.eos_ids) != 1 else self.eos_ids[0],
+             hidden_act="silu", attention_bias=False, mlp_bias=False)
+    if self.rope_scaling is not None:
+      r = self.rope_scaling
+      d["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
+                               high_freq_factor=r.high_freq_factor,
+                               original_max_position_embeddings=r.original_max_position)
+    return d
+
+
+_L31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                        ffn_dim=128, rope_theta=10000.0, max_position=4096, bos_id=1, eos_ids=(2,)),
+    "smollm2-135m": ModelConfig("smollm2-135m", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                                head_dim=64, ffn_dim=1536, rope_theta=100000.0, tie_embeddings=True,
+                                max_position=8192, bos_id=1, eos_ids=(2,), add_bos=False),
+    "llama2-7b": ModelConfig("llama2-7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                             head_dim=128, ffn_dim=11008, rope_theta=10000.0, max_position=4096, bos_id=1,
+                             eos_ids=(2,)),
+    "llama3-8b": ModelConfig("llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             head_dim=128, ffn_dim=14336, rope_theta=500000.0, max_position=8192,
+                             bos_id=128000, eos_ids=(128001, 128009)),
+    "llama3.1-8b": ModelConfig("llama3.1-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
+                               n_kv_heads=8, head_dim=128, ffn_dim=14336, rope_theta=500000.0,
+                               rope_scaling=_L31, max_position=131072, bos_id=128000,
+                               eos_ids=(128001, 128008, 128009)),
+    "llama3.1-70b": ModelConfig("llama3.1-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
+                                n_kv_heads=8, head_dim=128, ffn_dim=28672, rope_theta=500000.0,
+                                rope_scaling=_L31, max_position=131072, bos_id=128000,
+                                eos_ids=(128001, 128008, 128009)),
+}
+
+
+def preset(name: str) -> ModelConfig:
+  if name not in PRESETS:
+    raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+  return PRESETS[name]
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+  """Read lcjax's own `lcjax_config.json` or an HF `config.json` (told apart by their keys)."""
+  with open(path) as f:
+    d = json.load(f)
+  return ModelConfig.from_dict(d) if "n_layers" in d else ModelConfig.from_hf(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """How lcjax runs a model. Every field can be overridden from the CLI (`--config.page_size=128`)."""
+  dtype: str = "bfloat16"            # parameters and activations; "float32" for checks
+  cache_dtype: str = "auto"          # "auto" (= dtype), "bfloat16", "float32", "float8_e4m3fn"
+  page_size: int = 64                # Z: tokens per KV page
+  num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
+  max_context: int = 0               # 0: the model's max_position
+  max_batch: int = 4                 # sequences decoded together
+  prefill_chunk: int = 2048          # tokens per prefill chunk (activation memory is bounded by this)
+  decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
+  attention: str = "auto"            # auto | reference | cudnn | pallas | fa3
+  tensor: int = 1                    # mesh axis sizes
+  seq: int = 1
+  sp_mode: str = "ring"              # ring | ulysses
+
+  def __post_init__(self):
+    if self.dtype not in ("bfloat16", "float32", "float16"):
+      raise ConfigError(f"dtype={self.dtype!r} must be one of bfloat16, float32, float16")
+    if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
+      raise ConfigError(f"cache_dtype={self.cache_dtype!r} must be auto, bfloat16, float32, float16 or "
+                        "float8_e4m3fn")
+    for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "tensor", "seq"):
+      if getattr(self, f) < 1:
+        raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    if self.prefill_chunk % self.page_size:
+      raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be a multiple of page_size={self.page_size}")
+    if self.attention not in ("auto", "reference", "cudnn", "pallas", "fa3"):
+      raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas or fa3")
+    if self.sp_mode not in ("ring", "ulysses"):
+      raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring or ulysses")
+
+  @property
+  def resolved_cache_dtype(self) -> str:
+    return self.dtype if self.cache_dtype == "auto" else self.cache_dtype
+
+  def context_for(self, model: ModelConfig) -> int:
+    return self.max_context or model.max_position
+
+  def pages_for(self, model: ModelConfig) -> int:
+    """Pages in the pool, counting the null page 0."""
+    if self.num_pages:
+      return self.num_pages
+    return self.max_batch * math.ceil(self.context_for(model) / self.page_size) + 1
+
+  def replace(self, **kw) -> "RunConfig":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "RunConfig":
+    return _from_dict(cls, d, "run config")

@@ -1,0 +1,1 @@
+"""Attention kernels (layer L2): import jax only, never flax or the model."""

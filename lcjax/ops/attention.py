@@ -1,0 +1,162 @@
+"""The attention contract shared by every backend, and its plain-jnp reference.
+
+Every kernel computes exact softmax attention of a block of queries against a block of keys and returns
+`(out, lse)`: `out [B, T, N, H]` in the query dtype and `lse [B, T, N]`, the float32 natural-log sum of
+exp(scores) of each query row. Ring prefill, chunked prefill against a cached prefix and sequence-sharded decode
+combine partial results with `merge`, which is exact and treats `lse = -inf` (a fully masked row) as "no
+contribution".
+
+Positions make blocks self-describing: a query row knows its absolute position (`q_pos`), a key block knows the
+position of its first key (`k_start`) and how many of its keys are valid (`kv_len`). Key j of the block is
+visible to query i iff `j < kv_len` and, when causal, `k_start + j <= q_pos[i]`.
+
+Legend: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size,
+M page-table slots per sequence.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+# Masked scores use a large finite value so that exp(masked - max) is exactly 0 without inf - inf = nan.
+_MASKED = -1e30
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+  """Combine two attention partials over disjoint key sets. o [..., H], lse [...] float32."""
+  lse = jnp.logaddexp(lse_a, lse_b)
+  # A row masked in both parts has lse = -inf: give it weight 0 instead of exp(nan).
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  w_a = jnp.exp(lse_a - safe)[..., None]
+  w_b = jnp.exp(lse_b - safe)[..., None]
+  out = o_a.astype(jnp.float32) * w_a + o_b.astype(jnp.float32) * w_b
+  return out.astype(o_a.dtype), lse
+
+
+def _online_softmax(q, n_blocks, block_fn, scale):
+  """Flash-style online softmax over key blocks. q [B, T, N, H]; block_fn(i) -> (k, v, visible).
+
+  k, v: [B, C, K, H]; visible: [B, T, C] bool. Memory is O(B*T*N*C), never O(T*S).
+  """
+  B, T, N, H = q.shape
+  qf = q.astype(jnp.float32) * scale
+
+  def step(carry, i):
+    m, l, acc = carry                                              # [B,T,N], [B,T,N], [B,T,N,H]
+    k, v, visible = block_fn(i)
+    K = k.shape[2]
+    qg = qf.reshape(B, T, K, N // K, H)
+    s = jnp.einsum("btkgh,bckh->btkgc", qg, k.astype(jnp.float32))
+    s = s.reshape(B, T, N, -1)
+    s = jnp.where(visible[:, :, None, :], s, _MASKED)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    p = jnp.where(visible[:, :, None, :], p, 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(-1)
+    pv = jnp.einsum("btkgc,bckh->btkgh", p.reshape(B, T, K, N // K, -1), v.astype(jnp.float32))
+    acc = acc * corr[..., None] + pv.reshape(B, T, N, H)
+    return (m_new, l, acc), None
+
+  init = (jnp.full((B, T, N), _MASKED, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
+          jnp.zeros((B, T, N, H), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+  seen = l > 0
+  out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+  return out.astype(q.dtype), lse
+
+
+def _visible(q_pos, key_pos, key_valid, causal):
+  """q_pos [B, T], key_pos [B, C], key_valid [B, C] -> [B, T, C]."""
+  vis = key_valid[:, None, :]
+  if causal:
+    vis = vis & (key_pos[:, None, :] <= q_pos[:, :, None])
+  return vis
+
+
+def _default_scale(H):
+  return 1.0 / math.sqrt(H)
+
+
+def attention_reference(q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True, block_k=512,
+                        scale=None):
+  """Exact attention of q [B, T, N, H] over contiguous k, v [B, S, K, H]. Returns (out, lse [B, T, N])."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if N % K:
+    raise ValueError(f"query heads N={N} are not divisible by kv heads K={K}")
+  if q_pos is None:
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+  k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,))
+  kv_len = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.broadcast_to(kv_len, (B,))
+  C = min(block_k, S)
+  n_blocks = -(-S // C)
+  pad = n_blocks * C - S
+  if pad:
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+  def block(i):
+    kb = jax.lax.dynamic_slice_in_dim(k, i * C, C, axis=1)
+    vb = jax.lax.dynamic_slice_in_dim(v, i * C, C, axis=1)
+    j = i * C + jnp.arange(C, dtype=jnp.int32)
+    valid = j[None, :] < kv_len[:, None]
+    return kb, vb, _visible(q_pos, k_start[:, None] + j[None, :], valid, causal)
+
+  return _online_softmax(q, n_blocks, block, scale or _default_scale(H))
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len, causal=True,
+                              pages_per_block=8, scale=None, k_scale=None, v_scale=None):
+  """Exact attention of q [B, T, N, H] over a paged cache.
+
+  k_pages, v_pages: [P, Z, K, H]; page_table [B, M] int32 (slot m holds tokens m*Z .. m*Z+Z-1 of a sequence);
+  kv_len [B]: valid tokens per sequence; q_pos [B, T] absolute query positions. Optional per-page scales
+  k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale).
+  """
+  B, T, N, H = q.shape
+  P, Z, K, _ = k_pages.shape
+  M = page_table.shape[1]
+  pb = max(1, min(pages_per_block, M))
+  n_blocks = -(-M // pb)
+  pad = n_blocks * pb - M
+  if pad:
+    page_table = jnp.pad(page_table, ((0, 0), (0, pad)))    # pad with the null page; masked by kv_len
+  kv_len = jnp.broadcast_to(kv_len, (B,))
+
+  def load(pages, scales, ids):
+    x = pages[ids].astype(jnp.float32)                      # [B, pb, Z, K, H]
+    if scales is not None:
+      x = x * scales[ids][:, :, None, :, None]
+    return x.reshape(B, pb * Z, K, H)
+
+  def block(i):
+    ids = jax.lax.dynamic_slice_in_dim(page_table, i * pb, pb, axis=1)  # [B, pb]
+    j = i * pb * Z + jnp.arange(pb * Z, dtype=jnp.int32)
+    valid = j[None, :] < kv_len[:, None]
+    kb, vb = load(k_pages, k_scale, ids), load(v_pages, v_scale, ids)
+    return kb, vb, _visible(q_pos, jnp.broadcast_to(j, (B, pb * Z)), valid, causal)
+
+  return _online_softmax(q, n_blocks, block, scale or _default_scale(H))
+
+
+def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None):
+  """The unoptimised baseline: materialises the [B, N, T, S] score matrix. For benchmarks and tests only."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if q_pos is None:
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+  kv_len = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.broadcast_to(kv_len, (B,))
+  qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H) * (scale or _default_scale(H))
+  s = jnp.einsum("btkgh,bskh->btkgs", qg, k.astype(jnp.float32)).reshape(B, T, N, S)
+  j = jnp.arange(S, dtype=jnp.int32)
+  vis = _visible(q_pos, jnp.broadcast_to(j, (B, S)), j[None, :] < kv_len[:, None], causal)
+  s = jnp.where(vis[:, :, None, :], s, NEG_INF)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.where(vis[:, :, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  out = jnp.einsum("btkgs,bskh->btkgh", p.reshape(B, T, K, N // K, S), v.astype(jnp.float32))
+  return out.reshape(B, T, N, H).astype(q.dtype), lse

@@ -1,0 +1,61 @@
+"""Attention backends behind one interface, chosen once by name.
+
+A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
+`backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
+`(out, lse)` contract of `lcjax.ops.attention`. `why_not(...)` returns the reason a backend cannot serve a shape
+(or None), so `auto` can fall back to one that can and say why.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from lcjax.ops import attention as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend:
+  """Plain jnp blockwise online softmax: runs everywhere, O(T * block) memory."""
+  name: str = "reference"
+  block_k: int = 512
+  pages_per_block: int = 8
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    return None
+
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+    return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, causal=causal,
+                                   block_k=self.block_k)
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+    return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                         pages_per_block=self.pages_per_block, k_scale=k_scale,
+                                         v_scale=v_scale)
+
+
+_FACTORIES = {"reference": ReferenceBackend}
+
+
+def register(name, factory):
+  """Kernel modules register their backend here (keeps this module free of GPU imports)."""
+  _FACTORIES[name] = factory
+
+
+def get_backend(name: str = "auto", *, head_dim: int = 128, dtype="bfloat16"):
+  """Return the backend called `name`; `auto` takes the fastest one that can serve this shape here."""
+  if name == "auto":
+    order = ["pallas", "cudnn", "reference"] if jax.default_backend() == "gpu" else ["reference"]
+    for cand in order:
+      if cand in _FACTORIES:
+        be = _FACTORIES[cand]()
+        if be.why_not(head_dim=head_dim, dtype=dtype) is None:
+          return be
+    return ReferenceBackend()
+  if name not in _FACTORIES:
+    raise ValueError(f"attention backend {name!r} is not available here; available: {sorted(_FACTORIES)}")
+  be = _FACTORIES[name]()
+  reason = be.why_not(head_dim=head_dim, dtype=dtype)
+  if reason:
+    raise ValueError(f"attention backend {name!r} cannot serve head_dim={head_dim} dtype={dtype}: {reason}")
+  return be

@@ -1,0 +1,1 @@
+"""The Flax (NNX) LLaMA model (layer L3)."""

@@ -18,6 +18,7 @@ logits of one position per sequence (prefill needs just the last one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,11 @@ from lcjax.config import ModelConfig
 from lcjax.model.rope import apply_rope, inv_frequencies
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(cfg: ModelConfig):
+  return inv_frequencies(cfg)
 
 
 def _param(rngs, shape, axes, dtype, std, n_layers=None):
@@ -124,7 +130,6 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Module()
       self.lm_head.kernel = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt, cfg.dim ** -0.5)
-    self.inv_freq = inv_frequencies(cfg)  # numpy: static, not a parameter
 
   # -- attention of one layer -------------------------------------------------------------------
   def _attend(self, q, k, v, step: _Step, cache_l):
@@ -155,7 +160,7 @@ class Llama(nnx.Module):
 
   def _layer(self, block: Block, x, step: _Step, cache_l):
     h = block.attn_norm(x)
-    q, k, v = block.attn.qkv(h, step.positions, self.inv_freq)
+    q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg))
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
     x = x + block.attn.out(o)
     x = x + block.mlp(block.mlp_norm(x))

@@ -1,0 +1,1 @@
+"""Prefill and decode steps, sampling, the scheduler and the Engine (layer L4)."""

@@ -1,0 +1,329 @@
+"""The Engine: a loaded model, its paged KV cache and a scheduler, behind `generate` and `logits`.
+
+Requests are admitted while the page pool can hold their whole prompt + max_new_tokens (so a running request
+never runs out of pages); a request that could never fit is refused before anything is allocated. Prompts are
+prefilled chunk by chunk, then every live request decodes together in one on-device loop of up to
+`run.decode_steps` tokens per call; between calls finished requests free their pages and waiting ones join.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lcjax.cache import kv as kvc
+from lcjax.cache.pages import PagePool, PagePoolExhausted
+from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.engine import plan as planlib
+from lcjax.engine.sampling import SamplingParams, stack as stack_sampling
+from lcjax.engine.steps import DecodeState, Steps
+from lcjax.model.llama import Llama
+from lcjax.ops.backends import get_backend
+
+
+class RequestError(ValueError):
+  """A request lcjax refuses (bad prompt, limits); the engine stays usable."""
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  text: str
+  token_ids: list[int]
+  prompt_tokens: int
+  finish_reason: str           # "eos" or "length"
+  stats: dict
+
+
+@dataclasses.dataclass
+class _Request:
+  index: int
+  prompt: list[int]
+  max_new: int
+  sampling: SamplingParams
+  seq: int | None = None
+  out: list[int] = dataclasses.field(default_factory=list)
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  finish: str | None = None
+
+
+def _bucket(n: int, lo: int, hi: int | None = None) -> int:
+  b = max(lo, 1 << max(0, n - 1).bit_length())
+  return min(b, hi) if hi else b
+
+
+def _peak_device_bytes() -> int | None:
+  stats = jax.local_devices()[0].memory_stats()
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _peak_host_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Engine:
+  def __init__(self, model_cfg: ModelConfig, params, *, run: RunConfig | None = None, tokenizer=None,
+               graphdef=None):
+    self.cfg = model_cfg
+    self.run = run or RunConfig()
+    self.tokenizer = tokenizer
+    self.max_context = self.run.context_for(model_cfg)
+    self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype)
+    if graphdef is None:
+      graphdef, _ = nnx.split(nnx.eval_shape(lambda: self._new_model(nnx.Rngs(0))), nnx.Param)
+    self.graphdef, self.params = graphdef, params
+    self.plan = planlib.plan(model_cfg, self.run)
+    self.pool = PagePool(self.plan.num_pages, self.run.page_size)
+    self.steps = Steps(self.graphdef, self.run.page_size)
+    self.cache = self._new_cache()
+    self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
+
+  # -- construction -------------------------------------------------------------------------------
+  def _new_model(self, rngs):
+    return Llama(self.cfg, dtype=jnp.dtype(self.run.dtype), attention=self.attention, rngs=rngs)
+
+  def _new_cache(self) -> kvc.PagedKV:
+    return kvc.init_cache(self.cfg.n_layers, self.plan.num_pages, self.run.page_size, self.cfg.n_kv_heads,
+                          self.cfg.head_dim, self.run.resolved_cache_dtype)
+
+  @classmethod
+  def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None):
+    """Random weights made on the device (benchmarks and tests; no checkpoint needed)."""
+    run = run or RunConfig()
+    backend = get_backend(run.attention, head_dim=model_cfg.head_dim, dtype=run.dtype)
+
+    @jax.jit
+    def make():
+      m = Llama(model_cfg, dtype=jnp.dtype(run.dtype), attention=backend, rngs=nnx.Rngs(seed))
+      return nnx.state(m, nnx.Param)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(
+        lambda: Llama(model_cfg, dtype=jnp.dtype(run.dtype), attention=backend, rngs=nnx.Rngs(seed))), nnx.Param)
+    return cls(model_cfg, make(), run=run, tokenizer=tokenizer, graphdef=graphdef)
+
+  @classmethod
+  def load(cls, ckpt_dir, *, tensor: int = 1, seq: int = 1, dtype: str = "bfloat16",
+           run: RunConfig | None = None, **overrides):
+    """Restore a converted checkpoint (tools/convert_hf.py, tools/convert_gguf.py) ready to generate."""
+    from lcjax.checkpoint import load_checkpoint
+    run = (run or RunConfig()).replace(tensor=tensor, seq=seq, dtype=dtype, **overrides)
+    model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=dtype)
+    return cls(model_cfg, params, run=run, tokenizer=tokenizer)
+
+  # -- checks -------------------------------------------------------------------------------------
+  def logits(self, token_ids) -> np.ndarray:
+    """Full causal forward without cache: float32 logits [B, T, V]."""
+    tokens = np.atleast_2d(np.asarray(token_ids, np.int32))
+    self._check_ids(tokens.ravel().tolist())
+    return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
+
+  def _check_ids(self, ids):
+    bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+
+  # -- requests -----------------------------------------------------------------------------------
+  def encode(self, prompt) -> list[int]:
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise RequestError("this engine has no tokenizer: pass token ids instead of text")
+      if not prompt:
+        raise RequestError("empty prompt: give at least one token")
+      return self.tokenizer.encode(prompt)
+    ids = [int(t) for t in prompt]
+    if not ids:
+      raise RequestError("empty prompt: give at least one token")
+    self._check_ids(ids)
+    return ids
+
+  def _make_requests(self, prompts, max_new_tokens, sampling) -> list[_Request]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+      raise RequestError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    try:
+      sp = SamplingParams.make(sampling)
+    except (TypeError, ValueError) as e:
+      raise RequestError(str(e)) from None
+    reqs = []
+    for i, p in enumerate(prompts):
+      ids = self.encode(p)
+      if len(ids) + max_new_tokens > self.max_context:
+        raise RequestError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
+                           f"{len(ids) + max_new_tokens} > max context {self.max_context}")
+      need = self.pool.pages_needed(len(ids) + max_new_tokens)
+      usable = self.pool.pages_total - 1       # page 0 is the null page
+      if need > usable:
+        raise RequestError(f"prompt {i} needs {need} pages ({len(ids) + max_new_tokens} tokens) but the pool "
+                           f"has only {usable} pages ({usable * self.run.page_size} tokens): raise num_pages or "
+                           "lower max_new_tokens")
+      reqs.append(_Request(i, ids, int(max_new_tokens), sp))
+    return reqs
+
+  @staticmethod
+  def _as_list(prompts) -> tuple[list, bool]:
+    """A str or a flat sequence of ints is one prompt; anything else is a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
+      return [prompts], True
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+      return [prompts.tolist()], True
+    prompts = list(prompts)
+    if not prompts:
+      raise RequestError("no prompts given")
+    return prompts, False
+
+  def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None):
+    """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list."""
+    plist, single = self._as_list(prompts)
+    reqs = self._make_requests(plist, max_new_tokens, sampling)
+    for _ in self._run(reqs):
+      pass
+    results = [self._result(r) for r in reqs]
+    return results[0] if single else results
+
+  def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None) -> Iterator[tuple[int, str]]:
+    """Yield (prompt index, text delta) as tokens come back from the device (one decode call at a time)."""
+    plist, _ = self._as_list(prompts)
+    reqs = self._make_requests(plist, max_new_tokens, sampling)
+    sent = {r.index: "" for r in reqs}
+    for r in self._run(reqs):
+      text = self._text(r.out)
+      if text != sent[r.index]:
+        # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
+        stable = text.rstrip("\ufffd") if r.finish is None else text
+        if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
+          yield r.index, stable[len(sent[r.index]):]
+          sent[r.index] = stable
+
+  def _text(self, ids) -> str:
+    if self.tokenizer is None:
+      return ""
+    ids = [t for t in ids if t not in self.cfg.eos_ids]
+    return self.tokenizer.decode(ids)
+
+  def _result(self, r: _Request) -> GenerationResult:
+    n_dec = max(len(r.out) - 1, 0)
+    stats = dict(prompt_tokens=len(r.prompt), new_tokens=len(r.out), prefill_s=r.prefill_s,
+                 decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
+                 peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
+    return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
+
+  # -- scheduling ---------------------------------------------------------------------------------
+  def _admit(self, r: _Request) -> bool:
+    need = self.pool.pages_needed(len(r.prompt) + r.max_new)
+    if need > self.pool.pages_free:
+      return False
+    r.seq = self.pool.new_sequence()
+    try:
+      self.pool.extend(r.seq, len(r.prompt) + r.max_new)
+    except PagePoolExhausted:
+      self.pool.free(r.seq)
+      r.seq = None
+      return False
+    return True
+
+  def _release(self, r: _Request):
+    if r.seq is not None:
+      self.pool.free(r.seq)
+      r.seq = None
+
+  def _run(self, reqs: list[_Request]) -> Iterator[_Request]:
+    """Drive requests to completion, yielding a request each time it gains tokens."""
+    waiting = list(reqs)
+    live: list[_Request | None] = [None] * self.run.max_batch
+    try:
+      while waiting or any(live):
+        for b in range(len(live)):
+          if live[b] is None and waiting and self._admit(waiting[0]):
+            r = waiting.pop(0)
+            self._prefill(r)
+            yield r
+            live[b] = None if r.finish else r
+        if not any(live):
+          if waiting:   # nothing runs and the head still does not fit: cannot happen after the checks above
+            raise PagePoolExhausted(f"request {waiting[0].index} cannot be admitted: {self.pool.pages_free} "
+                                    f"pages free")
+          break
+        for r in self._decode_call(live):
+          yield r
+        for b, r in enumerate(live):
+          if r is not None and r.finish:
+            self._release(r)
+            live[b] = None
+    finally:
+      for r in reqs:
+        self._release(r)
+      if self.cache.k.is_deleted():   # interrupted inside a donated call: the pools are gone, start afresh
+        self.cache = self._new_cache()
+
+  def _page_table(self, seqs, tokens: int) -> np.ndarray:
+    width = _bucket(math.ceil(tokens / self.run.page_size), 16)
+    return self.pool.page_table_array(seqs, width)
+
+  def _prefill(self, r: _Request):
+    t0 = time.perf_counter()
+    C = self.run.prefill_chunk
+    n = len(r.prompt)
+    logits = None
+    for c0 in range(0, n, C):
+      piece = r.prompt[c0:c0 + C]
+      Tb = _bucket(len(piece), 16, C)
+      tokens = np.zeros((1, Tb), np.int32)
+      tokens[0, :len(piece)] = piece
+      slots = np.zeros((1, Tb), np.int32)
+      slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
+      positions = (c0 + np.arange(Tb, dtype=np.int32))[None]
+      table = self._page_table([r.seq], c0 + len(piece))
+      logits, self.cache = self.steps.prefill(
+          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
+          jnp.asarray(table), jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
+    tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
+    tok = int(tok[0])
+    r.prefill_s = time.perf_counter() - t0
+    r.out.append(tok)
+    if tok in self.cfg.eos_ids:
+      r.finish = "eos"
+    elif r.max_new <= 1:
+      r.finish = "length"
+
+  def _decode_call(self, live: list[_Request | None]) -> list[_Request]:
+    B = len(live)
+    alive = [r for r in live if r is not None]
+    seqs = [r.seq if r is not None else None for r in live]
+    tokens = np.zeros(B, np.int32)
+    pos = np.zeros(B, np.int32)
+    done = np.ones(B, bool)
+    remaining = np.zeros(B, np.int32)
+    for b, r in enumerate(live):
+      if r is not None:
+        tokens[b], pos[b], done[b] = r.out[-1], len(r.prompt) + len(r.out) - 1, False
+        remaining[b] = r.max_new - len(r.out)
+    max_tokens = max(len(r.prompt) + r.max_new for r in alive)
+    width = _bucket(math.ceil(max_tokens / self.run.page_size), 16)
+    table = np.zeros((B, width), np.int32)
+    for b, s in enumerate(seqs):
+      if s is not None:
+        table[b] = self.pool.page_table_array([s], width)[0]
+    sp = stack_sampling([r.sampling if r is not None else SamplingParams() for r in live])
+    state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
+    t0 = time.perf_counter()
+    out, state, self.cache = self.steps.decode(self.params, self.cache, state, sp, jnp.asarray(table), self.eos,
+                                               steps=self.run.decode_steps)
+    out = np.asarray(out)
+    dt = time.perf_counter() - t0
+    final_done = np.asarray(state.done)
+    for b, r in enumerate(live):
+      if r is None:
+        continue
+      new = [int(t) for t in out[b] if t >= 0]
+      r.out.extend(new)
+      r.decode_s += dt
+      if final_done[b]:
+        r.finish = "eos" if r.out[-1] in self.cfg.eos_ids else "length"
+    return alive

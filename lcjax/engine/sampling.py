@@ -1,0 +1,76 @@
+"""Token sampling on device: greedy, temperature, top-k, top-p and their combinations.
+
+Parameters are per sequence ([B] arrays) so one batch can mix greedy and sampled requests. The random key of a
+token depends only on its sequence's seed and its position, so a sequence samples the same tokens alone or in
+any batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 0.0    # 0: greedy
+  top_k: int = 0              # 0: off
+  top_p: float = 1.0          # 1: off
+  seed: int = 0
+
+  def __post_init__(self):
+    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+      raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+    if not (0 < self.top_p <= 1):
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+  @classmethod
+  def make(cls, spec) -> "SamplingParams":
+    """From None, a SamplingParams, or a dict; unknown keys are refused by name."""
+    if spec is None:
+      return cls()
+    if isinstance(spec, cls):
+      return spec
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+      raise ValueError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
+    return cls(**spec)
+
+
+def stack(params: list[SamplingParams]) -> dict:
+  """Per-sequence parameter arrays for `sample`."""
+  return dict(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+              top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+              top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+              seed=jnp.asarray([p.seed for p in params], jnp.uint32))
+
+
+def sample(logits, sp: dict, positions):
+  """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32."""
+  B, V = logits.shape
+  greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
+  scaled = logits / temp[:, None]
+  desc = -jnp.sort(-scaled, axis=-1)                                             # [B, V] descending
+  k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
+  kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)                     # [B, 1]
+  in_k = jnp.arange(V)[None, :] < k[:, None]
+  probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs                                    # mass strictly above
+  keep = in_k & (before < sp["top_p"][:, None])
+  n_keep = jnp.maximum(keep.sum(-1), 1)
+  pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+  thresh = jnp.maximum(kth, pth)
+  masked = jnp.where(scaled >= thresh, scaled, -jnp.inf)
+
+  def draw(seed, pos, row):
+    key = jax.random.fold_in(jax.random.key(seed), pos)
+    return jax.random.categorical(key, row).astype(jnp.int32)
+
+  sampled = jax.vmap(draw)(sp["seed"], positions.astype(jnp.uint32), masked)
+  return jnp.where(sp["temperature"] > 0, sampled, greedy_tok)

@@ -1,0 +1,78 @@
+"""The jitted device steps: a full forward, a prefill chunk, and the on-device decode loop.
+
+Each is a pure function of (params, cache, inputs); the model's graph definition is closed over, so one Engine
+compiles each step once per shape bucket. The cache is donated through every step, so its pools are updated in
+place and never copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lcjax.engine.sampling import sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  """Per batch slot: the token to feed next and where it goes."""
+  tokens: jax.Array      # [B] int32, last sampled token (fed at `pos`)
+  pos: jax.Array         # [B] int32, its position
+  done: jax.Array        # [B] bool
+  remaining: jax.Array   # [B] int32, tokens still allowed
+
+
+class Steps:
+  def __init__(self, graphdef, page_size: int):
+    self.graphdef = graphdef
+    self.page_size = page_size
+    self.forward = jax.jit(self._forward)
+    self.prefill = jax.jit(self._prefill, donate_argnames=("cache",))
+    self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",))
+    self.first_token = jax.jit(sample)
+
+  def _model(self, params):
+    return nnx.merge(self.graphdef, params)
+
+  def _forward(self, params, tokens):
+    logits, _ = self._model(params)(tokens)
+    return logits
+
+  def _prefill(self, params, cache, tokens, positions, slots, page_table, prefix_len, lengths):
+    """One chunk [B, C] of one or more prompts. Returns the logits of each row's last real token [B, V]."""
+    logits, cache = self._model(params)(tokens, positions, cache=cache, slots=slots, page_table=page_table,
+                                        prefix_len=prefix_len, lengths=lengths, logits_at=lengths - 1)
+    return logits[:, 0], cache
+
+  def _decode(self, params, cache, state: DecodeState, sp, page_table, eos_ids, *, steps: int):
+    """Up to `steps` tokens for every live slot, stopping early when all are done. Returns tokens [B, steps]
+    (-1 where a slot produced nothing), the new state and the cache."""
+    model = self._model(params)
+    B = state.tokens.shape[0]
+    Z = self.page_size
+
+    def cond(c):
+      i, st, _, _ = c
+      return (i < steps) & ~jnp.all(st.done)
+
+    def body(c):
+      i, st, cache, out = c
+      page = jnp.take_along_axis(page_table, (st.pos // Z)[:, None], axis=1)[:, 0]
+      slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots write the null page
+      logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slot[:, None],
+                            page_table=page_table, kv_len=st.pos + 1)
+      nxt = sample(logits[:, 0], sp, st.pos + 1)
+      live = ~st.done
+      out = out.at[:, i].set(jnp.where(live, nxt, -1))
+      remaining = st.remaining - live.astype(jnp.int32)
+      is_eos = jnp.any(nxt[:, None] == eos_ids[None, :], axis=-1)
+      done = st.done | (live & is_eos) | (remaining <= 0)
+      st = DecodeState(jnp.where(live, nxt, st.tokens), jnp.where(live, st.pos + 1, st.pos), done, remaining)
+      return i + 1, st, cache, out
+
+    out = jnp.full((B, steps), -1, jnp.int32)
+    _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, cache, out))
+    return out, state, cache

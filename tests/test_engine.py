@@ -1,0 +1,130 @@
+"""Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.config import RunConfig, preset
+from lcjax.engine.engine import Engine, RequestError
+
+TINY = preset("tiny")
+
+
+def _engine(**kw):
+  run = RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256, max_batch=3,
+                  decode_steps=16).replace(**kw)
+  return Engine.random(TINY, run=run, seed=3)
+
+
+@pytest.fixture(scope="module")
+def eng():
+  return _engine()
+
+
+def _greedy_uncached(eng, prompt, n):
+  ids = list(prompt)
+  for _ in range(n):
+    ids.append(int(np.argmax(eng.logits([ids])[0, -1])))
+  return ids[len(prompt):]
+
+
+def test_cached_decode_equals_uncached_forward(eng):
+  prompt = list(np.random.default_rng(0).integers(3, TINY.vocab_size, 45))
+  got = eng.generate(prompt, max_new_tokens=40).token_ids
+  assert got == _greedy_uncached(eng, prompt, 40)[:len(got)]
+  assert len(got) >= 32
+
+
+def test_chunked_prefill_equals_one_shot():
+  prompt = list(np.random.default_rng(1).integers(3, TINY.vocab_size, 100))
+  one = _engine(prefill_chunk=128).generate(prompt, max_new_tokens=20).token_ids
+  chunked = _engine(prefill_chunk=16).generate(prompt, max_new_tokens=20).token_ids
+  assert one == chunked
+
+
+def test_prefill_logits_match_full_forward(eng):
+  """Last-position logits of a chunked, paged prefill equal the uncached forward's."""
+  prompt = list(np.random.default_rng(2).integers(3, TINY.vocab_size, 77))
+  r = eng._make_requests([prompt], 1, None)[0]
+  assert eng._admit(r)
+  try:
+    eng._prefill(r)
+  finally:
+    eng._release(r)
+  full = eng.logits([prompt])[0, -1]
+  assert r.out[0] == int(np.argmax(full))
+
+
+def test_batch_equals_alone(eng):
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (5, 60, 23)]
+  sampling = dict(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+  together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, sampling=sampling)]
+  alone = [eng.generate(p, max_new_tokens=24, sampling=sampling).token_ids for p in prompts]
+  assert together == alone
+  assert eng.pool.pages_used == 0   # every page came back
+
+
+def test_more_requests_than_batch_slots_and_pages():
+  eng = _engine(num_pages=12, max_batch=2)   # 11 usable pages of 8 tokens
+  rng = np.random.default_rng(4)
+  prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (20, 30, 10, 25, 5)]
+  together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=12)]
+  alone = [eng.generate(p, max_new_tokens=12).token_ids for p in prompts]
+  assert together == alone
+  assert eng.pool.pages_used == 0
+
+
+def test_fragmented_pool_pages_out_of_order():
+  """Pages handed out in scrambled order give the same tokens as a fresh pool."""
+  prompt = list(np.random.default_rng(5).integers(3, TINY.vocab_size, 50))
+  fresh = _engine().generate(prompt, max_new_tokens=16).token_ids
+  eng = _engine()
+  seqs = [eng.pool.new_sequence() for _ in range(6)]
+  for s in seqs:
+    eng.pool.extend(s, 8 * 3)
+  for s in seqs[::2]:
+    eng.pool.free(s)                         # holes all over the pool
+  assert eng.generate(prompt, max_new_tokens=16).token_ids == fresh
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompts=[], max_new_tokens=4), "no prompts"),
+    (dict(prompts=[[]], max_new_tokens=4), "empty prompt"),
+    (dict(prompts=[1, 2, 3], max_new_tokens=0), "max_new_tokens=0"),
+    (dict(prompts=[1, 2, 3], max_new_tokens=-2), "max_new_tokens=-2"),
+    (dict(prompts=[1, 2, 999], max_new_tokens=4), r"token id\(s\) \[999\] outside the vocabulary \[0, 256\)"),
+    (dict(prompts=[1] * 250, max_new_tokens=10), "260 > max context 256"),
+    (dict(prompts=[1, 2], max_new_tokens=4, sampling=dict(tmperature=1.0)), r"unknown sampling option\(s\) \['tmperature'\]"),
+    (dict(prompts=[1, 2], max_new_tokens=4, sampling=dict(top_p=0.0)), r"top_p=0.0 must be in \(0, 1\]"),
+])
+def test_bad_requests_are_refused_and_engine_stays_usable(eng, bad, match):
+  with pytest.raises(RequestError, match=match):
+    eng.generate(bad.pop("prompts"), **bad)
+  assert eng.pool.pages_used == 0
+  assert len(eng.generate([5, 6, 7], max_new_tokens=3).token_ids) == 3
+
+
+def test_request_larger_than_pool_is_refused_before_allocating():
+  eng = _engine(num_pages=5)
+  with pytest.raises(RequestError, match=r"needs 9 pages \(70 tokens\) but the pool has only 4 pages \(32 tokens\)"):
+    eng.generate([[1] * 10, [2] * 60], max_new_tokens=10)
+  assert eng.pool.pages_used == 0
+
+
+def test_interrupted_generation_frees_pages(eng, monkeypatch):
+  prompt = [4, 5, 6, 7]
+  expected = eng.generate(prompt, max_new_tokens=20).token_ids
+  calls = {"n": 0}
+  real = eng._decode_call
+
+  def interrupt(live):
+    calls["n"] += 1
+    raise KeyboardInterrupt
+  monkeypatch.setattr(eng, "_decode_call", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    eng.generate(prompt, max_new_tokens=20)
+  monkeypatch.setattr(eng, "_decode_call", real)
+  assert calls["n"] == 1 and eng.pool.pages_used == 0
+  assert eng.generate(prompt, max_new_tokens=20).token_ids == expected

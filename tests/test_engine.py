@@ -128,3 +128,19 @@ def test_interrupted_generation_frees_pages(eng, monkeypatch):
   monkeypatch.setattr(eng, "_decode_call", real)
   assert calls["n"] == 1 and eng.pool.pages_used == 0
   assert eng.generate(prompt, max_new_tokens=20).token_ids == expected
+
+
+def test_prefix_sharing_saves_pages_and_keeps_outputs():
+  rng = np.random.default_rng(6)
+  prefix = list(rng.integers(3, TINY.vocab_size, 45))          # 5 full pages + a partly filled one
+  suffixes = [list(rng.integers(3, TINY.vocab_size, n)) for n in (3, 9, 14)]
+  plain = _engine()
+  expected = [r.token_ids for r in plain.generate([prefix + s for s in suffixes], max_new_tokens=10)]
+  shared = _engine()
+  got = [r.token_ids for r in shared.generate(suffixes, max_new_tokens=10, prefix=prefix)]
+  assert got == expected
+  assert shared.pool.pages_used == 0
+  # Without sharing: ceil((45 + suffix + 10) / 8) = 8 + 8 + 9 = 25 pages. With sharing the 5 full prefix pages
+  # are stored once; the prefix's partly filled 6th page stays with the prefix and each request copies it.
+  assert plain.peak_pages_used == 25
+  assert shared.peak_pages_used == 25 - 2 * 5 + 1

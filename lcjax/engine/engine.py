@@ -28,6 +28,9 @@ from lcjax.model.llama import Llama
 from lcjax.ops.backends import get_backend
 
 
+_copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0)
+
+
 class RequestError(ValueError):
   """A request lcjax refuses (bad prompt, limits); the engine stays usable."""
 
@@ -47,6 +50,8 @@ class _Request:
   prompt: list[int]
   max_new: int
   sampling: SamplingParams
+  shared: int = 0              # leading prompt tokens already cached in a shared prefix sequence
+  base: int | None = None      # that prefix sequence
   seq: int | None = None
   out: list[int] = dataclasses.field(default_factory=list)
   prefill_s: float = 0.0
@@ -84,6 +89,7 @@ class Engine:
     self.steps = Steps(self.graphdef, self.run.page_size)
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
+    self.peak_pages_used = 0
 
   # -- construction -------------------------------------------------------------------------------
   def _new_model(self, rngs):
@@ -143,16 +149,17 @@ class Engine:
     self._check_ids(ids)
     return ids
 
-  def _make_requests(self, prompts, max_new_tokens, sampling) -> list[_Request]:
+  def _make_requests(self, prompts, max_new_tokens, sampling, prefix=None) -> list[_Request]:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
       raise RequestError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     try:
       sp = SamplingParams.make(sampling)
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
+    head = self.encode(prefix) if prefix is not None else []
     reqs = []
     for i, p in enumerate(prompts):
-      ids = self.encode(p)
+      ids = head + self.encode(p)
       if len(ids) + max_new_tokens > self.max_context:
         raise RequestError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
                            f"{len(ids) + max_new_tokens} > max context {self.max_context}")
@@ -162,7 +169,7 @@ class Engine:
         raise RequestError(f"prompt {i} needs {need} pages ({len(ids) + max_new_tokens} tokens) but the pool "
                            f"has only {usable} pages ({usable * self.run.page_size} tokens): raise num_pages or "
                            "lower max_new_tokens")
-      reqs.append(_Request(i, ids, int(max_new_tokens), sp))
+      reqs.append(_Request(i, ids, int(max_new_tokens), sp, shared=len(head)))
     return reqs
 
   @staticmethod
@@ -178,19 +185,24 @@ class Engine:
       raise RequestError("no prompts given")
     return prompts, False
 
-  def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None):
-    """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list."""
+  def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None):
+    """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
+
+    `prefix` (text or ids) is prepended to every prompt and prefilled once: its pages are shared by all
+    requests (copy-on-write of the last, partly filled page) instead of being stored once per request.
+    """
     plist, single = self._as_list(prompts)
-    reqs = self._make_requests(plist, max_new_tokens, sampling)
+    reqs = self._make_requests(plist, max_new_tokens, sampling, prefix)
     for _ in self._run(reqs):
       pass
     results = [self._result(r) for r in reqs]
     return results[0] if single else results
 
-  def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None) -> Iterator[tuple[int, str]]:
+  def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None,
+                      prefix=None) -> Iterator[tuple[int, str]]:
     """Yield (prompt index, text delta) as tokens come back from the device (one decode call at a time)."""
     plist, _ = self._as_list(prompts)
-    reqs = self._make_requests(plist, max_new_tokens, sampling)
+    reqs = self._make_requests(plist, max_new_tokens, sampling, prefix)
     sent = {r.index: "" for r in reqs}
     for r in self._run(reqs):
       text = self._text(r.out)
@@ -216,17 +228,34 @@ class Engine:
 
   # -- scheduling ---------------------------------------------------------------------------------
   def _admit(self, r: _Request) -> bool:
-    need = self.pool.pages_needed(len(r.prompt) + r.max_new)
-    if need > self.pool.pages_free:
-      return False
-    r.seq = self.pool.new_sequence()
+    """Reserve every page the request will need, sharing the prefix pages when there is one."""
+    r.seq = self.pool.fork(r.base) if r.base is not None else self.pool.new_sequence()
     try:
-      self.pool.extend(r.seq, len(r.prompt) + r.max_new)
+      copies = self.pool.extend(r.seq, len(r.prompt) - r.shared + r.max_new)
     except PagePoolExhausted:
       self.pool.free(r.seq)
       r.seq = None
       return False
+    if copies:
+      src, dst = (jnp.asarray(c, jnp.int32) for c in zip(*copies))
+      self.cache = _copy_pages(self.cache, src, dst)
+    self.peak_pages_used = max(self.peak_pages_used, self.pool.pages_used)
     return True
+
+  def _prefill_prefix(self, reqs: list[_Request]):
+    """Prefill the shared prefix once into a sequence of its own that the requests fork."""
+    n = reqs[0].shared
+    base = _Request(-1, reqs[0].prompt[:n], 0, SamplingParams())
+    base.seq = self.pool.new_sequence()
+    try:
+      self.pool.extend(base.seq, n)
+      self._prefill(base, sample=False)
+    except BaseException:
+      self._release(base)
+      raise
+    for r in reqs:
+      r.base = base.seq
+    return base
 
   def _release(self, r: _Request):
     if r.seq is not None:
@@ -237,7 +266,10 @@ class Engine:
     """Drive requests to completion, yielding a request each time it gains tokens."""
     waiting = list(reqs)
     live: list[_Request | None] = [None] * self.run.max_batch
+    base = None
     try:
+      if reqs and reqs[0].shared:
+        base = self._prefill_prefix(reqs)
       while waiting or any(live):
         for b in range(len(live)):
           if live[b] is None and waiting and self._admit(waiting[0]):
@@ -257,7 +289,7 @@ class Engine:
             self._release(r)
             live[b] = None
     finally:
-      for r in reqs:
+      for r in reqs + ([base] if base else []):
         self._release(r)
       if self.cache.k.is_deleted():   # interrupted inside a donated call: the pools are gone, start afresh
         self.cache = self._new_cache()
@@ -266,12 +298,13 @@ class Engine:
     width = _bucket(math.ceil(tokens / self.run.page_size), 16)
     return self.pool.page_table_array(seqs, width)
 
-  def _prefill(self, r: _Request):
+  def _prefill(self, r: _Request, sample: bool = True):
+    """Prefill r.prompt[r.shared:] in chunks (the shared prefix is cached already), then sample a token."""
     t0 = time.perf_counter()
     C = self.run.prefill_chunk
     n = len(r.prompt)
     logits = None
-    for c0 in range(0, n, C):
+    for c0 in range(r.shared, n, C):
       piece = r.prompt[c0:c0 + C]
       Tb = _bucket(len(piece), 16, C)
       tokens = np.zeros((1, Tb), np.int32)
@@ -283,6 +316,8 @@ class Engine:
       logits, self.cache = self.steps.prefill(
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
           jnp.asarray(table), jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
+    if not sample:
+      return
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
     tok = int(tok[0])
     r.prefill_s = time.perf_counter() - t0

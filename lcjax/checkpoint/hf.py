@@ -1,0 +1,236 @@
+"""HF transformers LLaMA folders (config.json + safetensors) to lcjax checkpoints, one tensor at a time.
+
+Safetensors headers are parsed here (8-byte length + JSON) and each tensor is read with one `np.fromfile`, so
+host memory stays near the largest single tensor (plus its transposed copy) however large the model is, and
+bfloat16 needs no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+import time
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from lcjax.checkpoint.store import CheckpointError, CheckpointWriter, param_shapes
+from lcjax.config import ConfigError, ModelConfig
+from lcjax import tokenizer as tok
+
+# HF tensor name -> (lcjax name, in_dims). in_dims None: same layout. in_dims k: HF's [out, in] matrix is
+# transposed to [in, out] and reshaped to lcjax's shape, whose first k dims are the input dims; e.g. q_proj
+# [N*H, D] -> [D, N, H] (k=1), o_proj [D, N*H] -> [N, H, D] (k=2). The rotary layout stays HF's rotate_half.
+HF_NAMES: dict[str, tuple[str, int | None]] = {
+    "model.embed_tokens.weight": ("embed/embedding", None),
+    "model.layers.{i}.input_layernorm.weight": ("layers/attn_norm/scale", None),
+    "model.layers.{i}.self_attn.q_proj.weight": ("layers/attn/wq", 1),
+    "model.layers.{i}.self_attn.k_proj.weight": ("layers/attn/wk", 1),
+    "model.layers.{i}.self_attn.v_proj.weight": ("layers/attn/wv", 1),
+    "model.layers.{i}.self_attn.o_proj.weight": ("layers/attn/wo", 2),
+    "model.layers.{i}.post_attention_layernorm.weight": ("layers/mlp_norm/scale", None),
+    "model.layers.{i}.mlp.gate_proj.weight": ("layers/mlp/w_gate", 1),
+    "model.layers.{i}.mlp.up_proj.weight": ("layers/mlp/w_up", 1),
+    "model.layers.{i}.mlp.down_proj.weight": ("layers/mlp/w_down", 1),
+    "model.norm.weight": ("final_norm/scale", None),
+    "lm_head.weight": ("lm_head/kernel", 1),
+}
+# Buffers some exporters save that carry no weights (recomputed from the config).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER = re.compile(r"\.(\d+)\.")
+# Files copied into the checkpoint as they are; the Tokenizer reads them from there.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+           "F64": np.dtype(np.float64)}
+
+
+def hf_shape(shape: tuple[int, ...], in_dims: int | None) -> tuple[int, ...]:
+  """The HF shape of a tensor whose lcjax (per-layer) shape is `shape`."""
+  if in_dims is None:
+    return tuple(shape)
+  return (int(np.prod(shape[in_dims:])), int(np.prod(shape[:in_dims])))
+
+
+def to_lcjax(w: np.ndarray, shape: tuple[int, ...], in_dims: int | None) -> np.ndarray:
+  if in_dims is None:
+    return w
+  return np.ascontiguousarray(w.T).reshape(shape)
+
+
+def match_name(name: str) -> tuple[str, int | None] | None:
+  """HF tensor name -> (HF_NAMES key, layer index) or None."""
+  m = _LAYER.search(name)
+  if m and name.startswith("model.layers."):
+    key = name[:m.start()] + ".{i}." + name[m.end():]
+    return (key, int(m.group(1))) if key in HF_NAMES else None
+  return (name, None) if name in HF_NAMES else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  begin: int
+  end: int
+
+
+class SafetensorsFile:
+  """A safetensors file's header, and reads of single tensors from it."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      raw = f.read(8)
+      if len(raw) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({self.size} bytes, no header)")
+      (n,) = struct.unpack("<Q", raw)
+      if n > self.size - 8:
+        raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file {self.size})")
+      header = json.loads(f.read(n))
+    self.data_start = 8 + n
+    self.tensors: dict[str, _TensorInfo] = {}
+    for name, h in header.items():
+      if name == "__metadata__":
+        continue
+      if h["dtype"] not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {name} has dtype {h['dtype']}; lcjax converts "
+                              f"{sorted(_DTYPES)} only")
+      self.tensors[name] = _TensorInfo(_DTYPES[h["dtype"]], tuple(h["shape"]), *h["data_offsets"])
+
+  def read(self, name: str) -> np.ndarray:
+    t = self.tensors[name]
+    if self.data_start + t.end > self.size:
+      raise CheckpointError(f"{self.path}: tensor {name} is truncated (needs bytes up to "
+                            f"{self.data_start + t.end}, file has {self.size})")
+    count = int(np.prod(t.shape))
+    if (t.end - t.begin) != count * t.dtype.itemsize:
+      raise CheckpointError(f"{self.path}: tensor {name} spans {t.end - t.begin} bytes, shape {t.shape} "
+                            f"needs {count * t.dtype.itemsize}")
+    return np.fromfile(self.path, dtype=t.dtype, count=count, offset=self.data_start + t.begin).reshape(t.shape)
+
+
+def _read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
+  """The safetensors files of a folder, and the index's tensor -> file map when there is one."""
+  index = os.path.join(src, "model.safetensors.index.json")
+  if os.path.exists(index):
+    weight_map = _read_json(index)["weight_map"]
+    files = sorted(set(weight_map.values()))
+    for fname in files:
+      if not os.path.exists(os.path.join(src, fname)):
+        tensor = next(t for t, f in weight_map.items() if f == fname)
+        raise CheckpointError(f"{index}: shard {fname} (holding tensor {tensor}) is missing")
+    return files, weight_map
+  single = os.path.join(src, "model.safetensors")
+  if os.path.exists(single):
+    return ["model.safetensors"], None
+  others = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+  if not others:
+    raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json (lcjax reads "
+                          "safetensors only; re-save with save_pretrained(safe_serialization=True))")
+  return others, None
+
+
+def hf_model_config(src: str) -> ModelConfig:
+  """ModelConfig of an HF folder, with BOS/EOS as its tokenizer and generation config say."""
+  path = os.path.join(src, "config.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{path}: missing (not an HF model folder)")
+  hf = _read_json(path)
+  try:
+    cfg = ModelConfig.from_hf(hf, name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(src)))
+  except ConfigError as e:
+    raise CheckpointError(f"{path}: {e}") from None
+  eos = list(cfg.eos_ids)
+  gen = os.path.join(src, "generation_config.json")
+  if os.path.exists(gen):
+    g = _read_json(gen).get("eos_token_id")
+    for e in (g if isinstance(g, list) else [] if g is None else [g]):
+      if e not in eos:
+        eos.append(e)
+  add_bos = tok.infer_add_bos(src)
+  return dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
+
+
+def _plan(src: str, cfg: ModelConfig):
+  """[(file, hf name, lcjax name, layer, in_dims)] for every tensor to convert, checked before any write."""
+  files, weight_map = _shard_files(src)
+  shapes = param_shapes(cfg)
+  headers = {f: SafetensorsFile(os.path.join(src, f)) for f in files}
+  if weight_map is not None:
+    for tensor, fname in weight_map.items():
+      if tensor not in headers[fname].tensors:
+        raise CheckpointError(f"{os.path.join(src, fname)}: tensor {tensor} is listed in the index but absent")
+  plan, seen = [], {}
+  for fname, header in headers.items():
+    for name, info in header.tensors.items():
+      if _IGNORED.fullmatch(name):
+        continue
+      m = match_name(name)
+      if m is None:
+        raise CheckpointError(f"{header.path}: tensor {name} is not part of a LLaMA model lcjax knows "
+                              "(the names it knows are HF_NAMES in lcjax/checkpoint/hf.py)")
+      key, layer = m
+      dst, in_dims = HF_NAMES[key]
+      if dst not in shapes:  # lm_head.weight saved beside tied embeddings: the model uses the embedding
+        continue
+      full, stacked = shapes[dst]
+      if stacked and not 0 <= layer < cfg.n_layers:
+        raise CheckpointError(f"{header.path}: tensor {name} has layer {layer}, config.json has "
+                              f"num_hidden_layers={cfg.n_layers}")
+      want = hf_shape(full[1:] if stacked else full, in_dims)
+      if info.shape != want:
+        raise CheckpointError(f"{header.path}: tensor {name} has shape {info.shape}, config.json implies {want}")
+      if (dst, layer) in seen:
+        raise CheckpointError(f"{header.path}: tensor {name} also appears in {seen[(dst, layer)]}")
+      seen[(dst, layer)] = header.path
+      plan.append((header, name, dst, layer, in_dims))
+  for dst, (full, stacked) in shapes.items():
+    for layer in (range(full[0]) if stacked else [None]):
+      if (dst, layer) not in seen:
+        hf_name = next(k for k, v in HF_NAMES.items() if v[0] == dst).replace("{i}", str(layer))
+        raise CheckpointError(f"{src}: tensor {hf_name} is missing from the safetensors files {files}")
+  return plan
+
+
+def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False,
+               progress: bool | None = None) -> dict:
+  """Convert an HF LLaMA folder to an lcjax checkpoint. dtype None keeps each tensor's stored dtype.
+
+  Returns {"tensors", "bytes", "seconds"}. Raises CheckpointError (one line, naming file and tensor) for an
+  unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, or a truncated file.
+  """
+  t0 = time.time()
+  cfg = hf_model_config(src)
+  plan = _plan(src, cfg)
+  cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else None
+  total = sum(h.tensors[n].end - h.tensors[n].begin for h, n, *_ in plan)
+  full_shapes = param_shapes(cfg)
+  with CheckpointWriter(dst, cfg, overwrite=overwrite, source=os.path.abspath(src)) as w:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {os.path.basename(src)}",
+              disable=(None if progress is None else not progress)) as bar:
+      for header, name, dst_name, layer, in_dims in plan:
+        full, stacked = full_shapes[dst_name]
+        w_hf = header.read(name)
+        nb = w_hf.nbytes
+        x = to_lcjax(w_hf, full[1:] if stacked else full, in_dims)
+        del w_hf
+        if cast is not None and x.dtype != cast:
+          x = x.astype(cast)
+        w.write(dst_name, x, layer)
+        del x
+        bar.update(nb)
+    for fname in TOKENIZER_FILES:
+      if os.path.exists(os.path.join(src, fname)):
+        w.copy_file(os.path.join(src, fname))
+  return {"tensors": len(plan), "bytes": total, "seconds": time.time() - t0}

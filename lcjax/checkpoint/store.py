@@ -1,0 +1,322 @@
+"""lcjax's checkpoint format: orbax items written one tensor at a time, restored straight into stacked arrays.
+
+A checkpoint directory holds
+  lcjax_config.json     ModelConfig.to_dict()
+  lcjax_manifest.json   every tensor's name, full shape, dtype and layer count; written last, so its presence
+                        is the completion marker (with the atomic rename below)
+  params/<name>/        one orbax PyTree item {"value": array} per unstacked tensor ("embed/embedding")
+  params/<name>/<i>/    one item per layer i of a stacked tensor ("layers/attn/wq/00017")
+  tokenizer files       tokenizer.json or tokenizer.model, tokenizer_config.json, chat_template.jinja, ...
+
+Why one item per layer: the model's layer weights are stacked [L, ...] (80 x 1.7 GB for a 70B) and a converter
+that assembled a stacked array on the host would need the whole model in RAM. Per-layer items let a converter
+hold one source tensor at a time, and let `restore_params` fill a preallocated, already-sharded stacked device
+array layer by layer (a donated in-place update), so the model is never held twice, on host or device.
+
+Writes are atomic: everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written,
+so an interrupted conversion leaves nothing that looks like a checkpoint; leftovers of dead processes are
+removed by the next run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from lcjax.config import ModelConfig
+
+FORMAT = "lcjax-orbax-v1"
+CONFIG_FILE = "lcjax_config.json"
+MANIFEST_FILE = "lcjax_manifest.json"
+PARAMS_DIR = "params"
+# orbax writes each array as chunks of at most this size, so a sharded restore reads only what it needs.
+_CHUNK_BYTES = 64 << 20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint or conversion source that lcjax refuses; the message names the file and the tensor."""
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+  """name -> (full shape, stacked over layers): the parameter tree of `lcjax.model.llama.Llama`."""
+  D, N, K, H, F, V, L = (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size,
+                         cfg.n_layers)
+  shapes = {
+      "embed/embedding": ((V, D), False),
+      "layers/attn_norm/scale": ((L, D), True),
+      "layers/attn/wq": ((L, D, N, H), True),
+      "layers/attn/wk": ((L, D, K, H), True),
+      "layers/attn/wv": ((L, D, K, H), True),
+      "layers/attn/wo": ((L, N, H, D), True),
+      "layers/mlp_norm/scale": ((L, D), True),
+      "layers/mlp/w_gate": ((L, D, F), True),
+      "layers/mlp/w_up": ((L, D, F), True),
+      "layers/mlp/w_down": ((L, F, D), True),
+      "final_norm/scale": ((D,), False),
+  }
+  if not cfg.tie_embeddings:
+    shapes["lm_head/kernel"] = ((D, V), False)
+  return shapes
+
+
+def _item_dir(root: str, name: str, layer: int | None) -> str:
+  path = os.path.join(root, PARAMS_DIR, *name.split("/"))
+  return path if layer is None else os.path.join(path, f"{layer:05d}")
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class CheckpointWriter:
+  """Writes a checkpoint tensor by tensor into `DST.tmp-<pid>`, renamed to DST on a clean exit.
+
+    with CheckpointWriter(dst, cfg) as w:
+      w.write("embed/embedding", array)            # unstacked tensor, full shape
+      w.write("layers/attn/wq", array, layer=3)    # one layer of a stacked tensor, shape without L
+      w.copy_file(path)                            # tokenizer files etc.
+  """
+
+  def __init__(self, dst: str, cfg: ModelConfig, *, overwrite: bool = False, source: str = ""):
+    self.dst = os.path.abspath(dst)
+    self.cfg = cfg
+    self.overwrite = overwrite
+    self.source = source
+    self.tmp = f"{self.dst}.tmp-{os.getpid()}"
+    self.expected = param_shapes(cfg)
+    self.written: dict[str, dict[str, Any]] = {}
+    self._ckptr = None
+
+  def __enter__(self) -> "CheckpointWriter":
+    if os.path.exists(self.dst) and not self.overwrite:
+      raise CheckpointError(f"{self.dst} already exists; pass --overwrite to replace it")
+    parent = os.path.dirname(self.dst)
+    os.makedirs(parent, exist_ok=True)
+    base = os.path.basename(self.dst) + ".tmp-"
+    for entry in os.listdir(parent):
+      # A dead process's partial output; a live one (another conversion running now) is left alone.
+      if entry.startswith(base) and entry[len(base):].isdigit() and not _pid_alive(int(entry[len(base):])):
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    shutil.rmtree(self.tmp, ignore_errors=True)
+    os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
+    self._ckptr = ocp.PyTreeCheckpointer()
+    return self
+
+  def write(self, name: str, array: np.ndarray, layer: int | None = None) -> None:
+    if name not in self.expected:
+      raise CheckpointError(f"tensor {name} is not a parameter of this model; parameters: {sorted(self.expected)}")
+    full, stacked = self.expected[name]
+    if stacked != (layer is not None):
+      raise CheckpointError(f"tensor {name}: {'a layer index is' if stacked else 'no layer index is'} expected")
+    want = full[1:] if stacked else full
+    if tuple(array.shape) != want:
+      raise CheckpointError(f"tensor {name}{'' if layer is None else f' layer {layer}'} has shape "
+                            f"{tuple(array.shape)}, the model config implies {want}")
+    entry = self.written.setdefault(name, {"shape": list(full), "dtype": str(array.dtype),
+                                           "layers": full[0] if stacked else 0, "done": set()})
+    if entry["dtype"] != str(array.dtype):
+      raise CheckpointError(f"tensor {name} layer {layer} has dtype {array.dtype}, earlier layers {entry['dtype']}")
+    save_args = ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) if array.nbytes > _CHUNK_BYTES else ocp.SaveArgs()
+    self._ckptr.save(_item_dir(self.tmp, name, layer),
+                     args=ocp.args.PyTreeSave({"value": np.asarray(array)}, save_args={"value": save_args}))
+    entry["done"].add(layer)
+
+  def copy_file(self, path: str, name: str | None = None) -> None:
+    shutil.copyfile(path, os.path.join(self.tmp, name or os.path.basename(path)))
+
+  def write_text(self, name: str, text: str) -> None:
+    with open(os.path.join(self.tmp, name), "w", encoding="utf-8") as f:
+      f.write(text)
+
+  def _finish(self) -> None:
+    for name, (full, stacked) in self.expected.items():
+      done = self.written.get(name, {}).get("done", set())
+      missing = sorted(set(range(full[0])) - done) if stacked else ([] if done else [None])
+      if missing:
+        where = "" if missing == [None] else f" layers {missing}"
+        raise CheckpointError(f"{self.source or self.dst}: tensor {name}{where} was never written")
+    tensors = {n: {k: v for k, v in e.items() if k != "done"} for n, e in self.written.items()}
+    self.write_text(CONFIG_FILE, json.dumps(self.cfg.to_dict(), indent=2))
+    self.write_text(MANIFEST_FILE, json.dumps({"format": FORMAT, "source": self.source, "tensors": tensors},
+                                              indent=2))
+    old = None
+    if os.path.exists(self.dst):
+      old = f"{self.dst}.old-{os.getpid()}"
+      os.rename(self.dst, old)
+    os.rename(self.tmp, self.dst)
+    if old:
+      shutil.rmtree(old)
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    try:
+      if exc_type is None:
+        self._finish()
+    finally:
+      if os.path.exists(self.tmp):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def read_manifest(ckpt_dir: str) -> dict:
+  path = os.path.join(ckpt_dir, MANIFEST_FILE)
+  if not os.path.isdir(ckpt_dir):
+    raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{ckpt_dir}: incomplete checkpoint ({MANIFEST_FILE} is missing); rerun the conversion")
+  with open(path) as f:
+    manifest = json.load(f)
+  if manifest.get("format") != FORMAT:
+    raise CheckpointError(f"{path}: format {manifest.get('format')!r} is not {FORMAT!r}")
+  return manifest
+
+
+def load_config(ckpt_dir: str) -> ModelConfig:
+  """The ModelConfig of a complete checkpoint (CheckpointError when it is incomplete)."""
+  read_manifest(ckpt_dir)
+  with open(os.path.join(ckpt_dir, CONFIG_FILE)) as f:
+    return ModelConfig.from_dict(json.load(f))
+
+
+def _path_name(path) -> str:
+  parts = []
+  for k in path:
+    parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+  return "/".join(parts)
+
+
+def _flatten(tree) -> Iterator[tuple[str, Any]]:
+  is_leaf = lambda x: isinstance(x, (nnx.Variable, jax.ShapeDtypeStruct, jax.sharding.Sharding))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    yield _path_name(path), leaf
+
+
+def _unwrap(leaf):
+  return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _layer_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
+  """The sharding of one layer of a stacked [L, ...] array (the layers axis dropped)."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+  return sharding
+
+
+def _place_layer(stacked, x, i):
+  return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
+
+
+class _Reader:
+  def __init__(self, ckpt_dir: str):
+    self.dir = ckpt_dir
+    self.ckptr = ocp.PyTreeCheckpointer()
+
+  def read(self, name: str, layer: int | None, shape, dtype, sharding) -> jax.Array:
+    where = f"tensor {name}" + ("" if layer is None else f" layer {layer}")
+    path = _item_dir(os.path.abspath(self.dir), name, layer)
+    if not os.path.isdir(path):
+      raise CheckpointError(f"{self.dir}: {where} is missing ({path})")
+    args = ocp.args.PyTreeRestore(restore_args={"value": ocp.ArrayRestoreArgs(
+        sharding=sharding, global_shape=tuple(shape), dtype=dtype)})
+    try:
+      value = self.ckptr.restore(path, args=args)["value"]
+    except Exception as e:  # orbax/tensorstore raise many types for missing or truncated chunks
+      # tensorstore appends its whole JSON spec; the first clause says what went wrong.
+      msg = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0][:400]
+      raise CheckpointError(f"{self.dir}: cannot read {where}: {type(e).__name__}: {msg}") from e
+    if tuple(value.shape) != tuple(shape):
+      raise CheckpointError(f"{self.dir}: {where} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    return value
+
+
+def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *, progress: bool | None = None):
+  """Restore a checkpoint into a tree shaped like `abstract_state`.
+
+  abstract_state: `nnx.state(nnx.eval_shape(lambda: Llama(cfg, ...)), nnx.Param)` or any pytree whose leaves are
+    ShapeDtypeStruct (or nnx Variables holding them), with paths such as embed/embedding, layers/attn/wq.
+  shardings: optional pytree of the same structure whose leaves are `jax.sharding.Sharding` (or Variables holding
+    them). Leaves without one use the ShapeDtypeStruct's own `.sharding`, else the default device.
+  dtype: the parameter dtype to cast to on restore (default: each abstract leaf's dtype).
+  Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
+  `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] arrays are
+  filled layer by layer in place, so peak device memory is the model plus one layer of one tensor.
+  """
+  manifest = read_manifest(ckpt_dir)
+  tensors = manifest["tensors"]
+  abstract = dict(_flatten(abstract_state))
+  extra = sorted(set(tensors) - set(abstract))
+  if extra:
+    raise CheckpointError(f"{ckpt_dir}: checkpoint has tensor(s) {extra} that the model does not "
+                          "(tie_embeddings or layer layout differ between checkpoint and model config)")
+  sh_flat = {n: _unwrap(s) for n, s in _flatten(shardings)} if shardings is not None else {}
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  reader = _Reader(ckpt_dir)
+  restored: dict[str, jax.Array] = {}
+  total = sum(max(1, t["layers"]) for t in tensors.values())
+  bar = tqdm(total=total, desc=f"restore {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
+             disable=(None if progress is None else not progress))
+  with bar:
+    for name, leaf in abstract.items():
+      spec = _unwrap(leaf)
+      if name not in tensors:
+        raise CheckpointError(f"{ckpt_dir}: tensor {name} is missing from {MANIFEST_FILE}")
+      info = tensors[name]
+      if tuple(info["shape"]) != tuple(spec.shape):
+        raise CheckpointError(f"{ckpt_dir}: tensor {name} has shape {tuple(info['shape'])} in the checkpoint, "
+                              f"the model expects {tuple(spec.shape)}")
+      sharding = sh_flat.get(name) or getattr(spec, "sharding", None) or default
+      dt = jnp.dtype(dtype or spec.dtype)
+      if not info["layers"]:
+        restored[name] = reader.read(name, None, spec.shape, dt, sharding)
+        bar.update(1)
+        continue
+      n_layers, layer_shape = spec.shape[0], spec.shape[1:]
+      layer_sharding = _layer_sharding(sharding, len(spec.shape))
+      stacked = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
+      place = jax.jit(_place_layer, donate_argnums=0, out_shardings=sharding)
+      for i in range(n_layers):
+        x = reader.read(name, i, layer_shape, dt, layer_sharding)
+        stacked = place(stacked, x, jnp.int32(i))
+        del x
+        bar.update(1)
+      restored[name] = stacked
+
+  def fill(path, leaf):
+    value = restored[_path_name(path)]
+    return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
+
+  is_leaf = lambda x: isinstance(x, (nnx.Variable, jax.ShapeDtypeStruct))
+  return jax.tree_util.tree_map_with_path(fill, abstract_state, is_leaf=is_leaf)
+
+
+def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | None = None,
+                    progress: bool | None = None):
+  """(ModelConfig, params, Tokenizer or None) of a checkpoint, for `Engine.load`.
+
+  params is `nnx.state(Llama(cfg, dtype=dtype), nnx.Param)` filled from the checkpoint, each array placed with
+  its sharding on `mesh` (lcjax.sharding.param_shardings) when one is given, else on the default device.
+  """
+  from lcjax.model.llama import Llama
+  from lcjax.tokenizer import Tokenizer
+  cfg = load_config(ckpt_dir)
+  abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))), nnx.Param)
+  shardings = None
+  if mesh is not None:
+    from lcjax.sharding import param_shardings
+    shardings = param_shardings(abstract, mesh)
+  params = restore_params(ckpt_dir, abstract, shardings, dtype=dtype, progress=progress)
+  has_tok = any(os.path.exists(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "tokenizer.model"))
+  return cfg, params, Tokenizer(ckpt_dir) if has_tok else None

@@ -1,0 +1,261 @@
+"""Tokenizers of lcjax checkpoints: HF `tokenizer.json` (Llama 3, SmolLM2) or sentencepiece `tokenizer.model`
+(Llama 2), with BOS/EOS as the model config says, the checkpoint's chat template, and streaming decode.
+
+Layer L0: stdlib, numpy, sentencepiece, tokenizers (jinja2 only when a chat template is rendered).
+
+    tok = Tokenizer(ckpt_dir)                 # BOS/EOS/add_bos from lcjax_config.json when present
+    ids = tok.encode("Hello")                 # BOS prepended iff the model adds one
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    dec = IncrementalDecoder(tok); text = dec.push([id]) ... + dec.flush()
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from typing import Any, Iterable, Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+def _read_json(path: str) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _token_str(t) -> str | None:
+  if isinstance(t, dict):
+    return t.get("content")
+  return t
+
+
+def infer_add_bos(path: str) -> bool | None:
+  """Whether the model's own tokenizer prepends BOS, as its files say (None when they say nothing).
+
+  `add_bos_token` in tokenizer_config.json wins; otherwise a `tokenizer.json` post-processor template that
+  starts with a special token (Llama 3's `<|begin_of_text|>`) means yes and its absence no; a lone sentencepiece
+  `tokenizer.model` means yes (LlamaTokenizer's default).
+  """
+  tc = os.path.join(path, "tokenizer_config.json")
+  if os.path.exists(tc):
+    v = _read_json(tc).get("add_bos_token")
+    if isinstance(v, bool):
+      return v
+  tj = os.path.join(path, "tokenizer.json")
+  if os.path.exists(tj):
+    post = _read_json(tj).get("post_processor") or {}
+    procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for p in procs:
+      if p.get("type") == "TemplateProcessing":
+        single = p.get("single") or []
+        return bool(single) and "SpecialToken" in single[0]
+    return False
+  if os.path.exists(os.path.join(path, "tokenizer.model")):
+    return True
+  return None
+
+
+def _chat_template(path: str) -> str | None:
+  jinja = os.path.join(path, "chat_template.jinja")
+  if os.path.exists(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  for fname in ("chat_template.json", "tokenizer_config.json"):
+    p = os.path.join(path, fname)
+    if os.path.exists(p):
+      t = _read_json(p).get("chat_template")
+      if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+      if t:
+        return t
+  return None
+
+
+class _HFBackend:
+  def __init__(self, path: str):
+    from tokenizers import Tokenizer as HFTokenizer
+    self.tok = HFTokenizer.from_file(path)
+    self.special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+
+  def encode(self, text: str) -> list[int]:
+    return self.tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+    return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+  def vocab_size(self) -> int:
+    return self.tok.get_vocab_size(with_added_tokens=True)
+
+  def id_to_token(self, i: int) -> str | None:
+    return self.tok.id_to_token(i)
+
+  def token_to_id(self, s: str) -> int | None:
+    return self.tok.token_to_id(s)
+
+
+class _SPBackend:
+  """sentencepiece, with control tokens (<s>, </s>, <unk>) written in the text parsed as those tokens.
+
+  Each text piece between control tokens is encoded on its own, so it gets sentencepiece's dummy-prefix space,
+  as llama.cpp and HF's legacy LlamaTokenizer do.
+  """
+
+  def __init__(self, path: str):
+    import sentencepiece as spm
+    self.sp = spm.SentencePieceProcessor(model_file=path)
+    n = self.sp.get_piece_size()
+    self.control = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+    self.by_piece = {self.sp.id_to_piece(i): i for i in self.control}
+    pieces = sorted(self.by_piece, key=len, reverse=True)
+    self.split = re.compile("(" + "|".join(re.escape(p) for p in pieces) + ")") if pieces else None
+
+  def encode(self, text: str) -> list[int]:
+    parts = self.split.split(text) if self.split else [text]
+    ids: list[int] = []
+    for k, part in enumerate(parts):
+      if k % 2:
+        ids.append(self.by_piece[part])
+      elif part:
+        ids.extend(self.sp.encode(part))
+    return ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+    out, run = [], []
+    for i in ids:
+      if i in self.control:
+        out.append(self.sp.decode(run))
+        run = []
+        if not skip_special:
+          out.append(self.sp.id_to_piece(i))
+      else:
+        run.append(i)
+    out.append(self.sp.decode(run))
+    return "".join(out)
+
+  def vocab_size(self) -> int:
+    return self.sp.get_piece_size()
+
+  def id_to_token(self, i: int) -> str | None:
+    return self.sp.id_to_piece(i) if 0 <= i < self.sp.get_piece_size() else None
+
+  def token_to_id(self, s: str) -> int | None:
+    i = self.sp.piece_to_id(s)
+    return None if i == self.sp.unk_id() and s != self.sp.id_to_piece(i) else i
+
+
+_UNSET: Any = object()
+
+
+class Tokenizer:
+  """A checkpoint's tokenizer.
+
+  path: a directory with `tokenizer.json` (preferred, what HF uses) or `tokenizer.model`.
+  bos_id, eos_ids, add_bos: default to the directory's `lcjax_config.json` (the model config), else to
+    `tokenizer_config.json`'s bos_token / eos_token / add_bos_token.
+  """
+
+  def __init__(self, path: str, *, bos_id: int | None = _UNSET, eos_ids: Iterable[int] | None = None,
+               add_bos: bool | None = None):
+    self.path = path
+    tj, tm = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+    if os.path.exists(tj):
+      self._b = _HFBackend(tj)
+    elif os.path.exists(tm):
+      self._b = _SPBackend(tm)
+    else:
+      raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model")
+    cfg = os.path.join(path, "lcjax_config.json")
+    if os.path.exists(cfg):
+      c = _read_json(cfg)
+      d_bos, d_eos, d_add = c.get("bos_id"), tuple(c.get("eos_ids") or ()), c.get("add_bos")
+    else:
+      tc = os.path.join(path, "tokenizer_config.json")
+      c = _read_json(tc) if os.path.exists(tc) else {}
+      b, e = _token_str(c.get("bos_token")), _token_str(c.get("eos_token"))
+      d_bos = self._b.token_to_id(b) if b else None
+      d_eos = (self._b.token_to_id(e),) if e and self._b.token_to_id(e) is not None else ()
+      d_add = infer_add_bos(path)
+    self.bos_id: int | None = d_bos if bos_id is _UNSET else bos_id
+    self.eos_ids: tuple[int, ...] = tuple(int(i) for i in (d_eos if eos_ids is None else eos_ids))
+    self.add_bos: bool = bool(d_add if add_bos is None else add_bos) and self.bos_id is not None
+    self.chat_template: str | None = _chat_template(path)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._b.vocab_size()
+
+  def id_to_token(self, i: int) -> str | None:
+    return self._b.id_to_token(i)
+
+  def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their ids."""
+    ids = self._b.encode(text)
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    return self._b.decode([int(i) for i in ids], skip_special_tokens)
+
+  def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    """The checkpoint's chat template rendered as HF transformers renders it (a sandboxed jinja2)."""
+    if self.chat_template is None:
+      raise ValueError(f"{self.path}: the checkpoint has no chat template")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+      raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+    bos = self.id_to_token(self.bos_id) if self.bos_id is not None else None
+    return env.from_string(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos or "",
+        eos_token=eos or "", **kwargs)
+
+  def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """Ids of the rendered chat; no extra BOS, since templates that want one write it themselves."""
+    return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_bos=False)
+
+
+class IncrementalDecoder:
+  """Text deltas from a growing list of ids, never cutting a UTF-8 character in half.
+
+  It decodes a short window (the last emitted ids as context, plus the new ones) and emits the text beyond the
+  context once it no longer ends in U+FFFD (an incomplete byte sequence); the context keeps sentencepiece's
+  leading-space handling and byte-level merges right at the window's edge. `flush()` returns whatever is held
+  back at the end. The concatenated deltas equal `tokenizer.decode(all_ids)` for valid UTF-8 text.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
+    self.tok = tokenizer
+    self.skip = skip_special_tokens
+    self.ids: list[int] = []
+    self._prefix = 0  # start of the context window
+    self._read = 0    # ids before this are emitted
+
+  def _texts(self) -> tuple[str, str]:
+    ctx = self.tok.decode(self.ids[self._prefix:self._read], self.skip)
+    return ctx, self.tok.decode(self.ids[self._prefix:], self.skip)
+
+  def push(self, ids: Iterable[int]) -> str:
+    self.ids.extend(int(i) for i in ids)
+    ctx, text = self._texts()
+    if len(text) > len(ctx) and not text.endswith(_REPLACEMENT):
+      self._prefix, self._read = self._read, len(self.ids)
+      return text[len(ctx):]
+    return ""
+
+  def flush(self) -> str:
+    ctx, text = self._texts()
+    self._prefix = self._read = len(self.ids)
+    return text[len(ctx):]

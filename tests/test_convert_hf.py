@@ -1,0 +1,299 @@
+"""tools/convert_hf.py and restore_params against HF transformers on random LLaMA weights.
+
+Oracles: HF's own tensors after the layout transposes that tests/hf_oracle.py writes independently, HF's
+float32 logits, HF's tokenizer on the copied tokenizer files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lcjax.checkpoint import CheckpointError, convert_hf, load_config, param_shapes, restore_params
+from lcjax.config import ModelConfig, RopeScaling
+from lcjax.model.llama import Llama
+from tests import fixtures_ckpt as fx
+from tests import hf_oracle
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CFG = ModelConfig("hf-test", vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                  ffn_dim=96, rope_theta=500000.0, max_position=512, bos_id=0, eos_ids=(1,),
+                  rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position=32))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+  """One random HF model saved twice: a single model.safetensors and ~8 shards with an index."""
+  root = tmp_path_factory.mktemp("hf")
+  single, sharded = str(root / "single"), str(root / "sharded")
+  model = fx.make_hf_folder(single, CFG, seed=3)
+  model.save_pretrained(sharded, safe_serialization=True, max_shard_size="40KB")
+  for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    os.link(os.path.join(single, f), os.path.join(sharded, f))
+  assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+  return model, single, sharded
+
+
+def _abstract(cfg, dtype=jnp.float32):
+  return nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def _flat(state):
+  return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def test_layout_matches_model():
+  """param_shapes (what converters write) is exactly the model's parameter tree."""
+  for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
+    shapes = {n: s for n, (s, _) in param_shapes(cfg).items()}
+    model = {"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(_abstract(cfg))}
+    assert shapes == model
+
+
+def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path):
+  model, single, _ = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  stats = convert_hf(single, dst, progress=False)
+  assert stats["tensors"] == 3 + 9 * CFG.n_layers
+  cfg = load_config(dst)
+  assert cfg.rope_scaling == CFG.rope_scaling and cfg.add_bos and cfg.eos_ids == (1,)
+  got = _flat(restore_params(dst, _abstract(cfg), progress=False))
+  want = {"/".join(k): v for k, v in hf_oracle.hf_to_lcjax_state(model, CFG).items()}
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_sharded_logits_match_hf(hf_dirs, tmp_path):
+  model, _, sharded = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(sharded, dst, progress=False)
+  lc, tok = fx.lcjax_model(dst)
+  tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 48))
+  ref = hf_oracle.hf_logits(model, tokens)
+  got = np.asarray(lc(jnp.asarray(tokens, jnp.int32))[0])
+  scale = np.abs(ref).max()
+  assert scale > 1.0
+  np.testing.assert_allclose(got, ref, atol=1e-4 * scale, rtol=0)
+
+
+def test_tokenizer_files_follow_the_model(hf_dirs, tmp_path):
+  import transformers
+  _, single, _ = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(single, dst, progress=False)
+  _, tok = fx.lcjax_model(dst)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(single)
+  for text in fx.TEXTS:
+    assert tok.encode(text) == hf_tok(text)["input_ids"], text   # BOS from the template post-processor
+  msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+  assert tok.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False,
+                                                                      add_generation_prompt=True)
+
+
+def test_bfloat16_cast_and_restore_dtype(hf_dirs, tmp_path):
+  import ml_dtypes
+  model, single, _ = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(single, dst, dtype="bfloat16", progress=False)
+  manifest = json.load(open(os.path.join(dst, "lcjax_manifest.json")))
+  assert {t["dtype"] for t in manifest["tensors"].values()} == {"bfloat16"}
+  got = _flat(restore_params(dst, _abstract(CFG, jnp.bfloat16), progress=False))
+  want = hf_oracle.hf_to_lcjax_state(model, CFG)
+  w = want[("layers", "attn", "wq")].astype(ml_dtypes.bfloat16)
+  assert got["layers/attn/wq"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(got["layers/attn/wq"], w)
+  # dtype= casts on restore: float32 arrays holding the bfloat16 values
+  got32 = _flat(restore_params(dst, _abstract(CFG, jnp.bfloat16), dtype="float32", progress=False))
+  assert got32["layers/attn/wq"].dtype == np.float32
+  np.testing.assert_array_equal(got32["layers/attn/wq"], w.astype(np.float32))
+
+
+def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  model, single, _ = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(single, dst, progress=False)
+  mesh = jax.make_mesh((2, 2), ("seq", "tensor"), devices=jax.devices()[:4])
+  abstract = _abstract(CFG)
+  specs = {"embed/embedding": P("tensor", None), "layers/attn/wq": P(None, None, "tensor", None),
+           "layers/mlp/w_down": P(None, "tensor", None)}
+  shardings = jax.tree_util.tree_map_with_path(
+      lambda p, v: NamedSharding(mesh, specs.get("/".join(k.key for k in p), P())), abstract,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  state = restore_params(dst, abstract, shardings, progress=False)
+  want = {"/".join(k): v for k, v in hf_oracle.hf_to_lcjax_state(model, CFG).items()}
+  for path, var in nnx.to_flat_state(state):
+    name = "/".join(map(str, path))
+    arr = var.get_value()
+    assert arr.sharding.is_equivalent_to(NamedSharding(mesh, specs.get(name, P())), arr.ndim), name
+    np.testing.assert_array_equal(np.asarray(arr), want[name], err_msg=name)
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+def _copy(src, dst):
+  os.makedirs(dst)
+  for f in os.listdir(src):
+    os.link(os.path.join(src, f), os.path.join(dst, f))
+  return dst
+
+
+def _edit_config(folder, **kw):
+  path = os.path.join(folder, "config.json")
+  cfg = json.load(open(path))
+  cfg.update(kw)
+  os.unlink(path)  # a hard link to the shared fixture: replace, never write through
+  json.dump(cfg, open(path, "w"))
+
+
+def _one_line_error(fn, *match):
+  with pytest.raises(CheckpointError) as e:
+    fn()
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  for m in match:
+    assert m in msg, msg
+  return msg
+
+
+def test_refuses_unknown_architecture(hf_dirs, tmp_path):
+  src = _copy(hf_dirs[1], str(tmp_path / "src"))
+  _edit_config(src, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "out"), progress=False), "config.json",
+                  "gpt_neox")
+  assert not os.path.exists(tmp_path / "out")
+
+
+def test_refuses_missing_shard(hf_dirs, tmp_path):
+  src = _copy(hf_dirs[2], str(tmp_path / "src"))
+  index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+  shard = sorted(set(index["weight_map"].values()))[1]
+  os.unlink(os.path.join(src, shard))
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "out"), progress=False), shard,
+                  "model.safetensors.index.json", "missing")
+
+
+def test_refuses_shape_mismatch(hf_dirs, tmp_path):
+  src = _copy(hf_dirs[1], str(tmp_path / "src"))
+  _edit_config(src, intermediate_size=80)
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "out"), progress=False), "model.safetensors",
+                  "model.layers.0.mlp.down_proj.weight", "(64, 96)", "(64, 80)")
+
+
+def test_refuses_truncated_safetensors(hf_dirs, tmp_path):
+  src = _copy(hf_dirs[1], str(tmp_path / "src"))
+  path = os.path.join(src, "model.safetensors")
+  data = open(path, "rb").read()
+  os.unlink(path)
+  open(path, "wb").write(data[:-1000])
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "out"), progress=False), "model.safetensors",
+                  "truncated")
+  assert not os.path.exists(tmp_path / "out")
+
+
+def test_refuses_unknown_tensor_and_existing_destination(hf_dirs, tmp_path):
+  from safetensors.numpy import save_file
+  src = _copy(hf_dirs[1], str(tmp_path / "src"))
+  dst = str(tmp_path / "out")
+  convert_hf(src, dst, progress=False)
+  _one_line_error(lambda: convert_hf(src, dst, progress=False), "already exists", "--overwrite")
+  convert_hf(src, dst, overwrite=True, progress=False)
+  assert load_config(dst).n_layers == CFG.n_layers
+  index = {"weight_map": {"model.layers.0.self_attn.q_proj.bias": "extra.safetensors"}}
+  for name in json.load(open(os.path.join(hf_dirs[2], "model.safetensors.index.json")))["weight_map"]:
+    index["weight_map"][name] = "model.safetensors"
+  save_file({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)},
+            os.path.join(src, "extra.safetensors"))
+  json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "out2"), progress=False), "extra.safetensors",
+                  "model.layers.0.self_attn.q_proj.bias")
+
+
+def test_restore_refuses_missing_truncated_and_mismatched(hf_dirs, tmp_path):
+  dst = str(tmp_path / "ckpt")
+  convert_hf(hf_dirs[1], dst, progress=False)
+  abstract = _abstract(CFG)
+  other = _abstract(dataclasses.replace(CFG, ffn_dim=80))
+  _one_line_error(lambda: restore_params(dst, other, progress=False), "layers/mlp/w_down", "(3, 96, 64)",
+                  "(3, 80, 64)")
+  tied = _abstract(dataclasses.replace(CFG, tie_embeddings=True))
+  _one_line_error(lambda: restore_params(dst, tied, progress=False), "lm_head/kernel")
+  # truncate every data file of one layer of one tensor
+  item = os.path.join(dst, "params", "layers", "mlp", "w_up", "00001")
+  for root, _, files in os.walk(item):
+    for f in files:
+      p = os.path.join(root, f)
+      if os.path.basename(root) == "d":
+        os.truncate(p, os.path.getsize(p) // 2)
+  _one_line_error(lambda: restore_params(dst, abstract, progress=False), "layers/mlp/w_up layer 1")
+  import shutil
+  shutil.rmtree(os.path.join(dst, "params", "layers", "attn", "wk", "00002"))
+  _one_line_error(lambda: restore_params(dst, abstract, progress=False), "layers/attn/wk layer 2", "missing")
+  os.unlink(os.path.join(dst, "lcjax_manifest.json"))
+  _one_line_error(lambda: restore_params(dst, abstract, progress=False), "incomplete")
+  _one_line_error(lambda: load_config(dst), "incomplete")
+
+
+# -- atomic writes -----------------------------------------------------------------------------------
+
+def test_failed_conversion_leaves_nothing_and_rerun_succeeds(hf_dirs, tmp_path, monkeypatch):
+  from lcjax.checkpoint import store
+  dst = str(tmp_path / "out")
+  real, calls = store.CheckpointWriter.write, []
+
+  def failing(self, *a, **kw):
+    calls.append(1)
+    if len(calls) == 5:
+      raise KeyboardInterrupt
+    return real(self, *a, **kw)
+
+  monkeypatch.setattr(store.CheckpointWriter, "write", failing)
+  with pytest.raises(KeyboardInterrupt):
+    convert_hf(hf_dirs[1], dst, progress=False)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setattr(store.CheckpointWriter, "write", real)
+  convert_hf(hf_dirs[1], dst, progress=False)
+  assert load_config(dst).n_layers == CFG.n_layers
+
+
+def _tool(args, **kw):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
+  dst = str(tmp_path / "out")
+  p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
+  tmp = f"{dst}.tmp-{p.pid}"
+  deadline = time.time() + 60
+  # kill -9 once the first tensors are on disk: no cleanup code runs
+  while not os.path.isdir(os.path.join(tmp, "params", "layers")) and time.time() < deadline:
+    time.sleep(0.02)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert os.path.isdir(tmp) and not os.path.exists(dst)
+  _one_line_error(lambda: load_config(tmp), "incomplete")
+  p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 0, err
+  assert "peak RSS" in out
+  assert os.listdir(tmp_path) == ["out"]  # the dead run's temporary directory is gone
+  assert load_config(dst).n_layers == CFG.n_layers
+  p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 1
+  assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err

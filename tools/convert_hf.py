@@ -1,0 +1,36 @@
+"""Convert an HF LLaMA folder (config.json, safetensors shards, tokenizer files) to an lcjax checkpoint.
+
+  python tools/convert_hf.py --src=HF_DIR --dst=CKPT_DIR [--dtype=bfloat16] [--overwrite]
+"""
+from __future__ import annotations
+
+import resource
+import sys
+
+from absl import app, flags
+
+from lcjax.checkpoint import CheckpointError, convert_hf
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("src", None, "HF model folder (config.json + *.safetensors).", required=True)
+flags.DEFINE_string("dst", None, "lcjax checkpoint directory to create.", required=True)
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"], "Cast tensors to this dtype "
+                  "(default: keep the stored dtype).")
+flags.DEFINE_bool("overwrite", False, "Replace an existing DST.")
+
+
+def main(argv):
+  del argv
+  try:
+    stats = convert_hf(FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
+  except (CheckpointError, FileNotFoundError) as e:
+    print(f"convert_hf: error: {e}", file=sys.stderr)
+    return 1
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  print(f"wrote {FLAGS.dst}: {stats['tensors']} tensors, {stats['bytes'] / 2**30:.2f} GiB in "
+        f"{stats['seconds']:.1f} s, peak RSS {peak:.2f} GiB")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

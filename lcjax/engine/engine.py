@@ -90,6 +90,7 @@ class Engine:
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
     self.peak_pages_used = 0
+    self.last_results: list[GenerationResult] = []
 
   # -- construction -------------------------------------------------------------------------------
   def _new_model(self, rngs):
@@ -195,8 +196,8 @@ class Engine:
     reqs = self._make_requests(plist, max_new_tokens, sampling, prefix)
     for _ in self._run(reqs):
       pass
-    results = [self._result(r) for r in reqs]
-    return results[0] if single else results
+    self.last_results = [self._result(r) for r in reqs]
+    return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None,
                       prefix=None) -> Iterator[tuple[int, str]]:
@@ -212,12 +213,12 @@ class Engine:
         if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
           yield r.index, stable[len(sent[r.index]):]
           sent[r.index] = stable
+    self.last_results = [self._result(r) for r in reqs]
 
   def _text(self, ids) -> str:
     if self.tokenizer is None:
       return ""
-    ids = [t for t in ids if t not in self.cfg.eos_ids]
-    return self.tokenizer.decode(ids)
+    return self.tokenizer.decode([t for t in ids if t not in self.cfg.eos_ids], skip_special_tokens=True)
 
   def _result(self, r: _Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)

@@ -1,0 +1,61 @@
+"""One import direction: a module imports only from lower layers (DESIGN.md §2)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "lcjax"
+
+LAYERS = {
+    "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.tokenizer": 0,
+    "lcjax.sharding": 1,
+    "lcjax.ops": 2,
+    "lcjax.model": 3, "lcjax.cache.kv": 3, "lcjax.cache": 3,
+    "lcjax.checkpoint": 4, "lcjax.engine": 4,
+    "lcjax.cli": 5, "lcjax": 5,
+}
+# Third-party imports each low layer may use.
+ALLOWED_THIRD_PARTY = {0: {"numpy", "sentencepiece", "tokenizers", "jinja2"}, 1: {"numpy", "jax", "flax"},
+                       2: {"numpy", "jax", "einops"}}
+
+
+def layer_of(module: str) -> int:
+  best = None
+  for prefix, layer in LAYERS.items():
+    if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+      best = (prefix, layer)
+  assert best is not None, module
+  return best[1]
+
+
+def _imports(path: pathlib.Path, module: str):
+  tree = ast.parse(path.read_text())
+  pkg = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([node.module] if node.module else []))
+      else:
+        base = node.module
+      # `from lcjax import tokenizer` imports lcjax.tokenizer: judge each imported name.
+      yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def test_imports_go_down_the_layers():
+  bad = []
+  for path in ROOT.rglob("*.py"):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    mine = layer_of(module)
+    for imp in _imports(path, module):
+      if imp.startswith("lcjax"):
+        if layer_of(imp) > mine:
+          bad.append(f"{module} (L{mine}) imports {imp} (L{layer_of(imp)})")
+      elif mine in ALLOWED_THIRD_PARTY:
+        top = imp.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in ALLOWED_THIRD_PARTY[mine] | {"__future__"}:
+          bad.append(f"{module} (L{mine}) imports third-party {imp}")
+  assert not bad, "\n".join(bad)

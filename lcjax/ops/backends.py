@@ -34,7 +34,18 @@ class ReferenceBackend:
                                          v_scale=v_scale)
 
 
-_FACTORIES = {"reference": ReferenceBackend}
+def _cudnn():
+  from lcjax.ops.cudnn import CudnnBackend
+  return CudnnBackend()
+
+
+def _pallas():
+  from lcjax.ops.pallas_flash import PallasBackend
+  return PallasBackend()
+
+
+# Kernel modules are imported only when their backend is asked for (they import GPU-only parts lazily too).
+_FACTORIES = {"reference": ReferenceBackend, "cudnn": _cudnn, "pallas": _pallas}
 
 
 def register(name, factory):

@@ -1,0 +1,285 @@
+"""cuDNN flash attention behind the `(out, lse)` contract.
+
+cuDNN offers only four masks: none, padding (`j < kv_seqlen[b]`), top-left causal (`j <= i`) and both; a dense
+mask would drop it off the flash path (15.8% tensor-core use measured in JAX PR #35114). Every position pattern of
+the contract is therefore cut into pieces cuDNN can do and joined with `merge`:
+
+  key j visible to row i  iff  j < kv_len  and  j <= i + d,   d = q_pos[b, 0] - k_start[b]  (rows contiguous)
+
+  * d == 0 (diagonal ring block): one top-left causal call on the first min(T, S) keys;
+  * d >= S - 1 (block entirely in the past): one padding-only call;
+  * otherwise: keys [0, d) are seen by every row (padding-only call with kv_seqlen = min(kv_len, d)) and the
+    T-key window starting at d is a top-left causal block (kv_seqlen = kv_len - d), merged by LSE.
+
+Rows whose positions are not contiguous, or d < 0 (rows before the first key), go to the jnp reference: cuDNN
+cannot express them. Rows that see no key get out = 0, lse = -inf here, whatever cuDNN wrote for them.
+
+LSE: the private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., return_residual=True)`
+returns float32 softmax stats [B, N, T]; the public `jax.nn.dot_product_attention` casts them to the output dtype
+(bf16: ~3% merge-weight error), so it is used only when the private entry is missing, with a warning.
+
+Paged: the private `fused_attention_stablehlo.paged_attention` reads K/V through the page table. It checks that the
+pool holds exactly B * M pages, so the table is widened to P // B slots when P is a multiple of B (extra slots
+point at page 0 and sit past kv_seqlen); otherwise pages are gathered and the dense path runs. JAX's cuDNN paged
+path has no fp8, so fp8 pages go to the reference here (the pallas backend serves them).
+
+GPU-only modules are imported lazily so this file imports on CPU. `emulate=True` swaps the two cuDNN calls for a
+jnp model of their documented masks, so the decomposition above is tested on CPU against the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lcjax.ops import attention as ref
+
+_DTYPES = ("bfloat16", "float16")
+
+
+@functools.cache
+def _private():
+  """The private cuDNN module if it has float32-LSE entries, else None (warned once)."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fsa
+  except ImportError as e:  # pragma: no cover - depends on the jax build
+    warnings.warn(f"jax._src.cudnn.fused_attention_stablehlo is missing ({e}); cuDNN LSE falls back to the "
+                  "public API, which returns it in the output dtype")
+    return None
+  params = inspect.signature(fsa.dot_product_attention).parameters
+  if "return_residual" not in params or "mask_type" not in params:
+    warnings.warn("fused_attention_stablehlo.dot_product_attention lacks return_residual/mask_type; cuDNN LSE "
+                  "falls back to the public API, which returns it in the output dtype")
+    return None
+  return fsa
+
+
+def has_private_paged() -> bool:
+  fsa = _private()
+  return fsa is not None and hasattr(fsa, "paged_attention")
+
+
+def _full(B, n):
+  return jnp.full((B,), n, jnp.int32)
+
+
+def _dense_cudnn(q, k, v, kv_seqlen, causal, scale):
+  """One cuDNN call. q [B, T, N, H], k/v [B, S, K, H], kv_seqlen [B] -> (out, lse [B, T, N] f32)."""
+  B, T = q.shape[:2]
+  fsa = _private()
+  if fsa is not None:
+    mt = fsa.MaskType.PADDING_CAUSAL if causal else fsa.MaskType.PADDING
+    out, stats = fsa.dot_product_attention(q, k, v, q_seqlen=_full(B, T), kv_seqlen=kv_seqlen, scale=scale,
+                                           mask_type=mt, qkv_layout="BTNH", return_residual=True)
+    return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)   # stats [B, N, T]
+  out, lse = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=kv_seqlen,
+                                          implementation="cudnn", return_residual=True)
+  return out, lse.astype(jnp.float32)
+
+
+def _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen, scale, *, any_pool=False):
+  """Padding-masked cuDNN paged call. q [B, T, N, H], pages [P, Z, K, H], page_table [B, M].
+
+  any_pool: skip JAX's Python check that P == B * M and hand cuDNN the pool as it is (what the kernel itself
+  needs is only that every table entry is < P); the GPU tests say whether this build accepts it.
+  """
+  fsa = _private()
+  B, T = q.shape[:2]
+  P, M = k_pages.shape[0], page_table.shape[1]
+  if not any_pool and P != B * M:
+    page_table = jnp.pad(page_table, ((0, 0), (0, P // B - M)))      # caller checked P % B == 0, P // B >= M
+  table = page_table[:, None, :, None].astype(jnp.int32)             # [B, 1, M, 1]
+  if any_pool:
+    unused = jnp.zeros(0, q.dtype)
+    out, stats = fsa._dot_product_attention(
+        q, k_pages, v_pages, unused, _full(B, T), kv_seqlen, unused, unused, table, table, scale, 42, 0.0,
+        (False, False), fsa.MaskType.PADDING, fsa.AttentionLayout.BTNH.value, None, fsa.check_cudnn_version(),
+        True)
+  else:
+    out, stats = fsa.paged_attention(q, k_pages, v_pages, _full(B, T), kv_seqlen, table, table, scale=scale,
+                                     mask_type=fsa.MaskType.PADDING, qkv_layout="BTNH", return_residual=True)
+  return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)
+
+
+def _dense_emulated(q, k, v, kv_seqlen, causal, scale):
+  """jnp model of cuDNN's masks: padding j < kv_seqlen, causal top-left j <= i. Garbage-free but unsanitized."""
+  T, S = q.shape[1], k.shape[1]
+  B = q.shape[0]
+  if causal:
+    # Top-left alignment is q_pos = i, key positions 0..S-1.
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_seqlen, causal=True, scale=scale)
+  return ref.attention_dense(q, k, v, kv_len=kv_seqlen, causal=False, scale=scale)
+
+
+def _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen, scale):
+  B = q.shape[0]
+  Z = k_pages.shape[1]
+  M = page_table.shape[1]
+  k = k_pages[page_table].reshape(B, M * Z, *k_pages.shape[2:])
+  v = v_pages[page_table].reshape(B, M * Z, *v_pages.shape[2:])
+  return _dense_emulated(q, k, v, kv_seqlen, False, scale)
+
+
+def _sanitize(out, lse, empty):
+  """Rows with no visible key: out = 0, lse = -inf. empty [B] or [B, T]."""
+  e = empty if empty.ndim == 2 else empty[:, None]
+  e = jnp.broadcast_to(e, lse.shape[:2])
+  out = jnp.where(e[:, :, None, None], jnp.zeros((), out.dtype), out)
+  lse = jnp.where(e[:, :, None], ref.NEG_INF, lse)
+  return out, lse
+
+
+def _window(x, start, W):
+  """x [B, S, K, H] -> x[b, start[b] + t] for t < W (indices clamped; callers mask the overhang)."""
+  S = x.shape[1]
+  idx = jnp.clip(start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :], 0, S - 1)    # [B, W]
+  return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+
+
+def _paged_window(pages, page_table, start, W):
+  """Tokens start[b] .. start[b] + W - 1 of each sequence from the paged pool -> [B, W, K, H] (clamped)."""
+  Z = pages.shape[1]
+  M = page_table.shape[1]
+  tok = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]                          # [B, W]
+  slot = jnp.clip(tok // Z, 0, M - 1)
+  page = jnp.take_along_axis(page_table, slot, axis=1)
+  return pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
+
+
+def _contiguous(q_pos):
+  T = q_pos.shape[1]
+  return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnBackend:
+  """cuDNN flash attention (prefill blocks) and cuDNN paged attention (decode)."""
+  name: str = "cudnn"
+  emulate: bool = False            # CPU tests: jnp model of cuDNN's masks instead of the library
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    if jnp.dtype(dtype).name not in _DTYPES:
+      return f"cuDNN flash attention takes {_DTYPES}, not dtype={jnp.dtype(dtype).name}"
+    if head_dim > 256 or head_dim % 8:
+      return f"cuDNN flash attention needs head_dim <= 256 and a multiple of 8, got {head_dim=}"
+    if self.emulate:
+      return None
+    if jax.default_backend() != "gpu":
+      return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
+    try:
+      from jax._src.lib import cuda_versions
+    except ImportError:
+      cuda_versions = None
+    if cuda_versions is None:
+      return "cuDNN is not available in this jaxlib"
+    return None
+
+  # -- the two library calls, swappable for the CPU emulation
+  def _dense(self, q, k, v, kv_seqlen, causal, scale):
+    f = _dense_emulated if self.emulate else _dense_cudnn
+    return f(q, k, v, kv_seqlen.astype(jnp.int32), causal, scale)
+
+  def _paged_call(self, q, k_pages, v_pages, page_table, kv_seqlen, scale):
+    f = _paged_emulated if self.emulate else _paged_cudnn
+    return f(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+
+  def _split(self, q, prefix_kv, prefix_len, diag_kv, diag_len, scale):
+    """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part."""
+    o_a, l_a = _sanitize(*self._dense(q, *prefix_kv, prefix_len, False, scale), prefix_len <= 0)
+    o_b, l_b = _sanitize(*self._dense(q, *diag_kv, diag_len, True, scale), diag_len <= 0)
+    return ref.merge(o_a, l_a, o_b, l_b)
+
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    scale = 1.0 / math.sqrt(H)
+    kvl = _full(B, S) if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
+    if not causal:
+      return _sanitize(*self._dense(q, k, v, kvl, False, scale), kvl <= 0)
+    W = min(T, S)
+    if q_pos is None and k_start is None:
+      d = S - T                                       # the contract's default: the last T keys are the queries
+      if d < 0:
+        # Rows before the first key: cuDNN's top-left mask cannot express them.
+        return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
+      if d == 0:
+        return _sanitize(*self._dense(q, k, v, kvl, True, scale), kvl <= 0)
+      return self._split(q, (k[:, :d], v[:, :d]), jnp.minimum(kvl, d), (k[:, d:], v[:, d:]),
+                         jnp.clip(kvl - d, 0, T), scale)
+
+    q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T)) if q_pos is None
+             else jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32))
+    k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,)).astype(jnp.int32)
+    d = q_pos[:, 0] - k_start
+
+    def diagonal():
+      kw = jnp.minimum(kvl, W)
+      return _sanitize(*self._dense(q, k[:, :W], v[:, :W], kw, True, scale), kw <= 0)
+
+    def past():
+      return _sanitize(*self._dense(q, k, v, kvl, False, scale), kvl <= 0)
+
+    def split():
+      prefix_len = jnp.clip(jnp.minimum(kvl, d), 0, S)
+      return self._split(q, (k, v), prefix_len, (_window(k, d, W), _window(v, d, W)),
+                         jnp.clip(kvl - d, 0, W), scale)
+
+    def reference():
+      # Non-contiguous rows or rows before the first key: not expressible with cuDNN's masks.
+      return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
+
+    ok = _contiguous(q_pos) & jnp.all(d >= 0)
+    case = jnp.where(~ok, 0, jnp.where(jnp.all(d == 0), 1, jnp.where(jnp.all(d >= S - 1), 2, 3)))
+    return lax.switch(case, (reference, diagonal, past, split))
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+    B, T, N, H = q.shape
+    P, Z = k_pages.shape[:2]
+    M = page_table.shape[1]
+    scale = 1.0 / math.sqrt(H)
+    q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
+    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
+    quantized = k_scale is not None or v_scale is not None or jnp.dtype(k_pages.dtype).name not in _DTYPES
+    if quantized or (not self.emulate and not has_private_paged()):
+      # JAX's cuDNN paged attention has no fp8 (and older jax has no paged entry): exact jnp path.
+      return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
+                                           k_scale=k_scale, v_scale=v_scale)
+    if P % B or P // B < M:
+      # cuDNN's paged entry wants exactly B * M pages; gather this batch's pages and go dense instead.
+      k = k_pages[page_table].reshape(B, M * Z, *k_pages.shape[2:])
+      v = v_pages[page_table].reshape(B, M * Z, *v_pages.shape[2:])
+      return self.attend(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
+
+    if T == 1:
+      # One row: causality is one more bound on the key count.
+      n = jnp.clip(jnp.minimum(kvl, q_pos[:, 0] + 1), 0, M * Z)
+      return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, n, scale), n <= 0)
+
+    p0 = q_pos[:, 0]
+
+    def past():
+      # Every valid key precedes every row (chunk against its cached prefix): no causal part.
+      return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, kvl, scale), kvl <= 0)
+
+    def split():
+      prefix_len = jnp.clip(jnp.minimum(kvl, p0), 0, M * Z)
+      o_a, l_a = _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, prefix_len, scale), prefix_len <= 0)
+      diag_len = jnp.clip(kvl - p0, 0, T)
+      kw, vw = _paged_window(k_pages, page_table, p0, T), _paged_window(v_pages, page_table, p0, T)
+      o_b, l_b = _sanitize(*self._dense(q, kw, vw, diag_len, True, scale), diag_len <= 0)
+      return ref.merge(o_a, l_a, o_b, l_b)
+
+    def reference():
+      # Non-contiguous rows or negative positions: not expressible with cuDNN's masks.
+      return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl)
+
+    ok = _contiguous(q_pos) & jnp.all(p0 >= 0)
+    case = jnp.where(~ok, 0, jnp.where(jnp.all(kvl <= p0 + 1), 1, 2))
+    return lax.switch(case, (reference, past, split))

@@ -1,0 +1,197 @@
+"""Paged split-K decode attention: a Pallas kernel (Triton lowering) over the page table.
+
+Decode reads the whole cache once per step, so it is bound by HBM bandwidth: the kernel's job is to keep enough
+page loads in flight on every SM. One program handles (sequence b, kv head h, split s): the G query heads of kv
+head h and the T query tokens of b form R = T * G rows that share every K/V page load (GQA without repeating K/V),
+and the split walks pages [s * pps, (s + 1) * pps) of b's page table with an online base-2 softmax. Each split
+writes a partial (out, lse) and `_combine` joins the splits exactly with log-sum-exp weights.
+
+Masking follows the contract: token j of the sequence is visible to row (t, g) iff j < kv_len[b] and
+j <= q_pos[b, t]. fp8 (e4m3) pages carry float32 scales per page and kv head ([P, K]); a page's K scale multiplies
+its scores and its V scale its P @ V term, so the dequantized page is never written out.
+
+Why Triton lowering and not Mosaic GPU: this kernel runs in Pallas interpret mode on CPU, so CI covers its indexing
+and masking; it is a gather of small tiles through a data-dependent page table, where the Mosaic path's TMA
+descriptors buy little. Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it elsewhere.
+
+Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lcjax.ops import attention as ref
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Running maxima start here, not at -inf, so exp2(m_old - m_new) is never exp2(-inf + inf) for a row whose keys
+# were all masked so far; masked scores are -inf and contribute exp2(-inf) = 0.
+_M_FLOOR = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedTuning:
+  """Static knobs of the decode kernel (part of the jit cache key)."""
+  num_splits: int | None = None      # splits of the page table per (b, h); None: enough programs to fill the GPU
+  target_programs: int = 132 * 8     # B * K * splits aimed at by the heuristic (132 SMs on an H200)
+  min_pages_per_split: int = 4
+  pages_per_step: int = 2            # pages handled per loop iteration (independent loads in flight)
+  num_warps: int = 4
+  num_stages: int = 3
+  min_rows: int = 16                 # tl.dot needs M >= 16: query rows are padded up to this
+  max_rows: int = 64                 # above this many rows per kv head the call is prefill, not decode
+
+
+def _next_pow2(n):
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def num_splits_for(tuning: PagedTuning, B, K, M):
+  if tuning.num_splits is not None:
+    return max(1, min(tuning.num_splits, M))
+  want = -(-tuning.target_programs // (B * K))
+  return max(1, min(want, M // tuning.min_pages_per_split or 1, M))
+
+
+def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, H, pps, upp, quantized, scale_log2):
+  if quantized:
+    ks_ref, vs_ref, o_ref, lse_ref = rest
+  else:
+    ks_ref = vs_ref = None
+    o_ref, lse_ref = rest
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  M = table_ref.shape[1]
+  q = q_ref[...]                                                       # [R, H]
+  qpos = qpos_ref[...]                                                 # [R]; padded rows are -1
+  R = q.shape[0]
+  kvl = kvlen_ref[b]
+  # Keys past the last query position are invisible to every row.
+  lim_tok = jnp.minimum(kvl, jnp.max(qpos) + 1)
+  n_pages = (lim_tok + Z - 1) // Z
+  first = s * pps
+  stop = jnp.minimum(first + pps, n_pages)
+  lim_tok = jnp.minimum(lim_tok, stop * Z)                              # never read into the next split
+  n_steps = jnp.maximum(stop - first + upp - 1, 0) // upp
+
+  def page(slot, carry):
+    m, l, acc = carry
+    pid = table_ref[b, jnp.minimum(slot, M - 1)]
+    k = k_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]                        # [Z, H]
+    v = v_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]
+    if quantized:
+      k = k.astype(q.dtype)
+      v = v.astype(q.dtype)
+    sc = pltriton.dot(q, k, trans_b=True) * scale_log2                        # [R, Z] f32, base-2 logits
+    if quantized:
+      sc = sc * ks_ref[pid, h]
+    tok = slot * Z + jax.lax.broadcasted_iota(jnp.int32, (R, Z), 1)
+    vis = (tok < lim_tok) & (tok <= qpos[:, None])
+    sc = jnp.where(vis, sc, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = pltriton.dot(p.astype(v.dtype), v)                                  # [R, H] f32
+    if quantized:
+      pv = pv * vs_ref[pid, h]
+    return m_new, l, acc * alpha[:, None] + pv
+
+  def step(i, carry):
+    for u in range(upp):
+      carry = page(first + i * upp + u, carry)
+    return carry
+
+  init = (jnp.full((R,), _M_FLOOR, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, H), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+
+
+def _combine(o, lse):
+  """Join split partials. o [..., S, R, H] f32, lse [..., S, R] -> (out [..., R, H] f32, lse [..., R])."""
+  top = jnp.max(lse, axis=-2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)                                               # 0 for empty splits
+  tot = jnp.sum(w, axis=-2)
+  out = jnp.sum(o * w[..., None], axis=-3) / jnp.where(tot > 0, tot, 1.0)[..., None]
+  lse_all = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top[..., 0, :], -jnp.inf)
+  return out, lse_all
+
+
+def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None,
+                 tuning: PagedTuning = PagedTuning(), interpret: bool = False):
+  """Attention of a few query tokens per sequence over a paged cache. Returns (out [B, T, N, H], lse [B, T, N]).
+
+  q [B, T, N, H]; k_pages, v_pages [P, Z, K, H] (bf16/fp16, or fp8 with k_scale, v_scale [P, K] f32);
+  page_table [B, M] int32; q_pos [B, T]; kv_len [B].
+  """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  B, T, N, H = q.shape
+  P, Z, K, _ = k_pages.shape
+  M = page_table.shape[1]
+  G = N // K
+  if N % K:
+    raise ValueError(f"query heads {N=} are not divisible by kv heads {K=}")
+  quantized = k_scale is not None
+  if quantized != (v_scale is not None):
+    raise ValueError(f"k_scale and v_scale come together, got {k_scale is None=} {v_scale is None=}")
+  R0 = T * G
+  R = max(tuning.min_rows, _next_pow2(R0))
+  if R > tuning.max_rows:
+    raise ValueError(f"{T=} * {G=} query rows per kv head exceed {tuning.max_rows=}; this is prefill, not decode")
+  for name, n in (("page size Z", Z), ("head dim H", H)):
+    if n & (n - 1) or n < 16:
+      raise ValueError(f"{name}={n} must be a power of two >= 16 for the Triton kernel")
+  S_ = num_splits_for(tuning, B, K, M)
+  pps = -(-M // S_)
+  upp = max(1, min(tuning.pages_per_step, pps))
+
+  # Rows r = t * G + g of kv head h: query head h * G + g at token t.
+  qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R0, H)
+  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - R0), (0, 0)))
+  qpos = jnp.repeat(jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32), G, axis=1)
+  qpos = jnp.pad(qpos, ((0, 0), (0, R - R0)), constant_values=-1)      # padded rows see nothing
+  kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)
+
+  kernel = lambda *refs: _kernel(*refs, Z=Z, H=H, pps=pps, upp=upp, quantized=quantized,
+                                 scale_log2=_LOG2E / math.sqrt(H))
+  whole = pl.no_block_spec                                              # whole-array refs, indexed in the kernel
+  in_specs = [whole, whole,
+              pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
+              pl.BlockSpec((None, None, R, H), lambda b, h, s: (b, h, 0, 0)),
+              whole, whole]
+  args = [kvl, page_table.astype(jnp.int32), qpos, qr, k_pages, v_pages]
+  if quantized:
+    in_specs += [whole, whole]
+    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(B, K, S_),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, None, R, H), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],
+      out_shape=[jax.ShapeDtypeStruct((B, K, S_, R, H), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, S_, R), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+      interpret=interpret,
+      name="lcjax_paged_decode",
+  )(*args)
+  out, lse = _combine(o, lse)                                          # [B, K, R, H], [B, K, R]
+  out = out[:, :, :R0].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+  lse = lse[:, :, :R0].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, N)
+  return out.astype(q.dtype), lse
+
+
+def paged_decode_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+  """The oracle of `paged_decode`: the contract's jnp reference."""
+  return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                       k_scale=k_scale, v_scale=v_scale)

@@ -1,0 +1,283 @@
+"""Attention backends against an independent float64 numpy oracle.
+
+CPU: the Pallas decode kernel in interpret mode; the cuDNN backend's mask decomposition with cuDNN's two calls
+replaced by a jnp model of their documented masks (top-left causal, padding); backend selection; the Mosaic GPU
+flash kernel lowering for CUDA. GPU (`-m gpu`, run through the device tool): the real kernels.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.ops import attention as ref
+from lcjax.ops import backends
+from lcjax.ops import cudnn
+from lcjax.ops import pallas_flash
+from lcjax.ops import pallas_paged
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+# ---------------------------------------------------------------- oracle
+def oracle(q, k, v, visible):
+  """float64 softmax attention. q [B,T,N,H], k/v [B,S,K,H], visible [B,T,S] -> (out, lse [B,T,N])."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(H)
+  vis = np.asarray(visible)[:, None]
+  s = np.where(vis, s, -np.inf)
+  top = s.max(-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  e = np.where(vis, np.exp(s - top), 0.0)
+  tot = e.sum(-1, keepdims=True)
+  p = e / np.where(tot > 0, tot, 1.0)
+  out = np.einsum("bnts,bsnh->btnh", p, vv)
+  lse = np.where(tot[..., 0] > 0, np.log(np.where(tot[..., 0] > 0, tot[..., 0], 1.0)) + top[..., 0], -np.inf)
+  return out, lse.transpose(0, 2, 1)
+
+
+def visibility(q_pos, k_start, kv_len, S, causal):
+  q_pos, k_start, kv_len = (np.asarray(x) for x in (q_pos, k_start, kv_len))
+  j = np.arange(S)
+  vis = (j[None, None, :] < kv_len[:, None, None])
+  if causal:
+    vis = vis & (k_start[:, None, None] + j[None, None, :] <= q_pos[:, :, None])
+  return np.broadcast_to(vis, (q_pos.shape[0], q_pos.shape[1], S))
+
+
+def check(got, want, *, tol_out, tol_lse=2e-3):
+  out, lse = (np.asarray(x, np.float64) for x in got)
+  w_out, w_lse = want
+  assert out.shape == w_out.shape and lse.shape == w_lse.shape
+  assert np.isfinite(out).all()
+  err = np.linalg.norm(out - w_out) / max(np.linalg.norm(w_out), 1e-30)
+  assert err < tol_out, f"out rel err {err:.2e}"
+  empty = ~np.isfinite(w_lse)
+  np.testing.assert_array_equal(~np.isfinite(lse), empty)              # fully masked rows: lse = -inf ...
+  assert np.all(out[empty] == 0.0)                                     # ... and out = 0
+  fin = ~empty
+  if fin.any():
+    lerr = np.max(np.abs(lse[fin] - w_lse[fin]) / np.maximum(1.0, np.abs(w_lse[fin])))
+    assert lerr < tol_lse, f"lse rel err {lerr:.2e}"
+
+
+def rand_qkv(seed, B, T, S, N, K, H, dtype=jnp.bfloat16):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, T, N, H), dtype), jax.random.normal(ks[1], (B, S, K, H), dtype),
+          jax.random.normal(ks[2], (B, S, K, H), dtype))
+
+
+def rand_pages(seed, B, T, N, K, H, Z, M, P, *, fp8=False, dtype=jnp.bfloat16):
+  """Pages of B sequences scattered out of order in a pool of P pages; returns oracle-ready dense K/V too."""
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+  kp = jax.random.normal(ks[1], (P, Z, K, H), jnp.float32)
+  vp = jax.random.normal(ks[2], (P, Z, K, H), jnp.float32)
+  table = jax.random.permutation(ks[3], P)[:B * M].reshape(B, M).astype(jnp.int32)
+  if fp8:
+    k_scale = jax.random.uniform(ks[4], (P, K), minval=0.25, maxval=2.0)
+    v_scale = jax.random.uniform(ks[5], (P, K), minval=0.25, maxval=2.0)
+    kp = (kp / k_scale[:, None, :, None]).astype(jnp.float8_e4m3fn)
+    vp = (vp / v_scale[:, None, :, None]).astype(jnp.float8_e4m3fn)
+    kd = kp.astype(jnp.float32) * k_scale[:, None, :, None]
+    vd = vp.astype(jnp.float32) * v_scale[:, None, :, None]
+  else:
+    k_scale = v_scale = None
+    kp, vp = kp.astype(dtype), vp.astype(dtype)
+    kd, vd = kp, vp
+  dense = lambda x: np.asarray(x, np.float64)[np.asarray(table)].reshape(B, M * Z, K, H)
+  return q, kp, vp, table, k_scale, v_scale, dense(kd), dense(vd)
+
+
+# ---------------------------------------------------------------- Pallas decode kernel (interpret mode on CPU)
+slow = pytest.mark.slow
+PAGED_CASES = [
+    # Interpret mode costs seconds per case on CPU: the fast cases together cover GQA 8 and 4, several query
+    # rows with causal bounds inside the cache, an empty row, splits with and without multi-page steps, fp8.
+    dict(T=3, N=16, K=2, fp8=False, kv_len=(90, 0, 33), tuning=dict(num_splits=3)),         # GQA 8, empty row
+    dict(T=1, N=8, K=2, fp8=True, kv_len=(96, 50, 9), tuning=dict(num_splits=2, pages_per_step=1)),  # fp8
+    pytest.param(dict(T=1, N=8, K=8, fp8=False, kv_len=(96, 17, 1), tuning=dict()), marks=slow),    # GQA 1
+    pytest.param(dict(T=2, N=16, K=4, fp8=True, kv_len=(64, 40, 5), tuning=dict(num_splits=4)), marks=slow),
+]
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=["T3-G8", "T1-G4-fp8", "T1-G1", "T2-G4-fp8"])
+def test_paged_decode_interpret(case):
+  B, H, Z, M, P = 3, 32, 16, 6, 23
+  T, N, K = case["T"], case["N"], case["K"]
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(T * 7 + N, B, T, N, K, H, Z, M, P, fp8=case["fp8"])
+  kv_len = jnp.array(case["kv_len"], jnp.int32)
+  # Row t sits at kv_len - T + t, one row also earlier in the cache (a causal bound inside the cached keys).
+  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q_pos = q_pos.at[0, 0].add(-20)
+  got = pallas_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
+                                  tuning=pallas_paged.PagedTuning(**case["tuning"]), interpret=True)
+  want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
+  check(got, want, tol_out=2e-2)
+
+
+def test_paged_decode_rejects_prefill_shapes():
+  q = jnp.zeros((1, 64, 8, 32), jnp.bfloat16)
+  kp = jnp.zeros((4, 16, 2, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="prefill"):
+    pallas_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 64), jnp.int32),
+                              kv_len=jnp.array([4], jnp.int32))
+
+
+def test_split_heuristic_fills_gpu_but_keeps_pages_per_split():
+  t = pallas_paged.PagedTuning()
+  assert pallas_paged.num_splits_for(t, 8, 8, 8192) == -(-t.target_programs // 64)
+  assert pallas_paged.num_splits_for(t, 8, 8, 8) == 2          # 8 slots, at least 4 pages per split
+  assert pallas_paged.num_splits_for(pallas_paged.PagedTuning(num_splits=99), 1, 1, 5) == 5
+
+
+# ---------------------------------------------------------------- cuDNN decomposition (emulated cuDNN on CPU)
+EMU = cudnn.CudnnBackend(emulate=True)
+
+ATTEND_CASES = [
+    # name, T, S, N, K, causal, positions: None (contract default) or (d per batch), kv_len or None
+    ("noncausal-ragged", 48, 80, 4, 4, False, None, (80, 0)),
+    ("causal-square", 64, 64, 8, 2, True, None, None),
+    ("causal-bottom-right", 32, 96, 8, 1, True, None, (70, 96)),
+    ("dyn-diagonal", 64, 64, 8, 8, True, (0, 0), (64, 40)),
+    ("dyn-past", 32, 48, 4, 1, True, (100, 47), None),
+    ("dyn-split", 40, 96, 8, 2, True, (10, 56), (90, 96)),
+    ("dyn-split-short-keys", 64, 32, 4, 4, True, (5, 0), (32, 0)),
+    ("dyn-before-first-key", 32, 32, 4, 2, True, (-8, 0), None),
+]
+# Each dynamic case compiles every branch of the switch (seconds on CPU): CI runs one per branch.
+_CPU_FAST = {"noncausal-ragged", "causal-bottom-right", "dyn-split", "dyn-before-first-key"}
+CPU_ATTEND = [c if c[0] in _CPU_FAST else pytest.param(*c, marks=slow) for c in ATTEND_CASES]
+
+
+def _attend_inputs(T, S, positions, kv_len, B=2):
+  if positions is None:
+    q_pos, k_start = None, None
+    o_pos, o_start = np.broadcast_to(np.arange(T) + S - T, (B, T)), np.zeros(B, int)
+  else:
+    k_start = jnp.array([3, 0], jnp.int32)
+    q_pos = k_start[:, None] + jnp.array(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    o_pos, o_start = np.asarray(q_pos), np.asarray(k_start)
+  kvl = None if kv_len is None else jnp.array(kv_len, jnp.int32)
+  o_len = np.full(B, S) if kv_len is None else np.asarray(kv_len)
+  return q_pos, k_start, kvl, (o_pos, o_start, o_len)
+
+
+@pytest.mark.parametrize("name,T,S,N,K,causal,positions,kv_len", CPU_ATTEND, ids=[c[0] for c in ATTEND_CASES])
+def test_cudnn_decomposition_emulated(name, T, S, N, K, causal, positions, kv_len):
+  q, k, v = rand_qkv(T + S, 2, T, S, N, K, 16)
+  q_pos, k_start, kvl, (o_pos, o_start, o_len) = _attend_inputs(T, S, positions, kv_len)
+  got = jax.jit(functools.partial(EMU.attend, causal=causal))(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl)
+  want = oracle(q, k, v, visibility(o_pos, o_start, o_len, S, causal))
+  check(got, want, tol_out=2e-2)
+
+
+@slow
+def test_cudnn_decomposition_noncontiguous_rows_go_to_reference():
+  q, k, v = rand_qkv(3, 2, 8, 24, 4, 2, 16)
+  q_pos = jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [20, 3, 7, 1, 0, 5, 9, 23]], jnp.int32)
+  got = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
+  check(got, oracle(q, k, v, visibility(q_pos, np.zeros(2, int), np.full(2, 24), 24, True)), tol_out=2e-2)
+
+
+@pytest.mark.parametrize("T,P,pos_shift", [pytest.param(1, 12, 0, marks=slow), (1, 12, -9), (5, 12, 0),
+                                           (5, 13, 0), pytest.param(6, 12, "past", marks=slow)],
+                         ids=["decode", "decode-causal-bound", "chunk-split", "chunk-gather-pool", "chunk-past"])
+def test_cudnn_paged_decomposition_emulated(T, P, pos_shift):
+  B, N, K, H, Z, M = 2, 8, 2, 16, 8, 6
+  q, kp, vp, table, _, _, kd, vd = rand_pages(T + P, B, T, N, K, H, Z, M, P)
+  kv_len = jnp.array([41, 12], jnp.int32)
+  if pos_shift == "past":
+    q_pos = kv_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]   # a chunk attending to its cached prefix
+  else:
+    q_pos = kv_len[:, None] - T + pos_shift + jnp.arange(T, dtype=jnp.int32)[None, :]
+  got = jax.jit(EMU.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
+@slow
+def test_cudnn_paged_fp8_goes_to_reference():
+  B, T, N, K, H, Z, M, P = 2, 1, 4, 2, 16, 8, 4, 10
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(5, B, T, N, K, H, Z, M, P, fp8=True)
+  kv_len = jnp.array([30, 7], jnp.int32)
+  q_pos = kv_len[:, None] - 1
+  got = EMU.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
+# ---------------------------------------------------------------- selection
+def test_backend_registry_and_reasons():
+  assert backends.get_backend("reference").name == "reference"
+  be = pallas_flash.PallasBackend(interpret=True)
+  assert be.why_not(head_dim=128, dtype="bfloat16") is None
+  assert "head_dim" in be.why_not(head_dim=96, dtype="bfloat16")
+  assert "float32" in be.why_not(head_dim=128, dtype="float32")
+  assert "head_dim" in EMU.why_not(head_dim=260, dtype="bfloat16")
+  assert "float32" in EMU.why_not(head_dim=128, dtype="float32")
+  if not ON_GPU:
+    assert backends.get_backend("auto").name == "reference"
+    for name in ("cudnn", "pallas"):
+      with pytest.raises(ValueError, match="GPU"):
+        backends.get_backend(name)
+  with pytest.raises(ValueError, match="not available"):
+    backends.get_backend("nope")
+
+
+def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn():
+  B, T, N, K, H, Z, M, P = 2, 20, 8, 2, 16, 8, 6, 12          # T * G = 80 rows > max_rows
+  q, kp, vp, table, _, _, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P)
+  kv_len = jnp.array([47, 30], jnp.int32)
+  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  got = pallas_flash.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
+@pytest.mark.parametrize("H,dtype,causal", [(128, jnp.bfloat16, True), (64, jnp.float16, False)])
+def test_flash_kernel_lowers_for_cuda(H, dtype, causal):
+  """The Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (catches API drift)."""
+  sd = lambda s: jax.ShapeDtypeStruct(s, dtype)
+  f = jax.jit(functools.partial(pallas_flash.flash_attention, causal=causal))
+  lowered = f.trace(sd((1, 256, 8, H)), sd((1, 384, 2, H)), sd((1, 384, 2, H))).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---------------------------------------------------------------- GPU: the real kernels
+GPU_ATTEND = ATTEND_CASES
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("backend", ["cudnn", "pallas"])
+@pytest.mark.parametrize("name,T,S,N,K,causal,positions,kv_len", GPU_ATTEND, ids=[c[0] for c in GPU_ATTEND])
+@pytest.mark.parametrize("H,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
+def test_attend_gpu(backend, name, T, S, N, K, causal, positions, kv_len, H, dtype):
+  # Blocks bigger than one kernel tile, with the same shape of masks as the CPU cases.
+  f = 8
+  T, S = T * f, S * f
+  positions = None if positions is None else tuple(p * f for p in positions)
+  kv_len = None if kv_len is None else tuple(n * f for n in kv_len)
+  q, k, v = rand_qkv(T + S + H, 2, T, S, N, K, H, dtype)
+  q_pos, k_start, kvl, (o_pos, o_start, o_len) = _attend_inputs(T, S, positions, kv_len)
+  be = backends.get_backend(backend, head_dim=H, dtype=dtype)
+  got = jax.jit(functools.partial(be.attend, causal=causal))(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl)
+  check(got, oracle(q, k, v, visibility(o_pos, o_start, o_len, S, causal)), tol_out=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("backend", ["cudnn", "pallas"])
+@pytest.mark.parametrize("T,fp8", [(1, False), (2, False), (1, True), (64, False)])
+def test_paged_gpu(backend, T, fp8):
+  B, N, K, H, Z, M, P = 4, 32, 8, 128, 64, 24, 100
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(T + 100 * fp8, B, T, N, K, H, Z, M, P, fp8=fp8)
+  kv_len = jnp.array([M * Z, 1000, T + 1, 0 if T == 1 else T], jnp.int32)     # T == 1: one empty row
+  q_pos = jnp.maximum(kv_len[:, None] - T, 0) + jnp.arange(T, dtype=jnp.int32)[None, :]
+  be = backends.get_backend(backend)
+  got = jax.jit(be.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)

@@ -1,0 +1,338 @@
+"""The host page allocator against two independent oracles.
+
+1. An allocation model: each sequence holds a list of abstract page ids; fork copies the list, extend replaces a
+   shared partly filled last id by a fresh one (copy-on-write) and appends fresh ids. After every step the live
+   abstract ids and the pool's physical pages must be in one-to-one correspondence (same sharing, no page given
+   to two sequences that do not share it), with refcounts equal to the number of holders and no leak.
+2. A simulated device pool: the test performs the copies that `extend` returns and writes a unique tag per new
+   token through `slot_mapping`; reading every sequence back through `slot_mapping` must give exactly the tokens
+   the model says it holds (paged == contiguous). A missing or wrong copy-on-write, or a page still in use handed
+   out again, overwrites another sequence's tokens and fails here.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from lcjax.cache.pages import PagePool, PagePoolExhausted
+
+_STEPS = {"rules": 0, "exhausted": 0, "cow": 0}
+
+
+def _ceil_div(a, b):
+  return -(-a // b)
+
+
+class PoolMachine(RuleBasedStateMachine):
+
+  @initialize(num_pages=st.integers(2, 40), page_size=st.integers(1, 5))
+  def setup(self, num_pages, page_size):
+    self.P, self.Z = num_pages, page_size
+    self.pool = PagePool(num_pages, page_size)
+    self.ids: dict[int, list[int]] = {}      # seq -> abstract page ids
+    self.tokens: dict[int, list[int]] = {}   # seq -> tag of each token
+    self.dead: list[int] = []
+    self.next_id = 0
+    self.next_tag = 0
+    self.device = np.full(num_pages * page_size, -1, dtype=np.int64)   # [P * Z] one tag per cache slot
+
+  def _pick(self, i):
+    live = sorted(self.ids)
+    return live[i % len(live)]
+
+  def _fresh_id(self):
+    self.next_id += 1
+    return self.next_id
+
+  def _holders(self, pid):
+    return sum(pid in ids for ids in self.ids.values())
+
+  def _snapshot(self):
+    seqs = {s: (self.pool.page_table(s), self.pool.length(s)) for s in self.pool.sequences}
+    return seqs, self.pool.pages_free, [self.pool.refcount(p) for p in range(self.P)]
+
+  @rule()
+  def new_sequence(self):
+    _STEPS["rules"] += 1
+    seq = self.pool.new_sequence()
+    assert seq not in self.ids and seq not in self.dead
+    self.ids[seq], self.tokens[seq] = [], []
+
+  @precondition(lambda self: self.ids)
+  @rule(i=st.integers(0, 1000), n=st.integers(0, 6))
+  def extend(self, i, n):
+    _STEPS["rules"] += 1
+    seq = self._pick(i)
+    length = len(self.tokens[seq])
+    ids = self.ids[seq]
+    cow = n > 0 and length % self.Z != 0 and self._holders(ids[-1]) > 1
+    needed = (_ceil_div(length + n, self.Z) - len(ids) if n else 0) + cow
+    free = self.P - 1 - len({p for ids_ in self.ids.values() for p in ids_})
+    assert self.pool.pages_needed_for(seq, n) == needed
+    assert self.pool.can_extend(seq, n) == (needed <= free)
+    if needed > free:
+      _STEPS["exhausted"] += 1
+      before = self._snapshot()
+      with pytest.raises(PagePoolExhausted, match=f"needs {needed} free pages .* {n} tokens .* only {free} "):
+        self.pool.extend(seq, n)
+      assert self._snapshot() == before
+      return
+    old_table = self.pool.page_table(seq)
+    held_before = {p for s in self.pool.sequences for p in self.pool.page_table(s)}
+    copies = self.pool.extend(seq, n)
+    new_table = self.pool.page_table(seq)
+    if cow:
+      _STEPS["cow"] += 1
+      assert copies == [(old_table[-1], new_table[len(old_table) - 1])]
+      assert copies[0][1] not in held_before
+      ids[-1] = self._fresh_id()
+    else:
+      assert copies == []
+    assert new_table[:len(old_table) - cow] == old_table[:len(old_table) - cow]
+    ids.extend(self._fresh_id() for _ in range(len(new_table) - len(old_table)))
+    # The device side: copy, then scatter the new tokens' tags.
+    for src, dst in copies:
+      self.device[dst * self.Z:(dst + 1) * self.Z] = self.device[src * self.Z:(src + 1) * self.Z]
+    slots = self.pool.slot_mapping(seq, length, n)
+    assert slots.dtype == np.int32 and slots.shape == (n,)
+    assert (slots >= self.Z).all(), "a token was written into the null page"
+    tags = list(range(self.next_tag, self.next_tag + n))
+    self.next_tag += n
+    self.device[slots] = tags
+    self.tokens[seq].extend(tags)
+
+  @precondition(lambda self: self.ids)
+  @rule(i=st.integers(0, 1000))
+  def fork(self, i):
+    _STEPS["rules"] += 1
+    seq = self._pick(i)
+    child = self.pool.fork(seq)
+    assert child not in self.ids and child not in self.dead
+    assert self.pool.page_table(child) == self.pool.page_table(seq)
+    self.ids[child] = list(self.ids[seq])
+    self.tokens[child] = list(self.tokens[seq])
+
+  @precondition(lambda self: self.ids)
+  @rule(i=st.integers(0, 1000))
+  def free(self, i):
+    _STEPS["rules"] += 1
+    seq = self._pick(i)
+    self.pool.free(seq)
+    del self.ids[seq], self.tokens[seq]
+    self.dead.append(seq)
+
+  @precondition(lambda self: self.dead)
+  @rule(i=st.integers(0, 1000))
+  def use_freed(self, i):
+    _STEPS["rules"] += 1
+    seq = self.dead[i % len(self.dead)]
+    for op in (self.pool.free, self.pool.length, lambda s: self.pool.extend(s, 1)):
+      with pytest.raises(KeyError, match=f"seq={seq}"):
+        op(seq)
+
+  @invariant()
+  def matches_model(self):
+    pool = self.pool
+    pool.check()
+    assert sorted(pool.sequences) == sorted(self.ids)
+    phys_of: dict[int, int] = {}
+    for seq, ids in self.ids.items():
+      table = pool.page_table(seq)
+      assert pool.length(seq) == len(self.tokens[seq])
+      assert len(table) == len(ids) == _ceil_div(len(self.tokens[seq]), self.Z)
+      for pid, page in zip(ids, table):
+        assert phys_of.setdefault(pid, page) == page, "pages shared in the model are not shared in the pool"
+    pages = list(phys_of.values())
+    assert len(set(pages)) == len(pages), "one page is held by sequences that do not share it"
+    assert 0 not in pages
+    assert pool.pages_free + len(pages) == pool.pages_total - 1 == self.P - 1
+    assert pool.pages_used == len(pages)
+    for pid, page in phys_of.items():
+      assert pool.refcount(page) == self._holders(pid)
+    assert pool.refcount(0) == 0
+    seqs = sorted(self.ids)
+    width = 1 + max((len(ids) for ids in self.ids.values()), default=0)
+    tables = pool.page_table_array(seqs, width)                  # [len(seqs), M]
+    for row, seq in enumerate(seqs):
+      tags = self.tokens[seq]
+      slots = pool.slot_mapping(seq, 0, len(tags))
+      np.testing.assert_array_equal(self.device[slots], tags)
+      # The layout paged attention reads: table slot m holds tokens m*Z .. m*Z+Z-1 in order.
+      pos = np.arange(len(tags))
+      np.testing.assert_array_equal(slots, tables[row, pos // self.Z] * self.Z + pos % self.Z)
+      assert (tables[row, len(self.ids[seq]):] == 0).all()
+
+
+def test_pool_state_machine():
+  for k in _STEPS:
+    _STEPS[k] = 0
+  t0 = time.perf_counter()
+  run_state_machine_as_test(PoolMachine, settings=settings(
+      max_examples=400, stateful_step_count=60, deadline=None, database=None,
+      suppress_health_check=[HealthCheck.too_slow]))
+  print(f"state machine: {_STEPS} in {time.perf_counter() - t0:.1f}s")
+  assert _STEPS["rules"] >= 10_000, _STEPS
+  # The interesting branches must actually be exercised, not just reachable.
+  assert _STEPS["exhausted"] >= 100 and _STEPS["cow"] >= 30, _STEPS
+
+
+# -- unit tests -------------------------------------------------------------------------------------------------
+
+def test_constructor_errors_name_values():
+  with pytest.raises(ValueError, match="num_pages=1"):
+    PagePool(1, 4)
+  with pytest.raises(ValueError, match="page_size=0"):
+    PagePool(8, 0)
+  with pytest.raises(ValueError, match="int32"):
+    PagePool(2**20, 2**12)
+
+
+def test_cow_only_for_shared_partly_filled_last_page():
+  pool = PagePool(16, 4)
+  full = pool.new_sequence()
+  assert pool.extend(full, 8) == []                  # pages [1, 2], both full
+  full_child = pool.fork(full)
+  assert pool.pages_needed_for(full_child, 1) == 1   # a new page, no copy
+  assert pool.extend(full_child, 1) == []
+  assert pool.page_table(full_child) == [1, 2, 3]
+  assert pool.page_table(full) == [1, 2]
+
+  part = pool.new_sequence()
+  pool.extend(part, 6)                               # pages [4, 5], page 5 holds 2 of 4 tokens
+  assert pool.extend(part, 1) == []                  # partly filled but not shared: write in place
+  child = pool.fork(part)
+  assert pool.refcount(5) == 2
+  assert pool.extend(child, 0) == []                 # nothing written, nothing copied
+  assert pool.pages_needed_for(child, 1) == 1
+  assert pool.extend(child, 1) == [(5, 6)]           # length 7 -> 8 fills the copy; no new page
+  assert pool.page_table(child) == [4, 6] and pool.page_table(part) == [4, 5]
+  assert (pool.refcount(4), pool.refcount(5), pool.refcount(6)) == (2, 1, 1)
+  assert pool.extend(part, 1) == []                  # the parent is the sole holder of page 5 again
+  assert pool.pages_needed_for(child, 5) == 2
+  assert pool.extend(child, 5) == []
+  pool.check()
+
+
+def test_cow_and_growth_in_one_extend():
+  pool = PagePool(8, 4)
+  a = pool.new_sequence()
+  pool.extend(a, 3)                                  # [1]
+  b = pool.fork(a)
+  assert pool.pages_needed_for(b, 5) == 2            # copy of page 1 plus one page for tokens 4..7
+  assert pool.extend(b, 5) == [(1, 2)]
+  assert pool.page_table(b) == [2, 3] and pool.length(b) == 8
+  pool.check()
+
+
+def test_exhausted_is_atomic_and_names_numbers():
+  pool = PagePool(4, 2)                              # 3 allocatable pages
+  a = pool.new_sequence()
+  pool.extend(a, 3)                                  # [1, 2], page 2 half full
+  b = pool.fork(a)
+  assert not pool.can_extend(b, 4)                   # copy + 2 new pages > 1 free
+  with pytest.raises(PagePoolExhausted) as e:
+    pool.extend(b, 4)
+  msg = str(e.value)
+  assert isinstance(e.value, ValueError) and "\n" not in msg
+  for part in ("sequence 1", "needs 3 free pages", "by 4 tokens", "length 3 -> 7", "page_size=2",
+               "only 1 of 3"):
+    assert part in msg, (part, msg)
+  assert pool.page_table(b) == [1, 2] and pool.length(b) == 3 and pool.pages_free == 1
+  assert [pool.refcount(p) for p in range(4)] == [0, 2, 2, 0]
+  assert pool.extend(b, 1) == [(2, 3)]               # copy alone fits
+  pool.check()
+
+
+def test_argument_errors():
+  pool = PagePool(4, 2)
+  s = pool.new_sequence()
+  pool.extend(s, 3)
+  with pytest.raises(KeyError, match="seq=7"):
+    pool.free(7)
+  with pytest.raises(KeyError, match="seq=7"):
+    pool.fork(7)
+  with pytest.raises(ValueError, match="n_tokens=-1"):
+    pool.extend(s, -1)
+  with pytest.raises(ValueError, match="start=2 .. start \\+ n=4 .*length=3"):
+    pool.slot_mapping(s, 2, 2)
+  with pytest.raises(ValueError, match="holds 2 pages, more than the table width=1"):
+    pool.page_table_array([s], 1)
+  with pytest.raises(ValueError, match="page=4"):
+    pool.refcount(4)
+
+
+def test_slot_mapping_by_hand():
+  pool = PagePool(8, 4)
+  a, b = pool.new_sequence(), pool.new_sequence()
+  pool.extend(a, 6)                                  # a: [1, 2]
+  pool.extend(b, 3)                                  # b: [3]
+  pool.extend(a, 3)                                  # a: [1, 2, 4]
+  assert pool.page_table(a) == [1, 2, 4]
+  # a's positions 0..8 live at page 1 offsets 0..3, page 2 offsets 0..3, page 4 offset 0.
+  np.testing.assert_array_equal(pool.slot_mapping(a, 0, 9), [4, 5, 6, 7, 8, 9, 10, 11, 16])
+  np.testing.assert_array_equal(pool.slot_mapping(a, 5, 3), [9, 10, 11])
+  np.testing.assert_array_equal(pool.slot_mapping(b, 1, 2), [13, 14])
+  assert pool.slot_mapping(b, 3, 0).shape == (0,)
+  assert pool.slot_mapping(a, 0, 9).dtype == np.int32
+  arr = pool.page_table_array([b, a], 4)
+  assert arr.dtype == np.int32
+  np.testing.assert_array_equal(arr, [[3, 0, 0, 0], [1, 2, 4, 0]])
+
+
+def test_freeing_everything_returns_every_page():
+  pool = PagePool(10, 3)
+  assert pool.pages_total == 10 and pool.pages_free == 9 and pool.pages_needed(10) == 4
+  a = pool.new_sequence()
+  pool.extend(a, 7)
+  b = pool.fork(a)
+  pool.extend(b, 4)
+  c = pool.fork(b)
+  d = pool.new_sequence()
+  pool.extend(d, 5)
+  assert pool.pages_free < 9
+  for s in (b, d, a, c):
+    pool.free(s)
+    pool.check()
+  assert pool.sequences == () and pool.pages_free == 9 and pool.pages_used == 0
+  assert all(pool.refcount(p) == 0 for p in range(10))
+  # Every allocatable page can be handed out again, and not one more.
+  e = pool.new_sequence()
+  pool.extend(e, 27)
+  assert sorted(pool.page_table(e)) == list(range(1, 10)) and pool.pages_free == 0
+  with pytest.raises(PagePoolExhausted):
+    pool.extend(e, 1)
+  pool.check()
+
+
+def test_fork_of_empty_sequence():
+  pool = PagePool(4, 2)
+  a = pool.new_sequence()
+  b = pool.fork(a)
+  assert pool.page_table(b) == [] and pool.length(b) == 0
+  assert pool.extend(b, 1) == [] and pool.page_table(a) == []
+  pool.check()
+
+
+def test_check_detects_corruption():
+  pool = PagePool(6, 2)
+  s = pool.new_sequence()
+  pool.extend(s, 3)
+  pool._refcount[1] += 1
+  with pytest.raises(AssertionError, match="refcounts"):
+    pool.check()
+  pool._refcount[1] -= 1
+  pool._free.append(pool._free[0])
+  with pytest.raises(AssertionError, match="twice in the free list"):
+    pool.check()
+  pool._free.pop()
+  pool._free.remove(5)
+  with pytest.raises(AssertionError, match="page 5 is neither free nor held"):
+    pool.check()
+  pool._free.append(1)
+  with pytest.raises(AssertionError, match="both free and held"):
+    pool.check()

@@ -191,7 +191,7 @@ class RunConfig:
   max_batch: int = 4                 # sequences decoded together
   prefill_chunk: int = 2048          # tokens per prefill chunk (activation memory is bounded by this)
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
-  attention: str = "auto"            # auto | reference | cudnn | pallas | fa3
+  attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
   sp_mode: str = "ring"              # ring | ulysses
@@ -207,8 +207,9 @@ class RunConfig:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
     if self.prefill_chunk % self.page_size:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be a multiple of page_size={self.page_size}")
-    if self.attention not in ("auto", "reference", "cudnn", "pallas", "fa3"):
-      raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas or fa3")
+    if self.attention not in ("auto", "reference", "cudnn", "pallas", "fa3", "dense"):
+      raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas, fa3 or dense "
+                        "(the unoptimised baseline)")
     if self.sp_mode not in ("ring", "ulysses"):
       raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring or ulysses")
 

@@ -62,8 +62,8 @@ def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, f
     return PagedKV(k, v)
   absmax = jnp.broadcast_to(jnp.asarray(16.0 if fp8_scale is None else fp8_scale, jnp.float32),
                             (n_layers, n_kv_heads))
-  scale = absmax / FP8_MAX
-  return PagedKV(k, v, scale, scale)
+  # Two distinct buffers: the cache is donated, and one buffer cannot be donated twice.
+  return PagedKV(k, v, absmax / FP8_MAX, jnp.array(absmax / FP8_MAX, copy=True))
 
 
 def quantize(x, scale):

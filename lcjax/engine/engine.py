@@ -295,9 +295,10 @@ class Engine:
       if self.cache.k.is_deleted():   # interrupted inside a donated call: the pools are gone, start afresh
         self.cache = self._new_cache()
 
-  def _page_table(self, seqs, tokens: int) -> np.ndarray:
-    width = _bucket(math.ceil(tokens / self.run.page_size), 16)
-    return self.pool.page_table_array(seqs, width)
+  @property
+  def table_width(self) -> int:
+    """Page-table slots per sequence: one width for every call, so each step compiles once per chunk size."""
+    return _bucket(math.ceil(self.max_context / self.run.page_size), 16)
 
   def _prefill(self, r: _Request, sample: bool = True):
     """Prefill r.prompt[r.shared:] in chunks (the shared prefix is cached already), then sample a token."""
@@ -313,7 +314,7 @@ class Engine:
       slots = np.zeros((1, Tb), np.int32)
       slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
       positions = (c0 + np.arange(Tb, dtype=np.int32))[None]
-      table = self._page_table([r.seq], c0 + len(piece))
+      table = self.pool.page_table_array([r.seq], self.table_width)
       logits, self.cache = self.steps.prefill(
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
           jnp.asarray(table), jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
@@ -340,12 +341,10 @@ class Engine:
       if r is not None:
         tokens[b], pos[b], done[b] = r.out[-1], len(r.prompt) + len(r.out) - 1, False
         remaining[b] = r.max_new - len(r.out)
-    max_tokens = max(len(r.prompt) + r.max_new for r in alive)
-    width = _bucket(math.ceil(max_tokens / self.run.page_size), 16)
-    table = np.zeros((B, width), np.int32)
+    table = np.zeros((B, self.table_width), np.int32)
     for b, s in enumerate(seqs):
       if s is not None:
-        table[b] = self.pool.page_table_array([s], width)[0]
+        table[b] = self.pool.page_table_array([s], self.table_width)[0]
     sp = stack_sampling([r.sampling if r is not None else SamplingParams() for r in live])
     state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from lcjax.ops import attention as ref
 
@@ -34,6 +35,36 @@ class ReferenceBackend:
                                          v_scale=v_scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseBackend:
+  """The unoptimised baseline: XLA attention that materialises every [T, S] score matrix (O(S^2) memory).
+  Benchmarks use it to show where a model without flash attention runs out of memory."""
+  name: str = "dense"
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    return None
+
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+    B, T = q.shape[:2]
+    if k_start is not None:        # attention_dense counts keys from position 0
+      q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (k.shape[1] - T), (B, T)) if q_pos is None
+               else q_pos) - jnp.broadcast_to(k_start, (B,))[:, None]
+    return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+    B, M = page_table.shape
+    Z = k_pages.shape[1]
+
+    def gather(pages, scale):
+      x = pages[page_table].astype(q.dtype if scale is None else jnp.float32)      # [B, M, Z, K, H]
+      if scale is not None:
+        x = (x * scale[page_table][:, :, None, :, None]).astype(q.dtype)
+      return x.reshape(B, M * Z, *pages.shape[2:])
+
+    return ref.attention_dense(q, gather(k_pages, k_scale), gather(v_pages, v_scale), q_pos=q_pos,
+                               kv_len=kv_len, causal=True)
+
+
 def _cudnn():
   from lcjax.ops.cudnn import CudnnBackend
   return CudnnBackend()
@@ -45,7 +76,7 @@ def _pallas():
 
 
 # Kernel modules are imported only when their backend is asked for (they import GPU-only parts lazily too).
-_FACTORIES = {"reference": ReferenceBackend, "cudnn": _cudnn, "pallas": _pallas}
+_FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cudnn, "pallas": _pallas}
 
 
 def register(name, factory):

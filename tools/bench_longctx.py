@@ -1,0 +1,318 @@
+"""Long-context benchmark: prefill time, decode time and peak memory against context length, lcjax beside its
+baselines, each implementation in its own process (so peak memory is its own), all in one call.
+
+  python tools/bench_longctx.py --preset=llama3-8b --contexts=8192,32768,131072 --impls=lcjax,dense,hf
+
+Rows (one per implementation and context): prefill seconds and effective TFLOP/s, decode ms/token, peak device
+memory (lcjax: `memory_stats()["peak_bytes_in_use"]`; hf: `torch.cuda.max_memory_allocated`), the memory
+planner's estimate (lcjax rows), and `oom` where the implementation ran out of memory. Contexts run in
+increasing order in one process per implementation, so the process-wide peak of a context is its own (each
+context needs more than the one before). Writes JSON, a markdown table and PNG plots.
+
+Implementations:
+  lcjax        chunked paged prefill + on-device decode, the `auto` attention backend
+  lcjax-fp8kv  the same with a float8_e4m3fn KV cache
+  dense        the unoptimised path: one-shot prefill with XLA attention that materialises the scores
+  hf           HF transformers LlamaForCausalLM (sdpa), prefill with logits_to_keep=1, DynamicCache decode
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
+flags.DEFINE_integer("layers", 0, "use only this many layers (0: all): per-layer validation of big presets")
+flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "context lengths (prompt tokens)")
+flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: lcjax, lcjax-fp8kv, dense, hf")
+flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill")
+flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")
+flags.DEFINE_integer("page_size", 64, "lcjax page size")
+flags.DEFINE_string("attention", "auto", "lcjax attention backend")
+flags.DEFINE_string("dtype", "bfloat16", "parameter / activation dtype")
+flags.DEFINE_float("time_budget_s", 540.0, "stop starting new contexts once this much wall time is spent")
+flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
+flags.DEFINE_string("name", "longctx", "output file stem")
+flags.DEFINE_string("worker", None, "internal: run one implementation and print ROW lines")
+flags.DEFINE_float("deadline", 0.0, "internal: unix time after which a worker starts no new context")
+
+GiB = 1024 ** 3
+
+
+def _emit(**row):
+  print("ROW " + json.dumps(row), flush=True)
+
+
+def _model_cfg():
+  from lcjax.config import preset
+  cfg = preset(FLAGS.preset)
+  # Random weights: no token is special, so every run decodes exactly decode_steps tokens.
+  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, max(map(int, FLAGS.contexts))))
+  if FLAGS.layers:
+    cfg = dataclasses.replace(cfg, n_layers=FLAGS.layers)
+  return cfg
+
+
+def prefill_flops(cfg, S: int) -> float:
+  """Matmul FLOPs of a causal prefill of S tokens (logits of the last position only)."""
+  per_layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
+  linear = 2 * S * cfg.n_layers * per_layer + 2 * cfg.dim * cfg.vocab_size
+  attention = 2 * S * S * cfg.n_heads * cfg.head_dim * cfg.n_layers   # QK^T and PV, causal half
+  return linear + attention
+
+
+def _is_oom(e: BaseException) -> bool:
+  s = repr(e)
+  return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
+
+
+def _too_late(S, last):
+  """Skip a context whose predicted time (quadratic from the last one) would pass the deadline."""
+  if not last:
+    return False
+  S0, t0 = last
+  return time.time() + t0 * (S / S0) ** 2 * 1.2 > FLAGS.deadline
+
+
+# -- workers ------------------------------------------------------------------------------------------------
+
+def worker_jax(impl: str):
+  import jax
+  import numpy as np
+  from lcjax.config import RunConfig
+  from lcjax.engine import plan as planlib
+  from lcjax.engine.engine import Engine
+  cfg = _model_cfg()
+  dev = jax.local_devices()[0]
+  rng = np.random.default_rng(0)
+  last = None
+  failed = False
+  for S in sorted(map(int, FLAGS.contexts)):
+    if failed or _too_late(S, last):
+      _emit(impl=impl, S=S, oom=failed, skipped=None if failed else "time budget")
+      continue
+    chunk = S if impl == "dense" else min(FLAGS.prefill_chunk, S)
+    page = FLAGS.page_size
+    ctx = -(-(S + FLAGS.decode_steps + 1) // page) * page
+    run = RunConfig(dtype=FLAGS.dtype, cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto",
+                    page_size=page, max_context=ctx, max_batch=1, prefill_chunk=-(-chunk // page) * page,
+                    decode_steps=FLAGS.decode_steps, attention="dense" if impl == "dense" else FLAGS.attention)
+    plan = planlib.plan(cfg, run)
+    eng = None
+    try:
+      t0 = time.time()
+      eng = Engine.random(cfg, run=run, seed=0)
+      # Warm-up with one chunk compiles every step at the shapes of the timed run.
+      eng.generate(rng.integers(0, cfg.vocab_size, run.prefill_chunk).tolist(), max_new_tokens=2)
+      compile_s = time.time() - t0
+      prompt = rng.integers(0, cfg.vocab_size, S).tolist()
+      res = eng.generate(prompt, max_new_tokens=FLAGS.decode_steps + 1)
+      st = res.stats
+      peak = (dev.memory_stats() or {}).get("peak_bytes_in_use")
+      _emit(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
+            prefill_tflops=prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
+            decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
+            planned_gib=plan.total / GiB, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
+            attention=eng.attention.name, prefill_chunk=run.prefill_chunk, warmup_s=compile_s, oom=False)
+      last = (S, st["prefill_s"])
+    except Exception as e:  # noqa: BLE001 - a benchmark records every failure as a row
+      failed = _is_oom(e)
+      _emit(impl=impl, S=S, oom=failed, error=None if failed else repr(e)[:400], planned_gib=plan.total / GiB)
+    finally:
+      del eng
+      gc.collect()
+
+
+def worker_hf():
+  import torch
+  import transformers
+  cfg = _model_cfg()
+  hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"},
+                                    attn_implementation="sdpa")
+  with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+  torch.cuda.synchronize()
+  last = None
+  failed = False
+  for S in sorted(map(int, FLAGS.contexts)):
+    if failed or _too_late(S, last):
+      _emit(impl="hf", S=S, oom=failed, skipped=None if failed else "time budget")
+      continue
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+      ids = torch.randint(0, cfg.vocab_size, (1, S), device="cuda")
+      with torch.inference_mode():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+        tp = time.perf_counter() - t
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        del out
+        t = time.perf_counter()
+        for _ in range(FLAGS.decode_steps):
+          o = model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+          pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        td = (time.perf_counter() - t) / FLAGS.decode_steps
+      _emit(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp, prefill_tflops=prefill_flops(cfg, S) / tp / 1e12,
+            decode_ms_per_token=1e3 * td, peak_gib=torch.cuda.max_memory_allocated() / GiB, oom=False)
+      last = (S, tp)
+      del pkv, o
+    except Exception as e:  # noqa: BLE001
+      failed = _is_oom(e)
+      _emit(impl="hf", S=S, oom=failed, error=None if failed else repr(e)[:400])
+
+
+# -- orchestration ------------------------------------------------------------------------------------------
+
+def versions() -> dict:
+  v = {"python": sys.version.split()[0]}
+  for mod in ("jax", "jaxlib", "flax", "torch", "transformers"):
+    try:
+      v[mod] = __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+      pass
+  return v
+
+
+def device_name() -> str:
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode == 0 and out.stdout.strip():
+      return out.stdout.strip().splitlines()[0]
+  except (OSError, subprocess.SubprocessError):
+    pass
+  import platform
+  return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def markdown(rows) -> str:
+  lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    def f(k, fmt):
+      return fmt.format(r[k]) if r.get(k) is not None else "-"
+    note = "OOM" if r.get("oom") else (r.get("skipped") or (r.get("error") or "")[:60])
+    lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
+                 f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | {f('peak_gib', '{:.1f}')} | "
+                 f"{f('planned_gib', '{:.1f}')} | {note} |")
+  return "\n".join(lines)
+
+
+def plot(rows, path_stem, device_gib=None):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib missing: no plots", file=sys.stderr)
+    return []
+  impls = sorted({r["impl"] for r in rows})
+  paths = []
+  for key, ylabel, fname in (("peak_gib", "peak device memory (GiB)", "memory"),
+                             ("prefill_s", "prefill time (s)", "prefill")):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl in impls:
+      pts = [(r["S"], r[key]) for r in rows if r["impl"] == impl and r.get(key) is not None]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=impl)
+      ooms = [r["S"] for r in rows if r["impl"] == impl and r.get("oom")]
+      if ooms:
+        ax.axvline(min(ooms), linestyle=":", alpha=0.6)
+        ax.annotate(f"{impl} OOM", (min(ooms), ax.get_ylim()[1] * 0.9), rotation=90, fontsize=8)
+    if key == "peak_gib":
+      planned = [(r["S"], r["planned_gib"]) for r in rows if r["impl"] == "lcjax" and r.get("planned_gib")]
+      if planned:
+        ax.plot(*zip(*planned), linestyle="--", color="gray", label="lcjax planned")
+      if device_gib:
+        ax.axhline(device_gib, color="red", linewidth=1, label=f"device memory {device_gib:.0f} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = f"{path_stem}-{fname}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+  return paths
+
+
+def orchestrate():
+  start = time.time()
+  os.makedirs(FLAGS.out, exist_ok=True)
+  rows = []
+  for impl in FLAGS.impls:
+    if impl not in ("lcjax", "lcjax-fp8kv", "dense", "hf"):
+      raise app.UsageError(f"unknown impl {impl!r}; choose from lcjax, lcjax-fp8kv, dense, hf")
+    remaining = FLAGS.time_budget_s - (time.time() - start)
+    argv = [sys.executable, os.path.abspath(__file__), f"--worker={impl}", f"--deadline={time.time() + remaining}"]
+    argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "prefill_chunk",
+                                                      "page_size", "attention", "dtype")]
+    argv += ["--contexts=" + ",".join(FLAGS.contexts)]
+    print(f"== {impl}: {' '.join(argv[2:])}", flush=True)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = set()
+    for line in proc.stdout:
+      if line.startswith("ROW "):
+        row = json.loads(line[4:])
+        rows.append(row)
+        seen.add(row["S"])
+        print(json.dumps(row), flush=True)
+      elif "Traceback" in line or "Error" in line:
+        print(f"  [{impl}] {line.rstrip()}", flush=True)
+    proc.wait()
+    for S in map(int, FLAGS.contexts):
+      if S not in seen:   # the worker died (e.g. killed by an OOM outside Python)
+        rows.append(dict(impl=impl, S=S, oom=None, error=f"worker exited with {proc.returncode}"))
+  rows.sort(key=lambda r: (r["impl"], r["S"]))
+  dev = device_name()
+  result = dict(device=dev, versions=versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
+                           decode_steps=FLAGS.decode_steps, prefill_chunk=FLAGS.prefill_chunk,
+                           page_size=FLAGS.page_size, attention=FLAGS.attention), rows=rows)
+  stem = os.path.join(FLAGS.out, FLAGS.name)
+  with open(stem + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  table = markdown(rows)
+  with open(stem + ".md", "w") as f:
+    f.write(f"# {FLAGS.name}\n\ndevice: {dev}\n\ncommand: `{result['command']}`\n\n"
+            f"versions: {json.dumps(result['versions'])}\n\n{table}\n")
+  device_gib = None
+  try:
+    device_gib = float(dev.split(",")[1].split()[0]) / 1024
+  except (IndexError, ValueError):
+    pass
+  plot(rows, stem, device_gib)
+  print(table)
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker == "hf":
+    worker_hf()
+  elif FLAGS.worker:
+    worker_jax(FLAGS.worker)
+  else:
+    orchestrate()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -203,6 +203,7 @@ class Tokenizer:
     if self.chat_template is None:
       raise ValueError(f"{self.path}: the checkpoint has no chat template")
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):

@@ -48,7 +48,7 @@ def byte_level_tokenizer_json(path: str, vocab_size: int = 300) -> dict:
   return {"bos": 0, "eos": 1, "vocab_size": tok.get_vocab_size()}
 
 
-def sentencepiece_model(path: str, vocab_size: int = 200) -> None:
+def sentencepiece_model(path: str, vocab_size: int = 400) -> None:
   """A trained sentencepiece BPE model shaped like Llama 2's (<unk>, <s>, </s>, byte fallback, identity
   normalization, no whitespace squeezing)."""
   import sentencepiece as spm
@@ -56,7 +56,7 @@ def sentencepiece_model(path: str, vocab_size: int = 200) -> None:
   spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=vocab_size,
                                  model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
                                  remove_extra_whitespaces=False, split_digits=True, unk_id=0, bos_id=1,
-                                 eos_id=2, character_coverage=1.0, minloglevel=2)
+                                 eos_id=2, character_coverage=0.99, minloglevel=2)
   with open(path, "wb") as f:
     f.write(buf.getvalue())
 

@@ -92,6 +92,11 @@ class GGUFFile:
                             f"{type(e).__name__}: {e}") from None
 
 
+def _f32(x) -> float:
+  """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+  return float(str(np.float32(x)))
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
   arch = g.architecture
   if arch != "llama":
@@ -126,7 +131,7 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
       name=g.get("general.name") or os.path.basename(g.path), vocab_size=vocab, dim=dim,
       n_layers=int(k("block_count")), n_heads=n_heads, n_kv_heads=int(k("attention.head_count_kv", n_heads)),
       head_dim=head_dim, ffn_dim=int(k("feed_forward_length")),
-      norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(k("rope.freq_base", 1e4)),
+      norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=_f32(k("rope.freq_base", 1e4)),
       rope_scaling=None, tie_embeddings="output.weight" not in g.tensors,
       max_position=int(k("context_length", 4096)), bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
       add_bos=bool(add_bos) and bos is not None)
@@ -248,6 +253,7 @@ def convert_gguf(src: str, dst: str, *, dtype: str = "float32", overwrite: bool 
     plan.append((name, *GGUF_NAMES[key], layer))
   cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
   with CheckpointWriter(dst, cfg, overwrite=overwrite, source=os.path.abspath(src)) as w:
+    write_tokenizer(g, w.tmp, cfg)  # first: a vocabulary lcjax cannot rebuild fails before any dequantizing
     for name, dst_name, in_dims, layer in tqdm(plan, desc=f"convert {os.path.basename(src)}", unit="tensor",
                                                disable=(None if progress is None else not progress)):
       full, stacked = shapes[dst_name]
@@ -261,5 +267,4 @@ def convert_gguf(src: str, dst: str, *, dtype: str = "float32", overwrite: bool 
       elif dst_name == "layers/attn/wk":
         x = unpermute_rotary(x, cfg.n_kv_heads)
       w.write(dst_name, to_lcjax(x, shape, in_dims).astype(cast), layer)
-    write_tokenizer(g, w.tmp, cfg)
   return {"tensors": len(plan), "seconds": time.time() - t0}

@@ -1,0 +1,191 @@
+"""tools/convert_gguf.py on the bundled SmolLM2-135M-Instruct Q4_1 file, checked against transformers loading the
+same GGUF (logits, config, tokenizer, chat template), plus a small sentencepiece-vocabulary GGUF written here
+(llama.cpp's Q/K permutation applied as its converter does) checked against the HF model it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.checkpoint import CheckpointError, convert_gguf, load_config
+from lcjax.checkpoint.gguf import smollm2_gguf_path
+from lcjax.config import ModelConfig, preset
+from lcjax.tokenizer import Tokenizer
+from tests import fixtures_ckpt as fx
+from tests import hf_oracle
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "<|im_start|>user\nWhat is 12 * 13?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a land far away, there lived a small robot who",
+]
+
+TOKENIZER_TEXTS = fx.TEXTS + [
+    "12345678901234567890", "x = [1, 2, 3]; y = {'a': 1.5e-3}", "    indented\n        more\n",
+    "I'm you're they'll we've she'd", "ÀÉÎÕÜ ß ñ ø 한국어 العربية हिन्दी", "a\u00a0b\u2003c\u200bd", "🎉🎉🎉 🏳️‍🌈",
+    "<|endoftext|>tail <repo_name>x<file_sep>", "trailing spaces   ", "\n\n\n", "<|im_end|><|im_start|>",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+  """(lcjax ckpt dir, HF model, HF tokenizer): the GGUF converted once, and transformers' reading of it."""
+  import torch
+  import transformers
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  path = smollm2_gguf_path()
+  dst = str(tmp_path_factory.mktemp("smollm2") / "ckpt")
+  convert_gguf(path, dst, progress=False)
+  folder, fname = os.path.split(path)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
+  hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+  return dst, hf, hf_tok
+
+
+def test_config_from_metadata(smollm2):
+  dst, hf, _ = smollm2
+  cfg = load_config(dst)
+  h = hf.config
+  assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == (
+      h.vocab_size, h.hidden_size, h.num_hidden_layers, h.num_attention_heads, h.num_key_value_heads,
+      h.head_dim, h.intermediate_size)
+  assert cfg.rope_theta == pytest.approx(h.rope_parameters["rope_theta"])
+  assert cfg.norm_eps == pytest.approx(h.rms_norm_eps)
+  assert cfg.tie_embeddings and h.tie_word_embeddings
+  assert (cfg.bos_id, cfg.eos_ids, cfg.add_bos) == (1, (2,), False)
+  p = preset("smollm2-135m")
+  assert dataclasses.replace(cfg, name=p.name) == p
+
+
+def test_logits_match_transformers(smollm2):
+  import torch
+  dst, hf, _ = smollm2
+  model, tok = fx.lcjax_model(dst)
+  ids = [tok.encode(p) for p in PROMPTS]
+  T = max(map(len, ids))
+  # right padding: causal attention keeps each prompt's logits independent of what follows it
+  tokens = np.array([x + [0] * (T - len(x)) for x in ids], np.int32)
+  got = np.asarray(model(jnp.asarray(tokens))[0])
+  with torch.no_grad():
+    want = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+  for b, prompt in enumerate(PROMPTS):
+    g, w = got[b, :len(ids[b])], want[b, :len(ids[b])]
+    np.testing.assert_allclose(g, w, atol=1e-3, rtol=0, err_msg=prompt)
+    top2 = np.sort(w, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.05
+    assert clear.sum() >= len(ids[b]) // 2
+    np.testing.assert_array_equal(g.argmax(-1)[clear], w.argmax(-1)[clear])
+
+
+def test_tokenizer_matches_transformers(smollm2):
+  dst, _, hf_tok = smollm2
+  tok = Tokenizer(dst)
+  assert tok.vocab_size == len(hf_tok) == 49152
+  for text in TOKENIZER_TEXTS:
+    ids = tok.encode(text)
+    assert ids == hf_tok(text)["input_ids"], text    # no BOS: SmolLM2 adds none
+    assert tok.decode(ids) == hf_tok.decode(ids), text
+  assert tok.encode("hi", add_bos=True) == [1] + tok.encode("hi")
+
+
+def test_chat_template_matches_transformers(smollm2):
+  dst, _, hf_tok = smollm2
+  tok = Tokenizer(dst)
+  for msgs in ([{"role": "user", "content": "What is 2+2?"}],
+               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]):
+    for gen in (True, False):
+      want = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+      assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == want
+      assert tok.encode_chat(msgs, add_generation_prompt=gen) == hf_tok(want, add_special_tokens=False)["input_ids"]
+
+
+def _llama_cpp_permute(w, n_head):
+  """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: HF rotate_half rows to interleaved pairs."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_sentencepiece_gguf_matches_its_hf_model(tmp_path):
+  """A llama-vocabulary GGUF with an untied head, made from a random HF model as llama.cpp would."""
+  sp_file = str(tmp_path / "sp.model")
+  fx.sentencepiece_model(sp_file)
+  vocab = fx.sentencepiece_vocab(sp_file)
+  cfg = ModelConfig("sp", vocab_size=len(vocab["tokens"]), dim=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                    head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position=256, bos_id=1, eos_ids=(2,))
+  hf = hf_oracle.make_hf_llama(cfg, seed=5)
+  sd = fx.hf_state_dict(hf)
+  names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+  per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+  tensors = {}
+  for hf_name, w in sd.items():
+    if hf_name in names:
+      tensors[names[hf_name]] = w
+      continue
+    _, _, i, rest = hf_name.split(".", 3)
+    g = per_layer[rest.rsplit(".", 1)[0]]
+    if g == "attn_q":
+      w = _llama_cpp_permute(w, cfg.n_heads)
+    elif g == "attn_k":
+      w = _llama_cpp_permute(w, cfg.n_kv_heads)
+    tensors[f"blk.{i}.{g}.weight"] = w
+  src = str(tmp_path / "sp.gguf")
+  fx.write_gguf(src, cfg=cfg, tensors=tensors, tokenizer=vocab)
+  dst = str(tmp_path / "ckpt")
+  convert_gguf(src, dst, progress=False)
+  got_cfg = load_config(dst)
+  assert dataclasses.replace(got_cfg, name=cfg.name) == cfg
+  model, tok = fx.lcjax_model(dst)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
+  ref = hf_oracle.hf_logits(hf, tokens)
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens, jnp.int32))[0]), ref,
+                             atol=1e-4 * np.abs(ref).max(), rtol=0)
+  # the vocabulary rebuilt as tokenizer.model tokenizes as the original sentencepiece model (plus BOS)
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_file=sp_file)
+  assert os.path.exists(os.path.join(dst, "tokenizer.model"))
+  for text in fx.TEXTS:
+    assert tok.encode(text) == [1] + sp.encode(text), text
+    assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text))
+
+
+def test_refuses_other_architecture_and_bad_files(tmp_path):
+  src = str(tmp_path / "qwen.gguf")
+  fx.write_gguf(src, arch="qwen2")
+  dst = str(tmp_path / "out")
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_gguf.py"), f"--src={src}",
+                      f"--dst={dst}"], env=env, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 1
+  assert p.stderr.strip().splitlines()[-1] == (f"convert_gguf: error: {src}: general.architecture='qwen2'; "
+                                              "lcjax converts 'llama' GGUF files only")
+  assert not os.path.exists(dst)
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"not a gguf file at all")
+  with pytest.raises(CheckpointError, match="bad.gguf: not a readable GGUF file"):
+    convert_gguf(str(bad), dst, progress=False)
+  with pytest.raises(CheckpointError, match="missing.gguf: no such GGUF file"):
+    convert_gguf(str(tmp_path / "missing.gguf"), dst, progress=False)
+  cfg = preset("tiny")
+  scaled = str(tmp_path / "scaled.gguf")
+  fx.write_gguf(scaled, cfg=cfg, extra={"llama.rope.scaling.type": "yarn"})
+  with pytest.raises(CheckpointError, match="scaled.gguf: llama.rope.scaling.type='yarn' is not supported"):
+    convert_gguf(scaled, dst, progress=False)
+  pre = str(tmp_path / "pre.gguf")
+  fx.write_gguf(pre, cfg=cfg, tokenizer={"model": "gpt2", "pre": "mystery", "tokens": ["a", "b"],
+                                        "token_type": [1, 1], "merges": ["a b"], "bos": 0, "eos": 1})
+  with pytest.raises(CheckpointError, match="pre.gguf: tokenizer.ggml.pre='mystery' is not"):
+    convert_gguf(pre, dst, progress=False)
+  assert not os.path.exists(dst)

@@ -238,24 +238,26 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn():
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("H,dtype,causal", [(128, jnp.bfloat16, True), (64, jnp.float16, False)])
-def test_flash_kernel_lowers_for_cuda(H, dtype, causal):
+@pytest.mark.parametrize("H,dtype,causal,save_lse", [(128, jnp.bfloat16, True, True), (64, jnp.float16, False, False)])
+def test_flash_kernel_lowers_for_cuda(H, dtype, causal, save_lse):
   """The Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (catches API drift)."""
   sd = lambda s: jax.ShapeDtypeStruct(s, dtype)
-  f = jax.jit(functools.partial(pallas_flash.flash_attention, causal=causal))
+  f = jax.jit(functools.partial(pallas_flash.flash_attention, causal=causal, save_lse=save_lse))
   lowered = f.trace(sd((1, 256, 8, H)), sd((1, 384, 2, H)), sd((1, 384, 2, H))).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
 # ---------------------------------------------------------------- GPU: the real kernels
-GPU_ATTEND = ATTEND_CASES
+# Every mask case in bf16 at head dim 128; fp16 at head dim 64 on two of them.
+GPU_ATTEND = ([(*c, 128, jnp.bfloat16) for c in ATTEND_CASES]
+              + [(*c, 64, jnp.float16) for c in ATTEND_CASES if c[0] in ("noncausal-ragged", "dyn-split")])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
-@pytest.mark.parametrize("name,T,S,N,K,causal,positions,kv_len", GPU_ATTEND, ids=[c[0] for c in GPU_ATTEND])
-@pytest.mark.parametrize("H,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
+@pytest.mark.parametrize("name,T,S,N,K,causal,positions,kv_len,H,dtype", GPU_ATTEND,
+                         ids=[f"{c[0]}-H{c[-2]}" for c in GPU_ATTEND])
 def test_attend_gpu(backend, name, T, S, N, K, causal, positions, kv_len, H, dtype):
   # Blocks bigger than one kernel tile, with the same shape of masks as the CPU cases.
   f = 8

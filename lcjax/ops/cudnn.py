@@ -18,10 +18,10 @@ LSE: the private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention
 returns float32 softmax stats [B, N, T]; the public `jax.nn.dot_product_attention` casts them to the output dtype
 (bf16: ~3% merge-weight error), so it is used only when the private entry is missing, with a warning.
 
-Paged: the private `fused_attention_stablehlo.paged_attention` reads K/V through the page table. It checks that the
-pool holds exactly B * M pages, so the table is widened to P // B slots when P is a multiple of B (extra slots
-point at page 0 and sit past kv_seqlen); otherwise pages are gathered and the dense path runs. JAX's cuDNN paged
-path has no fp8, so fp8 pages go to the reference here (the pallas backend serves them).
+Paged: the private `fused_attention_stablehlo.paged_attention` reads K/V through the page table. Its Python check
+wants a pool of exactly B * M pages; any other pool goes through the same primitive with that check skipped (the
+kernel only needs table entries < P; checked on the H200). JAX's cuDNN paged path has no fp8, so fp8 pages go to
+the reference here (the pallas backend serves them).
 
 GPU-only modules are imported lazily so this file imports on CPU. `emulate=True` swaps the two cuDNN calls for a
 jnp model of their documented masks, so the decomposition above is tested on CPU against the reference.
@@ -70,13 +70,22 @@ def _full(B, n):
 
 
 def _dense_cudnn(q, k, v, kv_seqlen, causal, scale):
-  """One cuDNN call. q [B, T, N, H], k/v [B, S, K, H], kv_seqlen [B] -> (out, lse [B, T, N] f32)."""
+  """One cuDNN call. q [B, T, N, H], k/v [B, S, K, H], kv_seqlen [B] or None (all keys valid).
+
+  Returns (out, lse [B, T, N] f32). Without lengths the call uses the plain masks: cuDNN's padding variant ran
+  8-15% slower on the same causal blocks (benchmarks/NOTES-attention.md, call 1).
+  """
   B, T = q.shape[:2]
   fsa = _private()
   if fsa is not None:
-    mt = fsa.MaskType.PADDING_CAUSAL if causal else fsa.MaskType.PADDING
-    out, stats = fsa.dot_product_attention(q, k, v, q_seqlen=_full(B, T), kv_seqlen=kv_seqlen, scale=scale,
-                                           mask_type=mt, qkv_layout="BTNH", return_residual=True)
+    if kv_seqlen is None:
+      mt = fsa.MaskType.CAUSAL if causal else fsa.MaskType.NO_MASK
+      lens = dict()
+    else:
+      mt = fsa.MaskType.PADDING_CAUSAL if causal else fsa.MaskType.PADDING
+      lens = dict(q_seqlen=_full(B, T), kv_seqlen=kv_seqlen)
+    out, stats = fsa.dot_product_attention(q, k, v, scale=scale, mask_type=mt, qkv_layout="BTNH",
+                                           return_residual=True, **lens)
     return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)   # stats [B, N, T]
   out, lse = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=kv_seqlen,
                                           implementation="cudnn", return_residual=True)
@@ -86,14 +95,12 @@ def _dense_cudnn(q, k, v, kv_seqlen, causal, scale):
 def _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen, scale, *, any_pool=False):
   """Padding-masked cuDNN paged call. q [B, T, N, H], pages [P, Z, K, H], page_table [B, M].
 
-  any_pool: skip JAX's Python check that P == B * M and hand cuDNN the pool as it is (what the kernel itself
-  needs is only that every table entry is < P); the GPU tests say whether this build accepts it.
+  any_pool: skip JAX's Python check that P == B * M and hand cuDNN the pool as it is (the kernel only needs
+  every table entry < P). Checked against the reference on the H200 with P = 29, B * M = 24 (call 1 probe,
+  rel err 2e-3 in bf16) and by tests/test_kernels.py::test_paged_gpu (P = 100, B * M = 96).
   """
   fsa = _private()
   B, T = q.shape[:2]
-  P, M = k_pages.shape[0], page_table.shape[1]
-  if not any_pool and P != B * M:
-    page_table = jnp.pad(page_table, ((0, 0), (0, P // B - M)))      # caller checked P % B == 0, P // B >= M
   table = page_table[:, None, :, None].astype(jnp.int32)             # [B, 1, M, 1]
   if any_pool:
     unused = jnp.zeros(0, q.dtype)
@@ -111,6 +118,8 @@ def _dense_emulated(q, k, v, kv_seqlen, causal, scale):
   """jnp model of cuDNN's masks: padding j < kv_seqlen, causal top-left j <= i. Garbage-free but unsanitized."""
   T, S = q.shape[1], k.shape[1]
   B = q.shape[0]
+  if kv_seqlen is None:
+    kv_seqlen = _full(B, S)
   if causal:
     # Top-left alignment is q_pos = i, key positions 0..S-1.
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -184,25 +193,34 @@ class CudnnBackend:
   # -- the two library calls, swappable for the CPU emulation
   def _dense(self, q, k, v, kv_seqlen, causal, scale):
     f = _dense_emulated if self.emulate else _dense_cudnn
-    return f(q, k, v, kv_seqlen.astype(jnp.int32), causal, scale)
+    return f(q, k, v, None if kv_seqlen is None else kv_seqlen.astype(jnp.int32), causal, scale)
 
   def _paged_call(self, q, k_pages, v_pages, page_table, kv_seqlen, scale):
-    f = _paged_emulated if self.emulate else _paged_cudnn
-    return f(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+    if self.emulate:
+      return _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+    any_pool = k_pages.shape[0] != q.shape[0] * page_table.shape[1]
+    return _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale, any_pool=any_pool)
 
   def _split(self, q, prefix_kv, prefix_len, diag_kv, diag_len, scale):
-    """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part."""
-    o_a, l_a = _sanitize(*self._dense(q, *prefix_kv, prefix_len, False, scale), prefix_len <= 0)
-    o_b, l_b = _sanitize(*self._dense(q, *diag_kv, diag_len, True, scale), diag_len <= 0)
+    """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part.
+
+    Lengths None: every key of that part is valid (no padding mask, no empty rows).
+    """
+    o_a, l_a = self._dense(q, *prefix_kv, prefix_len, False, scale)
+    o_b, l_b = self._dense(q, *diag_kv, diag_len, True, scale)
+    if prefix_len is not None:
+      o_a, l_a = _sanitize(o_a, l_a, prefix_len <= 0)
+      o_b, l_b = _sanitize(o_b, l_b, diag_len <= 0)
     return ref.merge(o_a, l_a, o_b, l_b)
 
   def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
     B, T, N, H = q.shape
     S = k.shape[1]
     scale = 1.0 / math.sqrt(H)
-    kvl = _full(B, S) if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
+    full = kv_len is None                              # every key valid: cuDNN's faster non-padding masks
+    kvl = _full(B, S) if full else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
     if not causal:
-      return _sanitize(*self._dense(q, k, v, kvl, False, scale), kvl <= 0)
+      return _sanitize(*self._dense(q, k, v, None if full else kvl, False, scale), kvl <= 0)
     W = min(T, S)
     if q_pos is None and k_start is None:
       d = S - T                                       # the contract's default: the last T keys are the queries
@@ -210,7 +228,9 @@ class CudnnBackend:
         # Rows before the first key: cuDNN's top-left mask cannot express them.
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
       if d == 0:
-        return _sanitize(*self._dense(q, k, v, kvl, True, scale), kvl <= 0)
+        return _sanitize(*self._dense(q, k, v, None if full else kvl, True, scale), kvl <= 0)
+      if full:
+        return self._split(q, (k[:, :d], v[:, :d]), None, (k[:, d:], v[:, d:]), None, scale)
       return self._split(q, (k[:, :d], v[:, :d]), jnp.minimum(kvl, d), (k[:, d:], v[:, d:]),
                          jnp.clip(kvl - d, 0, T), scale)
 
@@ -221,10 +241,10 @@ class CudnnBackend:
 
     def diagonal():
       kw = jnp.minimum(kvl, W)
-      return _sanitize(*self._dense(q, k[:, :W], v[:, :W], kw, True, scale), kw <= 0)
+      return _sanitize(*self._dense(q, k[:, :W], v[:, :W], None if full else kw, True, scale), kw <= 0)
 
     def past():
-      return _sanitize(*self._dense(q, k, v, kvl, False, scale), kvl <= 0)
+      return _sanitize(*self._dense(q, k, v, None if full else kvl, False, scale), kvl <= 0)
 
     def split():
       prefix_len = jnp.clip(jnp.minimum(kvl, d), 0, S)
@@ -251,11 +271,6 @@ class CudnnBackend:
       # JAX's cuDNN paged attention has no fp8 (and older jax has no paged entry): exact jnp path.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
-    if P % B or P // B < M:
-      # cuDNN's paged entry wants exactly B * M pages; gather this batch's pages and go dense instead.
-      k = k_pages[page_table].reshape(B, M * Z, *k_pages.shape[2:])
-      v = v_pages[page_table].reshape(B, M * Z, *v_pages.shape[2:])
-      return self.attend(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
 
     if T == 1:
       # One row: causality is one more bound on the key count.

@@ -73,8 +73,11 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
   return full, total
 
 
-def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning):
-  """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32."""
+def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True):
+  """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
+
+  save_lse=False drops the LSE output (only to measure what returning it costs).
+  """
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -109,7 +112,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning):
     def _compute():
       plgpu.set_max_registers(tuning.compute_regs, action="increase")
       qo_smem = qo_smem2.at[wg]
-      lse_smem = lse_smem2.at[wg]
+      lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
       full, total = _steps(q_base, bq, bkv, db, kb, causal)
 
@@ -131,7 +134,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning):
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
 
         def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
           sched_sync()
           return acc_ref[...]
 
@@ -194,10 +197,12 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning):
       l_safe = jnp.where(seen, l, 1.0)
       acc = acc / lax.broadcast_in_dim(l_safe, (bq, H), [0])
       qo_smem[...] = acc.astype(dtype)
-      lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      if lse_smem is not None:
+        lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_base, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, pl.ds(q_base, bq)])
+      if lse_smem is not None:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _COMPUTE_WGS)
@@ -220,36 +225,40 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning):
         plgpu.barrier_wait(v_free.at[slot])
         issue(i, slot)
 
-  def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref):
+  def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref=None):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (plgpu.SMEM((_COMPUTE_WGS, bq, H), dtype, transforms=tiled),
             plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled),
             plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled),
-            plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32))
+            plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None)
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
               plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
     pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref, scratch),
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
-  out, lse = plgpu.kernel(
+  out_type = [jax.ShapeDtypeStruct((B, T, N, H), dtype)]
+  if save_lse:
+    out_type.append(jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+  res = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((B, T, N, H), dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
+      out_type=tuple(out_type),
       grid=(N, n_tiles, B),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, d, kvl)
-  return out, lse
+  return tuple(res) if save_lse else (res[0], None)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "tuning"))
-def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FlashTuning()):
+@functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse"))
+def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FlashTuning(),
+                    save_lse: bool = True):
   """(out [B, T, N, H], lse [B, T, N] f32) with key j visible to row i iff j < kv_len and (j <= i + d if causal).
 
   d, kv_len: [B] int32 (d defaults to S - T, kv_len to S); requires d >= 0. Ragged T and S are padded to the
-  tile sizes (a copy; prefill blocks of 8K+ tokens need none).
+  tile sizes (a copy; prefill blocks of 8K+ tokens need none). save_lse=False returns lse None (benchmarks).
   """
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -269,8 +278,8 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
   if Sp != S:
     k = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
-  out, lse = _flash_call(q, k, v, d, kvl, causal=causal, tuning=tuning)
-  return out[:, :T], jnp.transpose(lse, (0, 2, 1))[:, :T]
+  out, lse = _flash_call(q, k, v, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse)
+  return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
 
 
 def flash_attention_reference(q, k, v, d=None, kv_len=None, *, causal: bool = True):

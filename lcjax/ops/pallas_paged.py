@@ -85,8 +85,10 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, H, pp
     k = k_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]                        # [Z, H]
     v = v_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]
     if quantized:
-      k = k.astype(q.dtype)
-      v = v.astype(q.dtype)
+      # e4m3 -> f16 is one hardware convert per pair on Hopper; e4m3 -> bf16 went through f32 and made the
+      # fp8 kernel convert-bound (call 1: fp8 tokens/s no better than bf16). q and p are f16 for these dots.
+      k = k.astype(jnp.float16)
+      v = v.astype(jnp.float16)
     sc = pltriton.dot(q, k, trans_b=True) * scale_log2                        # [R, Z] f32, base-2 logits
     if quantized:
       sc = sc * ks_ref[pid, h]
@@ -158,6 +160,8 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   # Rows r = t * G + g of kv head h: query head h * G + g at token t.
   qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R0, H)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - R0), (0, 0)))
+  if quantized:
+    qr = qr.astype(jnp.float16)                                        # see the fp8 note in _kernel
   qpos = jnp.repeat(jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32), G, axis=1)
   qpos = jnp.pad(qpos, ((0, 0), (0, R - R0)), constant_values=-1)      # padded rows see nothing
   kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)

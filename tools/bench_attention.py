@@ -1,0 +1,477 @@
+"""Check and time lcjax's attention backends beside the peers, on the shapes of BASELINES.md, in one GPU run.
+
+  PYTHONPATH=. python3 tools/bench_attention.py --out=$OUT
+
+Prefill: causal, B=1, 32 query heads, 8 kv heads, head dim 128, bf16, S in --prefill (TFLOP/s with causal flops
+2 * S^2 * H * N). Decode: batch 8, one query token, same heads, pages of --pages tokens shuffled in a pool, S in
+--decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random inputs
+against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a small
+size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near the
+L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
+cut short still leaves what it measured. A watchdog ends the process if one measurement stalls (a hung kernel).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch peers share the GPU in this process
+
+import datetime
+import functools
+import json
+import math
+import sys
+import threading
+import time
+import traceback
+
+from absl import app
+from absl import flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcjax.ops import attention as ref
+from lcjax.ops import cudnn
+from lcjax.ops import pallas_flash
+from lcjax.ops import pallas_paged
+
+FLAGS = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "directory for the json/md results")
+_PREFILL = flags.DEFINE_list("prefill", ["8192", "32768", "131072"], "prefill lengths")
+_DECODE = flags.DEFINE_list("decode", ["32768", "131072", "524288"], "decode context lengths")
+_PAGES = flags.DEFINE_list("pages", ["64", "128"], "page sizes for decode")
+_REPS = flags.DEFINE_integer("reps", 7, "timed repeats (median)")
+_ONLY = flags.DEFINE_list("only", [], "run only impls whose name contains one of these")
+_SKIP = flags.DEFINE_list("skip", [], "skip impls whose name contains one of these")
+_STALL = flags.DEFINE_integer("stall_s", 120, "watchdog: seconds one measurement may take")
+_NAME = flags.DEFINE_string("name", "attention-h200", "result file stem")
+_EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
+
+B_PF, N, K, H = 1, 32, 8, 128
+B_DEC = 8
+DT = jnp.bfloat16
+
+
+class Results:
+  def __init__(self, out_dir, stem, command):
+    self.path = os.path.join(out_dir, stem)
+    self.doc = dict(device=str(jax.devices()[0].device_kind), versions=_versions(), command=command,
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=[],
+                    errors=[])
+
+  def add(self, **row):
+    self.doc["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    self.flush()
+
+  def error(self, what, e):
+    msg = f"{what}: {type(e).__name__}: {str(e)[:1500]}"
+    self.doc["errors"].append(msg)
+    print("ERROR", msg, flush=True)
+    traceback.print_exc()
+    self.flush()
+
+  def flush(self):
+    _ratios(self.doc["rows"])
+    with open(self.path + ".json", "w") as f:
+      json.dump(self.doc, f, indent=1)
+    with open(self.path + ".md", "w") as f:
+      f.write(_markdown(self.doc))
+
+
+def _versions():
+  v = dict(jax=jax.__version__, python=sys.version.split()[0])
+  try:
+    from jax._src.lib import cuda_versions
+    v["cudnn"] = cuda_versions.cudnn_get_version()
+    v["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+  except Exception:  # noqa: BLE001 - versions are informational
+    pass
+  for mod in ("torch", "flash_attn3_jax"):
+    try:
+      v[mod] = __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+      v[mod] = None
+  return v
+
+
+def _ratios(rows):
+  """ratio_to_best_peer on lcjax rows: metric / best peer metric of the same (op, S, page)."""
+  best = {}
+  for r in rows:
+    if not r["lcjax"] and r.get("metric") is not None:
+      key = (r["op"], r["S"], r.get("page"))
+      best[key] = max(best.get(key, 0.0), r["metric"])
+  for r in rows:
+    key = (r["op"], r["S"], r.get("page"))
+    if r["lcjax"] and r.get("metric") is not None and key in best:
+      r["ratio_to_best_peer"] = round(r["metric"] / best[key], 3)
+
+
+def _markdown(doc):
+  lines = [f"# Attention on {doc['device']} ({doc['date']})", "", f"versions: `{json.dumps(doc['versions'])}`", "",
+           f"command: `{doc['command']}`", "",
+           "| op | S | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | lse_err |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(doc["rows"], key=lambda r: (r["op"], r["S"], r.get("page") or 0, not r["lcjax"], r["impl"])):
+    metric = r.get("tflops", r.get("tbps"))
+    unit = "TF" if "tflops" in r else "TB/s"
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    lines.append(f"| {r['op']} | {r['S']} | {r.get('page') or '-'} | {r['impl']} | {r['lcjax']} | {r['dtype']} | "
+                 f"{fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | {fmt(r.get('ratio_to_best_peer'), '.3f')}"
+                 f" | {fmt(r.get('rel_err'), '.1e')} | {fmt(r.get('lse_err'), '.1e')} |")
+  if doc["errors"]:
+    lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in doc["errors"]]
+  return "\n".join(lines) + "\n"
+
+
+class Watchdog:
+  """Ends the process if a measurement stalls: a deadlocked kernel would otherwise eat the whole GPU lease."""
+
+  def __init__(self, seconds, results):
+    self.seconds, self.results, self.deadline = seconds, results, None
+    threading.Thread(target=self._run, daemon=True).start()
+
+  def arm(self, what):
+    self.what, self.deadline = what, time.monotonic() + self.seconds
+
+  def disarm(self):
+    self.deadline = None
+
+  def _run(self):
+    while True:
+      time.sleep(2)
+      if self.deadline is not None and time.monotonic() > self.deadline:
+        self.results.doc["errors"].append(f"watchdog: {self.what} stalled > {self.seconds}s; process ended")
+        self.results.flush()
+        print(f"WATCHDOG: {self.what} stalled", flush=True)
+        os._exit(3)
+
+
+def _sync(x):
+  jax.block_until_ready(x)
+  return x
+
+
+def time_jax(fn, arg_sets, reps):
+  """Median seconds of fn(*args) over reps calls, rotating over arg_sets, each call synchronised."""
+  for args in arg_sets:
+    _sync(fn(*args))
+  ts = []
+  for i in range(reps):
+    args = arg_sets[i % len(arg_sets)]
+    t = time.perf_counter()
+    _sync(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def time_torch(fn, reps):
+  import torch
+  fn()
+  torch.cuda.synchronize()
+  ts = []
+  for _ in range(reps):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    ts.append(s.elapsed_time(e) / 1e3)
+  return float(np.median(ts))
+
+
+def rel_err(out, want):
+  o, w = np.asarray(out, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(o - w) / np.linalg.norm(w))
+
+
+def lse_err(lse, want):
+  a, w = np.asarray(lse, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(a - w) / np.maximum(1.0, np.abs(w))))
+
+
+def selected(name):
+  if _ONLY.value and not any(s in name for s in _ONLY.value):
+    return False
+  return not any(s in name for s in _SKIP.value)
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+def prefill_impls():
+  """name -> (lcjax?, fn(q, k, v) -> out or (out, lse [B, T, N]))."""
+  scale = 1.0 / math.sqrt(H)
+  impls = {
+      "lcjax-cudnn": (True, lambda q, k, v: cudnn.CudnnBackend().attend(q, k, v, causal=True)),
+      "lcjax-pallas": (True, lambda q, k, v: pallas_flash.PallasBackend().attend(q, k, v, causal=True)),
+      "lcjax-pallas-nolse": (True, lambda q, k, v: pallas_flash.flash_attention(q, k, v, causal=True,
+                                                                               save_lse=False)[0]),
+      "cudnn-public": (False, lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                           implementation="cudnn")),
+      "cudnn-public-lse": (False, lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation="cudnn", return_residual=True)),
+  }
+  if _EXPLORE.value:
+    for name, tuning in (("mcs3", pallas_flash.FlashTuning(max_concurrent_steps=3)),
+                         ("fwd-order", pallas_flash.FlashTuning(reverse_q=False)),
+                         ("regs240", pallas_flash.FlashTuning(compute_regs=240, memory_regs=24))):
+      impls["lcjax-pallas-" + name] = (True, functools.partial(_flash, tuning=tuning))
+  try:
+    import flash_attn3_jax as fa3
+    from flash_attn3_jax import flash as fa3_flash
+    impls["fa3"] = (False, lambda q, k, v: fa3.flash_mha(q, k, v, is_causal=True))
+    impls["fa3-lse"] = (False, lambda q, k, v: _fa3_lse(fa3_flash, q, k, v, scale))
+  except Exception as e:  # noqa: BLE001 - an optional peer
+    print("no flash_attn3_jax:", e, flush=True)
+  return impls
+
+
+def _flash(q, k, v, *, tuning):
+  return pallas_flash.flash_attention(q, k, v, causal=True, tuning=tuning)
+
+
+def _fa3_lse(fa3_flash, q, k, v, scale):
+  out, lse = fa3_flash._flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=True, window_size=(-1, -1))
+  return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def qkv(key, S, B=B_PF):
+  ks = jax.random.split(key, 3)
+  return (jax.random.normal(ks[0], (B, S, N, H), DT), jax.random.normal(ks[1], (B, S, K, H), DT),
+          jax.random.normal(ks[2], (B, S, K, H), DT))
+
+
+def bench_prefill(res, dog, sizes, reps):
+  impls = {n: v for n, v in prefill_impls().items() if selected(n)}
+  # Correctness at a size the reference handles, on inputs no timing run uses.
+  q, k, v = qkv(jax.random.key(101), 2048)
+  want_o, want_l = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, causal=True))(q, k, v)
+  checks = {}
+  for name, (_, fn) in impls.items():
+    try:
+      dog.arm(f"check {name}")
+      got = _sync(jax.jit(fn)(q, k, v))
+      o, l = got if isinstance(got, tuple) else (got, None)
+      checks[name] = (rel_err(o, want_o), None if l is None else lse_err(l, want_l))
+    except Exception as e:  # noqa: BLE001 - one impl failing must not end the run
+      res.error(f"prefill check {name}", e)
+    dog.disarm()
+  del q, k, v, want_o, want_l
+  for S in sizes:
+    sets = [qkv(jax.random.key(S + i), S) for i in range(2 if S <= 8192 else 1)]
+    flops = 4.0 * S * S * H * N * B_PF / 2
+    first = None
+    for name, (mine, fn) in impls.items():
+      if name not in checks:
+        continue
+      try:
+        dog.arm(f"prefill {name} S={S}")
+        f = jax.jit(fn)
+        t = time_jax(f, sets, reps if S < 131072 else max(3, reps // 2))
+        o = f(*sets[0])
+        o = o[0] if isinstance(o, tuple) else o
+        agree = None
+        if first is None:
+          first = o
+        else:
+          agree = rel_err(o, first)
+        res.add(op="prefill", impl=name, lcjax=mine, S=S, batch=B_PF, dtype="bfloat16", ms=t * 1e3,
+                tflops=flops / t / 1e12, metric=flops / t / 1e12, rel_err=checks[name][0], lse_err=checks[name][1],
+                rel_err_vs_first_impl=agree)
+      except Exception as e:  # noqa: BLE001
+        res.error(f"prefill {name} S={S}", e)
+      dog.disarm()
+    del sets, first
+  bench_torch_prefill(res, dog, sizes, reps)
+
+
+def bench_torch_prefill(res, dog, sizes, reps):
+  if not selected("torch"):
+    return
+  try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+  except Exception as e:  # noqa: BLE001
+    res.error("torch import", e)
+    return
+  for S in sizes:
+    q = torch.randn(B_PF, N, S, H, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B_PF, K, S, H, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B_PF, K, S, H, device="cuda", dtype=torch.bfloat16)
+    flops = 4.0 * S * S * H * N * B_PF / 2
+    for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+      name = "torch-sdpa-" + be.split("_")[0].lower()
+      try:
+        dog.arm(f"{name} S={S}")
+        with sdpa_kernel(getattr(SDPBackend, be)):
+          try:
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            fn()
+          except RuntimeError:
+            kr, vr = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
+            fn = lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+          t = time_torch(fn, reps if S < 131072 else max(3, reps // 2))
+        res.add(op="prefill", impl=name, lcjax=False, S=S, batch=B_PF, dtype="bfloat16", ms=t * 1e3,
+                tflops=flops / t / 1e12, metric=flops / t / 1e12, rel_err=None, lse_err=None)
+      except Exception as e:  # noqa: BLE001
+        res.error(f"{name} S={S}", e)
+      dog.disarm()
+    del q, k, v
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def decode_impls():
+  """name -> (lcjax?, fp8?, fn(q, kp, vp, table, q_pos, kv_len, ks, vs) -> (out, lse))."""
+  pal = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: pallas_paged.paged_decode(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
+  impls = {
+      "lcjax-pallas": (True, False, pal(pallas_paged.PagedTuning())),
+      "lcjax-pallas-fp8": (True, True, pal(pallas_paged.PagedTuning())),
+  }
+  if _EXPLORE.value:
+    T = pallas_paged.PagedTuning
+    for name, tuning in (("st2", T(num_stages=2)), ("st4-pps1", T(num_stages=4, pages_per_step=1)),
+                         ("st3-pps1", T(pages_per_step=1)), ("pps4", T(pages_per_step=4)),
+                         ("tp2112", T(target_programs=2112)), ("tp528", T(target_programs=528)),
+                         ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
+      impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
+    impls["lcjax-pallas-fp8-st2"] = (True, True, pal(T(num_stages=2)))
+    impls["lcjax-pallas-fp8-st4-pps1"] = (True, True, pal(T(num_stages=4, pages_per_step=1)))
+  impls |= {
+      "lcjax-cudnn": (True, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn.CudnnBackend().paged(
+          q, kp, vp, t, q_pos=qp, kv_len=kl)),
+  }
+  try:
+    import flash_attn3_jax as fa3
+    for splits in (1, 8):
+      impls[f"fa3-paged-split{splits}"] = (False, False, functools_partial_fa3(fa3, splits))
+  except Exception as e:  # noqa: BLE001
+    print("no flash_attn3_jax:", e, flush=True)
+  impls["cudnn-private-paged"] = (False, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn._paged_cudnn(
+      q, kp, vp, t, kl, 1.0 / math.sqrt(H)))
+  return impls
+
+
+def functools_partial_fa3(fa3, splits):
+  def fn(q, kp, vp, t, qp, kl, ks, vs):
+    out, lse = fa3.flash_mha_with_kvcache(q, kp, vp, cache_seqlens=kl, page_table=t, num_splits=splits,
+                                          return_softmax_lse=True)
+    return out, jnp.transpose(lse, (0, 2, 1))
+  return fn
+
+
+def pages(key, S, Z, fp8, B=B_DEC):
+  M = S // Z
+  P = B * M
+  ks = jax.random.split(key, 6)
+  q = jax.random.normal(ks[0], (B, 1, N, H), DT)
+  table = jax.random.permutation(ks[3], P).reshape(B, M).astype(jnp.int32)
+  if fp8:
+    kp = jax.random.normal(ks[1], (P, Z, K, H), DT).astype(jnp.float8_e4m3fn)
+    vp = jax.random.normal(ks[2], (P, Z, K, H), DT).astype(jnp.float8_e4m3fn)
+    sc = jax.random.uniform(ks[4], (P, K), minval=0.5, maxval=2.0)
+    return q, kp, vp, table, sc, sc * 0.75
+  kp = jax.random.normal(ks[1], (P, Z, K, H), DT)
+  vp = jax.random.normal(ks[2], (P, Z, K, H), DT)
+  return q, kp, vp, table, None, None
+
+
+# Tuning variants and FA3's single split run at the first page size only (compiles cost device time).
+MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-cudnn", "fa3-paged-split8", "cudnn-private-paged",
+               "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
+
+
+def bench_decode(res, dog, sizes, page_sizes, reps):
+  impls = {n: v for n, v in decode_impls().items() if selected(n)}
+  for Z in page_sizes:
+    checks = {}
+    for fp8 in (False, True):
+      q, kp, vp, table, ks, vs = pages(jax.random.key(7 + Z + fp8), 4096, Z, fp8)
+      kv_len = jnp.array([4096, 4000, 1, 2500, 77, 4095, 3000, 1024], jnp.int32)
+      q_pos = kv_len[:, None] - 1
+      want_o, want_l = jax.jit(lambda *a: ref.paged_attention_reference(
+          a[0], a[1], a[2], a[3], q_pos=a[4], kv_len=a[5], k_scale=a[6], v_scale=a[7]))(
+              q, kp, vp, table, q_pos, kv_len, ks, vs)
+      for name, (_, is8, fn) in impls.items():
+        if is8 != fp8 or (Z != page_sizes[0] and name not in MAIN_DECODE):
+          continue
+        try:
+          dog.arm(f"check {name} Z={Z}")
+          o, l = _sync(jax.jit(fn)(q, kp, vp, table, q_pos, kv_len, ks, vs))
+          checks[name] = (rel_err(o, want_o), lse_err(l, want_l))
+        except Exception as e:  # noqa: BLE001
+          res.error(f"decode check {name} Z={Z}", e)
+        dog.disarm()
+    for S in sizes:
+      data = {fp8: pages(jax.random.key(S + Z + fp8), S, Z, fp8) for fp8 in (False, True)
+              if any(v[1] == fp8 and n in checks for n, v in impls.items())}
+      kv_len = jnp.full((B_DEC,), S, jnp.int32)
+      q_pos = kv_len[:, None] - 1
+      first = None
+      for name, (mine, fp8, fn) in impls.items():
+        if name not in checks:
+          continue
+        q, kp, vp, table, ks, vs = data[fp8]
+        nbytes = kp.nbytes + vp.nbytes
+        try:
+          dog.arm(f"decode {name} S={S} Z={Z}")
+          f = jax.jit(fn)
+          t = time_jax(f, [(q, kp, vp, table, q_pos, kv_len, ks, vs)], reps)
+          o = f(q, kp, vp, table, q_pos, kv_len, ks, vs)[0]
+          agree = None
+          if not fp8:
+            if first is None:
+              first = o
+            else:
+              agree = rel_err(o, first)
+          res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B_DEC, page=Z,
+                  dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
+                  metric=nbytes / t / 1e12, tokens_per_s=B_DEC / t, rel_err=checks[name][0],
+                  lse_err=checks[name][1], rel_err_vs_first_impl=agree)
+        except Exception as e:  # noqa: BLE001
+          res.error(f"decode {name} S={S} Z={Z}", e)
+        dog.disarm()
+      del data, first
+
+
+def probe_cudnn_any_pool(res, dog):
+  """Does cuDNN's paged kernel accept a pool whose size is not B * M when JAX's Python check is skipped?"""
+  try:
+    dog.arm("probe any_pool")
+    B, Z, M, P = 3, 64, 8, 29
+    ks = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(ks[0], (B, 1, N, H), DT)
+    kp = jax.random.normal(ks[1], (P, Z, K, H), DT)
+    vp = jax.random.normal(ks[2], (P, Z, K, H), DT)
+    table = jax.random.permutation(ks[3], P)[:B * M].reshape(B, M).astype(jnp.int32)
+    kv_len = jnp.array([M * Z, 300, 5], jnp.int32)
+    o, l = jax.jit(lambda *a: cudnn._paged_cudnn(*a, 1.0 / math.sqrt(H), any_pool=True))(q, kp, vp, table, kv_len)
+    wo, wl = ref.paged_attention_reference(q, kp, vp, table, q_pos=kv_len[:, None] - 1, kv_len=kv_len)
+    res.add(op="probe", impl="cudnn-paged-any-pool", lcjax=True, S=M * Z, batch=B, dtype="bfloat16",
+            rel_err=rel_err(o, wo), lse_err=lse_err(l, wl))
+  except Exception as e:  # noqa: BLE001
+    res.error("probe cudnn any_pool", e)
+  dog.disarm()
+
+
+def main(argv):
+  del argv
+  os.makedirs(FLAGS.value, exist_ok=True)
+  res = Results(FLAGS.value, _NAME.value, " ".join(["python3"] + sys.argv))
+  dog = Watchdog(_STALL.value, res)
+  print(json.dumps(res.doc["versions"]), jax.devices(), flush=True)
+  if selected("probe"):
+    probe_cudnn_any_pool(res, dog)
+  if _PREFILL.value:
+    bench_prefill(res, dog, [int(s) for s in _PREFILL.value], _REPS.value)
+  if _DECODE.value:
+    bench_decode(res, dog, [int(s) for s in _DECODE.value], [int(z) for z in _PAGES.value], _REPS.value)
+  res.flush()
+  print(open(res.path + ".md").read())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -144,3 +144,32 @@ def test_prefix_sharing_saves_pages_and_keeps_outputs():
   # are stored once; the prefix's partly filled 6th page stays with the prefix and each request copies it.
   assert plain.peak_pages_used == 25
   assert shared.peak_pages_used == 25 - 2 * 5 + 1
+
+
+def _prefill_logits(eng, prompt):
+  r = eng._make_requests([prompt], 1, None)[0]
+  assert eng._admit(r)
+  try:
+    captured = {}
+    real = eng.steps.first_token
+
+    def keep(logits, sp, pos):
+      captured["logits"] = np.asarray(logits)
+      return real(logits, sp, pos)
+    eng.steps.first_token = keep
+    eng._prefill(r)
+  finally:
+    eng.steps.first_token = real
+    eng._release(r)
+  return captured["logits"][0]
+
+
+def test_fp8_cache_close_to_float32_cache():
+  """A calibrated e4m3 cache changes the logits of a chunked prefill (prefix read from fp8 pages) by little."""
+  prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
+  ref = _prefill_logits(_engine(prefill_chunk=32), prompt)
+  fp8 = _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
+  assert fp8.cache.k.dtype == jnp.float8_e4m3fn and fp8.cache.k_scale.shape == (TINY.n_layers, TINY.n_kv_heads)
+  got = _prefill_logits(fp8, prompt)
+  rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+  assert 0 < rel < 0.03, rel

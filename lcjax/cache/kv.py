@@ -49,7 +49,8 @@ def cache_shape(n_layers, num_pages, page_size, n_kv_heads, head_dim):
 
 def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, fp8_scale=None,
                sharding=None) -> PagedKV:
-  """A zeroed pool. For fp8, `fp8_scale` is the per-(layer, head) absmax the scales are derived from."""
+  """A zeroed pool. For fp8, `fp8_scale` [L, 2, K] (or a scalar) is the largest |k| and |v| per layer and kv
+  head that the pool must represent; scale = absmax / 448."""
   shape = cache_shape(n_layers, num_pages, page_size, n_kv_heads, head_dim)
   dtype = jnp.dtype(dtype)
 
@@ -61,9 +62,9 @@ def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, f
   if dtype != jnp.float8_e4m3fn:
     return PagedKV(k, v)
   absmax = jnp.broadcast_to(jnp.asarray(16.0 if fp8_scale is None else fp8_scale, jnp.float32),
-                            (n_layers, n_kv_heads))
+                            (n_layers, 2, n_kv_heads))
   # Two distinct buffers: the cache is donated, and one buffer cannot be donated twice.
-  return PagedKV(k, v, absmax / FP8_MAX, jnp.array(absmax / FP8_MAX, copy=True))
+  return PagedKV(k, v, absmax[:, 0] / FP8_MAX, absmax[:, 1] / FP8_MAX)
 
 
 def quantize(x, scale):

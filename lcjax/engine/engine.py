@@ -97,8 +97,21 @@ class Engine:
     return Llama(self.cfg, dtype=jnp.dtype(self.run.dtype), attention=self.attention, rngs=rngs)
 
   def _new_cache(self) -> kvc.PagedKV:
+    fp8 = self.run.resolved_cache_dtype == "float8_e4m3fn"
     return kvc.init_cache(self.cfg.n_layers, self.plan.num_pages, self.run.page_size, self.cfg.n_kv_heads,
-                          self.cfg.head_dim, self.run.resolved_cache_dtype)
+                          self.cfg.head_dim, self.run.resolved_cache_dtype,
+                          fp8_scale=self._calibrate_fp8() if fp8 else None)
+
+  def _calibrate_fp8(self, n_tokens: int = 512, headroom: float = 2.0):
+    """Per (layer, kv head) fp8 scales: `headroom` x the largest |k|, |v| seen on a calibration forward
+    (the tokenizer's text when there is one, else seeded random ids). Returns absmax [L, K] per K and V."""
+    if self.tokenizer is not None:
+      text = " ".join(["The quick brown fox jumps over the lazy dog; 0123456789 = 42."] * 64)
+      ids = self.tokenizer.encode(text)[:n_tokens]
+    else:
+      ids = np.random.default_rng(0).integers(0, self.cfg.vocab_size, n_tokens).tolist()
+    absmax = self.steps.kv_absmax(self.params, jnp.asarray([ids], jnp.int32))     # [L, 2, K]
+    return jnp.maximum(absmax * headroom, 1e-3)
 
   @classmethod
   def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None):

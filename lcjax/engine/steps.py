@@ -30,6 +30,7 @@ class Steps:
     self.graphdef = graphdef
     self.page_size = page_size
     self.forward = jax.jit(self._forward)
+    self.kv_absmax = jax.jit(lambda params, tokens: self._model(params)(tokens, return_kv_absmax=True))
     self.prefill = jax.jit(self._prefill, donate_argnames=("cache",))
     self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",))
     self.first_token = jax.jit(sample)

@@ -13,7 +13,8 @@ Call forms (B batch, T tokens in this call):
   logits, cache = model(tokens, positions, cache=..., slots=..., page_table=..., kv_len=...)
       decode: K/V written first, then the queries attend to `kv_len` cached tokens through the page table.
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
-logits of one position per sequence (prefill needs just the last one).
+logits of one position per sequence (prefill needs just the last one). `return_kv_absmax=True` (no cache)
+returns the per-layer, per-kv-head max |k| and |v| [L, 2, K] instead of logits: fp8 cache calibration.
 """
 from __future__ import annotations
 
@@ -138,7 +139,9 @@ class Llama(nnx.Module):
     start = step.positions[:, 0]
     if cache_l is None:
       o, _ = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths, causal=True)
-      return o, None
+      # Per kv head |k| and |v| maxima: what an fp8 cache's scales are calibrated from.
+      absmax = jnp.stack([jnp.abs(k).max(axis=(0, 1, 3)), jnp.abs(v).max(axis=(0, 1, 3))]).astype(jnp.float32)
+      return o, absmax
     k_pool, v_pool, k_scale, v_scale = cache_l
     k_pool = kvc.write_layer(k_pool, kvc.quantize(k, k_scale), step.slots)
     v_pool = kvc.write_layer(v_pool, kvc.quantize(v, v_scale), step.slots)
@@ -168,7 +171,8 @@ class Llama(nnx.Module):
 
   # -- forward -----------------------------------------------------------------------------------
   def __call__(self, tokens, positions=None, *, cache: kvc.PagedKV | None = None, slots=None,
-               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None):
+               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None,
+               return_kv_absmax=False):
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -180,9 +184,11 @@ class Llama(nnx.Module):
 
     if cache is None:
       def body(x, layer_params):
-        x, _ = self._layer(nnx.merge(graphdef, layer_params), x, step, None)
-        return x, None
-      x, _ = jax.lax.scan(body, x, layer_state)
+        x, kv_absmax = self._layer(nnx.merge(graphdef, layer_params), x, step, None)
+        return x, kv_absmax
+      x, kv_absmax = jax.lax.scan(body, x, layer_state)
+      if return_kv_absmax:
+        return kv_absmax
     else:
       def body(carry, xs):
         x, k_all, v_all = carry

@@ -304,6 +304,8 @@ def bench_torch_prefill(res, dog, sizes, reps):
     flops = 4.0 * S * S * H * N * B_PF / 2
     for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
       name = "torch-sdpa-" + be.split("_")[0].lower()
+      if not selected(name):
+        continue
       try:
         dog.arm(f"{name} S={S}")
         with sdpa_kernel(getattr(SDPBackend, be)):

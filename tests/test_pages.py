@@ -8,6 +8,8 @@
    token through `slot_mapping`; reading every sequence back through `slot_mapping` must give exactly the tokens
    the model says it holds (paged == contiguous). A missing or wrong copy-on-write, or a page still in use handed
    out again, overwrites another sequence's tokens and fails here.
+The machine also runs sequence-sharded pools (`shards` > 1): slot m of every table must come from shard m % S,
+and exhaustion is judged per shard (the model knows each abstract page's shard from its slot).
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def _ceil_div(a, b):
 
 class PoolMachine(RuleBasedStateMachine):
 
-  @initialize(num_pages=st.integers(2, 40), page_size=st.integers(1, 5))
-  def setup(self, num_pages, page_size):
-    self.P, self.Z = num_pages, page_size
-    self.pool = PagePool(num_pages, page_size)
+  @initialize(per_shard=st.integers(2, 40), page_size=st.integers(1, 5), shards=st.integers(1, 3))
+  def setup(self, per_shard, page_size, shards):
+    num_pages = per_shard * shards
+    self.P, self.Z, self.S, self.Pl = num_pages, page_size, shards, per_shard
+    self.pool = PagePool(num_pages, page_size, shards=shards)
     self.ids: dict[int, list[int]] = {}      # seq -> abstract page ids
     self.tokens: dict[int, list[int]] = {}   # seq -> tag of each token
     self.dead: list[int] = []
@@ -56,6 +59,10 @@ class PoolMachine(RuleBasedStateMachine):
     seqs = {s: (self.pool.page_table(s), self.pool.length(s)) for s in self.pool.sequences}
     return seqs, self.pool.pages_free, [self.pool.refcount(p) for p in range(self.P)]
 
+  def _held_on(self, shard):
+    """Distinct abstract pages on a shard: a page sits at the same slot in every holder, slot m on shard m % S."""
+    return len({pid for ids in self.ids.values() for m, pid in enumerate(ids) if m % self.S == shard})
+
   @rule()
   def new_sequence(self):
     _STEPS["rules"] += 1
@@ -71,14 +78,25 @@ class PoolMachine(RuleBasedStateMachine):
     length = len(self.tokens[seq])
     ids = self.ids[seq]
     cow = n > 0 and length % self.Z != 0 and self._holders(ids[-1]) > 1
-    needed = (_ceil_div(length + n, self.Z) - len(ids) if n else 0) + cow
-    free = self.P - 1 - len({p for ids_ in self.ids.values() for p in ids_})
+    new_slots = list(range(len(ids), _ceil_div(length + n, self.Z))) if n else []
+    slots_filled = ([len(ids) - 1] if cow else []) + new_slots
+    needed = len(slots_filled)
+    need_on = [sum(m % self.S == d for m in slots_filled) for d in range(self.S)]
+    free_on = [self.Pl - 1 - self._held_on(d) for d in range(self.S)]
+    short = [d for d in range(self.S) if need_on[d] > free_on[d]]
     assert self.pool.pages_needed_for(seq, n) == needed
-    assert self.pool.can_extend(seq, n) == (needed <= free)
-    if needed > free:
+    assert self.pool.can_extend(seq, n) == (not short)
+    assert [self.pool.pages_free_on(d) for d in range(self.S)] == free_on
+    if short:
       _STEPS["exhausted"] += 1
       before = self._snapshot()
-      with pytest.raises(PagePoolExhausted, match=f"needs {needed} free pages .* {n} tokens .* only {free} "):
+      d = short[0]
+      if self.S == 1:
+        match = f"needs {needed} free pages .* {n} tokens .* only {free_on[0]} of {self.P - 1} "
+      else:
+        match = (f"needs {needed} free pages \\({need_on[d]} of them on seq shard {d} of {self.S}\\) .* {n} "
+                 f"tokens .* only {free_on[d]} of {self.Pl - 1} ")
+      with pytest.raises(PagePoolExhausted, match=match):
         self.pool.extend(seq, n)
       assert self._snapshot() == before
       return
@@ -100,7 +118,7 @@ class PoolMachine(RuleBasedStateMachine):
       self.device[dst * self.Z:(dst + 1) * self.Z] = self.device[src * self.Z:(src + 1) * self.Z]
     slots = self.pool.slot_mapping(seq, length, n)
     assert slots.dtype == np.int32 and slots.shape == (n,)
-    assert (slots >= self.Z).all(), "a token was written into the null page"
+    assert ((slots // self.Z) % self.Pl != 0).all(), "a token was written into a null page"
     tags = list(range(self.next_tag, self.next_tag + n))
     self.next_tag += n
     self.device[slots] = tags
@@ -149,8 +167,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert phys_of.setdefault(pid, page) == page, "pages shared in the model are not shared in the pool"
     pages = list(phys_of.values())
     assert len(set(pages)) == len(pages), "one page is held by sequences that do not share it"
-    assert 0 not in pages
-    assert pool.pages_free + len(pages) == pool.pages_total - 1 == self.P - 1
+    assert all(p % self.Pl for p in pages), "a null page was handed out"
+    assert pool.pages_free + len(pages) == pool.pages_allocatable == self.P - self.S
     assert pool.pages_used == len(pages)
     for pid, page in phys_of.items():
       assert pool.refcount(page) == self._holders(pid)
@@ -166,6 +184,9 @@ class PoolMachine(RuleBasedStateMachine):
       pos = np.arange(len(tags))
       np.testing.assert_array_equal(slots, tables[row, pos // self.Z] * self.Z + pos % self.Z)
       assert (tables[row, len(self.ids[seq]):] == 0).all()
+      # The placement policy the device relies on: slot m on seq shard m % S.
+      m = np.arange(len(self.ids[seq]))
+      np.testing.assert_array_equal(tables[row, m] // self.Pl, m % self.S)
 
 
 def test_pool_state_machine():
@@ -326,13 +347,52 @@ def test_check_detects_corruption():
   with pytest.raises(AssertionError, match="refcounts"):
     pool.check()
   pool._refcount[1] -= 1
-  pool._free.append(pool._free[0])
+  pool._free[0].append(pool._free[0][0])
   with pytest.raises(AssertionError, match="twice in the free list"):
     pool.check()
-  pool._free.pop()
-  pool._free.remove(5)
+  pool._free[0].pop()
+  pool._free[0].remove(5)
   with pytest.raises(AssertionError, match="page 5 is neither free nor held"):
     pool.check()
-  pool._free.append(1)
+  pool._free[0].append(1)
   with pytest.raises(AssertionError, match="both free and held"):
     pool.check()
+
+
+# -- sequence-sharded pools -------------------------------------------------------------------------------------
+
+def test_sharded_pool_places_slots_round_robin_by_hand():
+  pool = PagePool(12, 2, shards=3)                   # shards own pages 0-3, 4-7, 8-11; nulls 0, 4, 8
+  assert (pool.pages_per_shard, pool.pages_allocatable, pool.pages_free) == (4, 9, 9)
+  a, b = pool.new_sequence(), pool.new_sequence()
+  pool.extend(a, 7)                                  # slots 0..3 -> shards 0, 1, 2, 0
+  assert pool.page_table(a) == [1, 5, 9, 2]
+  pool.extend(b, 3)
+  assert pool.page_table(b) == [3, 6]
+  assert [pool.pages_free_on(d) for d in range(3)] == [0, 1, 2]
+  np.testing.assert_array_equal(pool.slot_mapping(a, 5, 2), [19, 4])      # page 9 offset 1, page 2 offset 0
+  c = pool.fork(b)                                   # b's last page (6, shard 1) is half full and now shared
+  assert pool.extend(c, 1) == [(6, 7)]               # the copy stays on the slot's shard
+  assert [pool.pages_free_on(d) for d in range(3)] == [0, 0, 2]
+  with pytest.raises(PagePoolExhausted, match=r"needs 1 free pages \(1 of them on seq shard 1 of 3\) .* only 0 of 3 "
+                     r"allocatable pages of that shard are free"):
+    pool.extend(a, 2)                                # slot 4 belongs on shard 1, which is full
+  assert pool.can_extend(a, 1) and not pool.can_extend(a, 2)
+  pool.check()
+
+
+def test_sharded_pool_fits_and_errors():
+  pool = PagePool(8, 4, shards=2)                    # 3 allocatable pages per shard
+  assert pool.fits(6 * 4) and not pool.fits(6 * 4 + 1)    # 7 pages: slots 0, 2, 4, 6 on shard 0
+  with pytest.raises(ValueError, match="num_pages=9 is not divisible by shards=2"):
+    PagePool(9, 4, shards=2)
+  with pytest.raises(ValueError, match="num_pages=2 must be >= 2 per shard"):
+    PagePool(2, 4, shards=2)
+  with pytest.raises(ValueError, match="shards=0"):
+    PagePool(8, 4, shards=0)
+  s = pool.new_sequence()
+  pool.extend(s, 24)
+  assert pool.pages_free == 0
+  pool.free(s)
+  assert [pool.pages_free_on(d) for d in range(2)] == [3, 3]
+  pool.check()

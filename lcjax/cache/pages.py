@@ -11,7 +11,14 @@ need no write, and a partly filled shared last page is copied to a fresh page th
 extends (copy-on-write). The copy itself is device work, so `extend` returns the `(src, dst)` pairs for the
 caller to perform before it writes the new tokens.
 
-Legend: P pages, Z page size, M page-table slots per sequence.
+Sequence-sharded pools (`shards=S`, the `seq` mesh axis): the device pool's P pages are split into S equal
+slices, shard d owning pages [d * P/S, (d+1) * P/S), and the first page of every slice is that shard's null page.
+Placement policy: page-table slot m of every sequence lives on shard m % S (round-robin), so a sequence's pages,
+and the attention work over them, are balanced across shards within one page, however long it grows by decode;
+and the device finds shard d's part of any table as the columns d, d+S, d+2S, ... with no lookup. Copy-on-write
+keeps a page's slot, hence its shard.
+
+Legend: P pages, Z page size, M page-table slots per sequence, S sequence shards.
 """
 from __future__ import annotations
 
@@ -27,15 +34,20 @@ class PagePoolExhausted(ValueError):
 
 
 class PagePool:
-  """Free list, per-page reference counts, and per-sequence page tables and lengths.
+  """Free lists, per-page reference counts, and per-sequence page tables and lengths.
 
-  Free pages are handed out lowest-first (a heap), so allocation is deterministic. Sequence ids are never
-  reused, so a stale id after `free` is an error rather than a silent alias of a newer sequence.
+  Free pages are handed out lowest-first (a heap per shard), so allocation is deterministic. Sequence ids are
+  never reused, so a stale id after `free` is an error rather than a silent alias of a newer sequence.
   """
 
-  def __init__(self, num_pages: int, page_size: int):
-    if num_pages < 2:
-      raise ValueError(f"{num_pages=} must be >= 2: page 0 is the reserved null page")
+  def __init__(self, num_pages: int, page_size: int, shards: int = 1):
+    if shards < 1:
+      raise ValueError(f"{shards=} must be >= 1")
+    if num_pages % shards:
+      raise ValueError(f"{num_pages=} is not divisible by {shards=}: every shard holds an equal slice")
+    if num_pages // shards < 2:
+      raise ValueError(f"{num_pages=} must be >= 2 per shard ({shards=}): the first page of every shard is its "
+                       "reserved null page")
     if page_size < 1:
       raise ValueError(f"{page_size=} must be >= 1")
     # Slot ids go to the device as int32 scatter indices.
@@ -43,7 +55,10 @@ class PagePool:
       raise ValueError(f"{num_pages=} * {page_size=} cache slots do not fit int32 slot ids")
     self._num_pages = num_pages
     self._page_size = page_size
-    self._free = list(range(1, num_pages))   # a heap; an ascending list already is one
+    self._shards = shards
+    self._per_shard = num_pages // shards
+    # One heap per shard; an ascending list already is one.
+    self._free = [list(range(d * self._per_shard + 1, (d + 1) * self._per_shard)) for d in range(shards)]
     self._refcount = [0] * num_pages
     self._tables: dict[int, list[int]] = {}
     self._lengths: dict[int, int] = {}
@@ -57,17 +72,39 @@ class PagePool:
 
   @property
   def pages_total(self) -> int:
-    """P, the size of the device pool, null page included (so at most P - 1 pages are ever in use)."""
+    """P, the size of the device pool, null pages included (so at most P - S pages are ever in use)."""
     return self._num_pages
 
   @property
+  def shards(self) -> int:
+    return self._shards
+
+  @property
+  def pages_per_shard(self) -> int:
+    return self._per_shard
+
+  @property
+  def pages_allocatable(self) -> int:
+    return self._num_pages - self._shards
+
+  @property
   def pages_free(self) -> int:
-    return len(self._free)
+    return sum(len(f) for f in self._free)
+
+  def pages_free_on(self, shard: int) -> int:
+    return len(self._free[shard])
 
   @property
   def pages_used(self) -> int:
     """Distinct pages held by at least one sequence (a shared page counts once)."""
-    return self._num_pages - 1 - len(self._free)
+    return self.pages_allocatable - self.pages_free
+
+  def shard_of(self, page: int) -> int:
+    return page // self._per_shard
+
+  def fits(self, n_tokens: int) -> bool:
+    """Whether an empty pool can hold one sequence of n_tokens (its busiest shard holds slots 0, S, 2S, ...)."""
+    return -(-self.pages_needed(n_tokens) // self._shards) <= self._per_shard - 1
 
   @property
   def sequences(self) -> tuple[int, ...]:
@@ -114,43 +151,62 @@ class PagePool:
       return table[-1]
     return None
 
-  def pages_needed_for(self, seq: int, n_tokens: int) -> int:
-    """Free pages that `extend(seq, n_tokens)` takes, the copy-on-write page included."""
+  def _slots_to_fill(self, seq: int, n_tokens: int) -> list[int]:
+    """Page-table slots that `extend(seq, n_tokens)` takes fresh pages for, the copy-on-write slot first."""
     if n_tokens < 0:
       raise ValueError(f"{n_tokens=} must be >= 0")
     have = len(self._table(seq))
     new = self.pages_needed(self._lengths[seq] + n_tokens) - have if n_tokens > 0 else 0
-    return new + (self._cow_page(seq, n_tokens) is not None)
+    cow = [have - 1] if self._cow_page(seq, n_tokens) is not None else []
+    return cow + list(range(have, have + new))
+
+  def pages_needed_for(self, seq: int, n_tokens: int) -> int:
+    """Free pages that `extend(seq, n_tokens)` takes, the copy-on-write page included."""
+    return len(self._slots_to_fill(seq, n_tokens))
+
+  def _short_shard(self, slots: list[int]) -> tuple[int, int] | None:
+    """(shard, pages it needs) of the first shard that cannot supply its share of `slots`, else None."""
+    need = [0] * self._shards
+    for m in slots:
+      need[m % self._shards] += 1
+    for d, n in enumerate(need):
+      if n > len(self._free[d]):
+        return d, n
+    return None
 
   def can_extend(self, seq: int, n_tokens: int) -> bool:
-    return self.pages_needed_for(seq, n_tokens) <= len(self._free)
+    return self._short_shard(self._slots_to_fill(seq, n_tokens)) is None
 
   def extend(self, seq: int, n_tokens: int) -> list[tuple[int, int]]:
     """Reserve room for n_tokens more tokens of seq; return the (src, dst) page copies to do before writing.
 
     All or nothing: if the pool cannot supply the pages it raises PagePoolExhausted and changes nothing.
     """
-    needed = self.pages_needed_for(seq, n_tokens)   # validates seq and n_tokens
-    if needed > len(self._free):
+    slots = self._slots_to_fill(seq, n_tokens)   # validates seq and n_tokens
+    short = self._short_shard(slots)
+    if short is not None:
       length = self._lengths[seq]
+      where = ""
+      if self._shards > 1:
+        where = f" ({short[1]} of them on seq shard {short[0]} of {self._shards})"
+      free = len(self._free[short[0]]) if self._shards > 1 else self.pages_free
+      of = self._per_shard - 1 if self._shards > 1 else self.pages_allocatable
       raise PagePoolExhausted(
-          f"sequence {seq} needs {needed} free pages to extend by {n_tokens} tokens (length {length} -> "
-          f"{length + n_tokens}, page_size={self._page_size}) but only {len(self._free)} of "
-          f"{self._num_pages - 1} allocatable pages are free")
+          f"sequence {seq} needs {len(slots)} free pages{where} to extend by {n_tokens} tokens (length {length} "
+          f"-> {length + n_tokens}, page_size={self._page_size}) but only {free} of {of} allocatable pages "
+          f"{'of that shard ' if self._shards > 1 else ''}are free")
     table = self._table(seq)
     copies = []
     src = self._cow_page(seq, n_tokens)
-    if src is not None:
-      dst = heapq.heappop(self._free)
-      self._refcount[src] -= 1
-      self._refcount[dst] = 1
-      table[-1] = dst
-      copies.append((src, dst))
-      needed -= 1
-    for _ in range(needed):
-      page = heapq.heappop(self._free)
+    for m in slots:
+      page = heapq.heappop(self._free[m % self._shards])
       self._refcount[page] = 1
-      table.append(page)
+      if m < len(table):        # the copy-on-write slot
+        self._refcount[src] -= 1
+        table[m] = page
+        copies.append((src, page))
+      else:
+        table.append(page)
     self._lengths[seq] += n_tokens
     return copies
 
@@ -170,7 +226,7 @@ class PagePool:
     for page in table:
       self._refcount[page] -= 1
       if self._refcount[page] == 0:
-        heapq.heappush(self._free, page)
+        heapq.heappush(self._free[self.shard_of(page)], page)
     del self._tables[seq]
     del self._lengths[seq]
 
@@ -207,11 +263,16 @@ class PagePool:
     def fail(msg):
       raise AssertionError(f"PagePool invariant broken: {msg}")
 
-    free = set(self._free)
-    if len(free) != len(self._free):
-      fail(f"a page is twice in the free list {sorted(self._free)}")
-    if 0 in free:
-      fail("null page 0 is in the free list")
+    nulls = set(range(0, self._num_pages, self._per_shard))
+    all_free = [p for f in self._free for p in f]
+    free = set(all_free)
+    if len(free) != len(all_free):
+      fail(f"a page is twice in the free list {sorted(all_free)}")
+    if free & nulls:
+      fail(f"null page(s) {sorted(free & nulls)} in the free list")
+    for d, f in enumerate(self._free):
+      if any(self.shard_of(p) != d for p in f):
+        fail(f"free list of shard {d} holds pages of another shard: {sorted(f)}")
     if not free <= set(range(1, self._num_pages)):
       fail(f"free list {sorted(free)} holds pages outside 1..{self._num_pages - 1}")
     held = [0] * self._num_pages
@@ -220,13 +281,16 @@ class PagePool:
         fail(f"sequence {seq} holds a page twice: {table}")
       if len(table) != self.pages_needed(self._lengths[seq]):
         fail(f"sequence {seq} of length {self._lengths[seq]} holds {len(table)} pages")
-      for page in table:
-        if not 1 <= page < self._num_pages:
-          fail(f"sequence {seq} holds page {page} outside 1..{self._num_pages - 1}")
+      for m, page in enumerate(table):
+        if not 0 <= page < self._num_pages or page in nulls:
+          fail(f"sequence {seq} holds page {page}, a null page or outside 0..{self._num_pages - 1}")
+        if self.shard_of(page) != m % self._shards:
+          fail(f"sequence {seq} holds page {page} (shard {self.shard_of(page)}) at slot {m}, which belongs "
+               f"on shard {m % self._shards}")
         held[page] += 1
     if held != self._refcount:
       bad = [p for p in range(self._num_pages) if held[p] != self._refcount[p]]
       fail(f"refcounts {[(p, self._refcount[p]) for p in bad]} != tables' counts {[(p, held[p]) for p in bad]}")
-    for page in range(1, self._num_pages):
+    for page in sorted(set(range(self._num_pages)) - nulls):
       if (page in free) == (held[page] > 0):
         fail(f"page {page} is {'both free and held' if page in free else 'neither free nor held'}")

@@ -12,7 +12,9 @@ its scores and its V scale its P @ V term, so the dequantized page is never writ
 
 Why Triton lowering and not Mosaic GPU: this kernel runs in Pallas interpret mode on CPU, so CI covers its indexing
 and masking; it is a gather of small tiles through a data-dependent page table, where the Mosaic path's TMA
-descriptors buy little. Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it elsewhere.
+descriptors buy little. JAX 0.11.2 warns that the Pallas Triton backend is deprecated: the Mosaic GPU rewrite
+is the next step (benchmarks/NOTES-attention.md). Chunked prefill (R > max_rows) is not decode-shaped: the
+backend routes it elsewhere.
 
 Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots.
 """

@@ -45,8 +45,12 @@ def _online_softmax(q, n_blocks, block_fn, scale):
   qf = q.astype(jnp.float32) * scale
 
   def step(carry, i):
-    m, l, acc = carry                                              # [B,T,N], [B,T,N], [B,T,N,H]
     k, v, visible = block_fn(i)
+    # Blocks no query can see (past a sequence's end, or in every query's future) cost nothing.
+    return jax.lax.cond(jnp.any(visible), update, lambda c, *_: c, carry, k, v, visible), None
+
+  def update(carry, k, v, visible):
+    m, l, acc = carry                                              # [B,T,N], [B,T,N], [B,T,N,H]
     K = k.shape[2]
     qg = qf.reshape(B, T, K, N // K, H)
     s = jnp.einsum("btkgh,bckh->btkgc", qg, k.astype(jnp.float32))
@@ -59,7 +63,7 @@ def _online_softmax(q, n_blocks, block_fn, scale):
     l = l * corr + p.sum(-1)
     pv = jnp.einsum("btkgc,bckh->btkgh", p.reshape(B, T, K, N // K, -1), v.astype(jnp.float32))
     acc = acc * corr[..., None] + pv.reshape(B, T, N, H)
-    return (m_new, l, acc), None
+    return m_new, l, acc
 
   init = (jnp.full((B, T, N), _MASKED, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
           jnp.zeros((B, T, N, H), jnp.float32))

@@ -34,17 +34,20 @@ def prompts():
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
 def test_backend_engine_matches_reference(backend, prompts):
-  ref = _engine("reference", "float32")
-  fast = _engine(backend, "float32")
+  from tests.test_engine import _prefill_logits
+  ref = _engine("reference")
+  fast = _engine(backend)
   assert fast.attention.name == backend
-  # Prefill logits (chunked, against the paged prefix) agree to float32-kernel accuracy.
   for p in prompts:
+    # Uncached forward (attend only), then chunked prefill against the paged prefix (attend + paged).
     a, b = ref.logits([p[:1024]])[0, -1], fast.logits([p[:1024]])[0, -1]
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
+    a, b = _prefill_logits(ref, p), _prefill_logits(fast, p)
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
   got = [r.token_ids for r in fast.generate(prompts, max_new_tokens=24)]
   want = [r.token_ids for r in ref.generate(prompts, max_new_tokens=24)]
-  agree = np.mean([x == y for g, w in zip(got, want) for x, y in zip(g, w)])
-  assert agree > 0.9, (got, want)
+  # bf16 near-ties can flip a token late in a greedy run; the first tokens must agree.
+  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
 
 
 def test_bf16_generation_is_batch_invariant(prompts):

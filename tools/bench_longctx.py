@@ -40,6 +40,8 @@ flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")
 flags.DEFINE_integer("page_size", 64, "lcjax page size")
 flags.DEFINE_string("attention", "auto", "lcjax attention backend")
 flags.DEFINE_string("dtype", "bfloat16", "parameter / activation dtype")
+flags.DEFINE_list("limits", [], "per-implementation longest context, e.g. hf:262144,dense:32768 (longer ones are "
+                  "recorded as skipped)")
 flags.DEFINE_float("time_budget_s", 540.0, "stop starting new contexts once this much wall time is spent")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "longctx", "output file stem")
@@ -76,6 +78,14 @@ def _is_oom(e: BaseException) -> bool:
   return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
 
 
+def _limit(impl: str) -> int:
+  for item in FLAGS.limits:
+    name, _, value = item.partition(":")
+    if name == impl:
+      return int(value)
+  return 1 << 62
+
+
 def _too_late(S, last):
   """Skip a context whose predicted time (quadratic from the last one) would pass the deadline."""
   if not last:
@@ -98,8 +108,8 @@ def worker_jax(impl: str):
   last = None
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
-    if failed or _too_late(S, last):
-      _emit(impl=impl, S=S, oom=failed, skipped=None if failed else "time budget")
+    if failed or _too_late(S, last) or S > _limit(impl):
+      _emit(impl=impl, S=S, oom=failed, skipped=None if failed else ("limit" if S > _limit(impl) else "time budget"))
       continue
     chunk = S if impl == "dense" else min(FLAGS.prefill_chunk, S)
     page = FLAGS.page_size
@@ -145,8 +155,8 @@ def worker_hf():
   last = None
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
-    if failed or _too_late(S, last):
-      _emit(impl="hf", S=S, oom=failed, skipped=None if failed else "time budget")
+    if failed or _too_late(S, last) or S > _limit("hf"):
+      _emit(impl="hf", S=S, oom=failed, skipped=None if failed else ("limit" if S > _limit("hf") else "time budget"))
       continue
     gc.collect()
     torch.cuda.empty_cache()
@@ -264,7 +274,7 @@ def orchestrate():
     argv = [sys.executable, os.path.abspath(__file__), f"--worker={impl}", f"--deadline={time.time() + remaining}"]
     argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "prefill_chunk",
                                                       "page_size", "attention", "dtype")]
-    argv += ["--contexts=" + ",".join(FLAGS.contexts)]
+    argv += ["--contexts=" + ",".join(FLAGS.contexts), "--limits=" + ",".join(FLAGS.limits)]
     print(f"== {impl}: {' '.join(argv[2:])}", flush=True)
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -62,10 +62,21 @@ def test_layout_matches_model():
     assert shapes == model
 
 
-def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path):
+@pytest.fixture(params=["whole", "split"])
+def part_bytes(request, monkeypatch):
+  """Store tensors whole, or split into many row slabs (what a 70B's large tensors get)."""
+  from lcjax.checkpoint import store
+  if request.param == "split":
+    monkeypatch.setattr(store, "PART_BYTES", 2048)   # 8 float32 rows of D=64 per part
+  return request.param
+
+
+def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path, part_bytes):
   model, single, _ = hf_dirs
   dst = str(tmp_path / "ckpt")
   stats = convert_hf(single, dst, progress=False)
+  parts = os.listdir(os.path.join(dst, "params", "embed", "embedding"))
+  assert len(parts) == (40 if part_bytes == "split" else 1)
   assert stats["tensors"] == 3 + 9 * CFG.n_layers
   cfg = load_config(dst)
   assert cfg.rope_scaling == CFG.rope_scaling and cfg.add_bos and cfg.eos_ids == (1,)
@@ -121,7 +132,7 @@ def test_bfloat16_cast_and_restore_dtype(hf_dirs, tmp_path):
   np.testing.assert_array_equal(got32["layers/attn/wq"], w.astype(np.float32))
 
 
-def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path):
+def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes):
   from jax.sharding import NamedSharding, PartitionSpec as P
   model, single, _ = hf_dirs
   dst = str(tmp_path / "ckpt")
@@ -139,6 +150,24 @@ def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path):
     name = "/".join(map(str, path))
     arr = var.get_value()
     assert arr.sharding.is_equivalent_to(NamedSharding(mesh, specs.get(name, P())), arr.ndim), name
+    np.testing.assert_array_equal(np.asarray(arr), want[name], err_msg=name)
+
+
+def test_load_checkpoint_on_a_mesh(hf_dirs, tmp_path, part_bytes):
+  from lcjax.checkpoint import load_checkpoint
+  from lcjax.sharding import make_mesh, param_shardings
+  model, single, _ = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(single, dst, progress=False)
+  mesh = make_mesh(tensor=2, seq=2, devices=jax.devices()[:4])
+  cfg, params, tok = load_checkpoint(dst, dtype="float32", mesh=mesh, progress=False)
+  assert cfg == load_config(dst) and tok.bos_id == 0
+  want_sh = {"/".join(map(str, p)): s for p, s in nnx.to_flat_state(param_shardings(_abstract(cfg), mesh))}
+  want = {"/".join(k): v for k, v in hf_oracle.hf_to_lcjax_state(model, CFG).items()}
+  for path, var in nnx.to_flat_state(params):
+    name = "/".join(map(str, path))
+    arr = var.get_value()
+    assert arr.sharding.is_equivalent_to(want_sh[name], arr.ndim), (name, arr.sharding, want_sh[name])
     np.testing.assert_array_equal(np.asarray(arr), want[name], err_msg=name)
 
 
@@ -297,3 +326,53 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   out, err = p.communicate(timeout=120)
   assert p.returncode == 1
   assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err
+
+
+# VmHWM, not getrusage: ru_maxrss survives exec, so a child of this (large) pytest process would report ours.
+_PEAK = """
+import json, sys
+from lcjax.checkpoint import convert_hf, store
+store.PART_BYTES = 16 << 20
+convert_hf(sys.argv[1], sys.argv[2], progress=False)
+hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"peak": int(hwm.split()[1]) * 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
+  """Peak RSS over a converter's baseline is about one source tensor, not the model or a multiple of it."""
+  from safetensors.numpy import save_file
+  cfg = ModelConfig("mem", vocab_size=32768, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128,
+                    ffn_dim=1024, max_position=512, bos_id=0, eos_ids=(1,))
+  largest = cfg.vocab_size * cfg.dim * 2                     # embed and lm_head, float16: 256 MiB each
+  rng = np.random.default_rng(0)
+  src, tiny_src = tmp_path / "src", tmp_path / "tiny"
+  for folder, c in ((src, cfg), (tiny_src, dataclasses.replace(cfg, vocab_size=64, dim=64, n_heads=4,
+                                                                 n_kv_heads=2, head_dim=16, ffn_dim=32))):
+    folder.mkdir()
+    json.dump(c.to_hf(), open(folder / "config.json", "w"))
+    shapes = {}
+    for name, (dst, in_dims) in __import__("lcjax.checkpoint.hf", fromlist=["HF_NAMES"]).HF_NAMES.items():
+      full, stacked = param_shapes(c)[dst]
+      from lcjax.checkpoint.hf import hf_shape
+      for i in (range(c.n_layers) if stacked else [None]):
+        shapes[name.replace("{i}", str(i))] = hf_shape(full[1:] if stacked else full, in_dims)
+    for k, (name, shape) in enumerate(shapes.items()):   # one file per tensor keeps this process small too
+      save_file({name: rng.standard_normal(shape, np.float32).astype(np.float16)},
+                str(folder / f"t{k:03d}.safetensors"))
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+  def peak(s, d):
+    p = subprocess.run([sys.executable, "-c", _PEAK, str(s), str(d)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])["peak"]
+
+  base = peak(tiny_src, tmp_path / "tiny_out")
+  big = peak(src, tmp_path / "out")
+  model_bytes = sum(os.path.getsize(src / f) for f in os.listdir(src) if f.endswith(".safetensors"))
+  extra = big - base
+  assert model_bytes > 2.3 * largest
+  # measured: 1.7x with 16 MiB parts; writing each tensor as one orbax item took 3.8x
+  assert extra < 2 * largest, (extra / 2**20, largest / 2**20)

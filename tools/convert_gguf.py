@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from lcjax.checkpoint import CheckpointError, convert_gguf
 
@@ -19,6 +19,7 @@ flags.DEFINE_bool("overwrite", False, "Replace an existing DST.")
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every item it writes at INFO
   try:
     stats = convert_gguf(FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
   except CheckpointError as e:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import resource
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from lcjax.checkpoint import CheckpointError, convert_hf
 
@@ -19,14 +19,25 @@ flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"], "Cast tenso
 flags.DEFINE_bool("overwrite", False, "Replace an existing DST.")
 
 
+def _peak_rss_bytes() -> int:
+  """This process's peak RSS. VmHWM where there is /proc: getrusage's ru_maxrss survives exec, so a converter
+  started from a large parent process would report the parent's peak."""
+  try:
+    with open("/proc/self/status") as f:
+      return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+  except (OSError, StopIteration):
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every item it writes at INFO
   try:
     stats = convert_hf(FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
   except (CheckpointError, FileNotFoundError) as e:
     print(f"convert_hf: error: {e}", file=sys.stderr)
     return 1
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  peak = _peak_rss_bytes() / 2**30
   print(f"wrote {FLAGS.dst}: {stats['tensors']} tensors, {stats['bytes'] / 2**30:.2f} GiB in "
         f"{stats['seconds']:.1f} s, peak RSS {peak:.2f} GiB")
   return 0

@@ -57,9 +57,10 @@ def hf_shape(shape: tuple[int, ...], in_dims: int | None) -> tuple[int, ...]:
 
 
 def to_lcjax(w: np.ndarray, shape: tuple[int, ...], in_dims: int | None) -> np.ndarray:
+  """The lcjax layout of an HF [out, in] matrix: a strided view, no copy (the writer copies it once anyway)."""
   if in_dims is None:
     return w
-  return np.ascontiguousarray(w.T).reshape(shape)
+  return w.T.reshape(shape)
 
 
 def match_name(name: str) -> tuple[str, int | None] | None:

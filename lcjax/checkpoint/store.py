@@ -1,17 +1,19 @@
-"""lcjax's checkpoint format: orbax items written one tensor at a time, restored straight into stacked arrays.
+"""lcjax's checkpoint format: orbax items written one slab at a time, restored in place into stacked arrays.
 
 A checkpoint directory holds
   lcjax_config.json     ModelConfig.to_dict()
-  lcjax_manifest.json   every tensor's name, full shape, dtype and layer count; written last, so its presence
-                        is the completion marker (with the atomic rename below)
-  params/<name>/        one orbax PyTree item {"value": array} per unstacked tensor ("embed/embedding")
-  params/<name>/<i>/    one item per layer i of a stacked tensor ("layers/attn/wq/00017")
+  lcjax_manifest.json   every tensor's name, full shape, dtype, layer count and rows per part; written last, so
+                        its presence is the completion marker (with the atomic rename below)
+  params/<name>/[<layer>/]<part>/
+                        one orbax PyTree item {"value": rows of the tensor} per part, per layer of a stacked
+                        tensor: "layers/attn/wq/00017/000" is rows 0.. of layer 17's [D, N, H] array
   tokenizer files       tokenizer.json or tokenizer.model, tokenizer_config.json, chat_template.jinja, ...
 
-Why one item per layer: the model's layer weights are stacked [L, ...] (80 x 1.7 GB for a 70B) and a converter
-that assembled a stacked array on the host would need the whole model in RAM. Per-layer items let a converter
-hold one source tensor at a time, and let `restore_params` fill a preallocated, already-sharded stacked device
-array layer by layer (a donated in-place update), so the model is never held twice, on host or device.
+Why items per layer and per part: the model's layer weights are stacked [L, ...] (80 x 1.7 GB for a 70B) and a
+converter that assembled a stacked array on the host would need the whole model in RAM; and orbax's save holds
+about two extra copies of what it writes. Writing at most `PART_BYTES` per item keeps a converter's peak near one
+source tensor, and `restore_params` fills a preallocated, already-sharded device array part by part (a donated
+in-place update), so the model is never held twice, on host or device.
 
 Writes are atomic: everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written,
 so an interrupted conversion leaves nothing that looks like a checkpoint; leftovers of dead processes are
@@ -33,11 +35,13 @@ from tqdm import tqdm
 
 from lcjax.config import ModelConfig
 
-FORMAT = "lcjax-orbax-v1"
+FORMAT = "lcjax-orbax-v2"
 CONFIG_FILE = "lcjax_config.json"
 MANIFEST_FILE = "lcjax_manifest.json"
 PARAMS_DIR = "params"
-# orbax writes each array as chunks of at most this size, so a sharded restore reads only what it needs.
+# Largest item written: tensors above it are split into row slabs (the host transient of a write).
+PART_BYTES = 64 << 20
+# orbax writes each item as chunks of at most this size, so a sharded restore reads only what it needs.
 _CHUNK_BYTES = 64 << 20
 
 
@@ -67,9 +71,22 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
   return shapes
 
 
-def _item_dir(root: str, name: str, layer: int | None) -> str:
+def _item_dir(root: str, name: str, layer: int | None, part: int) -> str:
   path = os.path.join(root, PARAMS_DIR, *name.split("/"))
-  return path if layer is None else os.path.join(path, f"{layer:05d}")
+  if layer is not None:
+    path = os.path.join(path, f"{layer:05d}")
+  return os.path.join(path, f"{part:03d}")
+
+
+def _part_rows(shape: tuple[int, ...], itemsize: int) -> int:
+  """Rows (of axis 0) per stored part of an array of `shape`: a multiple of 128 (else a power of two) so parts
+  split evenly over any mesh axis that splits the whole dimension."""
+  if not shape:
+    return 1
+  fit = max(1, PART_BYTES // max(1, int(np.prod(shape[1:])) * itemsize))
+  if fit >= shape[0]:
+    return shape[0]
+  return fit // 128 * 128 if fit >= 128 else 1 << (fit.bit_length() - 1)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -126,13 +143,18 @@ class CheckpointWriter:
     if tuple(array.shape) != want:
       raise CheckpointError(f"tensor {name}{'' if layer is None else f' layer {layer}'} has shape "
                             f"{tuple(array.shape)}, the model config implies {want}")
+    rows = _part_rows(want, array.dtype.itemsize)
     entry = self.written.setdefault(name, {"shape": list(full), "dtype": str(array.dtype),
-                                           "layers": full[0] if stacked else 0, "done": set()})
+                                           "layers": full[0] if stacked else 0, "part_rows": rows,
+                                           "done": set()})
     if entry["dtype"] != str(array.dtype):
       raise CheckpointError(f"tensor {name} layer {layer} has dtype {array.dtype}, earlier layers {entry['dtype']}")
-    save_args = ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) if array.nbytes > _CHUNK_BYTES else ocp.SaveArgs()
-    self._ckptr.save(_item_dir(self.tmp, name, layer),
-                     args=ocp.args.PyTreeSave({"value": np.asarray(array)}, save_args={"value": save_args}))
+    for part, start in enumerate(range(0, max(1, want[0] if want else 1), rows)):
+      slab = array[start:start + rows] if want else array
+      save_args = ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) if slab.nbytes > _CHUNK_BYTES else ocp.SaveArgs()
+      self._ckptr.save(_item_dir(self.tmp, name, layer, part),
+                       args=ocp.args.PyTreeSave({"value": slab}, save_args={"value": save_args}))
+      del slab
     entry["done"].add(layer)
 
   def copy_file(self, path: str, name: str | None = None) -> None:
@@ -207,16 +229,24 @@ def _unwrap(leaf):
   return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
-def _layer_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
-  """The sharding of one layer of a stacked [L, ...] array (the layers axis dropped)."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
-  return sharding
+def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool, rows: int):
+  """The sharding of one stored part of `rows` rows: the full array's, less the layers axis; axis 0 replicated
+  if the part's rows do not split evenly over its mesh axes."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = list(tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)))
+  if stacked:
+    spec = spec[1:]
+  if spec and spec[0] is not None:
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if rows % int(np.prod([sharding.mesh.shape[a] for a in axes])):
+      spec[0] = None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _place_layer(stacked, x, i):
-  return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
+def _place(full, slab, offsets):
+  slab = slab.reshape((1,) * (full.ndim - slab.ndim) + slab.shape)   # a layer of a stacked array
+  return jax.lax.dynamic_update_slice(full, slab.astype(full.dtype), offsets)
 
 
 class _Reader:
@@ -224,9 +254,9 @@ class _Reader:
     self.dir = ckpt_dir
     self.ckptr = ocp.PyTreeCheckpointer()
 
-  def read(self, name: str, layer: int | None, shape, dtype, sharding) -> jax.Array:
-    where = f"tensor {name}" + ("" if layer is None else f" layer {layer}")
-    path = _item_dir(os.path.abspath(self.dir), name, layer)
+  def read(self, name: str, layer: int | None, part: int, shape, dtype, sharding) -> jax.Array:
+    where = f"tensor {name}" + ("" if layer is None else f" layer {layer}") + (f" part {part}" if part else "")
+    path = _item_dir(os.path.abspath(self.dir), name, layer, part)
     if not os.path.isdir(path):
       raise CheckpointError(f"{self.dir}: {where} is missing ({path})")
     args = ocp.args.PyTreeRestore(restore_args={"value": ocp.ArrayRestoreArgs(
@@ -251,8 +281,8 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
     them). Leaves without one use the ShapeDtypeStruct's own `.sharding`, else the default device.
   dtype: the parameter dtype to cast to on restore (default: each abstract leaf's dtype).
   Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
-  `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] arrays are
-  filled layer by layer in place, so peak device memory is the model plus one layer of one tensor.
+  `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] and split arrays
+  are filled part by part in place, so peak device memory is the model plus one stored part.
   """
   manifest = read_manifest(ckpt_dir)
   tensors = manifest["tensors"]
@@ -279,20 +309,27 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
                               f"the model expects {tuple(spec.shape)}")
       sharding = sh_flat.get(name) or getattr(spec, "sharding", None) or default
       dt = jnp.dtype(dtype or spec.dtype)
-      if not info["layers"]:
-        restored[name] = reader.read(name, None, spec.shape, dt, sharding)
+      stacked = bool(info["layers"])
+      item_shape = tuple(spec.shape[1:] if stacked else spec.shape)
+      rows = item_shape[0] if item_shape else 1
+      step = info["part_rows"]
+      if not stacked and step >= rows:
+        restored[name] = reader.read(name, None, 0, spec.shape, dt, sharding)
         bar.update(1)
         continue
-      n_layers, layer_shape = spec.shape[0], spec.shape[1:]
-      layer_sharding = _layer_sharding(sharding, len(spec.shape))
-      stacked = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
-      place = jax.jit(_place_layer, donate_argnums=0, out_shardings=sharding)
-      for i in range(n_layers):
-        x = reader.read(name, i, layer_shape, dt, layer_sharding)
-        stacked = place(stacked, x, jnp.int32(i))
-        del x
+      full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
+      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding)
+      for layer in (range(spec.shape[0]) if stacked else [None]):
+        for part, start in enumerate(range(0, rows, step)):
+          n = min(step, rows - start)
+          slab = reader.read(name, layer, part, (n, *item_shape[1:]), dt,
+                             _slab_sharding(sharding, len(spec.shape), stacked, n))
+          lead = () if layer is None else (layer,)
+          offsets = tuple(jnp.int32(o) for o in (*lead, start, *[0] * (len(item_shape) - 1)))
+          full = place(full, slab, offsets)
+          del slab
         bar.update(1)
-      restored[name] = stacked
+      restored[name] = full
 
   def fill(path, leaf):
     value = restored[_path_name(path)]

@@ -376,3 +376,18 @@ def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
   assert model_bytes > 2.3 * largest
   # measured: 1.7x with 16 MiB parts; writing each tensor as one orbax item took 3.8x
   assert extra < 2 * largest, (extra / 2**20, largest / 2**20)
+
+
+def test_engine_load_logits_match_hf(hf_dirs, tmp_path):
+  """Issue 2's oracle 1 end to end: convert_hf, then Engine.load(..., dtype="float32").logits."""
+  import lcjax
+  model, _, sharded = hf_dirs
+  dst = str(tmp_path / "ckpt")
+  convert_hf(sharded, dst, progress=False)
+  engine = lcjax.Engine.load(dst, dtype="float32")
+  tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 40))
+  ref = hf_oracle.hf_logits(model, tokens)
+  got = engine.logits(tokens)
+  assert got.dtype == np.float32 and got.shape == ref.shape
+  np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+  assert engine.tokenizer.encode("Hello") == [0] + engine.tokenizer.encode("Hello", add_bos=False)

@@ -77,12 +77,15 @@ def named_sharding(mesh: jax.sharding.Mesh, axes: Axes) -> NamedSharding:
   return NamedSharding(mesh, spec(axes))
 
 
-def constrain(x, axes: Axes):
-  """Pin the sharding of activation `x` to its logical `axes` when a mesh is active (`jax.set_mesh`).
+def constrain(x, axes: Axes, mesh: jax.sharding.Mesh | None = None):
+  """Pin the sharding of activation `x` to its logical `axes` on `mesh`, or on the active mesh (`jax.set_mesh`).
 
   A no-op without a mesh, so single-device code and tests run the same model code. Mesh axes that are Manual
-  here (inside a shard_map body) are already local and are left out of the constraint.
+  here (inside a shard_map body) are already local and are left out of the constraint. An explicit `mesh` is for
+  code outside shard_map that holds its mesh (the model) and must not depend on a global context.
   """
+  if mesh is not None:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes)))
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
@@ -111,12 +114,14 @@ def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def param_shardings(state, mesh: jax.sharding.Mesh):
+def param_shardings(state, mesh: jax.sharding.Mesh, *, replicate: frozenset[str] | set[str] = frozenset()):
   """Map a pytree of parameters to a same-shaped pytree of NamedSharding.
 
   Leaves are either nnx Variables carrying metadata `axes` (an nnx State, concrete or from `nnx.eval_shape`)
   or plain tuples of logical names. The result is a tree prefix of the state, so it serves directly as
-  `jax.device_put(state, shardings)` target and as jit `out_shardings`.
+  `jax.device_put(state, shardings)` target and as jit `out_shardings`. Logical axes named in `replicate` are
+  left unsharded: a checkpoint's KV projections with fewer KV heads than `tensor` are restored replicated and
+  then repeated into their sharded layout (see `kv_head_replication`).
   """
   from flax import nnx  # lazily: L1 describes layouts and must import without the model's framework
 
@@ -132,14 +137,14 @@ def param_shardings(state, mesh: jax.sharding.Mesh):
       shape = tuple(leaf.get_value().shape)
       if len(axes) != len(shape):
         raise ValueError(f"parameter {where} has {shape=} but {len(axes)} logical axes {tuple(axes)}")
-      p = spec(tuple(axes))
+      p = spec(tuple(a if a not in replicate else None for a in axes))
       for dim, ax in zip(shape, p):
         if ax is not None and dim % sizes[ax]:
           raise ValueError(f"parameter {where} {shape=} axes={tuple(axes)}: dimension {dim} is not divisible by "
                            f"mesh axis {ax!r} of size {sizes[ax]}")
       return NamedSharding(mesh, p)
     if _is_axes(leaf):
-      return NamedSharding(mesh, spec(leaf))
+      return NamedSharding(mesh, spec(tuple(a if a not in replicate else None for a in leaf)))
     raise TypeError(f"leaf {where} of type {type(leaf).__name__} is neither an nnx Variable nor a tuple of "
                     "logical axis names")
 

@@ -8,6 +8,12 @@ device only scatters into them. Pools are donated through every jitted step, so 
 FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, kv head): values are stored as x / scale. The
 scales are fixed when the cache is made (from the model's expected K/V range), so a page written token by token
 never needs re-quantizing.
+
+On a mesh the pools shard pages on `seq` and kv heads on `tensor` (`POOL_AXES`). Shard d of S holds the global
+pages [d * P/S, (d+1) * P/S) as its local pages 0 .. P/S - 1, local page 0 being its null page, and by the host
+allocator's placement policy (lcjax.cache.pages) page-table slot m of every sequence lives on shard m % S. Inside
+shard_map, `shard_table`, `shard_lengths` and `write_shard` turn the global page table, lengths and slots into
+this shard's view, so the attention kernels see an ordinary (smaller) paged cache.
 """
 from __future__ import annotations
 
@@ -16,7 +22,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lcjax.sharding import named_sharding
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")    # [L, P, Z, K, H]
+SCALE_AXES = ("layers", "kv_heads")                              # [L, K]
 
 
 @jax.tree_util.register_dataclass
@@ -47,24 +57,34 @@ def cache_shape(n_layers, num_pages, page_size, n_kv_heads, head_dim):
   return (n_layers, num_pages, page_size, n_kv_heads, head_dim)
 
 
+def cache_shardings(mesh, quantized: bool) -> PagedKV:
+  """The NamedSharding of each pool array on `mesh` (a PagedKV of shardings: a jit out_shardings tree)."""
+  pool = named_sharding(mesh, POOL_AXES)
+  scale = named_sharding(mesh, SCALE_AXES) if quantized else None
+  return PagedKV(pool, pool, scale, scale)
+
+
 def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, fp8_scale=None,
-               sharding=None) -> PagedKV:
-  """A zeroed pool. For fp8, `fp8_scale` [L, 2, K] (or a scalar) is the largest |k| and |v| per layer and kv
-  head that the pool must represent; scale = absmax / 448."""
+               mesh=None) -> PagedKV:
+  """A zeroed pool, sharded on `mesh` when one is given (made in place on each device, never gathered).
+
+  For fp8, `fp8_scale` [L, 2, K] (or a scalar) is the largest |k| and |v| per layer and kv head that the pool
+  must represent; scale = absmax / 448."""
   shape = cache_shape(n_layers, num_pages, page_size, n_kv_heads, head_dim)
   dtype = jnp.dtype(dtype)
-
-  def zeros():
-    return jnp.zeros(shape, dtype)
-
-  make = jax.jit(zeros, out_shardings=sharding) if sharding is not None else zeros
-  k, v = make(), make()
-  if dtype != jnp.float8_e4m3fn:
-    return PagedKV(k, v)
+  fp8 = dtype == jnp.float8_e4m3fn
   absmax = jnp.broadcast_to(jnp.asarray(16.0 if fp8_scale is None else fp8_scale, jnp.float32),
                             (n_layers, 2, n_kv_heads))
-  # Two distinct buffers: the cache is donated, and one buffer cannot be donated twice.
-  return PagedKV(k, v, absmax[:, 0] / FP8_MAX, absmax[:, 1] / FP8_MAX)
+
+  def make(absmax):
+    # Two distinct buffers: the cache is donated, and one buffer cannot be donated twice.
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if not fp8:
+      return PagedKV(k, v)
+    return PagedKV(k, v, absmax[:, 0] / FP8_MAX, absmax[:, 1] / FP8_MAX)
+
+  out = cache_shardings(mesh, fp8) if mesh is not None else None
+  return jax.jit(make, out_shardings=out)(absmax)
 
 
 def quantize(x, scale):
@@ -87,3 +107,35 @@ def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
   """Copy-on-write: pages src [C] -> dst [C] in every layer (for a shared, partly filled last page)."""
   return dataclasses.replace(cache, k=cache.k.at[:, dst].set(cache.k[:, src]),
                              v=cache.v.at[:, dst].set(cache.v[:, src]))
+
+
+# -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
+
+def shard_table(page_table, shard, n_shards: int, pages_per_shard: int):
+  """Global page table [B, M] -> shard `shard`'s local table [B, M / n_shards]: its slots shard, shard + S, ...
+  as local page ids. M must be a multiple of n_shards; unused slots (global null page 0) become local page 0."""
+  B, M = page_table.shape
+  if M % n_shards:
+    raise ValueError(f"page-table width M={M} is not divisible by {n_shards=}")
+  cols = jax.lax.dynamic_index_in_dim(page_table.reshape(B, M // n_shards, n_shards), shard, axis=2,
+                                      keepdims=False)                                   # [B, M/S]
+  local = cols - shard * pages_per_shard
+  return jnp.where((local >= 0) & (local < pages_per_shard), local, 0).astype(jnp.int32)
+
+
+def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):
+  """Valid tokens [B] of a local table of `width` slots: local slot j is the sequence's slot shard + j * S,
+  holding tokens from (shard + j * S) * Z. Tokens fill slots in order, so they are a prefix of the local slots."""
+  m = shard + n_shards * jnp.arange(width, dtype=jnp.int32)
+  return jnp.clip(kv_len[:, None] - m[None, :] * page_size, 0, page_size).sum(axis=1).astype(jnp.int32)
+
+
+def write_shard(pool_l, new, slots, shard):
+  """Scatter the tokens whose global slot lies on this shard into its local pool_l [P/S, Z, K, H]; new
+  [B, T, K, H] (pool dtype), slots [B, T] global. Other shards' tokens are dropped here (they write them)."""
+  Pl, Z = pool_l.shape[:2]
+  local = slots - shard * (Pl * Z)
+  local = jnp.where((local >= 0) & (local < Pl * Z), local, Pl * Z)     # out of bounds: dropped
+  flat = pool_l.reshape(Pl * Z, *pool_l.shape[2:])
+  flat = flat.at[local.reshape(-1)].set(new.reshape(-1, *pool_l.shape[2:]).astype(pool_l.dtype), mode="drop")
+  return flat.reshape(pool_l.shape)

@@ -4,11 +4,20 @@ Requests are admitted while the page pool can hold their whole prompt + max_new_
 never runs out of pages); a request that could never fit is refused before anything is allocated. Prompts are
 prefilled chunk by chunk, then every live request decodes together in one on-device loop of up to
 `run.decode_steps` tokens per call; between calls finished requests free their pages and waiting ones join.
+
+Every engine runs on a ("seq", "tensor") mesh of `run.seq` x `run.tensor` devices (one device: the plain
+single-device model). Parameters are placed with their logical-axis shardings; when the model has fewer KV heads
+than `tensor` devices (or `tensor` does not divide them), wk/wv are restored replicated and each KV head is
+repeated the minimal number of times (lcjax.sharding.kv_head_replication), so the model the engine runs, and its
+cache, hold K * rep KV heads split evenly over `tensor`. The page pool is split over `seq` (a null page per shard,
+page-table slot m on shard m % seq) and the device cache with it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 import resource
 import time
 from typing import Iterator, Sequence
@@ -18,13 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lcjax import sharding as sh
 from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePool, PagePoolExhausted
 from lcjax.config import ConfigError, ModelConfig, RunConfig
 from lcjax.engine import plan as planlib
 from lcjax.engine.sampling import SamplingParams, stack as stack_sampling
 from lcjax.engine.steps import DecodeState, Steps
-from lcjax.model.llama import Llama
+from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
 from lcjax.ops.backends import get_backend
 
 
@@ -73,19 +83,57 @@ def _peak_host_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
+  if mesh is None:
+    return sh.make_mesh(tensor=run.tensor, seq=run.seq)
+  got = (mesh.shape[sh.SEQ], mesh.shape[sh.TENSOR])
+  if got != (run.seq, run.tensor):
+    raise ConfigError(f"mesh of (seq, tensor) = {got} does not match the run config's seq={run.seq} "
+                      f"tensor={run.tensor}")
+  return mesh
+
+
+def kv_replication_for(model_cfg: ModelConfig, tensor: int) -> int:
+  """KV-head repetition on `tensor` devices; a ConfigError naming the numbers when heads cannot split."""
+  try:
+    return sh.kv_head_replication(model_cfg.n_kv_heads, tensor, n_heads=model_cfg.n_heads)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> object:
+  """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except that wk/wv stay
+  replicated over `tensor` when their KV heads do not split (they are repeated after placement)."""
+  rep = kv_replication_for(model_cfg, mesh.shape[sh.TENSOR])
+  abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))),
+                       nnx.Param)
+  return abstract, sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
+
+
 class Engine:
   def __init__(self, model_cfg: ModelConfig, params, *, run: RunConfig | None = None, tokenizer=None,
-               graphdef=None):
+               mesh: jax.sharding.Mesh | None = None):
+    """params: the checkpoint-shaped `nnx.State` of Llama(model_cfg) (on the host, one device, or already placed
+    by `checkpoint_shardings`); the engine places it on the mesh of `run.seq` x `run.tensor` devices (or
+    `mesh`) and repeats KV heads when `tensor` needs it."""
     self.cfg = model_cfg
     self.run = run or RunConfig()
     self.tokenizer = tokenizer
     self.max_context = self.run.context_for(model_cfg)
     self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype)
-    if graphdef is None:
-      graphdef, _ = nnx.split(nnx.eval_shape(lambda: self._new_model(nnx.Rngs(0))), nnx.Param)
-    self.graphdef, self.params = graphdef, params
+    self.mesh = _mesh_for(self.run, mesh)
+    self.kv_rep = kv_replication_for(model_cfg, self.run.tensor)
+    # The model as it runs: KV heads repeated kv_rep times (the same function of the same weights).
+    self.net_cfg = dataclasses.replace(model_cfg, n_kv_heads=model_cfg.n_kv_heads * self.kv_rep)
+    try:
+      check_mesh(self.net_cfg, self.run.tensor, self.run.seq, self.run.sp_mode)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: self._new_model(nnx.Rngs(0))), nnx.Param)
+    self.param_shardings = sh.param_shardings(abstract, self.mesh)
+    self.params = self._place(params)
     self.plan = planlib.plan(model_cfg, self.run)
-    self.pool = PagePool(self.plan.num_pages, self.run.page_size)
+    self.pool = PagePool(self.plan.num_pages, self.run.page_size, shards=self.run.seq)
     self.steps = Steps(self.graphdef, self.run.page_size)
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
@@ -94,13 +142,22 @@ class Engine:
 
   # -- construction -------------------------------------------------------------------------------
   def _new_model(self, rngs):
-    return Llama(self.cfg, dtype=jnp.dtype(self.run.dtype), attention=self.attention, rngs=rngs)
+    return Llama(self.net_cfg, dtype=jnp.dtype(self.run.dtype), attention=self.attention, mesh=self.mesh,
+                 sp_mode=self.run.sp_mode, rngs=rngs)
+
+  def _place(self, params):
+    _, ckpt = checkpoint_shardings(self.cfg, self.mesh, self.run.dtype)
+    params = jax.device_put(params, ckpt)            # a no-op for arrays already placed so
+    if self.kv_rep == 1:
+      return params
+    repeat = jax.jit(lambda p: repeat_kv_heads(p, self.kv_rep), out_shardings=self.param_shardings)
+    return repeat(params)
 
   def _new_cache(self) -> kvc.PagedKV:
     fp8 = self.run.resolved_cache_dtype == "float8_e4m3fn"
-    return kvc.init_cache(self.cfg.n_layers, self.plan.num_pages, self.run.page_size, self.cfg.n_kv_heads,
+    return kvc.init_cache(self.cfg.n_layers, self.plan.num_pages, self.run.page_size, self.net_cfg.n_kv_heads,
                           self.cfg.head_dim, self.run.resolved_cache_dtype,
-                          fp8_scale=self._calibrate_fp8() if fp8 else None)
+                          fp8_scale=self._calibrate_fp8() if fp8 else None, mesh=self.mesh)
 
   def _calibrate_fp8(self, n_tokens: int = 512, headroom: float = 2.0):
     """Per (layer, kv head) fp8 scales: `headroom` x the largest |k|, |v| seen on a calibration forward
@@ -114,28 +171,43 @@ class Engine:
     return jnp.maximum(absmax * headroom, 1e-3)
 
   @classmethod
-  def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None):
-    """Random weights made on the device (benchmarks and tests; no checkpoint needed)."""
+  def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None,
+             mesh: jax.sharding.Mesh | None = None):
+    """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
+    The weights depend on `seed` only, never on the mesh."""
     run = run or RunConfig()
-    backend = get_backend(run.attention, head_dim=model_cfg.head_dim, dtype=run.dtype)
+    mesh = _mesh_for(run, mesh)
+    _, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=shardings)
     def make():
-      m = Llama(model_cfg, dtype=jnp.dtype(run.dtype), attention=backend, rngs=nnx.Rngs(seed))
-      return nnx.state(m, nnx.Param)
+      return nnx.state(Llama(model_cfg, dtype=jnp.dtype(run.dtype), rngs=nnx.Rngs(seed)), nnx.Param)
 
-    graphdef, _ = nnx.split(nnx.eval_shape(
-        lambda: Llama(model_cfg, dtype=jnp.dtype(run.dtype), attention=backend, rngs=nnx.Rngs(seed))), nnx.Param)
-    return cls(model_cfg, make(), run=run, tokenizer=tokenizer, graphdef=graphdef)
+    return cls(model_cfg, make(), run=run, tokenizer=tokenizer, mesh=mesh)
 
   @classmethod
-  def load(cls, ckpt_dir, *, tensor: int = 1, seq: int = 1, dtype: str = "bfloat16",
-           run: RunConfig | None = None, **overrides):
-    """Restore a converted checkpoint (tools/convert_hf.py, tools/convert_gguf.py) ready to generate."""
-    from lcjax.checkpoint import load_checkpoint
-    run = (run or RunConfig()).replace(tensor=tensor, seq=seq, dtype=dtype, **overrides)
-    model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=dtype)
-    return cls(model_cfg, params, run=run, tokenizer=tokenizer)
+  def load(cls, ckpt_dir, *, tensor: int | None = None, seq: int | None = None, dtype: str | None = None,
+           run: RunConfig | None = None, mesh: jax.sharding.Mesh | None = None, **overrides):
+    """Restore a converted checkpoint (tools/convert_hf.py, tools/convert_gguf.py) ready to generate.
+
+    tensor, seq, dtype override the run config's fields (default: its own). Every parameter is read straight
+    into its shards on the mesh: a process reads only what its devices hold (multi-host included).
+    """
+    from lcjax.checkpoint import load_checkpoint, load_config
+    from lcjax.checkpoint.store import restore_params
+    from lcjax.tokenizer import Tokenizer
+    given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
+    run = (run or RunConfig()).replace(**given, **overrides)
+    mesh = _mesh_for(run, mesh)
+    model_cfg = load_config(ckpt_dir)
+    if kv_replication_for(model_cfg, run.tensor) == 1:
+      model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=run.dtype, mesh=mesh)
+    else:   # wk/wv restored replicated over tensor, then repeated into their shards by the engine
+      abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
+      params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
+      has_tok = any(os.path.exists(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "tokenizer.model"))
+      tokenizer = Tokenizer(ckpt_dir) if has_tok else None
+    return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
 
   # -- checks -------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:
@@ -177,12 +249,18 @@ class Engine:
       if len(ids) + max_new_tokens > self.max_context:
         raise RequestError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
                            f"{len(ids) + max_new_tokens} > max context {self.max_context}")
-      need = self.pool.pages_needed(len(ids) + max_new_tokens)
-      usable = self.pool.pages_total - 1       # page 0 is the null page
-      if need > usable:
-        raise RequestError(f"prompt {i} needs {need} pages ({len(ids) + max_new_tokens} tokens) but the pool "
-                           f"has only {usable} pages ({usable * self.run.page_size} tokens): raise num_pages or "
-                           "lower max_new_tokens")
+      n = len(ids) + max_new_tokens
+      need = self.pool.pages_needed(n)
+      if not self.pool.fits(n):
+        S = self.pool.shards
+        if S == 1:
+          usable = self.pool.pages_allocatable
+          raise RequestError(f"prompt {i} needs {need} pages ({n} tokens) but the pool has only {usable} pages "
+                             f"({usable * self.run.page_size} tokens): raise num_pages or lower max_new_tokens")
+        per = self.pool.pages_per_shard - 1
+        raise RequestError(f"prompt {i} needs {need} pages ({n} tokens), {-(-need // S)} of them on seq shard 0, "
+                           f"but each of the {S} seq shards has only {per} pages: raise num_pages or lower "
+                           "max_new_tokens")
       reqs.append(_Request(i, ids, int(max_new_tokens), sp, shared=len(head)))
     return reqs
 
@@ -310,8 +388,11 @@ class Engine:
 
   @property
   def table_width(self) -> int:
-    """Page-table slots per sequence: one width for every call, so each step compiles once per chunk size."""
-    return _bucket(math.ceil(self.max_context / self.run.page_size), 16)
+    """Page-table slots per sequence: one width for every call, so each step compiles once per chunk size; a
+    multiple of seq, so every seq shard reads an equal slice of it."""
+    # Rounded to 16, not to a power of two: kernels that read B * M pages must not see twice the context.
+    w = -(-math.ceil(self.max_context / self.run.page_size) // 16) * 16
+    return -(-w // self.run.seq) * self.run.seq
 
   def _prefill(self, r: _Request, sample: bool = True):
     """Prefill r.prompt[r.shared:] in chunks (the shared prefix is cached already), then sample a token."""

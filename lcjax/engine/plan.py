@@ -1,8 +1,19 @@
-"""The memory plan: weights, KV cache, activations and workspace per device, before anything is allocated.
+"""The memory and communication plan: what each device holds and moves, before anything is allocated.
 
-Numbers are per device for a mesh of `tensor` x `seq` devices: weights shard on `tensor` (attention heads, MLP,
-vocab), KV pages shard on `seq` (page pool) and `tensor` (KV heads, replicated when there are fewer KV heads than
-`tensor`). Activations are those of one prefill chunk, the largest transient of a run.
+Numbers are per device of a mesh of `tensor` x `seq` devices, and exact for the state the engine allocates (the
+tests compare them with the shards of the real arrays and with `jax.eval_shape` of full-size presets):
+  weights      heads, KV heads, MLP and vocab split over `tensor` (norms replicated); weights are replicated over
+               `seq`. KV projections count the replicated KV heads when there are fewer of them than `tensor`.
+  KV cache     the page pool split over `seq` (P / seq pages, each shard with its own null page) and its KV heads
+               over `tensor`: kv_heads * rep / tensor heads per device, rep = the minimal KV-head replication.
+  activations  an estimate of the largest transient: one prefill chunk of one layer (the scan keeps one layer
+               live), its gathered K/V and queries for the sequence-sharded cache, and the last logits.
+The communication model counts, per layer of one prefill chunk, the bytes each device sends: the K/V block of
+every ring step (`lax.ppermute`), against the attention FLOPs of that step; the ring hides its transfers when a
+step computes longer than it sends, i.e. when a device's block is longer than about
+  kv_heads_local * itemsize * peak_flops / (heads_local * link_bandwidth)   tokens
+(a few hundred tokens for GQA at 8:1 on NVLink, a few thousand without GQA). Hardware numbers default to an
+H100/H200 SXM class GPU: NVLink ~450 GB/s per direction per GPU, ~600 TFLOP/s bf16 achieved.
 """
 from __future__ import annotations
 
@@ -16,56 +27,177 @@ GiB = 1024 ** 3
 
 
 @dataclasses.dataclass(frozen=True)
+class Hardware:
+  link_bytes_per_s: float = 450e9     # NVLink, per direction per GPU
+  flops_per_s: float = 600e12         # dense bf16 attention, achieved
+
+
+H200 = Hardware()
+
+
+def kv_replication(n_kv_heads: int, tensor: int) -> int:
+  """Minimal repetition of each KV head so that tensor | n_kv_heads * rep (as lcjax.sharding.kv_head_replication,
+  without its head-count checks, so a plan can be printed for any layout)."""
+  return tensor // math.gcd(n_kv_heads, tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommPlan:
+  """Per device, per layer of one prefill chunk (bytes) and per ring step."""
+  block_tokens: int           # queries (and keys per ring step) a device holds: chunk / seq
+  ring_steps: int             # seq - 1 transfers per layer
+  ring_step_bytes: int        # one K/V block sent to the next device
+  ring_step_flops: float      # causal attention work of one step (zigzag: half of a full block pair)
+  ring_step_comm_s: float
+  ring_step_compute_s: float
+  overlap_block_tokens: int   # block length from which compute hides the transfer
+  kv_gather_bytes: int        # the chunk's K/V all-gathered for the page owners' writes
+  prefix_bytes: int           # queries all-gathered + float32 partials reduce-scattered (cached-prefix part)
+  tensor_allreduce_bytes: int # the two per-layer all-reduces of the tensor-parallel projections
+
+  @property
+  def overlaps(self) -> bool:
+    return self.ring_steps == 0 or self.ring_step_compute_s >= self.ring_step_comm_s
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   weights: int
   kv_cache: int
   activations: int
   workspace: int
   kv_replication: int
-  num_pages: int
-  tokens_capacity: int
+  num_pages: int              # P, all shards, null pages included
+  tokens_capacity: int        # tokens of KV the pool holds (all shards)
   devices: int
+  tensor: int = 1
+  seq: int = 1
+  pages_per_device: int = 0
+  kv_heads_per_device: int = 0
+  comm: CommPlan | None = None
 
   @property
   def total(self) -> int:
     return self.weights + self.kv_cache + self.activations + self.workspace
+
+  def fits(self, device_bytes: float) -> bool:
+    return self.total <= device_bytes
 
   def rows(self):
     return [("weights", self.weights), ("KV cache", self.kv_cache), ("activations", self.activations),
             ("workspace", self.workspace), ("total", self.total)]
 
   def table(self, measured_peak: int | None = None) -> str:
-    lines = [f"memory plan per device ({self.devices} device(s); {self.num_pages} pages, "
-             f"{self.tokens_capacity:,} tokens of KV"
-             + (f", KV heads replicated x{self.kv_replication}" if self.kv_replication > 1 else "") + ")"]
+    head = (f"memory plan per device ({self.devices} device(s): tensor={self.tensor} x seq={self.seq}; "
+            f"{self.num_pages} pages, {self.pages_per_device} per device, {self.tokens_capacity:,} tokens of KV, "
+            f"{self.kv_heads_per_device} KV head(s) per device"
+            + (f", KV heads replicated x{self.kv_replication}" if self.kv_replication > 1 else "") + ")")
+    lines = [head]
     for name, b in self.rows():
       lines.append(f"  {name:<12} {b / GiB:9.3f} GiB")
     if measured_peak is not None:
       lines.append(f"  {'measured':<12} {measured_peak / GiB:9.3f} GiB (peak)")
+    c = self.comm
+    if c is not None and self.devices > 1:
+      lines.append(f"  per layer of a chunk: ring {c.ring_steps} x {c.ring_step_bytes / 2**20:.2f} MiB "
+                   f"({c.ring_step_comm_s * 1e6:.1f} us send vs {c.ring_step_compute_s * 1e6:.1f} us compute per "
+                   f"step: {'hidden' if c.overlaps else 'NOT hidden'}; hides from {c.overlap_block_tokens:,}-token "
+                   f"blocks), K/V gather {c.kv_gather_bytes / 2**20:.2f} MiB, prefix "
+                   f"{c.prefix_bytes / 2**20:.2f} MiB, tensor all-reduce {c.tensor_allreduce_bytes / 2**20:.2f} MiB")
     return "\n".join(lines)
 
 
-def kv_replication(n_kv_heads: int, tensor: int) -> int:
-  if n_kv_heads >= tensor:
-    return 1
-  return tensor // math.gcd(n_kv_heads, tensor)
+def pages_per_shard(model: ModelConfig, run: RunConfig) -> int:
+  """Pages each seq shard holds, its null page included. By default every one of max_batch sequences of
+  max_context tokens fits: slot m of a table lives on shard m % seq, so a shard holds ceil(M / seq) of a
+  sequence's M pages."""
+  S = run.seq
+  if run.num_pages:
+    return max(2, -(-run.num_pages // S))
+  per_seq = -(-math.ceil(run.context_for(model) / run.page_size) // S)
+  return run.max_batch * per_seq + 1
 
 
-def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1) -> MemoryPlan:
+def weight_bytes_per_device(model: ModelConfig, tensor: int, itemsize: int) -> int:
+  """Parameters per device: everything with a heads / kv_heads / mlp / vocab axis split over tensor."""
+  D, F, V, L, H = model.dim, model.ffn_dim, model.vocab_size, model.n_layers, model.head_dim
+  K = model.n_kv_heads * kv_replication(model.n_kv_heads, tensor)
+  T = tensor
+  per_layer = D * model.n_heads * H // T * 2 + D * K * H // T * 2 + 3 * D * F // T + 2 * D
+  head = 0 if model.tie_embeddings else D * V // T
+  return (V * D // T + L * per_layer + D + head) * itemsize
+
+
+def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch: int = 1) -> CommPlan:
+  T, S = run.tensor, run.seq
+  item = _ITEMSIZE[run.dtype]
+  H = model.head_dim
+  N_l = model.n_heads // T if model.n_heads % T == 0 else -(-model.n_heads // T)
+  K_l = model.n_kv_heads * kv_replication(model.n_kv_heads, T) // T
+  C = min(run.prefill_chunk, run.context_for(model))
+  c = -(-C // S)                                    # a device's block
+  step_bytes = batch * 2 * c * K_l * H * item
+  # A zigzag ring step pairs two query half-blocks with two key half-blocks; two of the four pairs are live
+  # (causal), each 4 * (c/2)^2 * N_l * H flops (scores and values): 2 * c^2 * N_l * H in all.
+  step_flops = 2 * batch * c * c * N_l * H
+  comm_s = step_bytes / hw.link_bytes_per_s
+  compute_s = step_flops / hw.flops_per_s
+  overlap = math.ceil(K_l * item * hw.flops_per_s / (N_l * hw.link_bytes_per_s))
+  frac = (S - 1) / S
+  gather = int(batch * 2 * C * K_l * H * item * frac)
+  prefix = int(batch * C * N_l * H * (item + 4) * frac)
+  allreduce = int(2 * batch * c * model.dim * item * 2 * (T - 1) / T)
+  return CommPlan(c, S - 1, step_bytes, step_flops, comm_s, compute_s, overlap, gather if S > 1 else 0,
+                  prefix if S > 1 else 0, allreduce)
+
+
+def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H200) -> MemoryPlan:
   T, S = run.tensor, run.seq
   w_item = _ITEMSIZE[run.dtype]
-  weights = math.ceil(model.param_count() / T) * w_item
   rep = kv_replication(model.n_kv_heads, T)
-  kv_heads_per_dev = max(1, model.n_kv_heads * rep // T)
-  pages = run.pages_for(model)
-  pages_per_dev = math.ceil(pages / S)
+  K_l = model.n_kv_heads * rep // T
+  weights = weight_bytes_per_device(model, T, w_item)
+  Pl = pages_per_shard(model, run)
   c_item = _ITEMSIZE[run.resolved_cache_dtype]
-  kv = 2 * model.n_layers * pages_per_dev * run.page_size * kv_heads_per_dev * model.head_dim * c_item
-  # One prefill chunk of one layer at a time (the scan keeps one layer live): residual, q/k/v/o, the MLP's
-  # gate/up/product, plus the float32 logits of the last position.
-  C = min(run.prefill_chunk, run.context_for(model)) // S * batch
+  kv = 2 * model.n_layers * Pl * run.page_size * K_l * model.head_dim * c_item
+  if run.resolved_cache_dtype == "float8_e4m3fn":
+    kv += 2 * model.n_layers * K_l * 4              # per (layer, kv head) float32 scales
+  # One prefill chunk of one layer: residual, q/k/v/o and the MLP's gate/up/product of this device's block;
+  # the chunk's K/V and queries gathered over seq, the float32 prefix partial, the ring's two K/V buffers; plus
+  # the float32 logits of the last position.
+  C = min(run.prefill_chunk, run.context_for(model)) * batch
+  c = -(-C // S)
   D, F, H = model.dim, model.ffn_dim, model.head_dim
-  per_token = (3 * D + (model.n_heads + 2 * model.n_kv_heads) * H * 2 // T + 3 * F // T) * w_item
-  act = C * per_token + batch * model.vocab_size * 4
+  N_l = -(-model.n_heads // T)
+  per_token = (3 * D + (N_l + 2 * K_l) * H * 2 + 3 * F // T) * w_item
+  gathered = 0 if S == 1 else C * (2 * K_l * H * w_item + N_l * H * (w_item + 4)) + 2 * 2 * c * K_l * H * w_item
+  act = c * per_token + gathered + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2
-  return MemoryPlan(weights, kv, act, workspace, rep, pages, (pages - 1) * run.page_size, T * S)
+  return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,
+                    K_l, comm_plan(model, run, hw, batch=batch))
+
+
+def compare(model: ModelConfig, contexts, meshes, device_gib, *, base: RunConfig | None = None,
+            hw: Hardware = H200, usable: float = 0.95) -> str:
+  """A table of per-device plans of `model` for each context and (tensor, seq) mesh, and which fit on devices of
+  each size in `device_gib` (GB as sold: 80 and 141 mean 80e9 and 141e9 bytes), of which `usable` is given to
+  JAX (XLA_PYTHON_CLIENT_MEM_FRACTION; its default is 0.75)."""
+  base = base or RunConfig(max_batch=1, page_size=256, prefill_chunk=16384)
+  head = (f"{'context':>9} {'tensor x seq':>12} {'KV rep':>6} {'weights':>8} {'KV':>8} {'act':>7} {'total':>8}  "
+          + "  ".join(f"{g:>4g} GB" for g in device_gib) + "   ring step: send / compute (us), hidden")
+  lines = [f"{model.name}: per-device GiB; fits = total <= {usable:g} x device memory", head]
+  for ctx in contexts:
+    for T, S in meshes:
+      p = plan(model, base.replace(max_context=ctx, tensor=T, seq=S), hw=hw)
+      fit = "  ".join(f"{'fits' if p.fits(usable * g * 1e9) else 'no':>7}" for g in device_gib)
+      c = p.comm
+      ring = (f"{c.ring_step_comm_s * 1e6:7.1f} / {c.ring_step_compute_s * 1e6:7.1f}, "
+              f"{'yes' if c.overlaps else 'no'}") if S > 1 else "   (no ring)"
+      lines.append(f"{ctx:>9,} {f'{T} x {S}':>12} {p.kv_replication:>6} {p.weights / GiB:8.2f} "
+                   f"{p.kv_cache / GiB:8.2f} {p.activations / GiB:7.2f} {p.total / GiB:8.2f}  {fit}   {ring}")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  from lcjax.config import preset
+  print(compare(preset("llama3.1-70b"), [512 * 1024, 1024 * 1024], [(8, 1), (4, 2), (2, 4)], [80, 141]))

@@ -15,6 +15,19 @@ Call forms (B batch, T tokens in this call):
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
 logits of one position per sequence (prefill needs just the last one). `return_kv_absmax=True` (no cache)
 returns the per-layer, per-kv-head max |k| and |v| [L, 2, K] instead of logits: fp8 cache calibration.
+
+On a mesh (`mesh=`, axes "seq" x "tensor"; DESIGN.md §4) the same call forms hold, inputs and outputs in
+natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP);
+attention runs in one shard_map over both axes with the heads local:
+  full forward / prefill chunk   the call's tokens are padded to a multiple of 2 * seq and permuted into the
+      zigzag layout (lcjax.ops.ring) before the embedding, so activations stay split over `seq` through every
+      layer. The chunk attends to itself by ring attention (or Ulysses, `sp_mode`), and to the cached prefix
+      through the paged cache sharded on `seq`: the chunk's queries are all-gathered, each shard attends them to
+      its own pages, and the partials are reduce-scattered back (lcjax.ops.ring.combine_seq_partials).
+  decode   the few query tokens are replicated over `seq`; each shard attends them to its own pages and the
+      partials are combined: the query moves, the cache stays.
+New K/V go to the pages' owner shard (page-table slot m on shard m % seq, lcjax.cache.pages); in a prefill chunk
+they are all-gathered over `seq` first, as the ring moves them anyway.
 """
 from __future__ import annotations
 
@@ -25,11 +38,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig
 from lcjax.model.rope import apply_rope, inv_frequencies
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
+from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
+from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
+from lcjax.sharding import SEQ, TENSOR, constrain
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,15 +135,50 @@ class _Step:
   page_table: jax.Array | None    # [B, M]
   prefix_len: jax.Array | None    # [B] cached tokens before this chunk (prefill)
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
+  split: bool = False             # tokens split over `seq` in the zigzag layout (mesh prefill / full forward)
+
+
+def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:
+  """Raise unless the model's heads split over `tensor` (and over `seq` too for Ulysses). cfg.n_kv_heads is the
+  count the model runs with, after any KV-head replication."""
+  if cfg.n_heads % tensor:
+    raise ValueError(f"n_heads={cfg.n_heads} is not divisible by {tensor=}: query heads cannot be split over the "
+                     "tensor axis")
+  if cfg.n_kv_heads % tensor:
+    raise ValueError(f"n_kv_heads={cfg.n_kv_heads} is not divisible by {tensor=}: replicate KV heads first "
+                     "(lcjax.sharding.kv_head_replication)")
+  if sp_mode == "ulysses" and seq > 1:
+    check_ulysses(cfg.n_heads // tensor, cfg.n_kv_heads // tensor, seq)
+
+
+def repeat_kv_heads(params, rep: int):
+  """Parameters with each KV head of wk/wv repeated `rep` times in place ([L, D, K, H] -> [L, D, K*rep, H]):
+  a model of K*rep KV heads that computes exactly the same function (query head n still reads original KV head
+  n // (N/K)), whose KV heads split over `tensor` when K alone does not."""
+  if rep == 1:
+    return params
+
+  def one(path, leaf):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if names[-2:] in (["attn", "wk"], ["attn", "wv"]):
+      return leaf.replace(jnp.repeat(leaf.get_value(), rep, axis=-2))
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 class Llama(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None,
-               rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
+               sp_mode: str = "ring", rngs: nnx.Rngs):
     self.cfg = cfg
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
+    # A mesh of one device is no mesh: the single-device code path, unchanged.
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self.sp_mode = sp_mode
+    if self.mesh is not None:
+      check_mesh(cfg, self.mesh.shape[TENSOR], self.mesh.shape[SEQ], sp_mode)
     self.embed = nnx.Module()
     self.embed.embedding = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pdt, 1.0)
     self.layers = Block(cfg, dtype=pdt, rngs=rngs, n_layers=cfg.n_layers)
@@ -138,10 +193,17 @@ class Llama(nnx.Module):
     be = self.attention
     start = step.positions[:, 0]
     if cache_l is None:
-      o, _ = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths, causal=True)
-      # Per kv head |k| and |v| maxima: what an fp8 cache's scales are calibrated from.
-      absmax = jnp.stack([jnp.abs(k).max(axis=(0, 1, 3)), jnp.abs(v).max(axis=(0, 1, 3))]).astype(jnp.float32)
+      if self.mesh is None:
+        o, _ = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths, causal=True)
+      else:
+        o = self._attend_mesh(q, k, v, step, None)
+      # Per kv head |k| and |v| maxima over the real tokens: what an fp8 cache's scales are calibrated from.
+      real = ((step.positions - start[:, None]) < step.lengths[:, None])[:, :, None, None]
+      absmax = jnp.stack([jnp.abs(jnp.where(real, k, 0)).max(axis=(0, 1, 3)),
+                          jnp.abs(jnp.where(real, v, 0)).max(axis=(0, 1, 3))]).astype(jnp.float32)
       return o, absmax
+    if self.mesh is not None:
+      return self._attend_mesh(q, k, v, step, cache_l)
     k_pool, v_pool, k_scale, v_scale = cache_l
     k_pool = kvc.write_layer(k_pool, kvc.quantize(k, k_scale), step.slots)
     v_pool = kvc.write_layer(v_pool, kvc.quantize(v, v_scale), step.slots)
@@ -161,13 +223,76 @@ class Llama(nnx.Module):
                       k_scale=ks, v_scale=vs)
     return o, (k_pool, v_pool)
 
+  def _attend_mesh(self, q, k, v, step: _Step, cache_l):
+    """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
+    mesh, be = self.mesh, self.attention
+    S = mesh.shape[SEQ]
+    split = step.split
+    length = SEQ if split else None
+    heads, rows, rep = P(None, length, TENSOR, None), P(None, length), P()
+    start = step.positions[:, 0]            # zigzag slot 0 is the call's first token
+
+    def own(q, k, v, pos, start, lengths):
+      """The call's queries against the call's own keys (causal)."""
+      if split:
+        fn = ring_attention_shard if self.sp_mode == "ring" else ulysses_attention_shard
+        return fn(q, k, v, backend=be, axis_name=SEQ, zigzag=True, causal=True, offset=start, kv_len=lengths)
+      return be.attend(q, k, v, q_pos=pos, k_start=start, kv_len=lengths, causal=True)
+
+    if cache_l is None:
+      fn = jax.shard_map(lambda *a: own(*a)[0], mesh=mesh, in_specs=(heads, heads, heads, rows, rep, rep),
+                         out_specs=heads, check_vma=False)
+      return fn(q, k, v, step.positions, start, step.lengths)
+
+    k_pool, v_pool, k_scale, v_scale = cache_l
+    decode = step.prefix_len is None
+    cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
+    Pl, Z = k_pool.shape[0] // S, k_pool.shape[1]
+    pool = P(SEQ, None, TENSOR, None)
+    scales = () if k_scale is None else (k_scale, v_scale)
+
+    def body(q, k, v, pos, slots, start, lengths, cached, table, kp, vp, *scales):
+      d = lax.axis_index(SEQ)
+      gather = (lambda x: lax.all_gather(x, SEQ, axis=1, tiled=True)) if split else (lambda x: x)
+      ks, vs = scales if scales else (None, None)
+      slots_all = gather(slots)
+      kp = kvc.write_shard(kp, kvc.quantize(gather(k), ks), slots_all, d)
+      vp = kvc.write_shard(vp, kvc.quantize(gather(v), vs), slots_all, d)
+      table_l = kvc.shard_table(table, d, S, Pl)
+      lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
+      kb = None if ks is None else jnp.broadcast_to(ks, (Pl, ks.shape[-1]))
+      vb = None if vs is None else jnp.broadcast_to(vs, (Pl, vs.shape[-1]))
+      # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
+      # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
+      o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb)
+      if S > 1:
+        o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
+      if not decode:
+        o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
+      return o, kp, vp
+
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(heads, heads, heads, rows, rows, rep, rep, rep, rep, pool, pool,
+                                 *(P(TENSOR),) * len(scales)),
+                       out_specs=(heads, pool, pool), check_vma=False)
+    o, k_pool, v_pool = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached, step.page_table,
+                           k_pool, v_pool, *scales)
+    return o, (k_pool, v_pool)
+
+  def _constrain(self, x, axes):
+    return x if self.mesh is None else constrain(x, axes, self.mesh)
+
   def _layer(self, block: Block, x, step: _Step, cache_l):
     h = block.attn_norm(x)
     q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg))
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
-    x = x + block.attn.out(o)
-    x = x + block.mlp(block.mlp_norm(x))
+    x = self._constrain(x + block.attn.out(o), self._x_axes(step))
+    x = self._constrain(x + block.mlp(block.mlp_norm(x)), self._x_axes(step))
     return x, new_cache_l
+
+  @staticmethod
+  def _x_axes(step: _Step):
+    return ("batch", "length" if step.split else None, "embed")
 
   # -- forward -----------------------------------------------------------------------------------
   def __call__(self, tokens, positions=None, *, cache: kvc.PagedKV | None = None, slots=None,
@@ -176,9 +301,26 @@ class Llama(nnx.Module):
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    positions = positions.astype(jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
-    step = _Step(positions.astype(jnp.int32), lengths, slots, page_table, prefix_len, kv_len)
+    seq = 1 if self.mesh is None else self.mesh.shape[SEQ]
+    split = seq > 1 and kv_len is None
+    if split:
+      # Pad to whole zigzag chunks (padding: token 0 at the following positions, written to the null page,
+      # masked by `lengths`) and permute into the layout; `inv` maps a natural index to its layout slot.
+      Tp = -(-T // (2 * seq)) * 2 * seq
+      if Tp > T:
+        tokens = jnp.pad(tokens, ((0, 0), (0, Tp - T)))
+        positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(Tp - T, dtype=jnp.int32)], 1)
+        slots = None if slots is None else jnp.pad(slots, ((0, 0), (0, Tp - T)))
+      order = zigzag_order(Tp, seq)
+      inv = jnp.asarray(np.argsort(order), jnp.int32)
+      tokens, positions = tokens[:, order], positions[:, order]
+      slots = None if slots is None else slots[:, order]
+      logits_at = None if logits_at is None else inv[logits_at]
+    step = _Step(positions, lengths, slots, page_table, prefix_len, kv_len, split)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
+    x = self._constrain(x, self._x_axes(step))
 
     graphdef, layer_state = nnx.split(self.layers)
 
@@ -198,6 +340,7 @@ class Llama(nnx.Module):
         return (x, k_all.at[i].set(k_l), v_all.at[i].set(v_l)), None
       (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v),
                                           (layer_state, jnp.arange(self.cfg.n_layers)))
+      k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in (k_all, v_all))
       cache = dataclasses.replace(cache, k=k_all, v=v_all)
 
     if logits_at is not None:
@@ -205,4 +348,6 @@ class Llama(nnx.Module):
     x = self.final_norm(x)
     head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head.kernel[...]
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    if split and logits_at is None:
+      logits = logits[:, inv[:T]]
     return logits, cache

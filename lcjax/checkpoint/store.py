@@ -42,7 +42,7 @@ PARAMS_DIR = "params"
 # Largest item written: tensors above it are split into row slabs (the host transient of a write).
 PART_BYTES = 64 << 20
 # orbax writes each item as chunks of at most this size, so a sharded restore reads only what it needs.
-_CHUNK_BYTES = 64 << 20
+_CHUNK_BYTES = 16 << 20
 
 
 class CheckpointError(ValueError):
@@ -229,19 +229,13 @@ def _unwrap(leaf):
   return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
-def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool, rows: int):
-  """The sharding of one stored part of `rows` rows: the full array's, less the layers axis; axis 0 replicated
-  if the part's rows do not split evenly over its mesh axes."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
+def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool):
+  """The sharding of one stored part: the full array's, less the layers axis. Parts hold a multiple of 128 (or
+  a power of two) rows, so they split over a mesh axis whenever the whole dimension does."""
+  if not (stacked and isinstance(sharding, jax.sharding.NamedSharding)):
     return sharding
-  spec = list(tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)))
-  if stacked:
-    spec = spec[1:]
-  if spec and spec[0] is not None:
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    if rows % int(np.prod([sharding.mesh.shape[a] for a in axes])):
-      spec[0] = None
-  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
 
 
 def _place(full, slab, offsets):
@@ -317,13 +311,12 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
         restored[name] = reader.read(name, None, 0, spec.shape, dt, sharding)
         bar.update(1)
         continue
+      slab_sharding = _slab_sharding(sharding, len(spec.shape), stacked)
       full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
       place = jax.jit(_place, donate_argnums=0, out_shardings=sharding)
       for layer in (range(spec.shape[0]) if stacked else [None]):
         for part, start in enumerate(range(0, rows, step)):
-          n = min(step, rows - start)
-          slab = reader.read(name, layer, part, (n, *item_shape[1:]), dt,
-                             _slab_sharding(sharding, len(spec.shape), stacked, n))
+          slab = reader.read(name, layer, part, (min(step, rows - start), *item_shape[1:]), dt, slab_sharding)
           lead = () if layer is None else (layer,)
           offsets = tuple(jnp.int32(o) for o in (*lead, start, *[0] * (len(item_shape) - 1)))
           full = place(full, slab, offsets)

@@ -101,6 +101,31 @@ def kv_replication_for(model_cfg: ModelConfig, tensor: int) -> int:
     raise ConfigError(str(e)) from None
 
 
+def net_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig, int]:
+  """(the model as the engine runs it, KV-head repetition): KV heads repeated so they split over `tensor`
+  (the same function of the same weights). ConfigError when the heads cannot split over the mesh."""
+  rep = kv_replication_for(model_cfg, run.tensor)
+  net = dataclasses.replace(model_cfg, n_kv_heads=model_cfg.n_kv_heads * rep)
+  try:
+    check_mesh(net, run.tensor, run.seq, run.sp_mode)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return net, rep
+
+
+def net_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None) -> Llama:
+  """The engine's model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
+  net, _ = net_config(model_cfg, run)
+  return Llama(net, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
+               rngs=rngs or nnx.Rngs(0))
+
+
+def net_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):
+  """(graphdef, NamedSharding of every parameter) of the engine's model on `mesh`, allocating nothing."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: net_model(model_cfg, run, mesh, attention)), nnx.Param)
+  return graphdef, sh.param_shardings(abstract, mesh)
+
+
 def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> object:
   """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except that wk/wv stay
   replicated over `tensor` when their KV heads do not split (they are repeated after placement)."""
@@ -122,15 +147,8 @@ class Engine:
     self.max_context = self.run.context_for(model_cfg)
     self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype)
     self.mesh = _mesh_for(self.run, mesh)
-    self.kv_rep = kv_replication_for(model_cfg, self.run.tensor)
-    # The model as it runs: KV heads repeated kv_rep times (the same function of the same weights).
-    self.net_cfg = dataclasses.replace(model_cfg, n_kv_heads=model_cfg.n_kv_heads * self.kv_rep)
-    try:
-      check_mesh(self.net_cfg, self.run.tensor, self.run.seq, self.run.sp_mode)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-    self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: self._new_model(nnx.Rngs(0))), nnx.Param)
-    self.param_shardings = sh.param_shardings(abstract, self.mesh)
+    self.net_cfg, self.kv_rep = net_config(model_cfg, self.run)
+    self.graphdef, self.param_shardings = net_shardings(model_cfg, self.run, self.mesh, self.attention)
     self.params = self._place(params)
     self.plan = planlib.plan(model_cfg, self.run)
     self.pool = PagePool(self.plan.num_pages, self.run.page_size, shards=self.run.seq)
@@ -141,10 +159,6 @@ class Engine:
     self.last_results: list[GenerationResult] = []
 
   # -- construction -------------------------------------------------------------------------------
-  def _new_model(self, rngs):
-    return Llama(self.net_cfg, dtype=jnp.dtype(self.run.dtype), attention=self.attention, mesh=self.mesh,
-                 sp_mode=self.run.sp_mode, rngs=rngs)
-
   def _place(self, params):
     _, ckpt = checkpoint_shardings(self.cfg, self.mesh, self.run.dtype)
     params = jax.device_put(params, ckpt)            # a no-op for arrays already placed so
@@ -177,6 +191,7 @@ class Engine:
     The weights depend on `seed` only, never on the mesh."""
     run = run or RunConfig()
     mesh = _mesh_for(run, mesh)
+    net_config(model_cfg, run)                   # refuse a mesh the heads cannot split over before any work
     _, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
 
     @functools.partial(jax.jit, out_shardings=shardings)
@@ -200,7 +215,8 @@ class Engine:
     run = (run or RunConfig()).replace(**given, **overrides)
     mesh = _mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
-    if kv_replication_for(model_cfg, run.tensor) == 1:
+    _, rep = net_config(model_cfg, run)         # refuse a mesh the heads cannot split over before reading
+    if rep == 1:
       model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=run.dtype, mesh=mesh)
     else:   # wk/wv restored replicated over tensor, then repeated into their shards by the engine
       abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)

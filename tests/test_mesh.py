@@ -1,0 +1,149 @@
+"""The engine on ("seq", "tensor") meshes of 8 fake CPU devices against the same engine on one device.
+
+Oracle: one device runs the plain model (no shard_map, no ring, unsharded cache); every mesh must give the same
+float32 logits (uncached forward and chunked paged prefill, <= 1e-4 relative), the same greedy tokens, the same
+K/V in its pages, and the same tokens after a long prefill and many decode steps. The tiny model has 8 heads and
+2 KV heads, so tensor=4 and 8 repeat KV heads (x2, x4); prompts span several prefill chunks so every chunk after
+the first reads a cached prefix spread over the seq shards.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.engine.engine import Engine
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
+
+CFG = ModelConfig("tiny-gqa8", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8,
+                  ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
+RUN = RunConfig(dtype="float32", page_size=4, prefill_chunk=32, max_context=320, max_batch=3, decode_steps=16,
+                attention="reference")
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]      # (tensor, seq)
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(0, CFG.vocab_size, n).tolist() for n in (90, 5, 37)]
+LONG = RNG.integers(0, CFG.vocab_size, 230).tolist()
+_ENGINES: dict = {}
+
+
+def engine(tensor=1, seq=1, cfg=CFG, **kw) -> Engine:
+  key = (tensor, seq, cfg.name, tuple(sorted(kw.items())))
+  if key not in _ENGINES:
+    _ENGINES[key] = Engine.random(cfg, run=RUN.replace(tensor=tensor, seq=seq, **kw), seed=1)
+  return _ENGINES[key]
+
+
+def rel(a, b):
+  return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def prefill(eng: Engine, prompt):
+  """Chunked paged prefill of one prompt: (last-position logits [V], K and V of its tokens [L, n, K, H])."""
+  r = eng._make_requests([prompt], 1, None)[0]
+  assert eng._admit(r)
+  captured = {}
+  real = eng.steps.first_token
+
+  def keep(logits, sp, pos):
+    captured["logits"] = np.asarray(logits)[0]
+    return real(logits, sp, pos)
+  try:
+    eng.steps.first_token = keep
+    eng._prefill(r)
+    slots = eng.pool.slot_mapping(r.seq, 0, len(prompt))
+    L, P, Z, K, H = eng.cache.k.shape
+    k, v = (np.asarray(x).reshape(L, P * Z, K, H)[:, slots] for x in (eng.cache.k, eng.cache.v))
+  finally:
+    eng.steps.first_token = real
+    eng._release(r)
+  return captured["logits"], k, v
+
+
+@pytest.fixture(scope="module")
+def ref():
+  eng = engine()
+  logits = eng.logits([PROMPTS[0][:37], PROMPTS[2]])
+  return dict(logits=logits, prefill=prefill(eng, PROMPTS[0]),
+              greedy=[r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=40)])
+
+
+@pytest.mark.parametrize("tensor,seq", MESHES)
+def test_mesh_matches_one_device(ref, tensor, seq):
+  eng = engine(tensor, seq)
+  assert eng.kv_rep == {1: 1, 2: 1, 4: 2, 8: 4}[tensor]
+  # Uncached forward (ring over the whole call), two rows.
+  assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), ref["logits"]) <= 1e-4
+  # Chunked paged prefill: 3 chunks of 32, the later ones against a prefix held by the seq shards.
+  logits, k, v = prefill(eng, PROMPTS[0])
+  want_logits, want_k, want_v = ref["prefill"]
+  assert rel(logits, want_logits) <= 1e-4
+  # The pages hold each original KV head repeated kv_rep times, in place.
+  np.testing.assert_allclose(k, np.repeat(want_k, eng.kv_rep, axis=2), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(v, np.repeat(want_v, eng.kv_rep, axis=2), rtol=1e-5, atol=1e-5)
+  # Greedy generation of 40 tokens for three prompts decoded together (3 decode calls of 16 steps).
+  got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=40)]
+  assert got == ref["greedy"] and all(len(t) == 40 for t in got)
+  assert eng.pool.pages_used == 0
+
+
+@pytest.mark.parametrize("tensor,seq", [(1, 8), (2, 4)])
+def test_long_prefill_then_many_decode_steps(tensor, seq):
+  """230 prompt tokens (8 chunks) then 80 decode steps: the sequence's pages end up on every seq shard, and
+  each decode step combines the shards' partials. Page balance: shards differ by at most one page."""
+  want = engine().generate(LONG, max_new_tokens=80).token_ids
+  eng = engine(tensor, seq)
+  r = eng._make_requests([LONG], 80, None)[0]
+  assert eng._admit(r)
+  table = eng.pool.page_table(r.seq)
+  per_shard = np.bincount([eng.pool.shard_of(p) for p in table], minlength=seq)
+  assert per_shard.max() - per_shard.min() <= 1 and per_shard.sum() == len(table) == -(-310 // 4)
+  eng._release(r)
+  assert eng.generate(LONG, max_new_tokens=80).token_ids == want
+
+
+def test_prefix_sharing_on_a_mesh():
+  """Forked page tables with a copy-on-write of the shared last page (the copy stays on its shard)."""
+  prefix = RNG.integers(0, CFG.vocab_size, 45).tolist()
+  suffixes = [p[:9] for p in PROMPTS]
+  want = [r.token_ids for r in engine().generate(suffixes, max_new_tokens=12, prefix=prefix)]
+  eng = engine(2, 4)
+  assert [r.token_ids for r in eng.generate(suffixes, max_new_tokens=12, prefix=prefix)] == want
+  assert eng.pool.pages_used == 0
+
+
+KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
+                  ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
+
+
+@pytest.mark.parametrize("cfg,tensor,seq", [(CFG, 1, 2), (KV4, 2, 2)], ids=["gqa8-1x2", "kv4-2x2"])
+def test_ulysses_equals_ring_equals_one_device(cfg, tensor, seq):
+  base = engine(cfg=cfg)
+  uly, ring = engine(tensor, seq, cfg=cfg, sp_mode="ulysses"), engine(tensor, seq, cfg=cfg)
+  want_logits = base.logits([PROMPTS[0]])
+  want_prefill = prefill(base, PROMPTS[0])[0]
+  for eng in (uly, ring):
+    assert rel(eng.logits([PROMPTS[0]]), want_logits) <= 1e-4
+    assert rel(prefill(eng, PROMPTS[0])[0], want_prefill) <= 1e-4
+  assert uly.generate(PROMPTS[0], max_new_tokens=32).token_ids == base.generate(PROMPTS[0],
+                                                                                max_new_tokens=32).token_ids
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tensor=3), "n_heads=8 is not divisible by tensor=3"),
+    (dict(tensor=4, seq=4), r"seq=4 x tensor=4 needs 16 devices but only 8"),
+    (dict(tensor=2, seq=2, sp_mode="ulysses"), r"Ulysses needs .* n_heads=4 n_kv_heads=1 seq=2"),
+    (dict(seq=4, sp_mode="ulysses"), r"Ulysses needs .* n_heads=8 n_kv_heads=2 seq=4"),
+])
+def test_mesh_errors_name_the_numbers(kw, match):
+  with pytest.raises((ConfigError, ValueError), match=match):
+    Engine.random(CFG, run=RUN.replace(**kw))
+
+
+def test_request_too_long_for_a_seq_shard():
+  eng = Engine.random(CFG, run=RUN.replace(seq=4, num_pages=4 * 5, max_context=512), seed=1)
+  with pytest.raises(ValueError, match=r"needs 20 pages \(80 tokens\), 5 of them on seq shard 0, but each of the "
+                     r"4 seq shards has only 4 pages"):
+    eng.generate(list(range(70)), max_new_tokens=10)
+  assert len(eng.generate(list(range(60)), max_new_tokens=4).token_ids) == 4    # 16 pages: 4 per shard

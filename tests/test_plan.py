@@ -1,0 +1,153 @@
+"""The memory plan against the arrays it predicts, and the golden PartitionSpec of every parameter.
+
+Oracles: the per-device bytes of the real sharded state of small engines (each device's addressable shards),
+and for full-size presets the shard shapes that the engine's NamedShardings give `jax.eval_shape` results (no
+memory allocated). The golden file records, per preset and mesh, the spec of every parameter of the model the
+engine runs (after KV-head replication) and of the cache; regenerate it with LCJAX_UPDATE_GOLDEN=1 after a
+deliberate layout change and review the diff.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from lcjax import sharding as sh
+from lcjax.cache import kv as kvc
+from lcjax.config import PRESETS, ConfigError, ModelConfig, RunConfig, preset
+from lcjax.engine import plan as planlib
+from lcjax.engine.engine import Engine, net_config, net_model, net_shardings
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "partition_specs.json"
+TINY8 = ModelConfig("tiny-gqa8", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8,
+                    ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
+
+
+def _device_bytes(tree) -> dict:
+  """Bytes each device holds of the arrays in tree."""
+  out: dict = {}
+  for x in jax.tree.leaves(tree):
+    for s in x.addressable_shards:
+      out[s.device] = out.get(s.device, 0) + s.data.nbytes
+  return out
+
+
+@pytest.mark.parametrize("tensor,seq,cache_dtype", [(1, 1, "auto"), (2, 4, "auto"), (4, 2, "float8_e4m3fn"),
+                                                     (8, 1, "auto"), (1, 8, "bfloat16")])
+def test_plan_equals_sharded_state(tensor, seq, cache_dtype):
+  run = RunConfig(dtype="float32", cache_dtype=cache_dtype, page_size=4, prefill_chunk=32, max_context=100,
+                  max_batch=3, tensor=tensor, seq=seq, attention="reference")
+  eng = Engine.random(TINY8, run=run)
+  p = eng.plan
+  weights, cache = _device_bytes(eng.params), _device_bytes(eng.cache)
+  assert len(weights) == len(cache) == tensor * seq
+  assert set(weights.values()) == {p.weights}
+  assert set(cache.values()) == {p.kv_cache}
+  assert p.num_pages == eng.cache.k.shape[1] == eng.pool.pages_total == seq * p.pages_per_device
+  assert p.kv_replication == eng.kv_rep and p.kv_heads_per_device == eng.cache.k.shape[3] // tensor
+  # Capacity: every one of max_batch sequences of max_context tokens fits, on the busiest shard too.
+  assert eng.pool.fits(run.max_context)
+  assert p.tokens_capacity == eng.pool.pages_allocatable * run.page_size >= run.max_batch * run.max_context
+
+
+# Full-size presets: per-device bytes from the shard shapes of abstract arrays.
+PRESET_MESHES = [(name, t, s) for name in sorted(PRESETS) for t, s in [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
+                 if PRESETS[name].n_heads % t == 0] + [("smollm2-135m", 3, 2)]
+
+
+@pytest.mark.parametrize("name,tensor,seq", PRESET_MESHES)
+def test_plan_equals_eval_shape_of_presets(name, tensor, seq):
+  cfg = preset(name)
+  run = RunConfig(tensor=tensor, seq=seq, max_batch=2, page_size=256, max_context=32768)
+  mesh = sh.make_mesh(tensor=tensor, seq=seq)
+  p = planlib.plan(cfg, run)
+  _, shardings = net_shardings(cfg, run, mesh)
+  abstract = nnx.state(nnx.eval_shape(lambda: net_model(cfg, run, mesh)), nnx.Param)
+  leaves = zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+  weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in leaves)
+  assert weights == p.weights
+  net, rep = net_config(cfg, run)
+  shape = kvc.cache_shape(cfg.n_layers, p.num_pages, run.page_size, net.n_kv_heads, cfg.head_dim)
+  pool = kvc.cache_shardings(mesh, quantized=False).k
+  assert 2 * math.prod(pool.shard_shape(shape)) * 2 == p.kv_cache
+  assert rep == p.kv_replication
+
+
+def test_plan_kv_replication_and_comm_model():
+  cfg = preset("llama3.1-70b")
+  # 8 KV heads on 16 tensor devices: each repeated twice, one per device; the weights count the repeats.
+  p16 = planlib.plan(cfg, RunConfig(tensor=16, max_context=8192, max_batch=1))
+  assert p16.kv_replication == 2 and p16.kv_heads_per_device == 1
+  assert "KV heads replicated x2" in p16.table()
+  p8 = planlib.plan(cfg, RunConfig(tensor=8, max_context=8192, max_batch=1))
+  assert p8.kv_replication == 1
+  # Per device, both hold one KV head per layer in wk and wv (16 repeated heads / 16, 8 / 8) and the replicated
+  # norms; everything else halves from tensor=8 to tensor=16.
+  D, L, H = cfg.dim, cfg.n_layers, cfg.head_dim
+  norms, kv = (2 * L * D + D) * 2, L * 2 * D * H * 2
+  assert p16.weights == (p8.weights - norms - kv) // 2 + norms + kv
+  # Ring: a block of chunk/seq tokens, K and V of the local KV heads per step.
+  run = RunConfig(tensor=4, seq=2, prefill_chunk=16384, max_context=524288, max_batch=1)
+  c = planlib.plan(cfg, run).comm
+  assert c.block_tokens == 8192 and c.ring_steps == 1
+  assert c.ring_step_bytes == 2 * 8192 * 2 * 128 * 2
+  assert c.ring_step_flops == 2 * 8192 ** 2 * 16 * 128
+  # GQA 8:1 hides the ring from a few hundred tokens of block, MHA from a few thousand (NVLink, bf16).
+  assert 200 < c.overlap_block_tokens < 500 and c.overlaps
+  mha = planlib.comm_plan(preset("llama2-7b"), run.replace(seq=8, prefill_chunk=8192))
+  assert 2000 < mha.overlap_block_tokens < 4000 and not mha.overlaps          # 1024-token blocks
+  assert planlib.comm_plan(preset("llama2-7b"), run.replace(seq=2, prefill_chunk=16384)).overlaps
+
+
+def _golden_data() -> dict:
+  meshes = [(1, 8), (2, 4), (4, 2), (8, 1), (3, 2)]
+  out = {}
+  for name in sorted(PRESETS):
+    cfg = preset(name)
+    per = {}
+    for t, s in meshes:
+      run = RunConfig(tensor=t, seq=s)
+      key = f"tensor={t} seq={s}"
+      try:
+        net, rep = net_config(cfg, run)
+      except ConfigError as e:
+        per[key] = {"error": str(e)}
+        continue
+      mesh = sh.make_mesh(tensor=t, seq=s)
+      _, shardings = net_shardings(cfg, run, mesh)
+      flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+      params = {"/".join(str(getattr(k, "key", k)) for k in path): [a if a is None else str(a) for a in
+                                                                     tuple(ns.spec)] for path, ns in flat}
+      per[key] = {"kv_replication": rep, "kv_heads": net.n_kv_heads, "params": params,
+                  "cache": [a for a in tuple(kvc.cache_shardings(mesh, False).k.spec)]}
+    out[name] = per
+  return out
+
+
+def test_golden_partition_specs():
+  got = _golden_data()
+  if os.environ.get("LCJAX_UPDATE_GOLDEN"):
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+  want = json.loads(GOLDEN.read_text())
+  assert got == want
+  # Independent spot checks of the table the golden file freezes.
+  l70 = got["llama3.1-70b"]["tensor=8 seq=1"]["params"]
+  assert l70["layers/attn/wq"] == [None, None, "tensor", None]
+  assert l70["layers/attn/wk"] == [None, None, "tensor", None]
+  assert l70["layers/mlp/w_down"] == [None, "tensor", None]
+  assert l70["embed/embedding"] == ["tensor", None] and l70["lm_head/kernel"] == [None, "tensor"]
+  assert l70["layers/attn_norm/scale"] == [None, None]
+  assert got["llama3.1-70b"]["tensor=8 seq=1"]["cache"] == [None, "seq", None, "tensor", None]
+  assert "n_heads=9 is not divisible by tensor=2" in got["smollm2-135m"]["tensor=2 seq=4"]["error"]
+  assert got["smollm2-135m"]["tensor=3 seq=2"]["kv_replication"] == 1
+  assert got["tiny"]["tensor=8 seq=1"]["error"].startswith("n_heads=4 is not divisible by tensor=8")
+  assert got["tiny"]["tensor=4 seq=2"]["kv_replication"] == 2 and got["tiny"]["tensor=4 seq=2"]["kv_heads"] == 4

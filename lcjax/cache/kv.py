@@ -95,12 +95,16 @@ def quantize(x, scale):
   return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
-def write_layer(pool_l, new, slots):
-  """Scatter new [B, T, K, H] (already in pool dtype) into pool_l [P, Z, K, H] at flat slots [B, T]."""
-  P, Z, K, H = pool_l.shape
-  flat = pool_l.reshape(P * Z, K, H)
-  flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, K, H).astype(pool_l.dtype))
-  return flat.reshape(P, Z, K, H)
+def write_layer(pool, new, slots, layer):
+  """Scatter new [B, T, K, H] (already in pool dtype) into layer `layer` of the whole pool [L, P, Z, K, H] at
+  flat slots [B, T] (page * Z + offset).
+
+  The scatter indexes (layer, page, offset) of the 5-d pool, in place: a scatter into a reshaped view
+  ([L*P*Z, K, H]) makes XLA copy the whole pool on every call when K is 1 (it relayouts the unit dimension),
+  and K is 1 per device for Llama-3-70B on 8 tensor devices."""
+  Z = pool.shape[2]
+  s = slots.reshape(-1)
+  return pool.at[layer, s // Z, s % Z].set(new.reshape(-1, *pool.shape[3:]).astype(pool.dtype))
 
 
 def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
@@ -111,16 +115,17 @@ def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
 
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
 
-def shard_table(page_table, shard, n_shards: int, pages_per_shard: int):
+def shard_table(page_table, shard, n_shards: int, pages_per_shard: int, base=0):
   """Global page table [B, M] -> shard `shard`'s local table [B, M / n_shards]: its slots shard, shard + S, ...
-  as local page ids. M must be a multiple of n_shards; unused slots (global null page 0) become local page 0."""
+  as local page ids (+ base, the first page of a layer in a pool viewed as [L * P/S, Z, K, H]). M must be a
+  multiple of n_shards; unused slots (global null page 0) become the local null page."""
   B, M = page_table.shape
   if M % n_shards:
     raise ValueError(f"page-table width M={M} is not divisible by {n_shards=}")
   cols = jax.lax.dynamic_index_in_dim(page_table.reshape(B, M // n_shards, n_shards), shard, axis=2,
                                       keepdims=False)                                   # [B, M/S]
   local = cols - shard * pages_per_shard
-  return jnp.where((local >= 0) & (local < pages_per_shard), local, 0).astype(jnp.int32)
+  return (base + jnp.where((local >= 0) & (local < pages_per_shard), local, 0)).astype(jnp.int32)
 
 
 def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):
@@ -130,12 +135,12 @@ def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):
   return jnp.clip(kv_len[:, None] - m[None, :] * page_size, 0, page_size).sum(axis=1).astype(jnp.int32)
 
 
-def write_shard(pool_l, new, slots, shard):
-  """Scatter the tokens whose global slot lies on this shard into its local pool_l [P/S, Z, K, H]; new
-  [B, T, K, H] (pool dtype), slots [B, T] global. Other shards' tokens are dropped here (they write them)."""
-  Pl, Z = pool_l.shape[:2]
-  local = slots - shard * (Pl * Z)
-  local = jnp.where((local >= 0) & (local < Pl * Z), local, Pl * Z)     # out of bounds: dropped
-  flat = pool_l.reshape(Pl * Z, *pool_l.shape[2:])
-  flat = flat.at[local.reshape(-1)].set(new.reshape(-1, *pool_l.shape[2:]).astype(pool_l.dtype), mode="drop")
-  return flat.reshape(pool_l.shape)
+def write_shard(pool, new, slots, shard, layer):
+  """Scatter the tokens whose global slot lies on this shard into layer `layer` of its local pool
+  [L, P/S, Z, K, H] (in place, as `write_layer`); new [B, T, K, H] (pool dtype), slots [B, T] global. Other
+  shards' tokens are dropped here (they write them)."""
+  Pl, Z = pool.shape[1:3]
+  s = slots.reshape(-1)
+  page = s // Z - shard * Pl
+  page = jnp.where((page >= 0) & (page < Pl), page, Pl)            # out of bounds: dropped
+  return pool.at[layer, page, s % Z].set(new.reshape(-1, *pool.shape[3:]).astype(pool.dtype), mode="drop")

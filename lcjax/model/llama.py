@@ -204,24 +204,30 @@ class Llama(nnx.Module):
       return o, absmax
     if self.mesh is not None:
       return self._attend_mesh(q, k, v, step, cache_l)
-    k_pool, v_pool, k_scale, v_scale = cache_l
-    k_pool = kvc.write_layer(k_pool, kvc.quantize(k, k_scale), step.slots)
-    v_pool = kvc.write_layer(v_pool, kvc.quantize(v, v_scale), step.slots)
-    P = k_pool.shape[0]
-    ks = None if k_scale is None else jnp.broadcast_to(k_scale, (P, k_scale.shape[-1]))
-    vs = None if v_scale is None else jnp.broadcast_to(v_scale, (P, v_scale.shape[-1]))
+    # The whole pools [L, P, Z, K, H] come in with the layer index: written in place at (layer, page, offset),
+    # read as L*P pages (a free reshape) where layer `layer`'s page p is page layer*P + p. Slicing pool[layer]
+    # instead makes XLA copy the layer's pool (GiBs at long context) for every kernel call.
+    k_all, v_all, layer, k_scale, v_scale = cache_l
+    L, P = k_all.shape[:2]
+    k_all = kvc.write_layer(k_all, kvc.quantize(k, k_scale), step.slots, layer)
+    v_all = kvc.write_layer(v_all, kvc.quantize(v, v_scale), step.slots, layer)
+    k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
+    table = step.page_table + layer * P
+    # Only this layer's pages are read, so its scale can stand for every page.
+    ks = None if k_scale is None else jnp.broadcast_to(k_scale, (L * P, k_scale.shape[-1]))
+    vs = None if v_scale is None else jnp.broadcast_to(v_scale, (L * P, v_scale.shape[-1]))
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
       o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
                                    causal=True)
-      o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
+      o_pre, lse_pre = be.paged(q, k_pool, v_pool, table, q_pos=step.positions,
                                 kv_len=step.prefix_len, k_scale=ks, v_scale=vs)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     else:
-      o, _ = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions, kv_len=step.kv_len,
+      o, _ = be.paged(q, k_pool, v_pool, table, q_pos=step.positions, kv_len=step.kv_len,
                       k_scale=ks, v_scale=vs)
-    return o, (k_pool, v_pool)
+    return o, (k_all, v_all)
 
   def _attend_mesh(self, q, k, v, step: _Step, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
@@ -244,24 +250,28 @@ class Llama(nnx.Module):
                          out_specs=heads, check_vma=False)
       return fn(q, k, v, step.positions, start, step.lengths)
 
-    k_pool, v_pool, k_scale, v_scale = cache_l
+    # Whole pools [L, P, Z, K, H] with the layer index, as without a mesh: locally [L, P/S, Z, K/T, H] viewed
+    # as L * P/S pages, layer `layer`'s local page p being page layer * P/S + p.
+    k_all, v_all, layer, k_scale, v_scale = cache_l
     decode = step.prefix_len is None
     cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
-    Pl, Z = k_pool.shape[0] // S, k_pool.shape[1]
-    pool = P(SEQ, None, TENSOR, None)
+    L, Pl, Z = k_all.shape[0], k_all.shape[1] // S, k_all.shape[2]
+    pool = P(None, SEQ, None, TENSOR, None)
     scales = () if k_scale is None else (k_scale, v_scale)
 
-    def body(q, k, v, pos, slots, start, lengths, cached, table, kp, vp, *scales):
+    def body(q, k, v, pos, slots, start, lengths, cached, table, layer, k_all, v_all, *scales):
       d = lax.axis_index(SEQ)
       gather = (lambda x: lax.all_gather(x, SEQ, axis=1, tiled=True)) if split else (lambda x: x)
       ks, vs = scales if scales else (None, None)
       slots_all = gather(slots)
-      kp = kvc.write_shard(kp, kvc.quantize(gather(k), ks), slots_all, d)
-      vp = kvc.write_shard(vp, kvc.quantize(gather(v), vs), slots_all, d)
-      table_l = kvc.shard_table(table, d, S, Pl)
+      k_all = kvc.write_shard(k_all, kvc.quantize(gather(k), ks), slots_all, d, layer)
+      v_all = kvc.write_shard(v_all, kvc.quantize(gather(v), vs), slots_all, d, layer)
+      kp, vp = (a.reshape(L * Pl, *a.shape[2:]) for a in (k_all, v_all))
+      table_l = kvc.shard_table(table, d, S, Pl, layer * Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
-      kb = None if ks is None else jnp.broadcast_to(ks, (Pl, ks.shape[-1]))
-      vb = None if vs is None else jnp.broadcast_to(vs, (Pl, vs.shape[-1]))
+      # Only this layer's pages are read, so its scale can stand for every page.
+      kb = None if ks is None else jnp.broadcast_to(ks, (L * Pl, ks.shape[-1]))
+      vb = None if vs is None else jnp.broadcast_to(vs, (L * Pl, vs.shape[-1]))
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
       o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb)
@@ -269,15 +279,15 @@ class Llama(nnx.Module):
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if not decode:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
-      return o, kp, vp
+      return o, k_all, v_all
 
     fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(heads, heads, heads, rows, rows, rep, rep, rep, rep, pool, pool,
+                       in_specs=(heads, heads, heads, rows, rows, rep, rep, rep, rep, rep, pool, pool,
                                  *(P(TENSOR),) * len(scales)),
                        out_specs=(heads, pool, pool), check_vma=False)
-    o, k_pool, v_pool = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached, step.page_table,
-                           k_pool, v_pool, *scales)
-    return o, (k_pool, v_pool)
+    o, k_all, v_all = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached, step.page_table,
+                         layer, k_all, v_all, *scales)
+    return o, (k_all, v_all)
 
   def _constrain(self, x, axes):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
@@ -336,8 +346,8 @@ class Llama(nnx.Module):
         x, k_all, v_all = carry
         layer_params, i = xs
         scales = (None, None) if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
-        x, (k_l, v_l) = self._layer(nnx.merge(graphdef, layer_params), x, step, (k_all[i], v_all[i], *scales))
-        return (x, k_all.at[i].set(k_l), v_all.at[i].set(v_l)), None
+        x, (k_all, v_all) = self._layer(nnx.merge(graphdef, layer_params), x, step, (k_all, v_all, i, *scales))
+        return (x, k_all, v_all), None
       (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v),
                                           (layer_state, jnp.arange(self.cfg.n_layers)))
       k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in (k_all, v_all))

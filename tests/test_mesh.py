@@ -147,3 +147,46 @@ def test_request_too_long_for_a_seq_shard():
                      r"4 seq shards has only 4 pages"):
     eng.generate(list(range(70)), max_new_tokens=10)
   assert len(eng.generate(list(range(60)), max_new_tokens=4).token_ids) == 4    # 16 pages: 4 per shard
+
+
+# -- the real SmolLM2-135M (9 heads, 3 KV heads: tensor must divide 9) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_ckpt(tmp_path_factory):
+  from lcjax.checkpoint import convert_gguf, store
+  from lcjax.checkpoint.gguf import smollm2_gguf_path
+  try:
+    path = smollm2_gguf_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  dst = str(tmp_path_factory.mktemp("smollm2") / "ckpt")
+  # One stored part per tensor: the converter's row slabs (multiples of 128 rows) do not split over tensor=3,
+  # which lcjax.checkpoint.store cannot restore onto such a mesh yet (reported; not this module's code).
+  mp = pytest.MonkeyPatch()
+  mp.setattr(store, "PART_BYTES", 1 << 40)
+  try:
+    convert_gguf(path, dst, progress=False)
+  finally:
+    mp.undo()
+  return dst
+
+
+SMOL_RUN = RunConfig(dtype="float32", page_size=16, prefill_chunk=32, max_context=256, max_batch=1,
+                     decode_steps=32, attention="reference")
+SMOL_PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a "
+               "small robot who loved to read books about the ocean and")
+
+
+@pytest.mark.slow
+def test_smollm2_on_meshes_matches_one_device(smollm2_ckpt):
+  base = Engine.load(smollm2_ckpt, run=SMOL_RUN)
+  ids = base.encode(SMOL_PROMPT)
+  assert len(ids) > SMOL_RUN.prefill_chunk           # two prefill chunks: the second reads a cached prefix
+  want_logits, want_prefill = base.logits([ids]), prefill(base, ids)[0]
+  want = base.generate(ids, max_new_tokens=32).token_ids
+  for tensor, seq in [(3, 2), (1, 8)]:
+    eng = Engine.load(smollm2_ckpt, run=SMOL_RUN, tensor=tensor, seq=seq)
+    assert eng.kv_rep == 1 and eng.params["layers"]["attn"]["wk"].get_value().sharding.spec[2] == "tensor"
+    assert rel(eng.logits([ids]), want_logits) <= 1e-4
+    assert rel(prefill(eng, ids)[0], want_prefill) <= 1e-4
+    assert eng.generate(ids, max_new_tokens=32).token_ids == want, (tensor, seq)

@@ -291,7 +291,12 @@ def orchestrate():
     for S in map(int, FLAGS.contexts):
       if S not in seen:   # the worker died (e.g. killed by an OOM outside Python)
         rows.append(dict(impl=impl, S=S, oom=None, error=f"worker exited with {proc.returncode}"))
-  rows.sort(key=lambda r: (r["impl"], r["S"]))
+    table = write_results(rows)   # after every implementation, so a run stopped later still leaves results
+  print(table)
+
+
+def write_results(rows):
+  rows = sorted(rows, key=lambda r: (r["impl"], r["S"]))
   dev = device_name()
   result = dict(device=dev, versions=versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -311,7 +316,7 @@ def orchestrate():
   except (IndexError, ValueError):
     pass
   plot(rows, stem, device_gib)
-  print(table)
+  return table
 
 
 def main(argv):

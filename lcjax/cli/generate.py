@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -19,7 +20,7 @@ flags.DEFINE_string("checkpoint", None, "lcjax checkpoint directory (default: th
 flags.DEFINE_string("prompt", None, "prompt text")
 flags.DEFINE_string("prompt_file", None, "read the prompt from this file")
 flags.DEFINE_bool("demo", False, "ask about a fact buried in a long document (needle in a haystack)")
-flags.DEFINE_integer("demo_words", 2500, "filler words in the --demo document")
+flags.DEFINE_integer("demo_words", 2000, "filler words in the --demo document")
 flags.DEFINE_bool("chat", True, "wrap the prompt in the checkpoint's chat template when it has one")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
@@ -27,6 +28,7 @@ flags.DEFINE_integer("top_k", 0, "0 = off")
 flags.DEFINE_float("top_p", 1.0, "1 = off")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_bool("stream", True, "print text as it is generated")
+flags.DEFINE_bool("warmup", True, "compile with an untimed pass first, so the stats are steady-state")
 flags.DEFINE_bool("verbose", False, "show Python tracebacks on errors")
 config_flags.DEFINE_config_file("config", None, "a configs/*.py file; override fields with --config.NAME=VALUE")
 
@@ -42,10 +44,9 @@ def demo_prompt(words: int) -> tuple[str, str]:
   """A long document with one fact in the middle, and the question about it."""
   filler = _FILLER.split()
   body = [filler[i % len(filler)] for i in range(words)]
-  needle = "The secret password of the stone house is PELICAN-42."
-  body.insert(words // 2, needle)
+  body.insert(words // 2, "Remember this: the password is PELICAN-42.")
   doc = " ".join(body)
-  return f"{doc}\n\nWhat is the secret password of the stone house?", "PELICAN-42"
+  return f"{doc}\n\nWhat is the password?", "PELICAN-42"
 
 
 def ensure_default_checkpoint() -> str:
@@ -61,10 +62,12 @@ def ensure_default_checkpoint() -> str:
   return DEFAULT_CKPT
 
 
-def _stats_table(res, elapsed_plan, measured) -> str:
+def _stats_table(res, warmup_s) -> str:
   s = res.stats
   gib = 1024 ** 3
   rows = [("prompt tokens", f"{s['prompt_tokens']:,}"), ("new tokens", f"{s['new_tokens']:,}"),
+          ("warm-up", "off (prefill and decode include XLA compilation)" if warmup_s is None
+           else f"{warmup_s:.2f} s (XLA compilation + one untimed pass)"),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prompt_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token"),
           ("peak device memory", f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
@@ -97,6 +100,14 @@ def main(argv):
     if FLAGS.chat and engine.tokenizer is not None and engine.tokenizer.chat_template:
       prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+    warmup_s = None
+    if FLAGS.warmup:
+      # An untimed pass over a prompt of the same length compiles every step the timed run will use, so the
+      # stats below are steady-state numbers and compilation is reported on its own line.
+      n = len(engine.encode(prompt))
+      t0 = time.perf_counter()
+      engine.generate([engine.cfg.bos_id or 0] * n, max_new_tokens=2)
+      warmup_s = time.perf_counter() - t0
     if FLAGS.stream:
       for _, delta in engine.generate_stream(prompt, max_new_tokens=FLAGS.max_new_tokens, sampling=sampling):
         print(delta, end="", flush=True)
@@ -105,7 +116,7 @@ def main(argv):
         else engine.last_results[0]
     if not FLAGS.stream:
       print(res.text)
-    print("\nstats\n" + _stats_table(res, None, None))
+    print("\nstats\n" + _stats_table(res, warmup_s))
     print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
     if answer is not None:
       print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")

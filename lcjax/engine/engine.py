@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import resource
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -36,9 +37,6 @@ from lcjax.engine.sampling import SamplingParams, stack as stack_sampling
 from lcjax.engine.steps import DecodeState, Steps
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
 from lcjax.ops.backends import get_backend
-
-
-_copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0)
 
 
 class RequestError(ValueError):
@@ -85,12 +83,33 @@ def _peak_host_bytes() -> int:
 
 def _mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
   if mesh is None:
-    return sh.make_mesh(tensor=run.tensor, seq=run.seq)
+    try:
+      return sh.make_mesh(tensor=run.tensor, seq=run.seq)
+    except ValueError as e:     # more devices than exist
+      raise ConfigError(str(e)) from None
   got = (mesh.shape[sh.SEQ], mesh.shape[sh.TENSOR])
   if got != (run.seq, run.tensor):
     raise ConfigError(f"mesh of (seq, tensor) = {got} does not match the run config's seq={run.seq} "
                       f"tensor={run.tensor}")
   return mesh
+
+
+def _host_available_bytes() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+  except (OSError, StopIteration):
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory(mesh: jax.sharding.Mesh) -> tuple[int, str]:
+  """(bytes, what they are) that each device of this process in `mesh` offers: XLA's bytes_limit on accelerators
+  (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); CPU devices share the host, so its available RAM split."""
+  devs = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devs]
+  if all(limits):
+    return min(limits), f"each {devs[0].device_kind} (XLA_PYTHON_CLIENT_MEM_FRACTION sets the share JAX gets)"
+  return _host_available_bytes() // len(devs), f"each of {len(devs)} CPU device(s) (available host memory)"
 
 
 def kv_replication_for(model_cfg: ModelConfig, tensor: int) -> int:
@@ -152,11 +171,13 @@ class Engine:
     self.params = self._place(params)
     self.plan = planlib.plan(model_cfg, self.run)
     self.pool = PagePool(self.plan.num_pages, self.run.page_size, shards=self.run.seq)
-    self.steps = Steps(self.graphdef, self.run.page_size)
+    fp8 = self.run.resolved_cache_dtype == "float8_e4m3fn"
+    self.steps = Steps(self.graphdef, self.run.page_size, self.mesh, kvc.cache_shardings(self.mesh, fp8))
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
     self.peak_pages_used = 0
     self.last_results: list[GenerationResult] = []
+    self._lock = threading.RLock()
 
   # -- construction -------------------------------------------------------------------------------
   def _place(self, params):
@@ -216,6 +237,7 @@ class Engine:
     mesh = _mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
     _, rep = net_config(model_cfg, run)         # refuse a mesh the heads cannot split over before reading
+    planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *device_memory(mesh))
     if rep == 1:
       model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=run.dtype, mesh=mesh)
     else:   # wk/wv restored replicated over tensor, then repeated into their shards by the engine
@@ -244,7 +266,14 @@ class Engine:
         raise RequestError("this engine has no tokenizer: pass token ids instead of text")
       if not prompt:
         raise RequestError("empty prompt: give at least one token")
-      return self.tokenizer.encode(prompt)
+      try:
+        prompt.encode("utf-8")
+      except UnicodeEncodeError as e:   # lone surrogates: the tokenizer would fail with a TypeError
+        raise RequestError(f"the prompt is not valid Unicode: {e.reason} {prompt[e.start:e.end]!r} at index "
+                           f"{e.start}") from None
+      ids = self.tokenizer.encode(prompt)
+      self._check_ids(ids)              # a tokenizer larger than the model's vocabulary
+      return ids
     ids = [int(t) for t in prompt]
     if not ids:
       raise RequestError("empty prompt: give at least one token")
@@ -266,19 +295,28 @@ class Engine:
         raise RequestError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
                            f"{len(ids) + max_new_tokens} > max context {self.max_context}")
       n = len(ids) + max_new_tokens
-      need = self.pool.pages_needed(n)
-      if not self.pool.fits(n):
+      per_shard = self._pages_held(n, len(head))
+      need = sum(per_shard)
+      if max(per_shard) > self.pool.pages_per_shard - 1:
         S = self.pool.shards
         if S == 1:
           usable = self.pool.pages_allocatable
           raise RequestError(f"prompt {i} needs {need} pages ({n} tokens) but the pool has only {usable} pages "
                              f"({usable * self.run.page_size} tokens): raise num_pages or lower max_new_tokens")
         per = self.pool.pages_per_shard - 1
-        raise RequestError(f"prompt {i} needs {need} pages ({n} tokens), {-(-need // S)} of them on seq shard 0, "
+        raise RequestError(f"prompt {i} needs {need} pages ({n} tokens), {max(per_shard)} of them on seq shard "
+                           f"{per_shard.index(max(per_shard))}, "
                            f"but each of the {S} seq shards has only {per} pages: raise num_pages or lower "
                            "max_new_tokens")
       reqs.append(_Request(i, ids, int(max_new_tokens), sp, shared=len(head)))
     return reqs
+
+  def _pages_held(self, n: int, shared: int) -> list[int]:
+    """Pages per seq shard held while a request of n tokens runs: with a shared prefix of `shared` tokens, the
+    prefix sequence's pages too, and the request's copy of the prefix's partly filled last page."""
+    Z, S = self.run.page_size, self.pool.shards
+    slots = list(range(-(-shared // Z))) + list(range(shared // Z, -(-n // Z)))   # table slot m is on shard m % S
+    return [sum(1 for m in slots if m % S == d) for d in range(S)]
 
   @staticmethod
   def _as_list(prompts) -> tuple[list, bool]:
@@ -346,7 +384,7 @@ class Engine:
       return False
     if copies:
       src, dst = (jnp.asarray(c, jnp.int32) for c in zip(*copies))
-      self.cache = _copy_pages(self.cache, src, dst)
+      self.cache = self.steps.copy_pages(self.cache, src, dst)
     self.peak_pages_used = max(self.peak_pages_used, self.pool.pages_used)
     return True
 
@@ -371,6 +409,12 @@ class Engine:
       r.seq = None
 
   def _run(self, reqs: list[_Request]) -> Iterator[_Request]:
+    """One run at a time per engine: the cache is donated through every step, so another thread's run waits
+    here (a run of this thread, e.g. a second stream, interleaves: its pages are its own)."""
+    with self._lock:
+      yield from self._drive(reqs)
+
+  def _drive(self, reqs: list[_Request]) -> Iterator[_Request]:
     """Drive requests to completion, yielding a request each time it gains tokens."""
     waiting = list(reqs)
     live: list[_Request | None] = [None] * self.run.max_batch

@@ -3,6 +3,10 @@
 Each is a pure function of (params, cache, inputs); the model's graph definition is closed over, so one Engine
 compiles each step once per shape bucket. The cache is donated through every step, so its pools are updated in
 place and never copied.
+
+On a mesh the cache keeps its sharding through every step (explicit out_shardings), and whatever the host reads
+(logits, sampled tokens, decode state) comes back replicated: small arrays, and in a multi-process run every
+process can read them (an array spread over other processes' devices cannot be fetched).
 """
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from lcjax.cache import kv as kvc
 from lcjax.engine.sampling import sample
 
 
@@ -26,14 +32,21 @@ class DecodeState:
 
 
 class Steps:
-  def __init__(self, graphdef, page_size: int):
+  def __init__(self, graphdef, page_size: int, mesh=None, cache_shardings=None):
+    """mesh, cache_shardings: the engine's mesh and the PagedKV of its pools' shardings (None: one device)."""
     self.graphdef = graphdef
     self.page_size = page_size
-    self.forward = jax.jit(self._forward)
-    self.kv_absmax = jax.jit(lambda params, tokens: self._model(params)(tokens, return_kv_absmax=True))
-    self.prefill = jax.jit(self._prefill, donate_argnames=("cache",))
-    self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",))
-    self.first_token = jax.jit(sample)
+    rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    host = {} if mesh is None else dict(out_shardings=rep)
+    self.forward = jax.jit(self._forward, **host)
+    self.kv_absmax = jax.jit(lambda params, tokens: self._model(params)(tokens, return_kv_absmax=True), **host)
+    self.prefill = jax.jit(self._prefill, donate_argnames=("cache",),
+                           **({} if mesh is None else dict(out_shardings=(rep, cache_shardings))))
+    self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",),
+                          **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
+    self.first_token = jax.jit(sample, **host)
+    self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
+                              **({} if mesh is None else dict(out_shardings=cache_shardings)))
 
   def _model(self, params):
     return nnx.merge(self.graphdef, params)

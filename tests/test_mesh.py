@@ -21,7 +21,8 @@ CFG = ModelConfig("tiny-gqa8", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_
                   ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
 RUN = RunConfig(dtype="float32", page_size=4, prefill_chunk=32, max_context=320, max_batch=3, decode_steps=16,
                 attention="reference")
-MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]      # (tensor, seq)
+# (tensor, seq); (2, 3): six devices, a seq size that power-of-two chunks do not divide (the model pads).
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1), (2, 3)]
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, CFG.vocab_size, n).tolist() for n in (90, 5, 37)]
 LONG = RNG.integers(0, CFG.vocab_size, 230).tolist()
@@ -111,6 +112,15 @@ def test_prefix_sharing_on_a_mesh():
   eng = engine(2, 4)
   assert [r.token_ids for r in eng.generate(suffixes, max_new_tokens=12, prefix=prefix)] == want
   assert eng.pool.pages_used == 0
+
+
+def test_fp8_cache_on_a_mesh():
+  """fp8 pages on (tensor, seq) = (4, 2): the calibrated scales are the one-device scales, each repeated with its
+  KV head, and the prefill logits match the one-device fp8 engine's."""
+  one, mesh = engine(cache_dtype="float8_e4m3fn"), engine(4, 2, cache_dtype="float8_e4m3fn")
+  for a, b in ((mesh.cache.k_scale, one.cache.k_scale), (mesh.cache.v_scale, one.cache.v_scale)):
+    np.testing.assert_allclose(np.asarray(a), np.repeat(np.asarray(b), 2, axis=1), rtol=1e-6)
+  assert rel(prefill(mesh, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 1e-3
 
 
 KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,

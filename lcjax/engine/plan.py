@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lcjax.config import ModelConfig, RunConfig
+from lcjax.config import ConfigError, ModelConfig, RunConfig
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -175,6 +175,18 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,
                     K_l, comm_plan(model, run, hw, batch=batch))
+
+
+def require_fit(p: MemoryPlan, model: ModelConfig, run: RunConfig, device_bytes: int, device: str) -> None:
+  """Refuse, before anything is allocated, a run whose plan needs more than `device_bytes` per device."""
+  if p.total <= device_bytes:
+    return
+  what = (f"num_pages={run.num_pages}" if run.num_pages else
+          f"max_context={run.context_for(model)} x max_batch={run.max_batch}")
+  raise ConfigError(f"{what} does not fit: the memory plan needs {p.total / GiB:.2f} GiB per device (KV cache "
+                    f"{p.kv_cache / GiB:.2f} GiB for {p.tokens_capacity:,} tokens, weights {p.weights / GiB:.2f} GiB) "
+                    f"but {device} has {device_bytes / GiB:.2f} GiB: lower it, or use a float8 cache "
+                    "(cache_dtype=float8_e4m3fn) or more devices (seq, tensor)")
 
 
 def compare(model: ModelConfig, contexts, meshes, device_gib, *, base: RunConfig | None = None,

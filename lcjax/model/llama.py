@@ -36,9 +36,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 

@@ -162,14 +162,20 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   kv = 2 * model.n_layers * Pl * run.page_size * K_l * model.head_dim * c_item
   if run.resolved_cache_dtype == "float8_e4m3fn":
     kv += 2 * model.n_layers * K_l * 4              # per (layer, kv head) float32 scales
-  # One prefill chunk of one layer: residual, q/k/v/o and the MLP's gate/up/product of this device's block;
-  # the chunk's K/V and queries gathered over seq, the float32 prefix partial, the ring's two K/V buffers; plus
-  # the float32 logits of the last position.
+  # One prefill chunk of one layer, counted in elements per chunk token of this device's block:
+  #   attention  x, h (2D); q, o (2 N_l H); k, v (2 K_l H); the float32 chunk-vs-itself and chunk-vs-prefix
+  #              partials and their float32 merge (6 N_l H in w_item units)
+  #   MLP        x, h, out (3D); gate, up, silu(gate) * up (3 F_l)
+  #   scan carry the next layer's input (D)
+  # XLA keeps both phases' buffers live at once: summing them matched the measured peak on the H200 (Llama-3-8B
+  # shape: 6.25 GiB of activations at a 32K chunk; Llama-3.1-70B shape: 12.4 GiB) where the larger phase
+  # alone was 35-45% short (benchmarks/NOTES-longctx.md). Plus, over seq, the chunk's K/V and queries gathered,
+  # the float32 prefix partial and the ring's two K/V buffers; and the float32 logits of the last position.
   C = min(run.prefill_chunk, run.context_for(model)) * batch
   c = -(-C // S)
   D, F, H = model.dim, model.ffn_dim, model.head_dim
   N_l = -(-model.n_heads // T)
-  per_token = (3 * D + (N_l + 2 * K_l) * H * 2 + 3 * F // T) * w_item
+  per_token = (6 * D + 8 * N_l * H + 2 * K_l * H + 3 * -(-F // T)) * w_item
   gathered = 0 if S == 1 else C * (2 * K_l * H * w_item + N_l * H * (w_item + 4)) + 2 * 2 * c * K_l * H * w_item
   act = c * per_token + gathered + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2

@@ -163,21 +163,16 @@ def test_request_too_long_for_a_seq_shard():
 
 @pytest.fixture(scope="module")
 def smollm2_ckpt(tmp_path_factory):
-  from lcjax.checkpoint import convert_gguf, store
+  from lcjax.checkpoint import convert_gguf
   from lcjax.checkpoint.gguf import smollm2_gguf_path
   try:
     path = smollm2_gguf_path()
   except FileNotFoundError as e:
     pytest.skip(str(e))
   dst = str(tmp_path_factory.mktemp("smollm2") / "ckpt")
-  # One stored part per tensor: the converter's row slabs (multiples of 128 rows) do not split over tensor=3,
-  # which lcjax.checkpoint.store cannot restore onto such a mesh yet (reported; not this module's code).
-  mp = pytest.MonkeyPatch()
-  mp.setattr(store, "PART_BYTES", 1 << 40)
-  try:
-    convert_gguf(path, dst, progress=False)
-  finally:
-    mp.undo()
+  # The converter's default row slabs: the embedding's 128-row parts do not split over tensor=3, so this also
+  # checks that such parts are read replicated and placed into the sharded array.
+  convert_gguf(path, dst, progress=False)
   return dst
 
 

@@ -22,6 +22,7 @@ removed by the next run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from typing import Any, Iterator
@@ -238,6 +239,20 @@ def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool):
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
 
 
+def _fit_sharding(sharding: jax.sharding.Sharding, shape) -> jax.sharding.Sharding:
+  """`sharding` for an array of `shape`, with every axis whose length the mesh does not divide replicated: the
+  last part of a split tensor (or every part, e.g. 128-row parts of a vocab split over tensor=3) is read whole
+  on each device of that axis and placed into the full array, which keeps its own sharding."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  for i, entry in enumerate(spec[:len(shape)]):
+    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    if axes and shape[i] % math.prod(sharding.mesh.shape[a] for a in axes):
+      spec[i] = None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:len(shape)]))
+
+
 def _place(full, slab, offsets):
   slab = slab.reshape((1,) * (full.ndim - slab.ndim) + slab.shape)   # a layer of a stacked array
   return jax.lax.dynamic_update_slice(full, slab.astype(full.dtype), offsets)
@@ -316,7 +331,8 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
       place = jax.jit(_place, donate_argnums=0, out_shardings=sharding)
       for layer in (range(spec.shape[0]) if stacked else [None]):
         for part, start in enumerate(range(0, rows, step)):
-          slab = reader.read(name, layer, part, (min(step, rows - start), *item_shape[1:]), dt, slab_sharding)
+          shape = (min(step, rows - start), *item_shape[1:])
+          slab = reader.read(name, layer, part, shape, dt, _fit_sharding(slab_sharding, shape))
           lead = () if layer is None else (layer,)
           offsets = tuple(jnp.int32(o) for o in (*lead, start, *[0] * (len(item_shape) - 1)))
           full = place(full, slab, offsets)

@@ -147,6 +147,10 @@ class _SPBackend:
 _UNSET: Any = object()
 
 
+class TokenizerError(ValueError):
+  """A tokenizer file that cannot be read (truncated or corrupt); the message names the file."""
+
+
 class Tokenizer:
   """A checkpoint's tokenizer.
 
@@ -159,12 +163,14 @@ class Tokenizer:
                add_bos: bool | None = None):
     self.path = path
     tj, tm = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
-    if os.path.exists(tj):
-      self._b = _HFBackend(tj)
-    elif os.path.exists(tm):
-      self._b = _SPBackend(tm)
-    else:
+    if not (os.path.exists(tj) or os.path.exists(tm)):
       raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model")
+    f = tj if os.path.exists(tj) else tm
+    try:
+      self._b = _HFBackend(tj) if f == tj else _SPBackend(tm)
+    except Exception as e:  # tokenizers raises a bare Exception, sentencepiece a RuntimeError
+      msg = (str(e).strip().splitlines() or [""])[0][:300]
+      raise TokenizerError(f"{f}: not a readable tokenizer file: {type(e).__name__}: {msg}") from None
     cfg = os.path.join(path, "lcjax_config.json")
     if os.path.exists(cfg):
       c = _read_json(cfg)

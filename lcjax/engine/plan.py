@@ -151,6 +151,15 @@ def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch:
                   prefix if S > 1 else 0, allreduce)
 
 
+def prefill_flops(model: ModelConfig, S: int) -> float:
+  """Matmul FLOPs of a causal prefill of S tokens with the logits of the last position only: the projections
+  and MLP (2 per multiply-add) plus QK^T and PV over the causal half of the score matrix."""
+  per_layer = model.dim * model.head_dim * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * model.dim * model.ffn_dim
+  linear = 2 * S * model.n_layers * per_layer + 2 * model.dim * model.vocab_size
+  attention = 2 * S * S * model.n_heads * model.head_dim * model.n_layers
+  return linear + attention
+
+
 def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H200) -> MemoryPlan:
   T, S = run.tensor, run.seq
   w_item = _ITEMSIZE[run.dtype]

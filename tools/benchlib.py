@@ -1,0 +1,32 @@
+"""What every benchmark records beside its rows: the device and the versions of what it ran on."""
+from __future__ import annotations
+
+import platform
+import subprocess
+
+
+def gpu_names() -> list[str]:
+  """One "name, memory" line per NVIDIA GPU (empty without nvidia-smi)."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return out.stdout.strip().splitlines() if out.returncode == 0 else []
+
+
+def device_name(cpu_devices: int = 1) -> str:
+  gpus = gpu_names()
+  if gpus:
+    return gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}"
+  return f"cpu ({platform.processor() or platform.machine()}, {cpu_devices} device(s))"
+
+
+def versions(modules=("jax", "jaxlib", "flax", "torch", "transformers")) -> dict:
+  v = {"python": platform.python_version()}
+  for mod in modules:
+    try:
+      v[mod] = __import__(mod).__version__
+    except Exception:  # noqa: BLE001 - a module that is not installed is simply not listed
+      pass
+  return v

@@ -415,3 +415,17 @@ def test_refusals_are_value_errors():
   """Every refusal type is a ValueError, so `except ValueError` (and the CLI) catches them all."""
   for t in (ConfigError, RequestError, CheckpointError, TokenizerError, PagePoolExhausted):
     assert issubclass(t, ValueError), t
+
+
+@pytest.mark.parametrize("fname", ["lcjax_manifest.json", "lcjax_config.json"])
+def test_corrupt_checkpoint_json_is_named(tmp_path, fname):
+  """A truncated manifest or config names the file instead of surfacing a bare JSONDecodeError."""
+  import shutil
+  from lcjax.checkpoint import CheckpointError, load_config
+  from lcjax.checkpoint.bundled import bundled_checkpoint
+  ckpt = tmp_path / "ckpt"
+  src = bundled_checkpoint()
+  shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("params"))
+  (ckpt / fname).write_text('{"format": "lcjax-orb')
+  with pytest.raises(CheckpointError, match=rf"{fname} is corrupt .*rerun the conversion"):
+    load_config(str(ckpt))

@@ -210,18 +210,33 @@ def read_manifest(ckpt_dir: str) -> dict:
     raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
   if not os.path.exists(path):
     raise CheckpointError(f"{ckpt_dir}: incomplete checkpoint ({MANIFEST_FILE} is missing); rerun the conversion")
-  with open(path) as f:
-    manifest = json.load(f)
-  if manifest.get("format") != FORMAT:
-    raise CheckpointError(f"{path}: format {manifest.get('format')!r} is not {FORMAT!r}")
+  manifest = _read_json(path)
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    raise CheckpointError(f"{path}: format {got!r} is not {FORMAT!r}")
   return manifest
 
 
 def load_config(ckpt_dir: str) -> ModelConfig:
   """The ModelConfig of a complete checkpoint (CheckpointError when it is incomplete)."""
   read_manifest(ckpt_dir)
-  with open(os.path.join(ckpt_dir, CONFIG_FILE)) as f:
-    return ModelConfig.from_dict(json.load(f))
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  d = _read_json(path)
+  try:
+    return ModelConfig.from_dict(d)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{path}: not a valid lcjax model config: {e}") from None
+
+
+def _read_json(path: str):
+  """A checkpoint's JSON file, or a CheckpointError naming the file when it is missing or corrupt."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path} is missing") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path} is corrupt ({e}); rerun the conversion") from None
 
 
 def _path_name(path) -> str:

@@ -168,7 +168,7 @@ def test_refuses_other_architecture_and_bad_files(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_gguf.py"), f"--src={src}",
                       f"--dst={dst}"], env=env, capture_output=True, text=True, timeout=120)
-  assert p.returncode == 1
+  assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1] == (f"convert_gguf: error: {src}: general.architecture='qwen2'; "
                                               "lcjax converts 'llama' GGUF files only")
   assert not os.path.exists(dst)

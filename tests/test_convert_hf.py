@@ -324,7 +324,7 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   assert load_config(dst).n_layers == CFG.n_layers
   p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
   out, err = p.communicate(timeout=120)
-  assert p.returncode == 1
+  assert p.returncode == 2
   assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err
 
 

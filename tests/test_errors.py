@@ -293,13 +293,13 @@ def test_cli_generates_what_the_api_generates(api):
 
 
 def test_converter_clis_refuse_in_one_line(paths, tmp_path):
-  """tools/convert_hf.py with a missing shard (the converters exit 1 with `convert_hf: error:`; convert_gguf's
+  """tools/convert_hf.py with a missing shard (the converters exit 2 with `convert_hf: error:`, like the generate CLI; convert_gguf's
   CLI refusal is tested in test_convert_gguf.py)."""
   dst = str(tmp_path / "out")
   p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={paths['hf']}",
                       f"--dst={dst}"], env=_cli_env(), capture_output=True, text=True, timeout=300)
   last = p.stderr.strip().splitlines()[-1]
-  assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
   assert last.startswith("convert_hf: error: ") and f"shard {paths['hf_shard']}" in last and "missing" in last
   assert not os.path.exists(dst) and os.listdir(tmp_path) == []
 

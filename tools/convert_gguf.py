@@ -24,7 +24,7 @@ def main(argv):
     stats = convert_gguf(FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
   except CheckpointError as e:
     print(f"convert_gguf: error: {e}", file=sys.stderr)
-    return 1
+    return 2
   print(f"wrote {FLAGS.dst}: {stats['tensors']} tensors in {stats['seconds']:.1f} s")
   return 0
 

@@ -36,7 +36,7 @@ def main(argv):
     stats = convert_hf(FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
   except (CheckpointError, FileNotFoundError) as e:
     print(f"convert_hf: error: {e}", file=sys.stderr)
-    return 1
+    return 2
   peak = _peak_rss_bytes() / 2**30
   print(f"wrote {FLAGS.dst}: {stats['tensors']} tensors, {stats['bytes'] / 2**30:.2f} GiB in "
         f"{stats['seconds']:.1f} s, peak RSS {peak:.2f} GiB")

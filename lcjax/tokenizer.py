@@ -234,6 +234,16 @@ class Tokenizer:
     return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_bos=False)
 
 
+TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def find_tokenizer(path: str) -> Tokenizer | None:
+  """The Tokenizer of a checkpoint directory, or None when it has no tokenizer file."""
+  if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_MODEL_FILES):
+    return Tokenizer(path)
+  return None
+
+
 class IncrementalDecoder:
   """Text deltas from a growing list of ids, never cutting a UTF-8 character in half.
 

@@ -382,7 +382,7 @@ def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.shardin
   its sharding on `mesh` (lcjax.sharding.param_shardings) when one is given, else on the default device.
   """
   from lcjax.model.llama import Llama
-  from lcjax.tokenizer import Tokenizer
+  from lcjax.tokenizer import find_tokenizer
   cfg = load_config(ckpt_dir)
   abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))), nnx.Param)
   shardings = None
@@ -390,5 +390,4 @@ def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.shardin
     from lcjax.sharding import param_shardings
     shardings = param_shardings(abstract, mesh)
   params = restore_params(ckpt_dir, abstract, shardings, dtype=dtype, progress=progress)
-  has_tok = any(os.path.exists(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "tokenizer.model"))
-  return cfg, params, Tokenizer(ckpt_dir) if has_tok else None
+  return cfg, params, find_tokenizer(ckpt_dir)

@@ -198,7 +198,7 @@ def _generate() -> None:
   from lcjax.config import ConfigError
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine, RequestError, device_memory, net_config
-  from lcjax.tokenizer import Tokenizer
+  from lcjax.tokenizer import find_tokenizer
   try:
     mesh = sh.make_mesh(tensor=run.tensor, seq=run.seq)
   except ValueError as e:
@@ -208,9 +208,7 @@ def _generate() -> None:
   print(plan.table(), file=sys.stderr)
   planlib.require_fit(plan, model_cfg, run, *device_memory(mesh))
 
-  tokenizer = None
-  if ckpt is not None and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer.model")):
-    tokenizer = Tokenizer(ckpt)
+  tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
   if text is not None:
     if tokenizer is None:
       raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "

@@ -231,7 +231,7 @@ class Engine:
     """
     from lcjax.checkpoint import load_checkpoint, load_config
     from lcjax.checkpoint.store import restore_params
-    from lcjax.tokenizer import Tokenizer
+    from lcjax.tokenizer import find_tokenizer
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides)
     mesh = _mesh_for(run, mesh)
@@ -243,8 +243,7 @@ class Engine:
     else:   # wk/wv restored replicated over tensor, then repeated into their shards by the engine
       abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
       params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
-      has_tok = any(os.path.exists(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "tokenizer.model"))
-      tokenizer = Tokenizer(ckpt_dir) if has_tok else None
+      tokenizer = find_tokenizer(ckpt_dir)
     return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
 
   # -- checks -------------------------------------------------------------------------------------
@@ -465,6 +464,7 @@ class Engine:
     C = self.run.prefill_chunk
     n = len(r.prompt)
     logits = None
+    table = jnp.asarray(self.pool.page_table_array([r.seq], self.table_width))   # pages are reserved up front
     for c0 in range(r.shared, n, C):
       piece = r.prompt[c0:c0 + C]
       Tb = _bucket(len(piece), 16, C)
@@ -473,10 +473,9 @@ class Engine:
       slots = np.zeros((1, Tb), np.int32)
       slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
       positions = (c0 + np.arange(Tb, dtype=np.int32))[None]
-      table = self.pool.page_table_array([r.seq], self.table_width)
       logits, self.cache = self.steps.prefill(
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
-          jnp.asarray(table), jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
+          table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
     if not sample:
       return
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))

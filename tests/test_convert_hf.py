@@ -391,3 +391,33 @@ def test_engine_load_logits_match_hf(hf_dirs, tmp_path):
   assert got.dtype == np.float32 and got.shape == ref.shape
   np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
   assert engine.tokenizer.encode("Hello") == [0] + engine.tokenizer.encode("Hello", add_bos=False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_loads_into_transformers(tied):
+  """lcjax -> HF (export_hf, HF_NAMES read backwards): transformers on the exported tensors gives lcjax's logits,
+  and the serving path's last-position logits (Engine.prompt_logits: chunked paged prefill) match both."""
+  import torch
+  import transformers
+  from lcjax.checkpoint.hf import export_hf
+  from lcjax.config import RunConfig
+  from lcjax.engine.engine import Engine
+  cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+  eng = Engine.random(cfg, run=RunConfig(dtype="float32", max_context=128, page_size=8, prefill_chunk=32), seed=4)
+  hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+  hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
+  names = set()
+  with torch.no_grad():
+    sd = hf.state_dict()
+    for name, w in export_hf(eng.params, cfg):
+      assert sd[name].shape == w.shape, name
+      sd[name].copy_(torch.from_numpy(np.array(w, np.float32)))
+      names.add(name)
+  assert names == {k for k in sd if not (tied and k == "lm_head.weight")}
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 75))
+  ref = hf_oracle.hf_logits(hf, tokens)
+  scale = np.abs(ref).max()
+  np.testing.assert_allclose(eng.logits(tokens), ref, atol=1e-4 * scale, rtol=0)
+  last = eng.prompt_logits(tokens[0].tolist())          # 75 tokens: 3 chunks of 32 through the paged cache
+  np.testing.assert_allclose(last, ref[0, -1], atol=1e-4 * scale, rtol=0)
+  assert eng.pool.pages_used == 0

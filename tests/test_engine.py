@@ -147,21 +147,9 @@ def test_prefix_sharing_saves_pages_and_keeps_outputs():
 
 
 def _prefill_logits(eng, prompt):
-  r = eng._make_requests([prompt], 1, None)[0]
-  assert eng._admit(r)
-  try:
-    captured = {}
-    real = eng.steps.first_token
-
-    def keep(logits, sp, pos):
-      captured["logits"] = np.asarray(logits)
-      return real(logits, sp, pos)
-    eng.steps.first_token = keep
-    eng._prefill(r)
-  finally:
-    eng.steps.first_token = real
-    eng._release(r)
-  return captured["logits"][0]
+  logits = eng.prompt_logits(prompt)
+  assert eng.pool.pages_used == 0
+  return logits
 
 
 def test_fp8_cache_close_to_float32_cache():

@@ -201,12 +201,13 @@ def test_cudnn_paged_decomposition_emulated(T, P, pos_shift):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@slow
-def test_cudnn_paged_fp8_goes_to_reference():
-  B, T, N, K, H, Z, M, P = 2, 1, 4, 2, 16, 8, 4, 10
-  q, kp, vp, table, ks, vs, kd, vd = rand_pages(5, B, T, N, K, H, Z, M, P, fp8=True)
+@pytest.mark.parametrize("T", [pytest.param(1, marks=slow), 5], ids=["decode-reference", "chunk-dequantized"])
+def test_cudnn_paged_fp8(T):
+  # T == 1 goes to the reference; a chunk runs the bf16 path over its pages dequantized into a compact pool.
+  B, N, K, H, Z, M, P = 2, 4, 2, 16, 8, 4, 10
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(5 + T, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([30, 7], jnp.int32)
-  q_pos = kv_len[:, None] - 1
+  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
   got = EMU.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
@@ -274,7 +275,7 @@ def test_attend_gpu(backend, name, T, S, N, K, causal, positions, kv_len, H, dty
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
-@pytest.mark.parametrize("T,fp8", [(1, False), (2, False), (1, True), (64, False)])
+@pytest.mark.parametrize("T,fp8", [(1, False), (2, False), (1, True), (64, False), (64, True)])
 def test_paged_gpu(backend, T, fp8):
   B, N, K, H, Z, M, P = 4, 32, 8, 128, 64, 24, 100
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(T + 100 * fp8, B, T, N, K, H, Z, M, P, fp8=fp8)

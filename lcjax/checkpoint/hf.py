@@ -12,12 +12,13 @@ import os
 import re
 import struct
 import time
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from lcjax.checkpoint.store import CheckpointError, CheckpointWriter, param_shapes
+from lcjax.checkpoint.store import CheckpointError, CheckpointWriter, _flatten, _unwrap, param_shapes
 from lcjax.config import ConfigError, ModelConfig
 from lcjax import tokenizer as tok
 
@@ -61,6 +62,28 @@ def to_lcjax(w: np.ndarray, shape: tuple[int, ...], in_dims: int | None) -> np.n
   if in_dims is None:
     return w
   return w.T.reshape(shape)
+
+
+def to_hf(w: np.ndarray, in_dims: int | None) -> np.ndarray:
+  """The inverse of `to_lcjax`: an lcjax (per-layer) tensor in HF's [out, in] layout."""
+  if in_dims is None:
+    return w
+  return w.reshape(int(np.prod(w.shape[:in_dims])), -1).T
+
+
+def export_hf(params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF tensor name, array) for every tensor of a checkpoint-shaped lcjax state (an `nnx.State`, as
+  `Engine.params` holds on one device or a mesh), one tensor at a time on the host: HF_NAMES read backwards.
+  Loads lcjax weights into HF transformers (an oracle on the same weights) or writes them back out."""
+  flat = {name: _unwrap(leaf) for name, leaf in _flatten(params)}
+  for hf_name, (name, in_dims) in HF_NAMES.items():
+    if name not in flat:          # lm_head with tied embeddings
+      continue
+    if "{i}" in hf_name:
+      for i in range(cfg.n_layers):
+        yield hf_name.replace("{i}", str(i)), to_hf(np.asarray(flat[name][i]), in_dims)
+    else:
+      yield hf_name, to_hf(np.asarray(flat[name]), in_dims)
 
 
 def match_name(name: str) -> tuple[str, int | None] | None:

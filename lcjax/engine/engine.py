@@ -253,6 +253,22 @@ class Engine:
     self._check_ids(tokens.ravel().tolist())
     return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
 
+  def prompt_logits(self, prompt) -> np.ndarray:
+    """float32 logits [V] of the last position of one prompt (text or ids) through the serving path: chunked
+    prefill into the paged cache with this engine's attention backend and cache dtype, i.e. what the first
+    generated token is sampled from. Its pages are freed afterwards."""
+    r = self._make_requests([prompt], 1, None)[0]
+    with self._lock:
+      if not self._admit(r):
+        raise PagePoolExhausted(f"the prompt needs {len(r.prompt) + 1} tokens of pages; {self.pool.pages_free} of "
+                                f"{self.pool.pages_allocatable} pages are free")
+      try:
+        return np.asarray(self._prefill(r, sample=False))[0]
+      finally:
+        self._release(r)
+        if self.cache.k.is_deleted():
+          self.cache = self._new_cache()
+
   def _check_ids(self, ids):
     bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
     if bad:
@@ -459,7 +475,8 @@ class Engine:
     return -(-w // self.run.seq) * self.run.seq
 
   def _prefill(self, r: _Request, sample: bool = True):
-    """Prefill r.prompt[r.shared:] in chunks (the shared prefix is cached already), then sample a token."""
+    """Prefill r.prompt[r.shared:] in chunks (the shared prefix is cached already), then sample a token (or,
+    with sample=False, return the last chunk's logits [1, V])."""
     t0 = time.perf_counter()
     C = self.run.prefill_chunk
     n = len(r.prompt)
@@ -477,7 +494,7 @@ class Engine:
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
           table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
     if not sample:
-      return
+      return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
     tok = int(tok[0])
     r.prefill_s = time.perf_counter() - t0

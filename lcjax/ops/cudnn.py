@@ -20,8 +20,9 @@ returns float32 softmax stats [B, N, T]; the public `jax.nn.dot_product_attentio
 
 Paged: the private `fused_attention_stablehlo.paged_attention` reads K/V through the page table. Its Python check
 wants a pool of exactly B * M pages; any other pool goes through the same primitive with that check skipped (the
-kernel only needs table entries < P; checked on the H200). JAX's cuDNN paged path has no fp8, so fp8 pages go to
-the reference here (the pallas backend serves them).
+kernel only needs table entries < P; checked on the H200). JAX's cuDNN paged path has no fp8: a chunk of many rows over fp8
+pages reads them dequantized into a compact bf16 pool (`dequantize_pages`, ~2% of the chunk's time at 1M keys);
+a single decode row over fp8 pages goes to the reference (the pallas backend serves fp8 decode).
 
 GPU-only modules are imported lazily so this file imports on CPU. `emulate=True` swaps the two cuDNN calls for a
 jnp model of their documented masks, so the decomposition above is tested on CPU against the reference.
@@ -162,6 +163,22 @@ def _paged_window(pages, page_table, start, W):
   return pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
 
 
+def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
+  """The pages a table reads, dequantized: fp8 pools [P, Z, K, H] with scales [P, K] (or None) -> compact
+  pools [B * M, Z, K, H] in `dtype` and the table [B, M] that reads them (sequence b's slot m is page b*M + m).
+  Transient memory: B * M * Z * K * H * itemsize per pool (one layer's share at long context)."""
+  B, M = page_table.shape
+
+  def one(pages, scale):
+    x = pages[page_table].astype(jnp.float32)                          # [B, M, Z, K, H]
+    if scale is not None:
+      x = x * scale[page_table][:, :, None, :, None]
+    return x.astype(dtype).reshape(B * M, *pages.shape[1:])
+
+  table = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+  return one(k_pages, k_scale), one(v_pages, v_scale), table
+
+
 def _contiguous(q_pos):
   T = q_pos.shape[1]
   return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
@@ -267,10 +284,20 @@ class CudnnBackend:
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     quantized = k_scale is not None or v_scale is not None or jnp.dtype(k_pages.dtype).name not in _DTYPES
-    if quantized or (not self.emulate and not has_private_paged()):
-      # JAX's cuDNN paged attention has no fp8 (and older jax has no paged entry): exact jnp path.
+    if not self.emulate and not has_private_paged():
+      # Older jax has no cuDNN paged entry: exact jnp path.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
+    if quantized:
+      if T == 1:
+        # A decode row reads each page once: dequantizing a copy of them would double its bytes.
+        return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
+                                             k_scale=k_scale, v_scale=v_scale)
+      # JAX's cuDNN paged attention has no fp8. A chunk of many rows is tensor-core work over the pages it
+      # reads, so dequantize just those pages into a compact [B * M, Z, K, H] pool in the query dtype (one
+      # fused gather-scale-convert) and run the bf16 path over it.
+      k_pages, v_pages, page_table = dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, q.dtype)
+      P = k_pages.shape[0]
 
     if T == 1:
       # One row: causality is one more bound on the key count.

@@ -1,0 +1,193 @@
+"""Exactness at long context: lcjax's serving path against a float32 oracle on the same weights.
+
+  python tools/check_exact.py --preset=llama3-8b --contexts=4096,131072 --caches=bfloat16,float8_e4m3fn
+  python tools/check_exact.py --checkpoint=bundled --dtype=float32 --contexts=32768 --caches=bfloat16,float8_e4m3fn
+
+lcjax side: `Engine.prompt_logits`, i.e. chunked prefill into the paged cache with the engine's attention backend
+(cuDNN / Pallas flash on the GPU) and the given KV cache dtype; the last position's float32 logits.
+Oracle: HF transformers LlamaForCausalLM in float32 (TF32 off, SDPA attention), written by other people, run on
+the same weights (copied out of lcjax with `export_hf`) and the same prompt, in one forward without a cache.
+Per context and cache dtype it reports, against the oracle: max |diff| over the logit scale (max |oracle|), RMS
+diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement and top-10 overlap; and each cache against the
+first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
+adds from what the model dtype costs everywhere.
+
+Weights: random (`--preset`, made on the device) or a converted checkpoint (`--checkpoint`, "bundled" for the
+bundled SmolLM2). Prompts: random ids, or `--prompt=text`: Python's own documentation (pydoc_data), tokenized.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+# The oracle runs after lcjax in this process: let JAX hand freed device memory back to the driver.
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+
+from absl import app, flags  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import benchlib  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "llama3-8b", "model preset for random weights (ignored with --checkpoint)")
+flags.DEFINE_integer("layers", 0, "random weights: use only this many layers (0: all)")
+flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint instead of random weights; 'bundled': SmolLM2")
+flags.DEFINE_list("contexts", ["4096", "131072"], "prompt lengths (tokens)")
+flags.DEFINE_list("caches", ["bfloat16", "float8_e4m3fn"], "KV cache dtypes to check (the first is the base)")
+flags.DEFINE_string("dtype", "bfloat16", "lcjax parameter / activation dtype")
+flags.DEFINE_string("attention", "auto", "lcjax attention backend")
+flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")
+flags.DEFINE_integer("page_size", 64, "lcjax page size")
+flags.DEFINE_enum("prompt", "random", ["random", "text"], "random ids, or tokenized Python documentation")
+flags.DEFINE_integer("seed", 0, "weights and prompt seed")
+flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
+flags.DEFINE_string("name", "exact", "output file stem")
+
+
+def metrics(got, ref) -> dict:
+  """got, ref: float logits [V]."""
+  import numpy as np
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  logp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+  logq = got - got.max() - np.log(np.exp(got - got.max()).sum())
+  top = lambda x, k: set(np.argsort(-x)[:k].tolist())
+  return dict(max_abs=float(np.abs(got - ref).max()), scale=float(np.abs(ref).max()),
+              rel_max=float(np.abs(got - ref).max() / np.abs(ref).max()),
+              rel_rms=float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))),
+              kl=float(np.sum(np.exp(logp) * (logp - logq))), top1=bool(got.argmax() == ref.argmax()),
+              top10=len(top(got, 10) & top(ref, 10)) / 10)
+
+
+def prompts(cfg, tokenizer, contexts):
+  import numpy as np
+  if FLAGS.prompt == "random":
+    rng = np.random.default_rng(FLAGS.seed)
+    return {S: rng.integers(0, cfg.vocab_size, S).tolist() for S in contexts}
+  if tokenizer is None:
+    raise app.UsageError("--prompt=text needs a checkpoint with a tokenizer")
+  from pydoc_data.topics import topics
+  ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
+  while len(ids) < max(contexts):
+    ids = ids + ids
+  return {S: ids[:S] for S in contexts}
+
+
+def lcjax_side(contexts):
+  """Last-position logits per (cache dtype, S), then the weights on the host (HF names) for the oracle."""
+  import jax
+  import numpy as np
+  from lcjax.checkpoint.hf import export_hf
+  from lcjax.config import RunConfig, preset
+  from lcjax.engine.engine import Engine
+  ctx = -(-(max(contexts) + 1) // FLAGS.page_size) * FLAGS.page_size
+  base = dict(dtype=FLAGS.dtype, max_context=ctx, max_batch=1, page_size=FLAGS.page_size,
+              prefill_chunk=min(FLAGS.prefill_chunk, ctx), attention=FLAGS.attention)
+  if FLAGS.checkpoint:
+    from lcjax.checkpoint.bundled import bundled_checkpoint
+    ckpt = bundled_checkpoint() if FLAGS.checkpoint == "bundled" else FLAGS.checkpoint
+    eng = Engine.load(ckpt, run=RunConfig(**base, cache_dtype=FLAGS.caches[0]))
+    cfg = eng.cfg
+  else:
+    cfg = preset(FLAGS.preset)
+    cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, ctx),
+                              n_layers=FLAGS.layers or cfg.n_layers)
+    eng = Engine.random(cfg, run=RunConfig(**base, cache_dtype=FLAGS.caches[0]), seed=FLAGS.seed)
+  ids = prompts(cfg, eng.tokenizer, contexts)
+  got, info = {}, {}
+  params, tokenizer = eng.params, eng.tokenizer
+  for i, cache in enumerate(FLAGS.caches):
+    if i:
+      eng = Engine(cfg, params, run=RunConfig(**base, cache_dtype=cache), tokenizer=tokenizer)
+    info[cache] = dict(attention=eng.attention.name)
+    for S in contexts:
+      t = time.perf_counter()
+      got[cache, S] = eng.prompt_logits(ids[S])
+      info[cache][S] = time.perf_counter() - t
+      print(f"lcjax cache={cache} S={S}: {info[cache][S]:.1f} s", flush=True)
+    del eng
+    gc.collect()
+  weights = [(name, np.asarray(w)) for name, w in export_hf(params, cfg)]
+  del params
+  gc.collect()
+  jax.clear_caches()
+  return cfg, ids, got, info, weights
+
+
+def oracle_side(cfg, ids, weights, contexts):
+  import numpy as np
+  import torch
+  import transformers
+  torch.backends.cuda.matmul.allow_tf32 = False
+  torch.backends.cudnn.allow_tf32 = False
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"},
+                                    attn_implementation="sdpa")
+  with torch.device(dev):
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
+  sd = model.state_dict()
+  with torch.no_grad():
+    for name, w in weights:
+      sd[name].copy_(torch.from_numpy(np.array(w, np.float32)))
+  weights.clear()
+  out, secs = {}, {}
+  for S in contexts:
+    t = time.perf_counter()
+    with torch.inference_mode():
+      x = torch.as_tensor([ids[S]], device=dev)
+      out[S] = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu().numpy()
+    secs[S] = time.perf_counter() - t
+    print(f"oracle S={S}: {secs[S]:.1f} s", flush=True)
+  return out, secs
+
+
+def main(argv):
+  del argv
+  contexts = sorted(map(int, FLAGS.contexts))
+  t0 = time.time()
+  cfg, ids, got, info, weights = lcjax_side(contexts)
+  ref, ref_s = oracle_side(cfg, ids, weights, contexts)
+  rows = []
+  first = FLAGS.caches[0]
+  for S in contexts:
+    for cache in FLAGS.caches:
+      row = dict(S=S, cache=cache, attention=info[cache]["attention"], lcjax_s=info[cache][S],
+                 oracle_s=ref_s[S], vs_oracle=metrics(got[cache, S], ref[S]))
+      if cache != first:
+        row["vs_" + first] = metrics(got[cache, S], got[first, S])
+      rows.append(row)
+  result = dict(device=benchlib.device_name(), versions=benchlib.versions(),
+                command=" ".join(["tools/check_exact.py"] + sys.argv[1:]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                model=dict(name=cfg.name, layers=cfg.n_layers, dtype=FLAGS.dtype,
+                           weights=FLAGS.checkpoint or f"random (seed {FLAGS.seed})", prompt=FLAGS.prompt,
+                           prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size),
+                oracle="HF transformers LlamaForCausalLM, float32, TF32 off, sdpa, one forward without cache",
+                seconds=time.time() - t0, rows=rows)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  stem = os.path.join(FLAGS.out, FLAGS.name)
+  with open(stem + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  lines = [f"# {FLAGS.name}: lcjax vs a float32 HF transformers oracle on the same weights", "",
+           f"device: {result['device']}; model: {cfg.name}, {cfg.n_layers} layers, {FLAGS.dtype}, "
+           f"{result['model']['weights']}, {FLAGS.prompt} prompt", "", f"command: `{result['command']}`", "",
+           "| S | KV cache | vs | max abs diff / logit scale | RMS diff / RMS | KL (nats) | top-1 | top-10 |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for key in [k for k in r if k.startswith("vs_")]:
+      m = r[key]
+      lines.append(f"| {r['S']:,} | {r['cache']} | {key[3:]} | {m['max_abs']:.4f} / {m['scale']:.2f} = "
+                   f"{m['rel_max']:.2e} | {m['rel_rms']:.2e} | {m['kl']:.2e} | {'same' if m['top1'] else 'DIFF'} "
+                   f"| {m['top10']:.1f} |")
+  table = "\n".join(lines)
+  with open(stem + ".md", "w") as f:
+    f.write(table + "\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,139 @@
+"""Where the device time of a decode call (or a prefill chunk) goes: kernel time by name from a jax.profiler trace.
+
+  python tools/profile_step.py --preset=llama3-8b --context=32768 --steps=16 --xla_flags="..."
+
+Prefills `context` random tokens, times one untraced decode call of `steps` tokens (wall ms/token), then traces a
+second one and sums the device time of every kernel by name (and by op on the "XLA Ops" line when the trace has
+one). Prints the top kernels with their share of the traced time and the floor of a token: the bytes it must
+read (weights + the KV of the context) at --bandwidth. With --phase=prefill it traces one prefill chunk instead.
+`--xla_flags` is added to XLA_FLAGS before JAX starts (A/B a compiler option); `--dump_hlo` writes the optimized
+HLO of every compiled step under <out>/hlo.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
+flags.DEFINE_integer("layers", 0, "use only this many layers (0: all)")
+flags.DEFINE_integer("context", 32768, "tokens prefilled before the traced call")
+flags.DEFINE_integer("steps", 16, "decode steps per call")
+flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "what to trace")
+flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
+flags.DEFINE_string("attention", "auto", "attention backend")
+flags.DEFINE_integer("prefill_chunk", 32768, "prefill chunk")
+flags.DEFINE_integer("page_size", 64, "page size")
+flags.DEFINE_integer("top", 25, "kernels listed")
+flags.DEFINE_float("bandwidth", 4.3e12, "bytes/s for the decode floor")
+flags.DEFINE_string("xla_flags", "", "extra XLA_FLAGS for this run")
+flags.DEFINE_bool("dump_hlo", False, "dump optimized HLO under <out>/hlo")
+flags.DEFINE_string("out", os.environ.get("OUT", "/tmp/profile"), "output folder")
+flags.DEFINE_string("name", "profile", "output file stem")
+
+
+def kernel_times(trace_dir: str) -> dict[str, dict[str, list[float]]]:
+  """{line name: {event name: [total ns, count]}} over the device planes of the newest trace in trace_dir."""
+  from jax.profiler import ProfileData
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+  lines: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+  for plane in ProfileData.from_file(paths[-1]).planes:
+    if not plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      key = "XLA Ops" if "XLA Ops" in line.name else ("streams" if "Stream" in line.name else line.name)
+      for ev in line.events:
+        acc = lines[key][ev.name]
+        acc[0] += ev.duration_ns
+        acc[1] += 1
+  return lines
+
+
+def main(argv):
+  del argv
+  if FLAGS.xla_flags or FLAGS.dump_hlo:
+    extra = FLAGS.xla_flags + (f" --xla_dump_to={FLAGS.out}/hlo --xla_dump_hlo_as_text" if FLAGS.dump_hlo else "")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + extra).strip()
+  import jax
+  import numpy as np
+  from lcjax.config import RunConfig, preset
+  from lcjax.engine import plan as planlib
+  from lcjax.engine.engine import Engine
+  cfg = preset(FLAGS.preset)
+  cfg = dataclasses.replace(cfg, eos_ids=(), n_layers=FLAGS.layers or cfg.n_layers,
+                            max_position=max(cfg.max_position, FLAGS.context + 4 * FLAGS.steps + 64))
+  page = FLAGS.page_size
+  ctx = -(-(FLAGS.context + 4 * FLAGS.steps + 2) // page) * page
+  run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
+                  prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
+                  cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention)
+  eng = Engine.random(cfg, run=run, seed=0)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, cfg.vocab_size, FLAGS.context).tolist()
+  os.makedirs(FLAGS.out, exist_ok=True)
+  trace_dir = tempfile.mkdtemp(prefix="trace-", dir=FLAGS.out)
+  if FLAGS.phase == "decode":
+    eng.generate(prompt, max_new_tokens=FLAGS.steps + 1)                    # compile + warm
+    res = eng.generate(prompt, max_new_tokens=FLAGS.steps + 1)
+    wall_ms = res.stats["decode_ms_per_token"]
+    # Trace a decode call only: prefill untraced, then the call under the profiler.
+    r = eng._make_requests([prompt], 2 * FLAGS.steps + 1, None)[0]
+    assert eng._admit(r)
+    eng._prefill(r)
+    eng._decode_call([r])                                                    # same shapes: no compile inside
+    with jax.profiler.trace(trace_dir):
+      t = time.perf_counter()
+      eng._decode_call([r])
+      traced_ms = 1e3 * (time.perf_counter() - t) / FLAGS.steps
+    eng._release(r)
+    per = FLAGS.steps
+  else:
+    eng.generate(prompt, max_new_tokens=1)
+    with jax.profiler.trace(trace_dir):
+      t = time.perf_counter()
+      res = eng.generate(prompt, max_new_tokens=1)
+      traced_ms = 1e3 * (time.perf_counter() - t)
+    wall_ms = 1e3 * res.stats["prefill_s"]
+    per = 1
+  p = planlib.plan(cfg, run)
+  kv_bytes = p.kv_cache * FLAGS.context / max(p.tokens_capacity, 1)
+  floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
+  report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
+                steps=FLAGS.steps, xla_flags=FLAGS.xla_flags, attention=eng.attention.name,
+                wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
+                floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})
+  for line, evs in kernel_times(trace_dir).items():
+    total = sum(v[0] for v in evs.values())
+    top = sorted(evs.items(), key=lambda kv: -kv[1][0])[:FLAGS.top]
+    report["lines"][line] = dict(total_ms_per_token=total / 1e6 / per, events=len(evs), top=[
+        dict(name=n[:160], ms_per_token=v[0] / 1e6 / per, calls_per_token=v[1] / per, share=v[0] / total)
+        for n, v in top])
+  with open(os.path.join(FLAGS.out, FLAGS.name + ".json"), "w") as f:
+    json.dump(report, f, indent=1)
+  if FLAGS.dump_hlo:      # keep the optimized HLO of the steps only
+    for path in glob.glob(os.path.join(FLAGS.out, "hlo", "*")):
+      name = os.path.basename(path)
+      if not (("_decode" in name or "_prefill" in name) and name.endswith("after_optimizations.txt")):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  print(f"{FLAGS.phase} at {FLAGS.context:,} ({eng.attention.name}, xla_flags={FLAGS.xla_flags!r}): wall "
+        f"{wall_ms:.2f} ms/token, traced {traced_ms:.2f}" + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode"
+                                                               else ""))
+  for line, rep in report["lines"].items():
+    print(f"  [{line}] {rep['total_ms_per_token']:.3f} ms/token of device time in {rep['events']} kinds")
+    for e in rep["top"]:
+      print(f"    {e['ms_per_token']:8.3f} ms {e['share']:6.1%} x{e['calls_per_token']:6.1f}  {e['name'][:110]}")
+
+
+if __name__ == "__main__":
+  app.run(main)

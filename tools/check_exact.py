@@ -5,8 +5,8 @@
 
 lcjax side: `Engine.prompt_logits`, i.e. chunked prefill into the paged cache with the engine's attention backend
 (cuDNN / Pallas flash on the GPU) and the given KV cache dtype; the last position's float32 logits.
-Oracle: HF transformers LlamaForCausalLM in float32 (TF32 off, SDPA attention), written by other people, run on
-the same weights (copied out of lcjax with `export_hf`) and the same prompt, in one forward without a cache.
+Oracle: HF transformers LlamaForCausalLM in float32 (TF32 off; attention: torch's fused float32 SDPA kernel on
+repeated KV heads), written by other people, run on the same weights (copied out of lcjax with `export_hf`) and the same prompt, in one forward without a cache.
 Per context and cache dtype it reports, against the oracle: max |diff| over the logit scale (max |oracle|), RMS
 diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement and top-10 overlap; and each cache against the
 first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
@@ -118,6 +118,31 @@ def lcjax_side(contexts):
   return cfg, ids, got, info, weights
 
 
+def register_oracle_attention(device: str) -> str:
+  """HF's attention with torch's fused float32 SDPA kernel (memory-efficient attention, O(n) memory; on the CPU
+  torch's own choice) on repeated KV heads. HF's "sdpa" passes enable_gqa, which in float32 on CUDA sends torch
+  to its O(n^2) math kernel (128 GiB of scores at 128K)."""
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  from transformers import AttentionInterface
+  from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+  backends = ([SDPBackend.EFFICIENT_ATTENTION] if device == "cuda" else
+              [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+  def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if attention_mask is not None:
+      raise ValueError("the float32 oracle expects one unpadded causal sequence (got an explicit mask)")
+    rep = query.shape[1] // key.shape[1]
+    key, value = (x.repeat_interleave(rep, dim=1) for x in (key, value))      # [B, N, S, H]
+    with sdpa_kernel(backends):
+      out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+  AttentionInterface.register("oracle_f32", attention)
+  AttentionMaskInterface.register("oracle_f32", sdpa_mask)
+  return "oracle_f32"
+
+
 def oracle_side(cfg, ids, weights, contexts):
   import numpy as np
   import torch
@@ -126,7 +151,7 @@ def oracle_side(cfg, ids, weights, contexts):
   torch.backends.cudnn.allow_tf32 = False
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"},
-                                    attn_implementation="sdpa")
+                                    attn_implementation=register_oracle_attention(dev))
   with torch.device(dev):
     model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
   sd = model.state_dict()
@@ -166,7 +191,8 @@ def main(argv):
                 model=dict(name=cfg.name, layers=cfg.n_layers, dtype=FLAGS.dtype,
                            weights=FLAGS.checkpoint or f"random (seed {FLAGS.seed})", prompt=FLAGS.prompt,
                            prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size),
-                oracle="HF transformers LlamaForCausalLM, float32, TF32 off, sdpa, one forward without cache",
+                oracle="HF transformers LlamaForCausalLM, float32, TF32 off, torch fused float32 SDPA (memory-efficient "
+                       "kernel on CUDA), one forward without cache",
                 seconds=time.time() - t0, rows=rows)
   os.makedirs(FLAGS.out, exist_ok=True)
   stem = os.path.join(FLAGS.out, FLAGS.name)

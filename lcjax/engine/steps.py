@@ -31,6 +31,20 @@ class DecodeState:
   remaining: jax.Array   # [B] int32, tokens still allowed
 
 
+def decode_compiler_options() -> dict | None:
+  """XLA options for the decode loop on GPUs.
+
+  The layer scan reads layer l's weights as a dynamic slice of the stacked [L, ...] arrays. XLA's Triton GEMM
+  fusions cannot read such a slice in place, so each decode step copied 5 of the 7 weight matrices of every layer
+  before multiplying (160 memcpys, 6.6 of 13.0 ms of a Llama-3-8B token at 32K on the H200). cuBLAS with
+  dynamic-slice fusion reads the slice where it lies (benchmarks/NOTES-longctx.md, call E). Prefill keeps XLA's
+  defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there.
+  """
+  if jax.default_backend() != "gpu":
+    return None
+  return {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
+
 class Steps:
   def __init__(self, graphdef, page_size: int, mesh=None, cache_shardings=None):
     """mesh, cache_shardings: the engine's mesh and the PagedKV of its pools' shardings (None: one device)."""
@@ -43,6 +57,7 @@ class Steps:
     self.prefill = jax.jit(self._prefill, donate_argnames=("cache",),
                            **({} if mesh is None else dict(out_shardings=(rep, cache_shardings))))
     self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",),
+                          compiler_options=decode_compiler_options(),
                           **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,

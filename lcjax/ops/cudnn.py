@@ -18,9 +18,9 @@ LSE: the private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention
 returns float32 softmax stats [B, N, T]; the public `jax.nn.dot_product_attention` casts them to the output dtype
 (bf16: ~3% merge-weight error), so it is used only when the private entry is missing, with a warning.
 
-Paged: the private `fused_attention_stablehlo.paged_attention` reads K/V through the page table. Its Python check
-wants a pool of exactly B * M pages; any other pool goes through the same primitive with that check skipped (the
-kernel only needs table entries < P; checked on the H200). JAX's cuDNN paged path has no fp8: a chunk of many rows over fp8
+Paged: the primitive under the private `fused_attention_stablehlo.paged_attention` reads K/V through the page
+table. Its Python wrapper wants a pool of exactly B * M pages; lcjax calls the primitive with that check skipped
+(the kernel only needs table entries < P; checked on the H200), one path for every pool. JAX's cuDNN paged path has no fp8: a chunk of many rows over fp8
 pages reads them dequantized into a compact bf16 pool (`dequantize_pages`, ~2% of the chunk's time at 1M keys);
 a single decode row over fp8 pages goes to the reference (the pallas backend serves fp8 decode).
 
@@ -93,25 +93,21 @@ def _dense_cudnn(q, k, v, kv_seqlen, causal, scale):
   return out, lse.astype(jnp.float32)
 
 
-def _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen, scale, *, any_pool=False):
+def _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen, scale):
   """Padding-masked cuDNN paged call. q [B, T, N, H], pages [P, Z, K, H], page_table [B, M].
 
-  any_pool: skip JAX's Python check that P == B * M and hand cuDNN the pool as it is (the kernel only needs
-  every table entry < P). Checked against the reference on the H200 with P = 29, B * M = 24 (call 1 probe,
-  rel err 2e-3 in bf16) and by tests/test_kernels.py::test_paged_gpu (P = 100, B * M = 96).
+  Calls the primitive under `fused_attention_stablehlo.paged_attention` directly: its Python wrapper wants a pool
+  of exactly B * M pages, and the kernel only needs every table entry < P. Checked against the reference on the
+  H200 with P = 29, B * M = 24 (call 1 probe, rel err 2e-3 in bf16) and by tests/test_kernels.py::test_paged_gpu
+  (P = 100, B * M = 96); the engine's pools are always larger than one table.
   """
   fsa = _private()
   B, T = q.shape[:2]
   table = page_table[:, None, :, None].astype(jnp.int32)             # [B, 1, M, 1]
-  if any_pool:
-    unused = jnp.zeros(0, q.dtype)
-    out, stats = fsa._dot_product_attention(
-        q, k_pages, v_pages, unused, _full(B, T), kv_seqlen, unused, unused, table, table, scale, 42, 0.0,
-        (False, False), fsa.MaskType.PADDING, fsa.AttentionLayout.BTNH.value, None, fsa.check_cudnn_version(),
-        True)
-  else:
-    out, stats = fsa.paged_attention(q, k_pages, v_pages, _full(B, T), kv_seqlen, table, table, scale=scale,
-                                     mask_type=fsa.MaskType.PADDING, qkv_layout="BTNH", return_residual=True)
+  unused = jnp.zeros(0, q.dtype)
+  out, stats = fsa._dot_product_attention(
+      q, k_pages, v_pages, unused, _full(B, T), kv_seqlen, unused, unused, table, table, scale, 42, 0.0,
+      (False, False), fsa.MaskType.PADDING, fsa.AttentionLayout.BTNH.value, None, fsa.check_cudnn_version(), True)
   return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)
 
 
@@ -215,8 +211,7 @@ class CudnnBackend:
   def _paged_call(self, q, k_pages, v_pages, page_table, kv_seqlen, scale):
     if self.emulate:
       return _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
-    any_pool = k_pages.shape[0] != q.shape[0] * page_table.shape[1]
-    return _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale, any_pool=any_pool)
+    return _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
 
   def _split(self, q, prefix_kv, prefix_len, diag_kv, diag_len, scale):
     """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part.

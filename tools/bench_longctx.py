@@ -187,7 +187,7 @@ def markdown(rows) -> str:
   for r in rows:
     def f(k, fmt):
       return fmt.format(r[k]) if r.get(k) is not None else "-"
-    note = "OOM" if r.get("oom") else (r.get("skipped") or (r.get("error") or "")[:60])
+    note = "OOM" if r.get("oom") else (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60])
     lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
                  f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | {f('peak_gib', '{:.1f}')} | "
                  f"{f('planned_gib', '{:.1f}')} | {note} |")
@@ -208,9 +208,12 @@ def plot(rows, path_stem, device_gib=None):
                              ("prefill_s", "prefill time (s)", "prefill")):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for impl in impls:
-      pts = [(r["S"], r[key]) for r in rows if r["impl"] == impl and r.get(key) is not None]
+      # A predicted row (a planner extrapolation) shows its planned memory, with a hollow marker.
+      val = lambda r: r.get(key) if r.get(key) is not None or not r.get("predicted") else r.get("planned_gib")
+      pts = [(r["S"], val(r)) for r in rows if r["impl"] == impl and val(r) is not None]
       if pts:
-        ax.plot(*zip(*pts), marker="o", label=impl)
+        hollow = all(r.get("predicted") for r in rows if r["impl"] == impl)
+        ax.plot(*zip(*pts), marker="o", label=impl, **(dict(markerfacecolor="none", markersize=9) if hollow else {}))
       ooms = [r["S"] for r in rows if r["impl"] == impl and r.get("oom")]
       if ooms:
         ax.axvline(min(ooms), linestyle=":", alpha=0.6)

@@ -1,0 +1,118 @@
+"""Merge the H200 long-context calls into benchmarks/results/longctx-h200.{json,md} and its plots.
+
+  python benchmarks/runs/merge_longctx.py
+
+Each row keeps the call that measured it (`call`, the per-call file beside it holds that call's command, device
+and versions, and its peer measured in the same call). `planned_gib` is recomputed by the planner at HEAD (the
+calls' own values predate its calibration). The one predicted row (Llama-3-8B with all 32 layers at 1M tokens,
+fp8 KV) is labelled `predicted: true` and says how it was extrapolated from the measured 8-layer run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from lcjax.config import RunConfig, preset  # noqa: E402
+from lcjax.engine import plan as planlib  # noqa: E402
+from tools.bench_longctx import markdown, plot  # noqa: E402
+
+RES = os.path.join(REPO, "benchmarks", "results")
+GiB = 1024 ** 3
+# (call, file, rows taken from it): call B is the newest full-model call; call A adds 8K, 256K and the dense
+# baseline; call G the 1M fp8 run with 8 of the 32 layers.
+SOURCES = [("B", "longctx-h200-b.json", None),
+           ("A", "longctx-h200-a.json", lambda r: r["S"] in (8192, 262144) or r["impl"] == "dense"),
+           ("G", "longctx-h200-g-8layers.json", None)]
+
+
+def planned(impl: str, S: int, layers: int | None, decode_steps: int = 32, page: int = 64) -> float:
+  cfg = preset("llama3-8b")
+  cfg = dataclasses.replace(cfg, n_layers=layers or cfg.n_layers, max_position=max(cfg.max_position, S))
+  ctx = -(-(S + decode_steps + 1) // page) * page
+  chunk = S if impl == "dense" else min(32768, S)
+  run = RunConfig(cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto", page_size=page,
+                  max_context=ctx, max_batch=1, prefill_chunk=-(-chunk // page) * page)
+  return planlib.plan(cfg, run).total / GiB
+
+
+def main():
+  rows, calls = [], {}
+  for call, fname, keep in SOURCES:
+    d = json.load(open(os.path.join(RES, fname)))
+    calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
+    layers = d["model"].get("layers")
+    for r in d["rows"]:
+      if keep is not None and not keep(r):
+        continue
+      r = dict(r, call=call)
+      if layers:
+        r["layers"] = layers
+        r["impl"] = f"{r['impl']} ({layers} of 32 layers)"
+      if call == "A" and r["impl"] == "lcjax":
+        r["note"] = "call A: decode before call B's pool-view fix"
+      if r["impl"].startswith("lcjax") and not r.get("oom"):
+        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], layers)
+      rows.append(r)
+
+  # Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call G.
+  g = next(r for r in rows if r["call"] == "G")
+  cfg32 = dataclasses.replace(preset("llama3-8b"), max_position=1 << 21)
+  cfg8 = dataclasses.replace(cfg32, n_layers=8)
+  S = g["S"]
+  flops = planlib.prefill_flops(cfg32, S) / planlib.prefill_flops(cfg8, S)
+  p8 = planlib.plan(cfg8, RunConfig(cache_dtype="float8_e4m3fn", max_context=S + 64, max_batch=1,
+                                    prefill_chunk=32768, page_size=64))
+  p32 = planlib.plan(cfg32, RunConfig(cache_dtype="float8_e4m3fn", max_context=S + 64, max_batch=1,
+                                      prefill_chunk=32768, page_size=64))
+  bytes_ratio = (p32.weights + p32.kv_cache) / (p8.weights + p8.kv_cache)
+  rows.append(dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="G", note="predicted",
+                   prefill_s=g["prefill_s"] * flops, prefill_tflops=g["prefill_tflops"],
+                   decode_ms_per_token=g["decode_ms_per_token"] * bytes_ratio, peak_gib=None,
+                   planned_gib=p32.total / GiB,
+                   method=(f"prefill: the 8-layer run's time x its FLOP ratio ({flops:.2f}) at its measured "
+                           f"{g['prefill_tflops']:.0f} TFLOP/s; decode: x the ratio of bytes read per token "
+                           f"(weights + KV, {bytes_ratio:.2f}); memory: the planner, which matched the 8-layer "
+                           f"run's peak within {abs(g['peak_gib'] - g['planned_gib']) / g['peak_gib']:.1%}")))
+  # Decode after the cuBLAS + dynamic-slice-fusion change (commit of call F), measured by tools/profile_step.py.
+  prof = json.load(open(os.path.join(RES, "decode-profile", "dec-128k-cublas.json")))
+  updates = [dict(S=prof["context"], decode_ms_per_token=prof["wall_ms_per_token"], call="F",
+                  floor_ms_per_token=prof["floor_ms_per_token"],
+                  command="tools/profile_step.py --context=131072 --steps=16 --top=8",
+                  note="decode loop compiled with xla_gpu_enable_dynamic_slice_fusion + cuBLAS; was 16.36 ms "
+                       "(call B)")]
+  rows.sort(key=lambda r: (r["impl"], r["S"]))
+  result = dict(device=calls["B"]["device"], versions=calls["B"]["versions"],
+                command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
+                date=calls["G"]["date"],
+                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, decode_steps=32,
+                           prefill_chunk=32768, page_size=64),
+                rows=rows, decode_after_fix=updates,
+                baselines_md=dict(hf_512k_prefill_s=161.9, hf_512k_decode_ms=111, hf_512k_peak_gib=137,
+                                  source="../shared/BASELINES.md (HF at 512K was not run in these calls)"))
+  with open(os.path.join(RES, "longctx-h200.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  table = markdown(rows)
+  lines = ["# longctx-h200: Llama-3-8B shape, random bf16 weights, batch 1, one H200", "",
+           "Merged from the calls below by `python benchmarks/runs/merge_longctx.py`; each row's `call` names the "
+           "run that measured it, with its peer (HF) measured in the same call. planned GiB: the planner at HEAD.",
+           ""]
+  for c, v in calls.items():
+    lines.append(f"- call {c} ({v['date']}): `{v['command']}` ({v['file']})")
+  lines += ["", table, "",
+            f"Decode after the change of call F (cuBLAS with dynamic-slice fusion in the decode loop): "
+            f"{updates[0]['decode_ms_per_token']:.2f} ms/token at 128K (floor {updates[0]['floor_ms_per_token']:.2f};"
+            " call B: 16.36).", "",
+            "Predicted row: " + rows[[r.get('predicted') for r in rows].index(True)]["method"] + "."]
+  with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  device_gib = float(calls["B"]["device"].split(",")[1].split()[0]) / 1024
+  plot([r for r in rows], os.path.join(RES, "longctx-h200"), device_gib)
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

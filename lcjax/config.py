@@ -194,7 +194,7 @@ class RunConfig:
   attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
-  sp_mode: str = "ring"              # ring | ulysses
+  sp_mode: str = "ring"              # ring (zigzag layout) | ring-plain (contiguous blocks) | ulysses
 
   def __post_init__(self):
     if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -210,8 +210,9 @@ class RunConfig:
     if self.attention not in ("auto", "reference", "cudnn", "pallas", "fa3", "dense"):
       raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas, fa3 or dense "
                         "(the unoptimised baseline)")
-    if self.sp_mode not in ("ring", "ulysses"):
-      raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring or ulysses")
+    if self.sp_mode not in ("ring", "ring-plain", "ulysses"):
+      raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring, ring-plain (no zigzag: the load-imbalanced "
+                        "baseline) or ulysses")
 
   @property
   def resolved_cache_dtype(self) -> str:

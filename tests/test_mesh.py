@@ -131,9 +131,10 @@ KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_k
 def test_ulysses_equals_ring_equals_one_device(cfg, tensor, seq):
   base = engine(cfg=cfg)
   uly, ring = engine(tensor, seq, cfg=cfg, sp_mode="ulysses"), engine(tensor, seq, cfg=cfg)
+  plain = engine(tensor, seq, cfg=cfg, sp_mode="ring-plain")     # contiguous blocks: the zigzag's baseline
   want_logits = base.logits([PROMPTS[0]])
   want_prefill = prefill(base, PROMPTS[0])[0]
-  for eng in (uly, ring):
+  for eng in (uly, ring, plain):
     assert rel(eng.logits([PROMPTS[0]]), want_logits) <= 1e-4
     assert rel(prefill(eng, PROMPTS[0])[0], want_prefill) <= 1e-4
   assert uly.generate(PROMPTS[0], max_new_tokens=32).token_ids == base.generate(PROMPTS[0],

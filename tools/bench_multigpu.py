@@ -15,8 +15,11 @@ the memory planner, plus ring-prefill scaling and a labelled extrapolation from 
 Each (mesh, context) runs in its own process, so a peak memory is its own and an OOM ends one row. Rows carry the
 long-context benchmark's keys (impl, S, prefill_s, prefill_tok_s, prefill_tflops, decode_ms_per_token, peak_gib,
 planned_gib, weights_gib, kv_gib, oom) plus tensor, seq, gpus, batch and `predicted` (true for extrapolations,
-never measured). Decode batches > 1 share the prompt as a prefix (prefilled once, pages shared), so the decode
-step reads batch x the context while the prefill stays one prompt's.
+never measured). Scaling rows (tensor=1, seq = each of --scaling_gpus, the same tokens per device) run in each
+of --scaling_orders: zigzag (sp_mode=ring) and plain (sp_mode=ring-plain, contiguous blocks, where the last
+device does most of the causal work); `efficiency` is per-device FLOP/s against one device, `zigzag_gain` the
+plain / zigzag prefill time at the same device count. Decode batches > 1 share the prompt as a prefix (prefilled
+once, pages shared), so the decode step reads batch x the context while the prefill stays one prompt's.
 
 Extrapolation (--predict_meshes): from each measured one-device row, prefill scales by matmul + attention FLOPs
 (full layers over the mesh's devices at the measured FLOP/s, plus any ring transfer the planner says is not
@@ -55,6 +58,8 @@ flags.DEFINE_string("sp_mode", "ring", "ring | ulysses")
 flags.DEFINE_integer("scaling_tokens_per_gpu", 0, "ring scaling rows: this many prompt tokens per seq device "
                      "(0: none)")
 flags.DEFINE_list("scaling_gpus", ["1", "2", "4", "8"], "seq sizes of the scaling rows (tensor=1)")
+flags.DEFINE_list("scaling_orders", ["zigzag", "plain"], "ring layouts of the scaling rows: zigzag (sp_mode ring) "
+                  "and plain (ring-plain, contiguous blocks); plain / zigzag prefill time is the balancing gain")
 flags.DEFINE_list("predict_meshes", [], "extrapolate the measured rows to these meshes (TENSORxSEQ)")
 flags.DEFINE_list("predict_contexts", [], "contexts of the extrapolated rows (default: --contexts)")
 flags.DEFINE_integer("cpu_devices", 0, "fake this many CPU devices (CPU smoke runs)")
@@ -79,7 +84,7 @@ def _model_cfg():
   return dataclasses.replace(cfg, n_layers=FLAGS.layers) if FLAGS.layers else cfg
 
 
-def _run_cfg(tensor, seq, context, batch):
+def _run_cfg(tensor, seq, context, batch, sp_mode=None):
   from lcjax.config import RunConfig
   page = FLAGS.page_size
   ctx = -(-(context + FLAGS.decode_steps + 2) // page) * page
@@ -92,7 +97,7 @@ def _run_cfg(tensor, seq, context, batch):
     num_pages = seq * (-(-pages // seq) + batch + 1)
   return RunConfig(dtype=FLAGS.dtype, cache_dtype=FLAGS.cache_dtype, page_size=page, max_context=ctx,
                    max_batch=batch, prefill_chunk=chunk, decode_steps=FLAGS.decode_steps,
-                   attention=FLAGS.attention, tensor=tensor, seq=seq, sp_mode=FLAGS.sp_mode,
+                   attention=FLAGS.attention, tensor=tensor, seq=seq, sp_mode=sp_mode or FLAGS.sp_mode,
                    num_pages=num_pages)
 
 
@@ -112,9 +117,10 @@ def worker(spec: str):
   tensor, seq, S, batch = map(int, parts[:4])
   kind = parts[4] if len(parts) > 4 else "table"
   cfg = _model_cfg()
-  run = _run_cfg(tensor, seq, S, batch)
+  run = _run_cfg(tensor, seq, S, batch, sp_mode="ring-plain" if kind == "scaling-plain" else None)
   p = planlib.plan(cfg, run)
-  base = dict(impl="lcjax", kind=kind, S=S, tensor=tensor, seq=seq, gpus=tensor * seq, batch=batch,
+  base = dict(impl="lcjax", kind=kind, sp_mode=run.sp_mode, S=S, tensor=tensor, seq=seq, gpus=tensor * seq,
+              batch=batch,
               predicted=False, planned_gib=p.total / GiB, weights_gib=p.weights / GiB, kv_gib=p.kv_cache / GiB,
               ring_hidden=p.comm.overlaps if seq > 1 else None)
   try:
@@ -186,11 +192,19 @@ def predict(rows) -> list[dict]:
 
 def scaling_efficiency(rows) -> None:
   """Per-device prefill throughput of each scaling row relative to one device (weak scaling, same tokens per
-  device; causal attention work per device grows with the devices, so throughput in FLOP/s is compared)."""
-  sc = {r["seq"]: r for r in rows if r.get("kind") == "scaling" and r.get("prefill_tflops")}
-  if 1 in sc:
-    for r in sc.values():
-      r["efficiency"] = r["prefill_tflops"] / r["gpus"] / sc[1]["prefill_tflops"]
+  device; causal attention work per device grows with the devices, so throughput in FLOP/s is compared), for
+  each ring layout; and on the zigzag rows, the gain of load balancing: plain / zigzag prefill time."""
+  by_kind = {kind: {r["seq"]: r for r in rows if r.get("kind") == kind and r.get("prefill_tflops")}
+             for kind in ("scaling", "scaling-plain")}
+  one = by_kind["scaling"].get(1)            # one device: the baseline of both layouts
+  if one is not None:
+    for sc in by_kind.values():
+      for r in sc.values():
+        r["efficiency"] = r["prefill_tflops"] / r["gpus"] / one["prefill_tflops"]
+  for g, r in by_kind["scaling"].items():
+    plain = by_kind["scaling-plain"].get(g)
+    if plain is not None and g > 1:
+      r["zigzag_gain"] = plain["prefill_s"] / r["prefill_s"]
 
 
 # -- orchestration ------------------------------------------------------------------------------------------
@@ -206,8 +220,14 @@ def _specs() -> list[str]:
       if b > 1:
         specs.append(f"{tensor},{seq},{contexts[0]},{b}")
   if FLAGS.scaling_tokens_per_gpu:
-    for g in map(int, FLAGS.scaling_gpus):
-      specs.append(f"1,{g},{FLAGS.scaling_tokens_per_gpu * g},1,scaling")
+    for order in FLAGS.scaling_orders:
+      if order not in ("zigzag", "plain"):
+        raise app.UsageError(f"--scaling_orders takes zigzag and/or plain, not {order!r}")
+      for g in map(int, FLAGS.scaling_gpus):
+        if order == "plain" and g == 1:
+          continue                   # one device has no layout: the zigzag row is its baseline too
+        kind = "scaling" if order == "zigzag" else "scaling-plain"
+        specs.append(f"1,{g},{FLAGS.scaling_tokens_per_gpu * g},1,{kind}")
   return specs
 
 
@@ -218,7 +238,9 @@ def markdown(rows) -> str:
     def f(k, fmt):
       return fmt.format(r[k]) if r.get(k) is not None else "-"
     note = ("PREDICTED" if r.get("predicted") else "OOM" if r.get("oom") else
-            f"scaling, efficiency {r['efficiency']:.0%}" if r.get("efficiency") is not None else
+            f"{r['kind']}, efficiency {r['efficiency']:.0%}"
+            + (f", zigzag {r['zigzag_gain']:.2f}x plain" if r.get("zigzag_gain") else "")
+            if r.get("efficiency") is not None else
             (r.get("error") or "")[:60])
     lines.append(f"| {r['tensor']} x {r['seq']} | {r['S']:,} | {r['batch']} | {f('prefill_s', '{:.2f}')} | "
                  f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.2f}')} | "

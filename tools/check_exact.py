@@ -6,7 +6,8 @@
 lcjax side: `Engine.prompt_logits`, i.e. chunked prefill into the paged cache with the engine's attention backend
 (cuDNN / Pallas flash on the GPU) and the given KV cache dtype; the last position's float32 logits.
 Oracle: HF transformers LlamaForCausalLM in float32 (TF32 off; attention: torch's fused float32 SDPA kernel on
-repeated KV heads), written by other people, run on the same weights (copied out of lcjax with `export_hf`) and the same prompt, in one forward without a cache.
+repeated KV heads), written by other people, run on the same weights (copied out of lcjax with `export_hf`) and
+the same prompt, in one forward without a cache.
 Per context and cache dtype it reports, against the oracle: max |diff| over the logit scale (max |oracle|), RMS
 diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement and top-10 overlap; and each cache against the
 first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
@@ -191,8 +192,8 @@ def main(argv):
                 model=dict(name=cfg.name, layers=cfg.n_layers, dtype=FLAGS.dtype,
                            weights=FLAGS.checkpoint or f"random (seed {FLAGS.seed})", prompt=FLAGS.prompt,
                            prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size),
-                oracle="HF transformers LlamaForCausalLM, float32, TF32 off, torch fused float32 SDPA (memory-efficient "
-                       "kernel on CUDA), one forward without cache",
+                oracle=("HF transformers LlamaForCausalLM, float32, TF32 off, torch fused float32 SDPA "
+                        "(memory-efficient kernel on CUDA), one forward without cache"),
                 seconds=time.time() - t0, rows=rows)
   os.makedirs(FLAGS.out, exist_ok=True)
   stem = os.path.join(FLAGS.out, FLAGS.name)

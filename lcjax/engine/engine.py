@@ -171,8 +171,8 @@ class Engine:
     self.params = self._place(params)
     self.plan = planlib.plan(model_cfg, self.run)
     self.pool = PagePool(self.plan.num_pages, self.run.page_size, shards=self.run.seq)
-    fp8 = self.run.resolved_cache_dtype == "float8_e4m3fn"
-    self.steps = Steps(self.graphdef, self.run.page_size, self.mesh, kvc.cache_shardings(self.mesh, fp8))
+    self.steps = Steps(self.graphdef, self.run.page_size, self.mesh,
+                       kvc.cache_shardings(self.mesh, self.fp8_cache))
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
     self.peak_pages_used = 0
@@ -188,11 +188,14 @@ class Engine:
     repeat = jax.jit(lambda p: repeat_kv_heads(p, self.kv_rep), out_shardings=self.param_shardings)
     return repeat(params)
 
+  @property
+  def fp8_cache(self) -> bool:
+    return self.run.resolved_cache_dtype == "float8_e4m3fn"
+
   def _new_cache(self) -> kvc.PagedKV:
-    fp8 = self.run.resolved_cache_dtype == "float8_e4m3fn"
     return kvc.init_cache(self.cfg.n_layers, self.plan.num_pages, self.run.page_size, self.net_cfg.n_kv_heads,
                           self.cfg.head_dim, self.run.resolved_cache_dtype,
-                          fp8_scale=self._calibrate_fp8() if fp8 else None, mesh=self.mesh)
+                          fp8_scale=self._calibrate_fp8() if self.fp8_cache else None, mesh=self.mesh)
 
   def _calibrate_fp8(self, n_tokens: int = 512, headroom: float = 2.0):
     """Per (layer, kv head) fp8 scales: `headroom` x the largest |k|, |v| seen on a calibration forward

@@ -21,7 +21,8 @@ natural token order. Weights shard on `tensor` through their logical axes (GSPMD
 attention runs in one shard_map over both axes with the heads local:
   full forward / prefill chunk   the call's tokens are padded to a multiple of 2 * seq and permuted into the
       zigzag layout (lcjax.ops.ring) before the embedding, so activations stay split over `seq` through every
-      layer. The chunk attends to itself by ring attention (or Ulysses, `sp_mode`), and to the cached prefix
+      layer (`sp_mode="ring-plain"` keeps natural order, contiguous blocks: the load-imbalanced baseline the
+      zigzag is measured against). The chunk attends to itself by ring attention (or Ulysses), and to the cached prefix
       through the paged cache sharded on `seq`: the chunk's queries are all-gathered, each shard attends them to
       its own pages, and the partials are reduce-scattered back (lcjax.ops.ring.combine_seq_partials).
   decode   the few query tokens are replicated over `seq`; each shard attends them to its own pages and the
@@ -186,6 +187,11 @@ class Llama(nnx.Module):
       self.lm_head = nnx.Module()
       self.lm_head.kernel = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt, cfg.dim ** -0.5)
 
+  @property
+  def _zigzag(self) -> bool:
+    """Whether a split call's tokens are laid out in zigzag order over `seq` (else contiguous blocks)."""
+    return self.sp_mode != "ring-plain"
+
   # -- attention of one layer -------------------------------------------------------------------
   def _attend(self, q, k, v, step: _Step, cache_l):
     """q [B,T,N,H], k/v [B,T,K,H] -> o [B,T,N,H]; writes k/v into this layer's pages when caching."""
@@ -240,8 +246,9 @@ class Llama(nnx.Module):
     def own(q, k, v, pos, start, lengths):
       """The call's queries against the call's own keys (causal)."""
       if split:
-        fn = ring_attention_shard if self.sp_mode == "ring" else ulysses_attention_shard
-        return fn(q, k, v, backend=be, axis_name=SEQ, zigzag=True, causal=True, offset=start, kv_len=lengths)
+        fn = ulysses_attention_shard if self.sp_mode == "ulysses" else ring_attention_shard
+        return fn(q, k, v, backend=be, axis_name=SEQ, zigzag=self._zigzag, causal=True, offset=start,
+                  kv_len=lengths)
       return be.attend(q, k, v, q_pos=pos, k_start=start, kv_len=lengths, causal=True)
 
     if cache_l is None:
@@ -322,7 +329,7 @@ class Llama(nnx.Module):
         tokens = jnp.pad(tokens, ((0, 0), (0, Tp - T)))
         positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(Tp - T, dtype=jnp.int32)], 1)
         slots = None if slots is None else jnp.pad(slots, ((0, 0), (0, Tp - T)))
-      order = zigzag_order(Tp, seq)
+      order = zigzag_order(Tp, seq) if self._zigzag else np.arange(Tp)
       inv = jnp.asarray(np.argsort(order), jnp.int32)
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]

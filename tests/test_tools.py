@@ -1,0 +1,40 @@
+"""The check and profiling tools run end to end on the CPU with a tiny model (their GPU runs are in
+benchmarks/results): tools/check_exact.py's numbers against its float32 HF oracle, tools/profile_step.py's report."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tool, *args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")      # one CPU device: the tools' own default
+  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool), *args], capture_output=True, text=True,
+                     env=env, cwd=REPO, timeout=600)
+  assert p.returncode == 0, p.stderr[-2000:]
+  return p
+
+
+def test_check_exact_against_the_float32_oracle(tmp_path):
+  # float32 model; 300 tokens = 3 chunks of 128, so the cache (bf16, then fp8) is read; 96 tokens fit one chunk.
+  _run("check_exact.py", "--preset=tiny", "--contexts=96,300", "--caches=bfloat16,float8_e4m3fn",
+       "--dtype=float32", "--prefill_chunk=128", "--page_size=16", f"--out={tmp_path}", "--name=ex")
+  res = json.load(open(tmp_path / "ex.json"))
+  rows = {(r["S"], r["cache"]): r for r in res["rows"]}
+  assert rows[96, "bfloat16"]["vs_oracle"]["rel_max"] < 1e-5              # no cache read: float32 all the way
+  assert rows[96, "float8_e4m3fn"]["vs_bfloat16"]["max_abs"] == 0.0
+  assert 1e-5 < rows[300, "bfloat16"]["vs_oracle"]["rel_max"] < 3e-3        # bf16 K/V read back from the cache
+  fp8 = rows[300, "float8_e4m3fn"]
+  assert 3e-4 < fp8["vs_bfloat16"]["rel_max"] < 3e-2 and fp8["vs_oracle"]["top1"]
+  assert "| 300 | float8_e4m3fn | bfloat16 |" in (tmp_path / "ex.md").read_text()
+
+
+def test_profile_step_reports(tmp_path):
+  p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
+           "--prefill_chunk=128", f"--out={tmp_path}", "--name=prof")
+  rep = json.load(open(tmp_path / "prof.json"))
+  assert rep["context"] == 200 and rep["wall_ms_per_token"] > 0 and rep["attention"] == "reference"
+  assert "decode at 200" in p.stdout

@@ -93,9 +93,22 @@ def main():
                 rows=rows, decode_after_fix=updates,
                 baselines_md=dict(hf_512k_prefill_s=161.9, hf_512k_decode_ms=111, hf_512k_peak_gib=137,
                                   source="../shared/BASELINES.md (HF at 512K was not run in these calls)"))
+  table = markdown(rows)
+  # lcjax / HF per length, both from the same call.
+  ratios = []
+  for r in rows:
+    h = next((x for x in rows if x["impl"] == "hf" and x["S"] == r["S"] and x["call"] == r["call"]
+              and x.get("prefill_s")), None)
+    if r["impl"] == "lcjax" and r.get("prefill_s") and h:
+      ratio = dict(S=r["S"], call=r["call"], prefill=r["prefill_s"] / h["prefill_s"],
+                   decode=r["decode_ms_per_token"] / h["decode_ms_per_token"], peak=r["peak_gib"] / h["peak_gib"])
+      ratios.append(ratio)
+  result["ratios_lcjax_over_hf"] = ratios
   with open(os.path.join(RES, "longctx-h200.json"), "w") as f:
     json.dump(result, f, indent=1)
-  table = markdown(rows)
+  table += ("\n\nlcjax / HF, same call:\n\n| S | call | prefill | decode | peak |\n|---|---|---|---|---|\n"
+            + "\n".join(f"| {q['S']:,} | {q['call']} | {q['prefill']:.2f} | {q['decode']:.2f} | {q['peak']:.2f} |"
+                        for q in ratios))
   lines = ["# longctx-h200: Llama-3-8B shape, random bf16 weights, batch 1, one H200", "",
            "Merged from the calls below by `python benchmarks/runs/merge_longctx.py`; each row's `call` names the "
            "run that measured it, with its peer (HF) measured in the same call. planned GiB: the planner at HEAD.",

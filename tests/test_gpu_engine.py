@@ -64,6 +64,7 @@ def test_fp8_cache_matches_reference(backend, prompts):
   from tests.test_engine import _prefill_logits
   ref = _engine("reference", cache_dtype="float8_e4m3fn")
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
+  assert fast.attention.name == backend and fast.fp8_cache
   for p in prompts:
     a, b = _prefill_logits(ref, p), _prefill_logits(fast, p)
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2

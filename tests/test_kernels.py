@@ -201,13 +201,28 @@ def test_cudnn_paged_decomposition_emulated(T, P, pos_shift):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("T", [pytest.param(1, marks=slow), 5], ids=["decode-reference", "chunk-dequantized"])
-def test_cudnn_paged_fp8(T):
+def test_cudnn_paged_case_ignores_row_order_for_a_cached_prefix():
+  """A chunk against its cached prefix takes cuDNN's padding-only call in any row order (the sequence-sharded
+  prefill gathers its queries in zigzag order); rows seeing part of the pages need contiguity."""
+  kvl = jnp.array([64, 40], jnp.int32)
+  zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
+  assert int(cudnn.paged_case(zigzag, kvl)) == cudnn.PAGED_PAST
+  assert int(cudnn.paged_case(zigzag - 4, kvl)) == cudnn.PAGED_REFERENCE       # rows 60.. see part of the keys
+  assert int(cudnn.paged_case(jnp.sort(zigzag - 4, axis=1), kvl)) == cudnn.PAGED_SPLIT
+  B, T, N, K, H, Z, M, P = 2, 8, 8, 2, 16, 8, 12, 26
+  q, kp, vp, table, _, _, kd, vd = rand_pages(3, B, T, N, K, H, Z, M, P)
+  got = jax.jit(EMU.paged)(q, kp, vp, table, q_pos=zigzag, kv_len=kvl)
+  check(got, oracle(q, kd, vd, visibility(zigzag, np.zeros(B, int), kvl, M * Z, True)), tol_out=2e-2)
+
+
+@pytest.mark.parametrize("T,past", [pytest.param(1, False, marks=slow), (5, False), (5, True)],
+                         ids=["decode-reference", "chunk-dequantized-split", "chunk-dequantized-past"])
+def test_cudnn_paged_fp8(T, past):
   # T == 1 goes to the reference; a chunk runs the bf16 path over its pages dequantized into a compact pool.
   B, N, K, H, Z, M, P = 2, 4, 2, 16, 8, 4, 10
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(5 + T, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([30, 7], jnp.int32)
-  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q_pos = kv_len[:, None] - (0 if past else T) + jnp.arange(T, dtype=jnp.int32)[None, :]
   got = EMU.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 

@@ -141,6 +141,20 @@ def test_ulysses_equals_ring_equals_one_device(cfg, tensor, seq):
                                                                                 max_new_tokens=32).token_ids
 
 
+def test_ring_plain_keeps_natural_order(monkeypatch):
+  """sp_mode=ring-plain lays tokens out in contiguous blocks: the zigzag permutation is never built (the
+  equality with one device above holds for any layout, so it cannot tell the two apart)."""
+  import lcjax.model.llama as llama
+
+  def no_zigzag(*a, **k):
+    raise AssertionError("ring-plain built a zigzag layout")
+  monkeypatch.setattr(llama, "zigzag_order", no_zigzag)
+  eng = Engine.random(CFG, run=RUN.replace(seq=2, sp_mode="ring-plain"), seed=1)   # fresh: traced here
+  assert rel(prefill(eng, PROMPTS[0])[0], prefill(engine(), PROMPTS[0])[0]) <= 1e-4
+  with pytest.raises(AssertionError, match="zigzag layout"):
+    Engine.random(CFG, run=RUN.replace(seq=2), seed=1).logits([PROMPTS[0]])
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(tensor=3), "n_heads=8 is not divisible by tensor=3"),
     (dict(tensor=4, seq=4), r"seq=4 x tensor=4 needs 16 devices but only 8"),

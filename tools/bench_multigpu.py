@@ -54,7 +54,8 @@ flags.DEFINE_integer("page_size", 256, "KV page size")
 flags.DEFINE_string("attention", "auto", "attention backend")
 flags.DEFINE_string("dtype", "bfloat16", "parameter / activation dtype")
 flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
-flags.DEFINE_string("sp_mode", "ring", "ring | ulysses")
+flags.DEFINE_string("sp_mode", "ring", "ring | ring-plain | ulysses (the table's rows; scaling rows use their "
+                    "--scaling_orders)")
 flags.DEFINE_integer("scaling_tokens_per_gpu", 0, "ring scaling rows: this many prompt tokens per seq device "
                      "(0: none)")
 flags.DEFINE_list("scaling_gpus", ["1", "2", "4", "8"], "seq sizes of the scaling rows (tensor=1)")
@@ -117,7 +118,8 @@ def worker(spec: str):
   tensor, seq, S, batch = map(int, parts[:4])
   kind = parts[4] if len(parts) > 4 else "table"
   cfg = _model_cfg()
-  run = _run_cfg(tensor, seq, S, batch, sp_mode="ring-plain" if kind == "scaling-plain" else None)
+  sp_mode = {"scaling": "ring", "scaling-plain": "ring-plain"}.get(kind)     # the layouts the gain compares
+  run = _run_cfg(tensor, seq, S, batch, sp_mode=sp_mode)
   p = planlib.plan(cfg, run)
   base = dict(impl="lcjax", kind=kind, sp_mode=run.sp_mode, S=S, tensor=tensor, seq=seq, gpus=tensor * seq,
               batch=batch,
@@ -239,7 +241,7 @@ def markdown(rows) -> str:
       return fmt.format(r[k]) if r.get(k) is not None else "-"
     note = ("PREDICTED" if r.get("predicted") else "OOM" if r.get("oom") else
             f"{r['kind']}, efficiency {r['efficiency']:.0%}"
-            + (f", zigzag {r['zigzag_gain']:.2f}x plain" if r.get("zigzag_gain") else "")
+            + (f", plain/zigzag time {r['zigzag_gain']:.2f}x" if r.get("zigzag_gain") else "")
             if r.get("efficiency") is not None else
             (r.get("error") or "")[:60])
     lines.append(f"| {r['tensor']} x {r['seq']} | {r['S']:,} | {r['batch']} | {f('prefill_s', '{:.2f}')} | "

@@ -1,11 +1,12 @@
-"""Where the device time of a decode call (or a prefill chunk) goes: kernel time by name from a jax.profiler trace.
+"""Where the device time of a decode call (or a prefill) goes: kernel time by name from a jax.profiler trace.
 
   python tools/profile_step.py --preset=llama3-8b --context=32768 --steps=16 --xla_flags="..."
 
 Prefills `context` random tokens, times one untraced decode call of `steps` tokens (wall ms/token), then traces a
 second one and sums the device time of every kernel by name (and by op on the "XLA Ops" line when the trace has
 one). Prints the top kernels with their share of the traced time and the floor of a token: the bytes it must
-read (weights + the KV of the context) at --bandwidth. With --phase=prefill it traces one prefill chunk instead.
+read (weights + the KV of the context) at --bandwidth. With --phase=prefill it traces the whole prefill of the
+prompt instead (all its chunks; the report's "per token" figures are then per prefill).
 `--xla_flags` is added to XLA_FLAGS before JAX starts (A/B a compiler option); `--dump_hlo` writes the optimized
 HLO of every compiled step under <out>/hlo.
 """
@@ -89,14 +90,17 @@ def main(argv):
     wall_ms = res.stats["decode_ms_per_token"]
     # Trace a decode call only: prefill untraced, then the call under the profiler.
     r = eng._make_requests([prompt], 2 * FLAGS.steps + 1, None)[0]
-    assert eng._admit(r)
-    eng._prefill(r)
-    eng._decode_call([r])                                                    # same shapes: no compile inside
-    with jax.profiler.trace(trace_dir):
-      t = time.perf_counter()
-      eng._decode_call([r])
-      traced_ms = 1e3 * (time.perf_counter() - t) / FLAGS.steps
-    eng._release(r)
+    if not eng._admit(r):
+      raise RuntimeError(f"the page pool cannot hold {len(prompt)} + {2 * FLAGS.steps + 1} tokens")
+    try:
+      eng._prefill(r)
+      eng._decode_call([r])                                                  # same shapes: no compile inside
+      with jax.profiler.trace(trace_dir):
+        t = time.perf_counter()
+        eng._decode_call([r])
+        traced_ms = 1e3 * (time.perf_counter() - t) / FLAGS.steps
+    finally:
+      eng._release(r)
     per = FLAGS.steps
   else:
     eng.generate(prompt, max_new_tokens=1)

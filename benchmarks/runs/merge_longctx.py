@@ -100,15 +100,16 @@ def main():
     h = next((x for x in rows if x["impl"] == "hf" and x["S"] == r["S"] and x["call"] == r["call"]
               and x.get("prefill_s")), None)
     if r["impl"] == "lcjax" and r.get("prefill_s") and h:
-      ratio = dict(S=r["S"], call=r["call"], prefill=r["prefill_s"] / h["prefill_s"],
-                   decode=r["decode_ms_per_token"] / h["decode_ms_per_token"], peak=r["peak_gib"] / h["peak_gib"])
-      ratios.append(ratio)
+      div = lambda k: r[k] / h[k] if r.get(k) and h.get(k) else None
+      ratios.append(dict(S=r["S"], call=r["call"], prefill=div("prefill_s"), decode=div("decode_ms_per_token"),
+                         peak=div("peak_gib"), note=r.get("note")))
   result["ratios_lcjax_over_hf"] = ratios
   with open(os.path.join(RES, "longctx-h200.json"), "w") as f:
     json.dump(result, f, indent=1)
-  table += ("\n\nlcjax / HF, same call:\n\n| S | call | prefill | decode | peak |\n|---|---|---|---|---|\n"
-            + "\n".join(f"| {q['S']:,} | {q['call']} | {q['prefill']:.2f} | {q['decode']:.2f} | {q['peak']:.2f} |"
-                        for q in ratios))
+  fmt = lambda x: "-" if x is None else f"{x:.2f}"
+  table += ("\n\nlcjax / HF, same call:\n\n| S | call | prefill | decode | peak | note |\n|---|---|---|---|---|---|\n"
+            + "\n".join(f"| {q['S']:,} | {q['call']} | {fmt(q['prefill'])} | {fmt(q['decode'])} | {fmt(q['peak'])} "
+                        f"| {q['note'] or ''} |" for q in ratios))
   lines = ["# longctx-h200: Llama-3-8B shape, random bf16 weights, batch 1, one H200", "",
            "Merged from the calls below by `python benchmarks/runs/merge_longctx.py`; each row's `call` names the "
            "run that measured it, with its peer (HF) measured in the same call. planned GiB: the planner at HEAD.",

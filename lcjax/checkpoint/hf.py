@@ -72,12 +72,18 @@ def to_hf(w: np.ndarray, in_dims: int | None) -> np.ndarray:
 
 
 def export_hf(params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF tensor name, array) for every tensor of a checkpoint-shaped lcjax state (an `nnx.State`, as
-  `Engine.params` holds on one device or a mesh), one tensor at a time on the host: HF_NAMES read backwards.
+  """(HF tensor name, array) for every tensor of a checkpoint-shaped lcjax state (an `nnx.State`, such as
+  `Engine.params` unless a mesh made it repeat KV heads), one tensor at a time on the host: HF_NAMES read backwards.
   Loads lcjax weights into HF transformers (an oracle on the same weights) or writes them back out."""
   flat = {name: _unwrap(leaf) for name, leaf in _flatten(params)}
+  shapes = param_shapes(cfg)
+  for name, (shape, _) in shapes.items():
+    if name in flat and tuple(flat[name].shape) != tuple(shape):
+      raise ValueError(f"{name} has shape {tuple(flat[name].shape)}, {cfg.name} has {tuple(shape)}: export the "
+                       "checkpoint-shaped state (an Engine on a mesh with tensor > n_kv_heads holds repeated KV "
+                       "heads)")
   for hf_name, (name, in_dims) in HF_NAMES.items():
-    if name not in flat:          # lm_head with tied embeddings
+    if name not in shapes:        # lm_head with tied embeddings
       continue
     if "{i}" in hf_name:
       for i in range(cfg.n_layers):

@@ -187,11 +187,12 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   N_l = -(-model.n_heads // T)
   per_token = (6 * D + 8 * N_l * H + 2 * K_l * H + 3 * -(-F // T)) * w_item
   gathered = 0 if S == 1 else C * (2 * K_l * H * w_item + N_l * H * (w_item + 4)) + 2 * 2 * c * K_l * H * w_item
-  # An fp8 cache: a chunk reads its prefix through one layer's table pages dequantized to the activation dtype
-  # (lcjax.ops.cudnn.dequantize_pages), K and V of every slot of the table on this device.
+  # An fp8 cache: a chunk (one sequence: the engine prefills one request at a time) reads its prefix through
+  # one layer's table pages dequantized to the activation dtype (lcjax.ops.cudnn.dequantize_pages), K and V of
+  # every slot of the table on this device. Counted for every backend: the reference needs less (an overestimate).
   dequant = 0
   if run.resolved_cache_dtype == "float8_e4m3fn":
-    dequant = 2 * batch * -(-run.context_for(model) // S) * K_l * H * w_item
+    dequant = 2 * -(-run.context_for(model) // S) * K_l * H * w_item
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,

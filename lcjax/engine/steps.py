@@ -39,8 +39,9 @@ def decode_compiler_options() -> dict | None:
   fusions cannot read such a slice in place, so each decode step copied 5 of the 7 weight matrices of every layer
   before multiplying (160 memcpys, 6.6 of 13.0 ms of a Llama-3-8B token at 32K on the H200). cuBLAS with
   dynamic-slice fusion reads the slice where it lies (benchmarks/NOTES-longctx.md, call E). Prefill keeps XLA's
-  defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there. Set LCJAX_DECODE_XLA_DEFAULTS=1
-  to compile decode with XLA's defaults too (e.g. to rule these options out when chasing a numerical problem).
+  defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there. LCJAX_DECODE_XLA_DEFAULTS=1,
+  set before an Engine is made (its steps are built then), compiles decode with XLA's defaults too (e.g. to rule
+  these options out when chasing a numerical problem).
   """
   if jax.default_backend() != "gpu" or os.environ.get("LCJAX_DECODE_XLA_DEFAULTS") == "1":
     return None

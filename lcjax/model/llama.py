@@ -22,9 +22,10 @@ attention runs in one shard_map over both axes with the heads local:
   full forward / prefill chunk   the call's tokens are padded to a multiple of 2 * seq and permuted into the
       zigzag layout (lcjax.ops.ring) before the embedding, so activations stay split over `seq` through every
       layer (`sp_mode="ring-plain"` keeps natural order, contiguous blocks: the load-imbalanced baseline the
-      zigzag is measured against). The chunk attends to itself by ring attention (or Ulysses), and to the cached prefix
-      through the paged cache sharded on `seq`: the chunk's queries are all-gathered, each shard attends them to
-      its own pages, and the partials are reduce-scattered back (lcjax.ops.ring.combine_seq_partials).
+      zigzag is measured against). The chunk attends to itself by ring attention (or Ulysses), and to the
+      cached prefix through the paged cache sharded on `seq`: the chunk's queries are all-gathered (in layout
+      order), each shard attends them to its own pages, and the partials are reduce-scattered back
+      (lcjax.ops.ring.combine_seq_partials).
   decode   the few query tokens are replicated over `seq`; each shard attends them to its own pages and the
       partials are combined: the query moves, the cache stays.
 New K/V go to the pages' owner shard (page-table slot m on shard m % seq, lcjax.cache.pages); in a prefill chunk
@@ -135,7 +136,7 @@ class _Step:
   page_table: jax.Array | None    # [B, M]
   prefix_len: jax.Array | None    # [B] cached tokens before this chunk (prefill)
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
-  split: bool = False             # tokens split over `seq` in the zigzag layout (mesh prefill / full forward)
+  split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
 
 
 def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:
@@ -241,7 +242,7 @@ class Llama(nnx.Module):
     split = step.split
     length = SEQ if split else None
     heads, rows, rep = P(None, length, TENSOR, None), P(None, length), P()
-    start = step.positions[:, 0]            # zigzag slot 0 is the call's first token
+    start = step.positions[:, 0]            # layout slot 0 is the call's first token (zigzag and plain alike)
 
     def own(q, k, v, pos, start, lengths):
       """The call's queries against the call's own keys (causal)."""

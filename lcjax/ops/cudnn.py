@@ -64,7 +64,7 @@ def _private():
 
 def has_private_paged() -> bool:
   fsa = _private()
-  return fsa is not None and hasattr(fsa, "paged_attention")
+  return fsa is not None and hasattr(fsa, "paged_attention") and hasattr(fsa, "_dot_product_attention")
 
 
 def _full(B, n):
@@ -176,6 +176,19 @@ def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
   return one(k_pages, k_scale), one(v_pages, v_scale), table
 
 
+PAGED_REFERENCE, PAGED_PAST, PAGED_SPLIT = 0, 1, 2
+
+
+def paged_case(q_pos, kvl):
+  """Which decomposition a paged call of many rows takes. PAST: every valid key precedes every row (a chunk
+  against its cached prefix), in any row order: the sequence-sharded prefill gathers its queries in zigzag order,
+  and a padding mask does not care. SPLIT: contiguous rows that see part of the pages causally. Else REFERENCE."""
+  qmin = q_pos.min(axis=1)
+  past = jnp.all((kvl <= qmin + 1) & (qmin >= 0))
+  split = _contiguous(q_pos) & jnp.all(q_pos[:, 0] >= 0)
+  return jnp.where(past, PAGED_PAST, jnp.where(split, PAGED_SPLIT, PAGED_REFERENCE))
+
+
 def _contiguous(q_pos):
   T = q_pos.shape[1]
   return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
@@ -279,12 +292,12 @@ class CudnnBackend:
     scale = 1.0 / math.sqrt(H)
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
-    quantized = k_scale is not None or v_scale is not None or jnp.dtype(k_pages.dtype).name not in _DTYPES
-    if not self.emulate and not has_private_paged():
-      # Older jax has no cuDNN paged entry: exact jnp path.
+    fp8 = jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
+    if (not self.emulate and not has_private_paged()) or not (fp8 or jnp.dtype(k_pages.dtype).name in _DTYPES):
+      # Older jax has no cuDNN paged entry, and cuDNN reads no float32 pages: the exact jnp path.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
-    if quantized:
+    if fp8:
       if T == 1:
         # A decode row reads each page once: dequantizing a copy of them would double its bytes.
         return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
@@ -293,7 +306,6 @@ class CudnnBackend:
       # reads, so dequantize just those pages into a compact [B * M, Z, K, H] pool in the query dtype (one
       # fused gather-scale-convert) and run the bf16 path over it.
       k_pages, v_pages, page_table = dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, q.dtype)
-      P = k_pages.shape[0]
 
     if T == 1:
       # One row: causality is one more bound on the key count.
@@ -315,9 +327,7 @@ class CudnnBackend:
       return ref.merge(o_a, l_a, o_b, l_b)
 
     def reference():
-      # Non-contiguous rows or negative positions: not expressible with cuDNN's masks.
+      # Non-contiguous rows that see part of the pages, or negative positions: not expressible with cuDNN's masks.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl)
 
-    ok = _contiguous(q_pos) & jnp.all(p0 >= 0)
-    case = jnp.where(~ok, 0, jnp.where(jnp.all(kvl <= p0 + 1), 1, 2))
-    return lax.switch(case, (reference, past, split))
+    return lax.switch(paged_case(q_pos, kvl), (reference, past, split))

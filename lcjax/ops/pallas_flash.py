@@ -355,7 +355,7 @@ class PallasBackend:
       return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, tuning=tuning, interpret=self.interpret)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
-    # (it sends fp8 pages, which it cannot read, to the jnp reference).
+    # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
     from lcjax.ops.cudnn import CudnnBackend
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
                                 v_scale=v_scale)

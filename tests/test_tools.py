@@ -38,3 +38,22 @@ def test_profile_step_reports(tmp_path):
   rep = json.load(open(tmp_path / "prof.json"))
   assert rep["context"] == 200 and rep["wall_ms_per_token"] > 0 and rep["attention"] == "reference"
   assert "decode at 200" in p.stdout
+
+
+def test_bench_multigpu_extrapolates_measured_rows(tmp_path):
+  """--measured: predictions from a one-device results file, labelled, never run; a file of another model is
+  refused."""
+  src = tmp_path / "one.json"
+  src.write_text(json.dumps(dict(device="GPU X", versions={}, model=dict(preset="tiny", layers=None), rows=[
+      dict(impl="lcjax", S=4096, prefill_s=2.0, decode_ms_per_token=4.0, peak_gib=1.0)])))
+  _run("bench_multigpu.py", "--preset=tiny", f"--measured={src}", "--predict_meshes=2x1,1x2",
+       "--predict_contexts=4096", "--contexts=4096", f"--out={tmp_path}", "--name=pred")
+  res = json.load(open(tmp_path / "pred.json"))
+  pred = [r for r in res["rows"] if r["predicted"]]
+  assert sorted((r["tensor"], r["seq"]) for r in pred) == [(1, 2), (2, 1)]
+  assert all(r["prefill_s"] < 2.0 and r["peak_gib"] is None for r in pred)
+  assert "measured on GPU X" in res["device"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_multigpu.py"), "--preset=llama3-8b",
+                      f"--measured={src}", f"--out={tmp_path}"], capture_output=True, text=True, env=env, cwd=REPO)
+  assert p.returncode != 0 and "measured preset=tiny" in p.stderr

@@ -63,6 +63,8 @@ flags.DEFINE_list("scaling_orders", ["zigzag", "plain"], "ring layouts of the sc
                   "and plain (ring-plain, contiguous blocks); plain / zigzag prefill time is the balancing gain")
 flags.DEFINE_list("predict_meshes", [], "extrapolate the measured rows to these meshes (TENSORxSEQ)")
 flags.DEFINE_list("predict_contexts", [], "contexts of the extrapolated rows (default: --contexts)")
+flags.DEFINE_string("measured", None, "extrapolate from the one-device rows of this results JSON (of this tool or "
+                    "tools/bench_longctx.py, same preset and --layers) instead of running anything")
 flags.DEFINE_integer("cpu_devices", 0, "fake this many CPU devices (CPU smoke runs)")
 flags.DEFINE_float("time_budget_s", 540.0, "start no new row once this much wall time is spent")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
@@ -255,7 +257,13 @@ def write_results(rows) -> str:
                                      r["S"], r["batch"]))
   versions = benchlib.versions(("jax", "jaxlib", "flax"))
   command = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]))] + sys.argv[1:])
-  result = dict(device=benchlib.device_name(FLAGS.cpu_devices or 1), versions=versions, command=command,
+  device = benchlib.device_name(FLAGS.cpu_devices or 1)
+  if FLAGS.measured:
+    with open(FLAGS.measured) as f:
+      src = json.load(f)
+    device = f"measured on {src['device']} ({os.path.basename(FLAGS.measured)}); extrapolated on {device}"
+    versions = dict(measured=src.get("versions"), extrapolated=versions)
+  result = dict(device=device, versions=versions, command=command,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
                            cache_dtype=FLAGS.cache_dtype, prefill_chunk=FLAGS.prefill_chunk,
@@ -272,8 +280,31 @@ def write_results(rows) -> str:
   return table
 
 
+def from_measured(path: str) -> list[dict]:
+  """The measured one-device batch-1 rows of a results file, in this tool's row keys."""
+  with open(path) as f:
+    d = json.load(f)
+  model = d.get("model", {})
+  if model.get("preset", FLAGS.preset) != FLAGS.preset or (model.get("layers") or 0) != FLAGS.layers:
+    raise app.UsageError(f"{path} measured preset={model.get('preset')} layers={model.get('layers')}, not "
+                         f"--preset={FLAGS.preset} --layers={FLAGS.layers}")
+  rows = []
+  for r in d["rows"]:
+    if r.get("prefill_s") and r.get("gpus", 1) == 1 and r.get("batch", 1) == 1 and not r.get("predicted"):
+      rows.append(dict(r, impl="lcjax", kind="measured", tensor=1, seq=1, gpus=1, batch=1, predicted=False,
+                       source=os.path.basename(path)))
+  if not rows:
+    raise app.UsageError(f"{path} has no measured one-device rows to extrapolate from")
+  return rows
+
+
 def orchestrate():
   start = time.time()
+  if FLAGS.measured:
+    rows = from_measured(FLAGS.measured)
+    rows += predict(rows)
+    print(write_results(rows))
+    return
   rows = []
   for spec in _specs():
     tensor, seq, S, batch = map(int, spec.split(",")[:4])

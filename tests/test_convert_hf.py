@@ -343,9 +343,11 @@ print(json.dumps({"peak": int(hwm.split()[1]) * 1024}))
 def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
   """Peak RSS over a converter's baseline is about one source tensor, not the model or a multiple of it."""
   from safetensors.numpy import save_file
+  # Embed and lm_head 256 MiB each (float16), six 128 MiB MLP matrices: the model is ~5x its largest tensor, so
+  # "about one tensor" and "the whole model" are far apart (at 2.3x, one run's 2.03x allocator noise failed).
   cfg = ModelConfig("mem", vocab_size=32768, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128,
-                    ffn_dim=1024, max_position=512, bos_id=0, eos_ids=(1,))
-  largest = cfg.vocab_size * cfg.dim * 2                     # embed and lm_head, float16: 256 MiB each
+                    ffn_dim=16384, max_position=512, bos_id=0, eos_ids=(1,))
+  largest = cfg.vocab_size * cfg.dim * 2
   rng = np.random.default_rng(0)
   src, tiny_src = tmp_path / "src", tmp_path / "tiny"
   for folder, c in ((src, cfg), (tiny_src, dataclasses.replace(cfg, vocab_size=64, dim=64, n_heads=4,
@@ -373,9 +375,9 @@ def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
   big = peak(src, tmp_path / "out")
   model_bytes = sum(os.path.getsize(src / f) for f in os.listdir(src) if f.endswith(".safetensors"))
   extra = big - base
-  assert model_bytes > 2.3 * largest
-  # measured: 1.7x with 16 MiB parts; writing each tensor as one orbax item took 3.8x
-  assert extra < 2 * largest, (extra / 2**20, largest / 2**20)
+  assert model_bytes > 4.5 * largest
+  # measured 1.7-2.04x (the tensor read plus its transposed copy, by design); one orbax item per tensor took 3.8x
+  assert extra < 2.5 * largest, (extra / 2**20, largest / 2**20)
 
 
 def test_engine_load_logits_match_hf(hf_dirs, tmp_path):

@@ -25,6 +25,22 @@ NEG_INF = float("-inf")
 _MASKED = -1e30
 
 
+def block_positions(q_pos, k_start, B: int, T: int, S: int):
+  """The contract's position defaults made explicit: q_pos [B, T] int32 (default: the last T of the S key
+  positions) and k_start [B] int32 (default 0)."""
+  q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T)) if q_pos is None
+           else jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32))
+  k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,)).astype(jnp.int32)
+  return q_pos, k_start
+
+
+def contiguous_rows(q_pos):
+  """Whether every sequence's rows [B, T] are consecutive positions: what a kernel masking by one diagonal offset
+  per sequence can express."""
+  T = q_pos.shape[1]
+  return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
+
+
 def merge(o_a, lse_a, o_b, lse_b):
   """Combine two attention partials over disjoint key sets. o [..., H], lse [...] float32."""
   lse = jnp.logaddexp(lse_a, lse_b)
@@ -93,9 +109,7 @@ def attention_reference(q, k, v, *, q_pos=None, k_start=None, kv_len=None, causa
   S, K = k.shape[1], k.shape[2]
   if N % K:
     raise ValueError(f"query heads N={N} are not divisible by kv heads K={K}")
-  if q_pos is None:
-    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
-  k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,))
+  q_pos, k_start = block_positions(q_pos, k_start, B, T, S)
   kv_len = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.broadcast_to(kv_len, (B,))
   C = min(block_k, S)
   n_blocks = -(-S // C)
@@ -152,8 +166,7 @@ def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None
   """The unoptimised baseline: materialises the [B, N, T, S] score matrix. For benchmarks and tests only."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  if q_pos is None:
-    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+  q_pos, _ = block_positions(q_pos, None, B, T, S)
   kv_len = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.broadcast_to(kv_len, (B,))
   qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H) * (scale or _default_scale(H))
   s = jnp.einsum("btkgh,bskh->btkgs", qg, k.astype(jnp.float32)).reshape(B, T, N, S)

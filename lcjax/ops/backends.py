@@ -47,8 +47,8 @@ class DenseBackend:
   def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
     B, T = q.shape[:2]
     if k_start is not None:        # attention_dense counts keys from position 0
-      q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (k.shape[1] - T), (B, T)) if q_pos is None
-               else q_pos) - jnp.broadcast_to(k_start, (B,))[:, None]
+      q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, k.shape[1])
+      q_pos = q_pos - k_start[:, None]
     return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):

@@ -185,13 +185,8 @@ def paged_case(q_pos, kvl):
   and a padding mask does not care. SPLIT: contiguous rows that see part of the pages causally. Else REFERENCE."""
   qmin = q_pos.min(axis=1)
   past = jnp.all((kvl <= qmin + 1) & (qmin >= 0))
-  split = _contiguous(q_pos) & jnp.all(q_pos[:, 0] >= 0)
+  split = ref.contiguous_rows(q_pos) & jnp.all(q_pos[:, 0] >= 0)
   return jnp.where(past, PAGED_PAST, jnp.where(split, PAGED_SPLIT, PAGED_REFERENCE))
-
-
-def _contiguous(q_pos):
-  T = q_pos.shape[1]
-  return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,9 +255,7 @@ class CudnnBackend:
       return self._split(q, (k[:, :d], v[:, :d]), jnp.minimum(kvl, d), (k[:, d:], v[:, d:]),
                          jnp.clip(kvl - d, 0, T), scale)
 
-    q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T)) if q_pos is None
-             else jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32))
-    k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,)).astype(jnp.int32)
+    q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
     d = q_pos[:, 0] - k_start
 
     def diagonal():
@@ -281,7 +274,7 @@ class CudnnBackend:
       # Non-contiguous rows or rows before the first key: not expressible with cuDNN's masks.
       return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
 
-    ok = _contiguous(q_pos) & jnp.all(d >= 0)
+    ok = ref.contiguous_rows(q_pos) & jnp.all(d >= 0)
     case = jnp.where(~ok, 0, jnp.where(jnp.all(d == 0), 1, jnp.where(jnp.all(d >= S - 1), 2, 3)))
     return lax.switch(case, (reference, diagonal, past, split))
 

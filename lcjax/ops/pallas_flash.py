@@ -336,13 +336,10 @@ class PallasBackend:
         # Rows before the first key would need a lower mask bound the kernel does not have.
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
       return run(causal=True)
-    q_pos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T)) if q_pos is None
-             else jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32))
-    k_start = jnp.zeros((B,), jnp.int32) if k_start is None else jnp.broadcast_to(k_start, (B,)).astype(jnp.int32)
+    q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
     d = q_pos[:, 0] - k_start
-    contiguous = jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=jnp.int32)[None, :])
     # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
-    return lax.cond(contiguous & jnp.all(d >= 0),
+    return lax.cond(ref.contiguous_rows(q_pos) & jnp.all(d >= 0),
                     lambda: run(d, causal=True),
                     lambda: ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True))
 

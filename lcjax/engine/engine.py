@@ -275,8 +275,7 @@ class Engine:
         return np.asarray(self._prefill(r, sample=False))[0]
       finally:
         self._release(r)
-        if self.cache.k.is_deleted():
-          self.cache = self._new_cache()
+        self._recover_cache()
 
   def _check_ids(self, ids):
     bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
@@ -431,6 +430,11 @@ class Engine:
       r.base = base.seq
     return base
 
+  def _recover_cache(self):
+    """After an interruption inside a donated call the pools are gone: start afresh (no pages are held then)."""
+    if self.cache.k.is_deleted():
+      self.cache = self._new_cache()
+
   def _release(self, r: _Request):
     if r.seq is not None:
       self.pool.free(r.seq)
@@ -472,8 +476,7 @@ class Engine:
     finally:
       for r in reqs + ([base] if base else []):
         self._release(r)
-      if self.cache.k.is_deleted():   # interrupted inside a donated call: the pools are gone, start afresh
-        self.cache = self._new_cache()
+      self._recover_cache()
 
   @property
   def table_width(self) -> int:

@@ -53,10 +53,6 @@ flags.DEFINE_float("deadline", 0.0, "internal: unix time after which a worker st
 GiB = 1024 ** 3
 
 
-def _emit(**row):
-  print("ROW " + json.dumps(row), flush=True)
-
-
 def _model_cfg():
   from lcjax.config import preset
   cfg = preset(FLAGS.preset)
@@ -67,9 +63,17 @@ def _model_cfg():
   return cfg
 
 
-def _is_oom(e: BaseException) -> bool:
-  s = repr(e)
-  return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
+def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_chunk: int,
+               dtype: str = "bfloat16", attention: str = "auto"):
+  """The RunConfig an implementation's row of context S runs with: room for S + decode_steps tokens, one
+  sequence, chunks of prefill_chunk (dense: the whole prompt at once), fp8 pages for lcjax-fp8kv."""
+  from lcjax.config import RunConfig
+  chunk = S if impl == "dense" else min(prefill_chunk, S)
+  ctx = -(-(S + decode_steps + 1) // page_size) * page_size
+  return RunConfig(dtype=dtype, cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto",
+                   page_size=page_size, max_context=ctx, max_batch=1,
+                   prefill_chunk=-(-chunk // page_size) * page_size, decode_steps=decode_steps,
+                   attention="dense" if impl == "dense" else attention)
 
 
 def _limit(impl: str) -> int:
@@ -93,7 +97,6 @@ def _too_late(S, last):
 def worker_jax(impl: str):
   import jax
   import numpy as np
-  from lcjax.config import RunConfig
   from lcjax.engine.engine import Engine
   cfg = _model_cfg()
   dev = jax.local_devices()[0]
@@ -102,14 +105,11 @@ def worker_jax(impl: str):
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
     if failed or _too_late(S, last) or S > _limit(impl):
-      _emit(impl=impl, S=S, oom=failed, skipped=None if failed else ("limit" if S > _limit(impl) else "time budget"))
+      benchlib.emit_row(impl=impl, S=S, oom=failed,
+                        skipped=None if failed else ("limit" if S > _limit(impl) else "time budget"))
       continue
-    chunk = S if impl == "dense" else min(FLAGS.prefill_chunk, S)
-    page = FLAGS.page_size
-    ctx = -(-(S + FLAGS.decode_steps + 1) // page) * page
-    run = RunConfig(dtype=FLAGS.dtype, cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto",
-                    page_size=page, max_context=ctx, max_batch=1, prefill_chunk=-(-chunk // page) * page,
-                    decode_steps=FLAGS.decode_steps, attention="dense" if impl == "dense" else FLAGS.attention)
+    run = run_config(impl, S, page_size=FLAGS.page_size, decode_steps=FLAGS.decode_steps,
+                     prefill_chunk=FLAGS.prefill_chunk, dtype=FLAGS.dtype, attention=FLAGS.attention)
     plan = planlib.plan(cfg, run)
     eng = None
     try:
@@ -122,15 +122,17 @@ def worker_jax(impl: str):
       res = eng.generate(prompt, max_new_tokens=FLAGS.decode_steps + 1)
       st = res.stats
       peak = (dev.memory_stats() or {}).get("peak_bytes_in_use")
-      _emit(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
-            prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
-            decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
-            planned_gib=plan.total / GiB, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
-            attention=eng.attention.name, prefill_chunk=run.prefill_chunk, warmup_s=compile_s, oom=False)
+      benchlib.emit_row(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
+                        prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
+                        decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
+                        planned_gib=plan.total / GiB, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
+                        attention=eng.attention.name, prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
+                        oom=False)
       last = (S, st["prefill_s"])
     except Exception as e:  # noqa: BLE001 - a benchmark records every failure as a row
-      failed = _is_oom(e)
-      _emit(impl=impl, S=S, oom=failed, error=None if failed else repr(e)[:400], planned_gib=plan.total / GiB)
+      failed = benchlib.is_oom(e)
+      benchlib.emit_row(impl=impl, S=S, oom=failed, error=None if failed else repr(e)[:400],
+                        planned_gib=plan.total / GiB)
     finally:
       del eng
       gc.collect()
@@ -149,7 +151,8 @@ def worker_hf():
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
     if failed or _too_late(S, last) or S > _limit("hf"):
-      _emit(impl="hf", S=S, oom=failed, skipped=None if failed else ("limit" if S > _limit("hf") else "time budget"))
+      benchlib.emit_row(impl="hf", S=S, oom=failed,
+                        skipped=None if failed else ("limit" if S > _limit("hf") else "time budget"))
       continue
     gc.collect()
     torch.cuda.empty_cache()
@@ -170,13 +173,14 @@ def worker_hf():
           pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         td = (time.perf_counter() - t) / FLAGS.decode_steps
-      _emit(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp, prefill_tflops=planlib.prefill_flops(cfg, S) / tp / 1e12,
-            decode_ms_per_token=1e3 * td, peak_gib=torch.cuda.max_memory_allocated() / GiB, oom=False)
+      benchlib.emit_row(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp,
+                        prefill_tflops=planlib.prefill_flops(cfg, S) / tp / 1e12, decode_ms_per_token=1e3 * td,
+                        peak_gib=torch.cuda.max_memory_allocated() / GiB, oom=False)
       last = (S, tp)
       del pkv, o
     except Exception as e:  # noqa: BLE001
-      failed = _is_oom(e)
-      _emit(impl="hf", S=S, oom=failed, error=None if failed else repr(e)[:400])
+      failed = benchlib.is_oom(e)
+      benchlib.emit_row(impl="hf", S=S, oom=failed, error=None if failed else repr(e)[:400])
 
 
 # -- orchestration ------------------------------------------------------------------------------------------

@@ -104,10 +104,6 @@ def _run_cfg(tensor, seq, context, batch, sp_mode=None):
                    num_pages=num_pages)
 
 
-def _emit(**row):
-  print("ROW " + json.dumps(row), flush=True)
-
-
 def worker(spec: str):
   if FLAGS.cpu_devices:
     import jax
@@ -145,12 +141,12 @@ def worker(spec: str):
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()[:tensor * seq]]
     peak = max(peaks) / GiB if all(peaks) else None
     flops = prefill_flops(cfg, S)
-    _emit(**base, prefill_s=prefill_s, prefill_tok_s=S / prefill_s if prefill_s else None,
-          prefill_tflops=flops / prefill_s / 1e12 if prefill_s else None, decode_ms_per_token=decode_ms,
-          peak_gib=peak, warmup_s=warm, attention=eng.attention.name, oom=False)
+    benchlib.emit_row(**base, prefill_s=prefill_s, prefill_tok_s=S / prefill_s if prefill_s else None,
+                      prefill_tflops=flops / prefill_s / 1e12 if prefill_s else None, decode_ms_per_token=decode_ms,
+                      peak_gib=peak, warmup_s=warm, attention=eng.attention.name, oom=False)
   except Exception as e:  # noqa: BLE001 - every failure is a row
-    oom = any(m in repr(e) for m in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
-    _emit(**base, oom=oom, error=None if oom else repr(e)[:400])
+    oom = benchlib.is_oom(e)
+    benchlib.emit_row(**base, oom=oom, error=None if oom else repr(e)[:400])
 
 
 # -- extrapolation ------------------------------------------------------------------------------------------

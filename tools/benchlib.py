@@ -1,6 +1,8 @@
-"""What every benchmark records beside its rows: the device and the versions of what it ran on."""
+"""What every benchmark shares: the device and versions it records beside its rows, and how a worker process
+reports a row or an out-of-memory failure."""
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 
@@ -30,3 +32,14 @@ def versions(modules=("jax", "jaxlib", "flax", "torch", "transformers")) -> dict
     except Exception:  # noqa: BLE001 - a module that is not installed is simply not listed
       pass
   return v
+
+
+def emit_row(**row) -> None:
+  """A result row from a benchmark worker process, for its orchestrator to collect from stdout."""
+  print("ROW " + json.dumps(row), flush=True)
+
+
+def is_oom(e: BaseException) -> bool:
+  """Whether an exception is the device running out of memory (XLA's or torch's wording)."""
+  s = repr(e)
+  return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))

@@ -16,9 +16,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from lcjax.config import RunConfig, preset  # noqa: E402
+from lcjax.config import preset  # noqa: E402
 from lcjax.engine import plan as planlib  # noqa: E402
-from tools.bench_longctx import markdown, plot  # noqa: E402
+from tools.bench_longctx import markdown, plot, run_config  # noqa: E402
 
 RES = os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
@@ -29,20 +29,24 @@ SOURCES = [("B", "longctx-h200-b.json", None),
            ("G", "longctx-h200-g-8layers.json", None)]
 
 
-def planned(impl: str, S: int, layers: int | None, decode_steps: int = 32, page: int = 64) -> float:
+def planned(impl: str, S: int, model: dict) -> float:
+  """The planner at HEAD for a row of a call whose `model` settings (layers, page, chunk, decode steps) it ran."""
   cfg = preset("llama3-8b")
-  cfg = dataclasses.replace(cfg, n_layers=layers or cfg.n_layers, max_position=max(cfg.max_position, S))
-  ctx = -(-(S + decode_steps + 1) // page) * page
-  chunk = S if impl == "dense" else min(32768, S)
-  run = RunConfig(cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto", page_size=page,
-                  max_context=ctx, max_batch=1, prefill_chunk=-(-chunk // page) * page)
-  return planlib.plan(cfg, run).total / GiB
+  cfg = dataclasses.replace(cfg, n_layers=model.get("layers") or cfg.n_layers,
+                            max_position=max(cfg.max_position, S))
+  return planlib.plan(cfg, _run(impl, S, model)).total / GiB
+
+
+def _run(impl: str, S: int, model: dict):
+  return run_config(impl, S, page_size=model["page_size"], decode_steps=model["decode_steps"],
+                    prefill_chunk=model["prefill_chunk"])
 
 
 def main():
-  rows, calls = [], {}
+  rows, calls, models = [], {}, {}
   for call, fname, keep in SOURCES:
     d = json.load(open(os.path.join(RES, fname)))
+    models[call] = d["model"]
     calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
     layers = d["model"].get("layers")
     for r in d["rows"]:
@@ -55,7 +59,7 @@ def main():
       if call == "A" and r["impl"] == "lcjax":
         r["note"] = "call A: decode before call B's pool-view fix"
       if r["impl"].startswith("lcjax") and not r.get("oom"):
-        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], layers)
+        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], d["model"])
       rows.append(r)
 
   # Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call G.
@@ -64,10 +68,8 @@ def main():
   cfg8 = dataclasses.replace(cfg32, n_layers=8)
   S = g["S"]
   flops = planlib.prefill_flops(cfg32, S) / planlib.prefill_flops(cfg8, S)
-  p8 = planlib.plan(cfg8, RunConfig(cache_dtype="float8_e4m3fn", max_context=S + 64, max_batch=1,
-                                    prefill_chunk=32768, page_size=64))
-  p32 = planlib.plan(cfg32, RunConfig(cache_dtype="float8_e4m3fn", max_context=S + 64, max_batch=1,
-                                      prefill_chunk=32768, page_size=64))
+  g_run = _run("lcjax-fp8kv", S, models["G"])
+  p8, p32 = planlib.plan(cfg8, g_run), planlib.plan(cfg32, g_run)
   bytes_ratio = (p32.weights + p32.kv_cache) / (p8.weights + p8.kv_cache)
   rows.append(dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="G", note="predicted",
                    prefill_s=g["prefill_s"] * flops, prefill_tflops=g["prefill_tflops"],

@@ -280,21 +280,19 @@ class CudnnBackend:
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
     B, T, N, H = q.shape
-    P, Z = k_pages.shape[:2]
+    Z = k_pages.shape[1]
     M = page_table.shape[1]
     scale = 1.0 / math.sqrt(H)
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     fp8 = jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
-    if (not self.emulate and not has_private_paged()) or not (fp8 or jnp.dtype(k_pages.dtype).name in _DTYPES):
-      # Older jax has no cuDNN paged entry, and cuDNN reads no float32 pages: the exact jnp path.
+    readable = fp8 or jnp.dtype(k_pages.dtype).name in _DTYPES
+    if (not self.emulate and not has_private_paged()) or not readable or (fp8 and T == 1):
+      # The exact jnp path: older jax has no cuDNN paged entry; cuDNN reads no float32 pages; and a decode row
+      # over fp8 pages reads each page once, so dequantizing a copy of them first would double its bytes.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
     if fp8:
-      if T == 1:
-        # A decode row reads each page once: dequantizing a copy of them would double its bytes.
-        return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
-                                             k_scale=k_scale, v_scale=v_scale)
       # JAX's cuDNN paged attention has no fp8. A chunk of many rows is tensor-core work over the pages it
       # reads, so dequantize just those pages into a compact [B * M, Z, K, H] pool in the query dtype (one
       # fused gather-scale-convert) and run the bf16 path over it.

@@ -364,7 +364,11 @@ class Llama(nnx.Module):
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)   # [B, 1, D]
     x = self.final_norm(x)
     head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head.kernel[...]
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    # Logits in the activation dtype, as HF computes them (the GEMM accumulates in float32 either way), then
+    # float32 for sampling. A float32-output dot over a bf16 head made XLA's cuBLAS path convert the whole head
+    # (1 GiB for Llama-3-8B) to float32 on every decode step: 1.26 of 10.7 ms per token at 128K
+    # (benchmarks/NOTES-longctx.md, call F).
+    logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
     if split and logits_at is None:
       logits = logits[:, inv[:T]]
     return logits, cache

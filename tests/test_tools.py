@@ -57,3 +57,29 @@ def test_bench_multigpu_extrapolates_measured_rows(tmp_path):
   p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_multigpu.py"), "--preset=llama3-8b",
                       f"--measured={src}", f"--out={tmp_path}"], capture_output=True, text=True, env=env, cwd=REPO)
   assert p.returncode != 0 and "measured preset=tiny" in p.stderr
+
+
+def test_is_oom_tells_memory_from_a_kernel_launch_limit():
+  """Both come as RESOURCE_EXHAUSTED; a benchmark row must say OOM only for the first (2x H200 call K recorded a
+  Pallas kernel's shared-memory overflow as five OOM rows)."""
+  sys.path.insert(0, REPO)
+  from tools.benchlib import is_oom
+  assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes."))
+  assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 128.00 GiB"))
+  assert not is_oom(RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 274452, "
+                                 "available: 232448, context: []"))
+  assert not is_oom(ValueError("page_size=100 must be a power of two"))
+
+
+def test_bench_longctx_rows_and_plots(tmp_path):
+  """The long-context benchmark end to end on the CPU (the HF peer needs CUDA): the results file's keys, a row per
+  (impl, context), the planner beside lcjax rows only (it does not model the dense baseline), and both plots."""
+  _run("bench_longctx.py", "--preset=tiny", "--contexts=256", "--impls=lcjax,dense", "--decode_steps=4",
+       "--prefill_chunk=128", "--page_size=16", f"--out={tmp_path}", "--name=lc")
+  res = json.load(open(tmp_path / "lc.json"))
+  assert {"device", "versions", "command", "date", "model", "rows"} <= set(res)
+  rows = {r["impl"]: r for r in res["rows"]}
+  assert set(rows) == {"lcjax", "dense"} and all(r["S"] == 256 and r["oom"] is False for r in rows.values())
+  assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
+  assert rows["lcjax"]["planned_gib"] > 0 and rows["dense"]["planned_gib"] is None
+  assert (tmp_path / "lc-memory.png").stat().st_size > 0 and (tmp_path / "lc-prefill.png").stat().st_size > 0

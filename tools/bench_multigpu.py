@@ -146,7 +146,7 @@ def worker(spec: str):
                       peak_gib=peak, warmup_s=warm, attention=eng.attention.name, oom=False)
   except Exception as e:  # noqa: BLE001 - every failure is a row
     oom = benchlib.is_oom(e)
-    benchlib.emit_row(**base, oom=oom, error=None if oom else repr(e)[:400])
+    benchlib.emit_row(**base, oom=oom, error=repr(e)[:400])
 
 
 # -- extrapolation ------------------------------------------------------------------------------------------

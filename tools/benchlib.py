@@ -42,4 +42,6 @@ def emit_row(**row) -> None:
 def is_oom(e: BaseException) -> bool:
   """Whether an exception is the device running out of memory (XLA's or torch's wording)."""
   s = repr(e)
+  if "Shared memory size limit" in s:   # RESOURCE_EXHAUSTED too, but a kernel's launch config, not the memory
+    return False
   return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))

@@ -22,11 +22,13 @@ from tools.bench_longctx import markdown, plot, run_config  # noqa: E402
 
 RES = os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
-# (call, file, rows taken from it): call B is the newest full-model call; call A adds 8K, 256K and the dense
-# baseline; call G the 1M fp8 run with 8 of the 32 layers.
-SOURCES = [("B", "longctx-h200-b.json", None),
-           ("A", "longctx-h200-a.json", lambda r: r["S"] in (8192, 262144) or r["impl"] == "dense"),
-           ("G", "longctx-h200-g-8layers.json", None)]
+# (call, file): call J is the 8K-256K sweep with HF and the dense baseline, call I 512K with HF (both session 3,
+# at 16K chunks, the bf16 lm_head and the decode compile options); call G the 1M fp8 run with 8 of the 32 layers.
+# Older calls (A, B: 32K chunks, before the decode fixes) stay in their own files and benchmarks/NOTES-longctx.md.
+SOURCES = [("J", "longctx-h200-j.json"), ("I", "longctx-h200-i.json"), ("G", "longctx-h200-g-8layers.json")]
+# The issue's goals (one H200, Llama-3-8B shape, batch 1, peers in the same call).
+GOALS = dict(prefill_over_hf={131072: 0.85, 262144: 0.85, 524288: 0.75}, decode_ms={131072: 9.0, 524288: 22.0},
+             overhead_gib=4.0)
 
 
 def planned(impl: str, S: int, model: dict) -> float:
@@ -42,91 +44,92 @@ def _run(impl: str, S: int, model: dict):
                     prefill_chunk=model["prefill_chunk"])
 
 
-def main():
-  rows, calls, models = [], {}, {}
-  for call, fname, keep in SOURCES:
-    d = json.load(open(os.path.join(RES, fname)))
-    models[call] = d["model"]
-    calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
-    layers = d["model"].get("layers")
-    for r in d["rows"]:
-      if keep is not None and not keep(r):
-        continue
-      r = dict(r, call=call)
-      if layers:
-        r["layers"] = layers
-        r["impl"] = f"{r['impl']} ({layers} of 32 layers)"
-      if call == "A" and r["impl"] == "lcjax":
-        r["note"] = "call A: decode before call B's pool-view fix"
-      if r["impl"].startswith("lcjax") and not r.get("oom"):
-        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], d["model"])
-      rows.append(r)
-
-  # Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call G.
+def _predicted_1m(rows, model_g) -> dict:
+  """Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call G."""
   g = next(r for r in rows if r["call"] == "G")
   cfg32 = dataclasses.replace(preset("llama3-8b"), max_position=1 << 21)
   cfg8 = dataclasses.replace(cfg32, n_layers=8)
   S = g["S"]
   flops = planlib.prefill_flops(cfg32, S) / planlib.prefill_flops(cfg8, S)
-  g_run = _run("lcjax-fp8kv", S, models["G"])
+  g_run = _run("lcjax-fp8kv", S, model_g)
   p8, p32 = planlib.plan(cfg8, g_run), planlib.plan(cfg32, g_run)
   bytes_ratio = (p32.weights + p32.kv_cache) / (p8.weights + p8.kv_cache)
-  rows.append(dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="G", note="predicted",
-                   prefill_s=g["prefill_s"] * flops, prefill_tflops=g["prefill_tflops"],
-                   decode_ms_per_token=g["decode_ms_per_token"] * bytes_ratio, peak_gib=None,
-                   planned_gib=p32.total / GiB,
-                   method=(f"prefill: the 8-layer run's time x its FLOP ratio ({flops:.2f}) at its measured "
-                           f"{g['prefill_tflops']:.0f} TFLOP/s; decode: x the ratio of bytes read per token "
-                           f"(weights + KV, {bytes_ratio:.2f}); memory: the planner, which matched the 8-layer "
-                           f"run's peak within {abs(g['peak_gib'] - g['planned_gib']) / g['peak_gib']:.1%}")))
-  # Decode after the cuBLAS + dynamic-slice-fusion change (commit of call F), measured by tools/profile_step.py.
-  prof = json.load(open(os.path.join(RES, "decode-profile", "dec-128k-cublas.json")))
-  updates = [dict(S=prof["context"], decode_ms_per_token=prof["wall_ms_per_token"], call="F",
-                  floor_ms_per_token=prof["floor_ms_per_token"],
-                  command="tools/profile_step.py --context=131072 --steps=16 --top=8",
-                  note="decode loop compiled with xla_gpu_enable_dynamic_slice_fusion + cuBLAS; was 16.36 ms "
-                       "(call B)")]
-  rows.sort(key=lambda r: (r["impl"], r["S"]))
-  result = dict(device=calls["B"]["device"], versions=calls["B"]["versions"],
-                command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
-                date=calls["G"]["date"],
-                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, decode_steps=32,
-                           prefill_chunk=32768, page_size=64),
-                rows=rows, decode_after_fix=updates,
-                baselines_md=dict(hf_512k_prefill_s=161.9, hf_512k_decode_ms=111, hf_512k_peak_gib=137,
-                                  source="../shared/BASELINES.md (HF at 512K was not run in these calls)"))
-  table = markdown(rows)
-  # lcjax / HF per length, both from the same call.
-  ratios = []
+  return dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="G", note="predicted",
+              prefill_s=g["prefill_s"] * flops, prefill_tflops=g["prefill_tflops"],
+              decode_ms_per_token=g["decode_ms_per_token"] * bytes_ratio, peak_gib=None, planned_gib=p32.total / GiB,
+              method=(f"prefill: the 8-layer run's time x its FLOP ratio ({flops:.2f}) at its measured "
+                      f"{g['prefill_tflops']:.0f} TFLOP/s; decode: x the ratio of bytes read per token "
+                      f"(weights + KV, {bytes_ratio:.2f}), from a run before the bf16 lm_head (call H: -1.0 ms per "
+                      f"token); memory: the planner, which matched the 8-layer run's peak within "
+                      f"{abs(g['peak_gib'] - g['planned_gib']) / g['peak_gib']:.1%}"))
+
+
+def _goals(rows) -> list[dict]:
+  """Each lcjax row against the issue's goals; HF from the same call."""
+  out = []
   for r in rows:
+    if r["impl"] != "lcjax" or not r.get("prefill_s"):
+      continue
     h = next((x for x in rows if x["impl"] == "hf" and x["S"] == r["S"] and x["call"] == r["call"]
               and x.get("prefill_s")), None)
-    if r["impl"] == "lcjax" and r.get("prefill_s") and h:
-      div = lambda k: r[k] / h[k] if r.get(k) and h.get(k) else None
-      ratios.append(dict(S=r["S"], call=r["call"], prefill=div("prefill_s"), decode=div("decode_ms_per_token"),
-                         peak=div("peak_gib"), note=r.get("note")))
-  result["ratios_lcjax_over_hf"] = ratios
+    div = lambda k: r[k] / h[k] if h and r.get(k) and h.get(k) else None
+    out.append(dict(S=r["S"], call=r["call"], prefill_over_hf=div("prefill_s"), decode_over_hf=div("decode_ms_per_token"),
+                    peak_over_hf=div("peak_gib"), decode_ms=r["decode_ms_per_token"],
+                    overhead_gib=r["peak_gib"] - r["weights_gib"] - r["kv_gib"],
+                    goal_prefill_over_hf=GOALS["prefill_over_hf"].get(r["S"]),
+                    goal_decode_ms=GOALS["decode_ms"].get(r["S"]), goal_overhead_gib=GOALS["overhead_gib"]))
+  return out
+
+
+def main():
+  rows, calls, models = [], {}, {}
+  for call, fname in SOURCES:
+    d = json.load(open(os.path.join(RES, fname)))
+    models[call] = d["model"]
+    calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
+    layers = d["model"].get("layers")
+    for r in d["rows"]:
+      r = dict(r, call=call)
+      if layers:
+        r["layers"] = layers
+        r["impl"] = f"{r['impl']} ({layers} of 32 layers)"
+      if r["impl"].startswith("lcjax") and not r.get("oom"):
+        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], d["model"])
+      elif r["impl"] == "dense":
+        r.pop("planned_gib", None)   # the planner models lcjax, not the dense baseline's O(S^2) scores
+      rows.append(r)
+  rows.append(_predicted_1m(rows, models["G"]))
+  rows.sort(key=lambda r: (r["impl"], r["S"]))
+  goals = _goals(rows)
+  result = dict(device=calls["J"]["device"], versions=calls["J"]["versions"],
+                command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
+                date=calls["I"]["date"],
+                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, decode_steps=32,
+                           prefill_chunk=16384, page_size=64),
+                rows=rows, goals=goals)
   with open(os.path.join(RES, "longctx-h200.json"), "w") as f:
     json.dump(result, f, indent=1)
-  fmt = lambda x: "-" if x is None else f"{x:.2f}"
-  table += ("\n\nlcjax / HF, same call:\n\n| S | call | prefill | decode | peak | note |\n|---|---|---|---|---|---|\n"
-            + "\n".join(f"| {q['S']:,} | {q['call']} | {fmt(q['prefill'])} | {fmt(q['decode'])} | {fmt(q['peak'])} "
-                        f"| {q['note'] or ''} |" for q in ratios))
+
+  fmt = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)
   lines = ["# longctx-h200: Llama-3-8B shape, random bf16 weights, batch 1, one H200", "",
            "Merged from the calls below by `python benchmarks/runs/merge_longctx.py`; each row's `call` names the "
            "run that measured it, with its peer (HF) measured in the same call. planned GiB: the planner at HEAD.",
            ""]
   for c, v in calls.items():
     lines.append(f"- call {c} ({v['date']}): `{v['command']}` ({v['file']})")
-  lines += ["", table, "",
-            f"Decode after the change of call F (cuBLAS with dynamic-slice fusion in the decode loop): "
-            f"{updates[0]['decode_ms_per_token']:.2f} ms/token at 128K (floor {updates[0]['floor_ms_per_token']:.2f};"
-            " call B: 16.36).", "",
-            "Predicted row: " + rows[[r.get('predicted') for r in rows].index(True)]["method"] + "."]
+  lines += ["", markdown(rows), "",
+            "Against the goals (lcjax / HF from the same call; overhead = peak - weights - KV cache):", "",
+            "| S | call | prefill / HF (goal) | decode ms/token (goal) | decode / HF | peak / HF | overhead GiB (goal) |",
+            "|---|---|---|---|---|---|---|"]
+  for q in goals:
+    lines.append(f"| {q['S']:,} | {q['call']} | {fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
+                 f"{fmt(q['decode_ms'], '{:.1f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | {fmt(q['decode_over_hf'])} | "
+                 f"{fmt(q['peak_over_hf'])} | {fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
+  lines += ["", "Predicted row: " + next(r for r in rows if r.get("predicted"))["method"] + "."]
   with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  device_gib = float(calls["B"]["device"].split(",")[1].split()[0]) / 1024
-  plot([r for r in rows], os.path.join(RES, "longctx-h200"), device_gib)
+  device_gib = float(calls["J"]["device"].split(",")[1].split()[0]) / 1024
+  plot(rows, os.path.join(RES, "longctx-h200"), device_gib)
   print("\n".join(lines))
 
 

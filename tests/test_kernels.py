@@ -100,7 +100,8 @@ slow = pytest.mark.slow
 PAGED_CASES = [
     # Interpret mode costs seconds per case on CPU: the fast cases together cover GQA 8 and 4, several query
     # rows with causal bounds inside the cache, an empty row, splits with and without multi-page steps, fp8.
-    dict(T=3, N=16, K=2, fp8=False, kv_len=(90, 0, 33), tuning=dict(num_splits=3)),         # GQA 8, empty row
+    # GQA 8, an empty row, 32-token pages read as two blocks of 16 (a block crosses no page; splits split pages)
+    dict(T=3, N=16, K=2, fp8=False, kv_len=(90, 0, 33), Z=32, tuning=dict(num_splits=3, block_tokens=16)),
     dict(T=1, N=8, K=2, fp8=True, kv_len=(96, 50, 9), tuning=dict(num_splits=2, pages_per_step=1)),  # fp8
     pytest.param(dict(T=1, N=8, K=8, fp8=False, kv_len=(96, 17, 1), tuning=dict()), marks=slow),    # GQA 1
     pytest.param(dict(T=2, N=16, K=4, fp8=True, kv_len=(64, 40, 5), tuning=dict(num_splits=4)), marks=slow),
@@ -109,8 +110,8 @@ PAGED_CASES = [
 
 @pytest.mark.parametrize("case", PAGED_CASES, ids=["T3-G8", "T1-G4-fp8", "T1-G1", "T2-G4-fp8"])
 def test_paged_decode_interpret(case):
-  B, H, Z, M, P = 3, 32, 16, 6, 23
-  T, N, K = case["T"], case["N"], case["K"]
+  B, H, M, P = 3, 32, 6, 23
+  T, N, K, Z = case["T"], case["N"], case["K"], case.get("Z", 16)
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(T * 7 + N, B, T, N, K, H, Z, M, P, fp8=case["fp8"])
   kv_len = jnp.array(case["kv_len"], jnp.int32)
   # Row t sits at kv_len - T + t, one row also earlier in the cache (a causal bound inside the cached keys).
@@ -291,8 +292,10 @@ def test_attend_gpu(backend, name, T, S, N, K, causal, positions, kv_len, H, dty
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
 @pytest.mark.parametrize("T,fp8", [(1, False), (2, False), (1, True), (64, False), (64, True)])
-def test_paged_gpu(backend, T, fp8):
-  B, N, K, H, Z, M, P = 4, 32, 8, 128, 64, 24, 100
+@pytest.mark.parametrize("Z", [64, 256])
+def test_paged_gpu(backend, T, fp8, Z):
+  B, N, K, H, P = 4, 32, 8, 128, 100
+  M = 24 * 64 // Z                                                             # 1536 keys per sequence
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(T + 100 * fp8, B, T, N, K, H, Z, M, P, fp8=fp8)
   kv_len = jnp.array([M * Z, 1000, T + 1, 0 if T == 1 else T], jnp.int32)     # T == 1: one empty row
   q_pos = jnp.maximum(kv_len[:, None] - T, 0) + jnp.arange(T, dtype=jnp.int32)[None, :]

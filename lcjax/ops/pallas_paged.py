@@ -41,7 +41,11 @@ class PagedTuning:
   num_splits: int | None = None      # splits of the page table per (b, h); None: enough programs to fill the GPU
   target_programs: int = 132 * 8     # B * K * splits aimed at by the heuristic (132 SMs on an H200)
   min_pages_per_split: int = 4
-  pages_per_step: int = 2            # pages handled per loop iteration (independent loads in flight)
+  pages_per_step: int = 2            # K/V blocks handled per loop iteration (independent loads in flight)
+  block_tokens: int = 64             # keys per K/V block: a page larger than this is read in blocks of it, so
+                                     # the pipelined buffers (num_stages x pages_per_step x block x H, K and V)
+                                     # stay in shared memory: whole 256-token pages asked for 268 KiB of 227
+                                     # (2x H200, 70B shape, page 256, session 3 call L)
   num_warps: int = 4
   num_stages: int = 3
   min_rows: int = 16                 # tl.dot needs M >= 16: query rows are padded up to this
@@ -59,7 +63,8 @@ def num_splits_for(tuning: PagedTuning, B, K, M):
   return max(1, min(want, M // tuning.min_pages_per_split or 1, M))
 
 
-def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, H, pps, upp, quantized, scale_log2):
+def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H, pps, upp, quantized,
+            scale_log2):
   if quantized:
     ks_ref, vs_ref, o_ref, lse_ref = rest
   else:
@@ -75,26 +80,29 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, H, pp
   kvl = kvlen_ref[b]
   # Keys past the last query position are invisible to every row.
   lim_tok = jnp.minimum(kvl, jnp.max(qpos) + 1)
-  n_pages = (lim_tok + Z - 1) // Z
-  first = s * pps
-  stop = jnp.minimum(first + pps, n_pages)
-  lim_tok = jnp.minimum(lim_tok, stop * Z)                              # never read into the next split
+  # This program reads pages [s * pps, (s + 1) * pps) of the table, as blocks j of Zb keys (bpp per page).
+  bpp = Z // Zb
+  lim_tok = jnp.minimum(lim_tok, (s + 1) * pps * Z)                     # never read into the next split
+  first = s * pps * bpp
+  stop = jnp.minimum((first // bpp + pps) * bpp, (lim_tok + Zb - 1) // Zb)
   n_steps = jnp.maximum(stop - first + upp - 1, 0) // upp
 
-  def page(slot, carry):
+  def block(j, carry):
     m, l, acc = carry
+    slot = j // bpp if bpp > 1 else j
     pid = table_ref[b, jnp.minimum(slot, M - 1)]
-    k = k_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]                        # [Z, H]
-    v = v_ref[pid, pl.ds(0, Z), h, pl.ds(0, H)]
+    off = (j % bpp) * Zb if bpp > 1 else 0
+    k = k_ref[pid, pl.ds(off, Zb), h, pl.ds(0, H)]                     # [Zb, H]
+    v = v_ref[pid, pl.ds(off, Zb), h, pl.ds(0, H)]
     if quantized:
       # e4m3 -> f16 is one hardware convert per pair on Hopper; e4m3 -> bf16 went through f32 and made the
       # fp8 kernel convert-bound (call 1: fp8 tokens/s no better than bf16). q and p are f16 for these dots.
       k = k.astype(jnp.float16)
       v = v.astype(jnp.float16)
-    sc = pltriton.dot(q, k, trans_b=True) * scale_log2                        # [R, Z] f32, base-2 logits
+    sc = pltriton.dot(q, k, trans_b=True) * scale_log2                        # [R, Zb] f32, base-2 logits
     if quantized:
       sc = sc * ks_ref[pid, h]
-    tok = slot * Z + jax.lax.broadcasted_iota(jnp.int32, (R, Z), 1)
+    tok = j * Zb + jax.lax.broadcasted_iota(jnp.int32, (R, Zb), 1)
     vis = (tok < lim_tok) & (tok <= qpos[:, None])
     sc = jnp.where(vis, sc, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -108,7 +116,7 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, H, pp
 
   def step(i, carry):
     for u in range(upp):
-      carry = page(first + i * upp + u, carry)
+      carry = block(first + i * upp + u, carry)
     return carry
 
   init = (jnp.full((R,), _M_FLOOR, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, H), jnp.float32))
@@ -157,7 +165,10 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
       raise ValueError(f"{name}={n} must be a power of two >= 16 for the Triton kernel")
   S_ = num_splits_for(tuning, B, K, M)
   pps = -(-M // S_)
-  upp = max(1, min(tuning.pages_per_step, pps))
+  Zb = min(Z, tuning.block_tokens)
+  if Zb & (Zb - 1) or Zb < 16:
+    raise ValueError(f"block_tokens={tuning.block_tokens} must be a power of two >= 16 for the Triton kernel")
+  upp = max(1, min(tuning.pages_per_step, pps * (Z // Zb)))
 
   # Rows r = t * G + g of kv head h: query head h * G + g at token t.
   qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R0, H)
@@ -168,7 +179,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   qpos = jnp.pad(qpos, ((0, 0), (0, R - R0)), constant_values=-1)      # padded rows see nothing
   kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)
 
-  kernel = lambda *refs: _kernel(*refs, Z=Z, H=H, pps=pps, upp=upp, quantized=quantized,
+  kernel = lambda *refs: _kernel(*refs, Z=Z, Zb=Zb, H=H, pps=pps, upp=upp, quantized=quantized,
                                  scale_log2=_LOG2E / math.sqrt(H))
   whole = pl.no_block_spec                                              # whole-array refs, indexed in the kernel
   in_specs = [whole, whole,

@@ -32,22 +32,26 @@ def prompts():
   return [rng.integers(0, CFG.vocab_size, n).tolist() for n in (2500, 700)]
 
 
+def _assert_agree(want, got, prompts, *, uncached=True, new_tokens=16):
+  """`got` gives `want`'s results: last logits of an uncached forward (attend only) and of a chunked prefill
+  against the paged prefix (attend + paged), within 2e-2 of their norm (bf16), and the first greedy tokens."""
+  from tests.test_engine import _prefill_logits
+  rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(a)
+  for p in prompts:
+    if uncached:
+      assert rel(want.logits([p[:1024]])[0, -1], got.logits([p[:1024]])[0, -1]) < 2e-2
+    assert rel(_prefill_logits(want, p), _prefill_logits(got, p)) < 2e-2
+  g = [r.token_ids for r in got.generate(prompts, max_new_tokens=new_tokens)]
+  w = [r.token_ids for r in want.generate(prompts, max_new_tokens=new_tokens)]
+  # bf16 near-ties can flip a token late in a greedy run; the first tokens must agree.
+  assert all(x[:4] == y[:4] for x, y in zip(g, w)), (g, w)
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
 def test_backend_engine_matches_reference(backend, prompts):
-  from tests.test_engine import _prefill_logits
-  ref = _engine("reference")
   fast = _engine(backend)
   assert fast.attention.name == backend
-  for p in prompts:
-    # Uncached forward (attend only), then chunked prefill against the paged prefix (attend + paged).
-    a, b = ref.logits([p[:1024]])[0, -1], fast.logits([p[:1024]])[0, -1]
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
-    a, b = _prefill_logits(ref, p), _prefill_logits(fast, p)
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
-  got = [r.token_ids for r in fast.generate(prompts, max_new_tokens=24)]
-  want = [r.token_ids for r in ref.generate(prompts, max_new_tokens=24)]
-  # bf16 near-ties can flip a token late in a greedy run; the first tokens must agree.
-  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
+  _assert_agree(_engine("reference"), fast, prompts, new_tokens=24)
 
 
 def test_bf16_generation_is_batch_invariant(prompts):
@@ -61,16 +65,9 @@ def test_bf16_generation_is_batch_invariant(prompts):
 def test_fp8_cache_matches_reference(backend, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode: the Pallas fp8 kernel or
   the reference) == the same cache through the reference backend."""
-  from tests.test_engine import _prefill_logits
-  ref = _engine("reference", cache_dtype="float8_e4m3fn")
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
   assert fast.attention.name == backend and fast.fp8_cache
-  for p in prompts:
-    a, b = _prefill_logits(ref, p), _prefill_logits(fast, p)
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
-  got = [r.token_ids for r in fast.generate(prompts, max_new_tokens=16)]
-  want = [r.token_ids for r in ref.generate(prompts, max_new_tokens=16)]
-  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
+  _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, uncached=False)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
@@ -80,15 +77,7 @@ def test_mesh_engine_matches_one_gpu(backend, tensor, seq, sp_mode, prompts):
   """Two GPUs (tensor-parallel heads, or the ring over a seq-sharded cache) == one GPU, same fast backend (bf16:
   the kernels take no float32): uncached forward, chunked paged prefill (later chunks read a prefix held by both
   seq shards), greedy tokens. The fake-CPU mesh tests run the same checks in float32 with the reference backend."""
-  from tests.test_engine import _prefill_logits
   one = _engine(backend)
   many = Engine.random(CFG, run=one.run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
   assert many.attention.name == backend
-  for p in prompts:
-    a, b = one.logits([p[:1024]])[0, -1], many.logits([p[:1024]])[0, -1]
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
-    a, b = _prefill_logits(one, p), _prefill_logits(many, p)
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 2e-2
-  got = [r.token_ids for r in many.generate(prompts, max_new_tokens=16)]
-  want = [r.token_ids for r in one.generate(prompts, max_new_tokens=16)]
-  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
+  _assert_agree(one, many, prompts)

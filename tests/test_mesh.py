@@ -123,6 +123,25 @@ def test_fp8_cache_on_a_mesh():
   assert rel(prefill(mesh, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 1e-3
 
 
+@pytest.mark.parametrize("tensor,seq,sp_mode", [(1, 4, "ring"), (2, 2, "ring-plain")])
+def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode):
+  """The cuDNN backend's side of the engine on a mesh: its dispatch (paged_case: padding-only calls for a prefix
+  read by zigzag-gathered rows, the split chunk, decode rows) under shard_map, with a jnp model of cuDNN's masks
+  in place of the library (the GPU runs the library: tests/test_gpu_engine.py). bf16, as cuDNN takes it; the
+  oracle is the same backend on one device: prompts of several chunks, so later chunks read a sharded prefix."""
+  from lcjax.ops import backends, cudnn
+  monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True))
+  run = RUN.replace(dtype="bfloat16", attention="cudnn")
+  one = Engine.random(CFG, run=run, seed=1)
+  eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
+  assert eng.attention.name == "cudnn" and eng.attention.emulate
+  assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), one.logits([PROMPTS[0][:37], PROMPTS[2]])) <= 2e-2
+  assert rel(prefill(eng, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 2e-2
+  got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=8)]
+  want = [r.token_ids for r in one.generate(PROMPTS, max_new_tokens=8)]
+  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
+
+
 KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
                   ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
 

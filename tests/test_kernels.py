@@ -102,7 +102,10 @@ PAGED_CASES = [
     # rows with causal bounds inside the cache, an empty row, splits with and without multi-page steps, fp8.
     # GQA 8, an empty row, 32-token pages read as two blocks of 16 (a block crosses no page; splits split pages)
     dict(T=3, N=16, K=2, fp8=False, kv_len=(90, 0, 33), Z=32, tuning=dict(num_splits=3, block_tokens=16)),
-    dict(T=1, N=8, K=2, fp8=True, kv_len=(96, 50, 9), tuning=dict(num_splits=2, pages_per_step=1)),  # fp8
+    # fp8 (per-page scales) with 32-token pages in blocks of 16 and 3 blocks a step: steps run past a split's
+    # last block (masked) and do not divide its blocks
+    dict(T=1, N=8, K=2, fp8=True, kv_len=(96, 50, 9), Z=32,
+         tuning=dict(num_splits=2, pages_per_step=3, block_tokens=16)),
     pytest.param(dict(T=1, N=8, K=8, fp8=False, kv_len=(96, 17, 1), tuning=dict()), marks=slow),    # GQA 1
     pytest.param(dict(T=2, N=16, K=4, fp8=True, kv_len=(64, 40, 5), tuning=dict(num_splits=4)), marks=slow),
 ]
@@ -216,15 +219,20 @@ def test_cudnn_paged_case_ignores_row_order_for_a_cached_prefix():
   check(got, oracle(q, kd, vd, visibility(zigzag, np.zeros(B, int), kvl, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("T,past", [pytest.param(1, False, marks=slow), (5, False), (5, True)],
-                         ids=["decode-reference", "chunk-dequantized-split", "chunk-dequantized-past"])
-def test_cudnn_paged_fp8(T, past):
-  # T == 1 goes to the reference; a chunk runs the bf16 path over its pages dequantized into a compact pool.
+@pytest.mark.parametrize("T,past,block", [pytest.param(1, False, None, marks=slow), (5, False, None),
+                                          (5, True, None), (5, False, 24), (5, True, 24)],
+                         ids=["decode-reference", "chunk-dequantized-split", "chunk-dequantized-past",
+                              "chunk-blocks-split", "chunk-blocks-past"])
+def test_cudnn_paged_fp8(T, past, block):
+  # T == 1 goes to the reference; a chunk runs the bf16 path over its pages dequantized into a compact pool,
+  # `block` keys at a time (24: 3 pages of 8, two blocks over the 4-page table, the second one padded and seen
+  # by one sequence only).
   B, N, K, H, Z, M, P = 2, 4, 2, 16, 8, 4, 10
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(5 + T, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([30, 7], jnp.int32)
   q_pos = kv_len[:, None] - (0 if past else T) + jnp.arange(T, dtype=jnp.int32)[None, :]
-  got = EMU.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
+  be = EMU if block is None else cudnn.CudnnBackend(emulate=True, fp8_block_tokens=block)
+  got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 

@@ -111,8 +111,9 @@ def worker_jax(impl: str):
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
     if failed or _too_late(S, last) or S > _limit(impl):
-      benchlib.emit_row(impl=impl, S=S, oom=failed,
-                        skipped=None if failed else ("limit" if S > _limit(impl) else "time budget"))
+      benchlib.emit_row(impl=impl, S=S, oom=failed,   # after an OOM a longer context is not run, only implied
+                        skipped=("not run: a shorter context ran out of memory" if failed else
+                                 "limit" if S > _limit(impl) else "time budget"))
       continue
     run = run_config(impl, S, page_size=FLAGS.page_size, decode_steps=FLAGS.decode_steps,
                      prefill_chunk=FLAGS.prefill_chunk, dtype=FLAGS.dtype, attention=FLAGS.attention)
@@ -127,7 +128,9 @@ def worker_jax(impl: str):
       # Warm-up with one chunk compiles every step at the shapes of the timed run.
       eng.generate(rng.integers(0, cfg.vocab_size, run.prefill_chunk).tolist(), max_new_tokens=2)
       compile_s = time.time() - t0
-      warmup_peak = _stat(dev, "peak_bytes_in_use")   # compilation (autotuning) and one chunk's activations
+      # Compilation (autotuning) and one chunk's activations. Process-wide and never reset: in a sweep it holds
+      # at least the previous (shorter) context's peak, so it tells apart warm-up and run only for a first context.
+      warmup_peak = _stat(dev, "peak_bytes_in_use")
       prompt = rng.integers(0, cfg.vocab_size, S).tolist()
       res = eng.generate(prompt, max_new_tokens=FLAGS.decode_steps + 1)
       st = res.stats
@@ -162,8 +165,9 @@ def worker_hf():
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
     if failed or _too_late(S, last) or S > _limit("hf"):
-      benchlib.emit_row(impl="hf", S=S, oom=failed,
-                        skipped=None if failed else ("limit" if S > _limit("hf") else "time budget"))
+      benchlib.emit_row(impl="hf", S=S, oom=failed,   # after an OOM a longer context is not run, only implied
+                        skipped=("not run: a shorter context ran out of memory" if failed else
+                                 "limit" if S > _limit("hf") else "time budget"))
       continue
     gc.collect()
     torch.cuda.empty_cache()
@@ -202,7 +206,8 @@ def markdown(rows) -> str:
   for r in rows:
     def f(k, fmt):
       return fmt.format(r[k]) if r.get(k) is not None else "-"
-    note = "OOM" if r.get("oom") else (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60])
+    note = (("OOM (implied)" if r.get("skipped") else "OOM") if r.get("oom") else
+            (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60]))
     lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
                  f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | {f('peak_gib', '{:.1f}')} | "
                  f"{f('planned_gib', '{:.1f}')} | {note} |")

@@ -7,8 +7,8 @@ tests compare them with the shards of the real arrays and with `jax.eval_shape` 
   KV cache     the page pool split over `seq` (P / seq pages, each shard with its own null page) and its KV heads
                over `tensor`: kv_heads * rep / tensor heads per device, rep = the minimal KV-head replication.
   activations  an estimate of the largest transient: one prefill chunk of one layer (the scan keeps one layer
-               live), its gathered K/V and queries for the sequence-sharded cache, the prefix pages an fp8
-               cache dequantizes for one layer, and the last logits.
+               live), its gathered K/V and queries for the sequence-sharded cache, the block of prefix pages
+               an fp8 cache dequantizes at a time for one layer, and the last logits.
 The communication model counts, per layer of one prefill chunk, the bytes each device sends: the K/V block of
 every ring step (`lax.ppermute`), against the attention FLOPs of that step; the ring hides its transfers when a
 step computes longer than it sends, i.e. when a device's block is longer than about
@@ -22,6 +22,7 @@ import dataclasses
 import math
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.ops.cudnn import FP8_BLOCK_TOKENS
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -189,10 +190,14 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   gathered = 0 if S == 1 else C * (2 * K_l * H * w_item + N_l * H * (w_item + 4)) + 2 * 2 * c * K_l * H * w_item
   # An fp8 cache: a chunk (one sequence: the engine prefills one request at a time) reads its prefix through
   # one layer's table pages dequantized to the activation dtype (lcjax.ops.cudnn.dequantize_pages), K and V of
-  # every slot of the table on this device. Counted for every backend: the reference needs less (an overestimate).
+  # up to FP8_BLOCK_TOKENS table slots on this device at a time; a longer prefix adds the float32 accumulator of
+  # the blocks' merge. Counted for every backend: the reference needs less (an overestimate).
   dequant = 0
   if run.resolved_cache_dtype == "float8_e4m3fn":
-    dequant = 2 * -(-run.context_for(model) // S) * K_l * H * w_item
+    local = -(-run.context_for(model) // S)
+    dequant = 2 * min(local, FP8_BLOCK_TOKENS) * K_l * H * w_item
+    if local > FP8_BLOCK_TOKENS:
+      dequant += C * N_l * (H + 1) * 4
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,

@@ -150,14 +150,18 @@ def _window(x, start, W):
   return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
 
 
-def _paged_window(pages, page_table, start, W):
-  """Tokens start[b] .. start[b] + W - 1 of each sequence from the paged pool -> [B, W, K, H] (clamped)."""
+def _paged_window(pages, page_table, start, W, scale=None, dtype=None):
+  """Tokens start[b] .. start[b] + W - 1 of each sequence from the paged pool -> [B, W, K, H] (clamped); fp8
+  pages with their scales [P, K] come back dequantized to `dtype`."""
   Z = pages.shape[1]
   M = page_table.shape[1]
   tok = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]                          # [B, W]
   slot = jnp.clip(tok // Z, 0, M - 1)
   page = jnp.take_along_axis(page_table, slot, axis=1)
-  return pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
+  x = pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
+  if scale is None:
+    return x
+  return (x.astype(jnp.float32) * scale[page][..., None]).astype(dtype)
 
 
 def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
@@ -177,6 +181,9 @@ def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
 
 
 PAGED_REFERENCE, PAGED_PAST, PAGED_SPLIT = 0, 1, 2
+# Keys of an fp8 prefix dequantized at once for a chunk's read (lcjax.engine.plan counts this transient): 512 MiB
+# of K and V per layer for Llama-3-8B, against 4 GiB for a whole 1M-token prefix.
+FP8_BLOCK_TOKENS = 131072
 
 
 def paged_case(q_pos, kvl):
@@ -194,6 +201,7 @@ class CudnnBackend:
   """cuDNN flash attention (prefill blocks) and cuDNN paged attention (decode)."""
   name: str = "cudnn"
   emulate: bool = False            # CPU tests: jnp model of cuDNN's masks instead of the library
+  fp8_block_tokens: int = FP8_BLOCK_TOKENS   # an fp8 prefix is dequantized and read this many keys at a time
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     if jnp.dtype(dtype).name not in _DTYPES:
@@ -221,6 +229,39 @@ class CudnnBackend:
     if self.emulate:
       return _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
     return _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+
+  def _prefix(self, q, k_pages, v_pages, page_table, lengths, scale, k_scale=None, v_scale=None):
+    """Every row of sequence b over the first lengths[b] keys of its pages (a padding mask, no causal part):
+    (out, lse), rows with no key sanitized.
+
+    JAX's cuDNN paged attention has no fp8. A chunk of many rows is tensor-core work over the pages it reads, so
+    fp8 pages are dequantized to the query dtype (one fused gather-scale-convert into a compact pool) and read in
+    blocks of fp8_block_tokens keys, merged by their LSE in float32: the transient is one block's K and V, not
+    the prefix's. Blocks wholly past every sequence's length are skipped."""
+    if k_scale is None:
+      return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, lengths, scale), lengths <= 0)
+    B, M = page_table.shape
+    Z = k_pages.shape[1]
+    Mb = max(1, min(M, self.fp8_block_tokens // Z))                  # pages per block
+    nb = -(-M // Mb)
+    table = jnp.pad(page_table, ((0, 0), (0, nb * Mb - M)))          # page 0 past the end: masked by the lengths
+
+    def block(i):
+      n = jnp.clip(lengths - i * Mb * Z, 0, Mb * Z)
+      kb, vb, tb = dequantize_pages(k_pages, v_pages, lax.dynamic_slice_in_dim(table, i * Mb, Mb, axis=1),
+                                    k_scale, v_scale, q.dtype)
+      return _sanitize(*self._paged_call(q, kb, vb, tb, n, scale), n <= 0)
+
+    if nb == 1:
+      return block(0)
+
+    def body(i, acc):
+      return lax.cond(jnp.any(lengths > i * Mb * Z), lambda: ref.merge(*acc, *block(i)), lambda: acc)
+
+    B, T, N, H = q.shape
+    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), ref.NEG_INF, jnp.float32))
+    out, lse = lax.fori_loop(0, nb, body, init)
+    return out.astype(q.dtype), lse
 
   def _split(self, q, prefix_kv, prefix_len, diag_kv, diag_len, scale):
     """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part.
@@ -292,33 +333,29 @@ class CudnnBackend:
       # over fp8 pages reads each page once, so dequantizing a copy of them first would double its bytes.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
-    if fp8:
-      # JAX's cuDNN paged attention has no fp8. A chunk of many rows is tensor-core work over the pages it
-      # reads, so dequantize just those pages into a compact [B * M, Z, K, H] pool in the query dtype (one
-      # fused gather-scale-convert) and run the bf16 path over it.
-      k_pages, v_pages, page_table = dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, q.dtype)
-
     if T == 1:
       # One row: causality is one more bound on the key count.
       n = jnp.clip(jnp.minimum(kvl, q_pos[:, 0] + 1), 0, M * Z)
-      return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, n, scale), n <= 0)
+      return self._prefix(q, k_pages, v_pages, page_table, n, scale)
 
     p0 = q_pos[:, 0]
 
     def past():
       # Every valid key precedes every row (chunk against its cached prefix): no causal part.
-      return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, kvl, scale), kvl <= 0)
+      return self._prefix(q, k_pages, v_pages, page_table, kvl, scale, k_scale, v_scale)
 
     def split():
       prefix_len = jnp.clip(jnp.minimum(kvl, p0), 0, M * Z)
-      o_a, l_a = _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, prefix_len, scale), prefix_len <= 0)
+      o_a, l_a = self._prefix(q, k_pages, v_pages, page_table, prefix_len, scale, k_scale, v_scale)
       diag_len = jnp.clip(kvl - p0, 0, T)
-      kw, vw = _paged_window(k_pages, page_table, p0, T), _paged_window(v_pages, page_table, p0, T)
+      kw = _paged_window(k_pages, page_table, p0, T, k_scale, q.dtype)
+      vw = _paged_window(v_pages, page_table, p0, T, v_scale, q.dtype)
       o_b, l_b = _sanitize(*self._dense(q, kw, vw, diag_len, True, scale), diag_len <= 0)
       return ref.merge(o_a, l_a, o_b, l_b)
 
     def reference():
       # Non-contiguous rows that see part of the pages, or negative positions: not expressible with cuDNN's masks.
-      return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl)
+      return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
+                                           k_scale=k_scale, v_scale=v_scale)
 
     return lax.switch(paged_case(q_pos, kvl), (reference, past, split))

@@ -42,10 +42,11 @@ class PagedTuning:
   target_programs: int = 132 * 8     # B * K * splits aimed at by the heuristic (132 SMs on an H200)
   min_pages_per_split: int = 4
   pages_per_step: int = 2            # K/V blocks handled per loop iteration (independent loads in flight)
-  block_tokens: int = 64             # keys per K/V block: a page larger than this is read in blocks of it, so
-                                     # the pipelined buffers (num_stages x pages_per_step x block x H, K and V)
-                                     # stay in shared memory: whole 256-token pages asked for 268 KiB of 227
-                                     # (2x H200, 70B shape, page 256, session 3 call L)
+  block_tokens: int = 128            # keys per K/V block: a larger page is read in blocks of this many, so a
+                                     # step's K and V (pages_per_step x block x H each) stay within shared
+                                     # memory: 2 whole 256-token pages asked for 268 KiB of 227 (2x H200, page
+                                     # 256, session 3 call L). 128 keeps the footprint of 128-token pages, the
+                                     # largest measured on the GPU (64- and 128-token pages run as before).
   num_warps: int = 4
   num_stages: int = 3
   min_rows: int = 16                 # tl.dot needs M >= 16: query rows are padded up to this

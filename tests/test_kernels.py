@@ -314,3 +314,19 @@ def test_paged_gpu(backend, T, fp8, Z):
   # the CPU emulation of cuDNN on the same bf16 pages: the rounding, not the kernel.
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2,
         tol_lse=6e-3 if fp8 and T > 1 else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("past", [True, False], ids=["past", "split"])
+def test_paged_gpu_fp8_blocks(past):
+  """An fp8 chunk's prefix read by the real cuDNN in blocks of 512 keys (3 blocks over 1536, one sequence
+  reaching only the first) == the float64 oracle, within the bf16 rounding of the dequantized pages."""
+  B, T, N, K, H, Z, M, P = 4, 64, 32, 8, 128, 64, 24, 100
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(7, B, T, N, K, H, Z, M, P, fp8=True)
+  kv_len = jnp.array([M * Z, 1000, 300, T], jnp.int32)
+  q_pos = kv_len[:, None] - (0 if past else T) + jnp.arange(T, dtype=jnp.int32)[None, :]
+  be = cudnn.CudnnBackend(fp8_block_tokens=512)
+  got = jax.jit(be.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2,
+        tol_lse=6e-3)

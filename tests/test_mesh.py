@@ -123,15 +123,17 @@ def test_fp8_cache_on_a_mesh():
   assert rel(prefill(mesh, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 1e-3
 
 
-@pytest.mark.parametrize("tensor,seq,sp_mode", [(1, 4, "ring"), (2, 2, "ring-plain")])
-def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode):
+@pytest.mark.parametrize("tensor,seq,sp_mode,cache", [(1, 4, "ring", "auto"), (2, 2, "ring-plain", "auto"),
+                                                      (1, 4, "ring", "float8_e4m3fn")])
+def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode, cache):
   """The cuDNN backend's side of the engine on a mesh: its dispatch (paged_case: padding-only calls for a prefix
   read by zigzag-gathered rows, the split chunk, decode rows) under shard_map, with a jnp model of cuDNN's masks
   in place of the library (the GPU runs the library: tests/test_gpu_engine.py). bf16, as cuDNN takes it; the
-  oracle is the same backend on one device: prompts of several chunks, so later chunks read a sharded prefix."""
+  oracle is the same backend on one device: prompts of several chunks, so later chunks read a sharded prefix
+  (fp8: dequantized and read 16 keys at a time, so a shard's prefix takes several blocks)."""
   from lcjax.ops import backends, cudnn
-  monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True))
-  run = RUN.replace(dtype="bfloat16", attention="cudnn")
+  monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True, fp8_block_tokens=16))
+  run = RUN.replace(dtype="bfloat16", attention="cudnn", cache_dtype=cache)
   one = Engine.random(CFG, run=run, seed=1)
   eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
   assert eng.attention.name == "cudnn" and eng.attention.emulate

@@ -102,10 +102,10 @@ PAGED_CASES = [
     # rows with causal bounds inside the cache, an empty row, splits with and without multi-page steps, fp8.
     # GQA 8, an empty row, 32-token pages read as two blocks of 16 (a block crosses no page; splits split pages)
     dict(T=3, N=16, K=2, fp8=False, kv_len=(90, 0, 33), Z=32, tuning=dict(num_splits=3, block_tokens=16)),
-    # fp8 (per-page scales) with 32-token pages in blocks of 16 and 3 blocks a step: steps run past a split's
-    # last block (masked) and do not divide its blocks
-    dict(T=1, N=8, K=2, fp8=True, kv_len=(96, 50, 9), Z=32,
-         tuning=dict(num_splits=2, pages_per_step=3, block_tokens=16)),
+    # fp8 (per-page scales) with 32-token pages in blocks of 16 and 4 blocks a step: a split's 6 blocks take 2
+    # steps, so its last step runs into the next split's blocks, whose keys (sequence 0: 150) it must not count
+    dict(T=1, N=8, K=2, fp8=True, kv_len=(150, 50, 9), Z=32,
+         tuning=dict(num_splits=2, pages_per_step=4, block_tokens=16)),
     pytest.param(dict(T=1, N=8, K=8, fp8=False, kv_len=(96, 17, 1), tuning=dict()), marks=slow),    # GQA 1
     pytest.param(dict(T=2, N=16, K=4, fp8=True, kv_len=(64, 40, 5), tuning=dict(num_splits=4)), marks=slow),
 ]

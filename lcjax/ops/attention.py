@@ -41,6 +41,20 @@ def contiguous_rows(q_pos):
   return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
 
 
+def dequantize(x, scale, dtype):
+  """Values read from a KV pool, in `dtype`: x [..., K, H] times its per-(page, KV head) scale [..., K] for fp8
+  pools (value = stored * scale; lcjax.cache.kv.quantize is the inverse); x itself when scale is None."""
+  if scale is None:
+    return x.astype(dtype)
+  return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def gather_pages(pages, scale, ids, dtype):
+  """Pages ids [B, M] of a pool [P, Z, K, H] -> [B, M, Z, K, H] in `dtype`, dequantized by scale [P, K] (fp8 pools)
+  or None."""
+  return dequantize(pages[ids], None if scale is None else scale[ids][:, :, None, :], dtype)
+
+
 def merge(o_a, lse_a, o_b, lse_b):
   """Combine two attention partials over disjoint key sets. o [..., H], lse [...] float32."""
   lse = jnp.logaddexp(lse_a, lse_b)
@@ -147,10 +161,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
   kv_len = jnp.broadcast_to(kv_len, (B,))
 
   def load(pages, scales, ids):
-    x = pages[ids].astype(jnp.float32)                      # [B, pb, Z, K, H]
-    if scales is not None:
-      x = x * scales[ids][:, :, None, :, None]
-    return x.reshape(B, pb * Z, K, H)
+    return gather_pages(pages, scales, ids, jnp.float32).reshape(B, pb * Z, K, H)
 
   def block(i):
     ids = jax.lax.dynamic_slice_in_dim(page_table, i * pb, pb, axis=1)  # [B, pb]

@@ -56,10 +56,7 @@ class DenseBackend:
     Z = k_pages.shape[1]
 
     def gather(pages, scale):
-      x = pages[page_table].astype(q.dtype if scale is None else jnp.float32)      # [B, M, Z, K, H]
-      if scale is not None:
-        x = (x * scale[page_table][:, :, None, :, None]).astype(q.dtype)
-      return x.reshape(B, M * Z, *pages.shape[2:])
+      return ref.gather_pages(pages, scale, page_table, q.dtype).reshape(B, M * Z, *pages.shape[2:])
 
     return ref.attention_dense(q, gather(k_pages, k_scale), gather(v_pages, v_scale), q_pos=q_pos,
                                kv_len=kv_len, causal=True)

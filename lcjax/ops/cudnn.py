@@ -159,9 +159,7 @@ def _paged_window(pages, page_table, start, W, scale=None, dtype=None):
   slot = jnp.clip(tok // Z, 0, M - 1)
   page = jnp.take_along_axis(page_table, slot, axis=1)
   x = pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
-  if scale is None:
-    return x
-  return (x.astype(jnp.float32) * scale[page][..., None]).astype(dtype)
+  return x if scale is None else ref.dequantize(x, scale[page], dtype)
 
 
 def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
@@ -171,10 +169,7 @@ def dequantize_pages(k_pages, v_pages, page_table, k_scale, v_scale, dtype):
   B, M = page_table.shape
 
   def one(pages, scale):
-    x = pages[page_table].astype(jnp.float32)                          # [B, M, Z, K, H]
-    if scale is not None:
-      x = x * scale[page_table][:, :, None, :, None]
-    return x.astype(dtype).reshape(B * M, *pages.shape[1:])
+    return ref.gather_pages(pages, scale, page_table, dtype).reshape(B * M, *pages.shape[1:])
 
   table = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
   return one(k_pages, k_scale), one(v_pages, v_scale), table
@@ -240,7 +235,8 @@ class CudnnBackend:
     the prefix's. Blocks wholly past every sequence's length are skipped."""
     if k_scale is None:
       return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, lengths, scale), lengths <= 0)
-    B, M = page_table.shape
+    B, T, N, H = q.shape
+    M = page_table.shape[1]
     Z = k_pages.shape[1]
     Mb = max(1, min(M, self.fp8_block_tokens // Z))                  # pages per block
     nb = -(-M // Mb)
@@ -258,7 +254,6 @@ class CudnnBackend:
     def body(i, acc):
       return lax.cond(jnp.any(lengths > i * Mb * Z), lambda: ref.merge(*acc, *block(i)), lambda: acc)
 
-    B, T, N, H = q.shape
     init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), ref.NEG_INF, jnp.float32))
     out, lse = lax.fori_loop(0, nb, body, init)
     return out.astype(q.dtype), lse

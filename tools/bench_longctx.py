@@ -85,6 +85,19 @@ def _limit(impl: str) -> int:
   return 1 << 62
 
 
+IMPLIED_OOM = "not run: a shorter context ran out of memory"
+
+
+def _skip(impl: str, S: int, failed: bool, last) -> bool:
+  """Whether context S of `impl` is not run (after an OOM, by --limits or the time budget); if so its row says why
+  (after an OOM the row is an implied OOM: a longer context needs more memory)."""
+  if not (failed or _too_late(S, last) or S > _limit(impl)):
+    return False
+  benchlib.emit_row(impl=impl, S=S, oom=failed,
+                    skipped=IMPLIED_OOM if failed else "limit" if S > _limit(impl) else "time budget")
+  return True
+
+
 def _too_late(S, last):
   """Skip a context whose predicted time (quadratic from the last one) would pass the deadline."""
   if not last:
@@ -94,11 +107,6 @@ def _too_late(S, last):
 
 
 # -- workers ------------------------------------------------------------------------------------------------
-
-def _stat(dev, key: str):
-  """A device memory counter in bytes, or None where the backend keeps none (CPU)."""
-  return (dev.memory_stats() or {}).get(key)
-
 
 def worker_jax(impl: str):
   import jax
@@ -110,10 +118,7 @@ def worker_jax(impl: str):
   last = None
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
-    if failed or _too_late(S, last) or S > _limit(impl):
-      benchlib.emit_row(impl=impl, S=S, oom=failed,   # after an OOM a longer context is not run, only implied
-                        skipped=("not run: a shorter context ran out of memory" if failed else
-                                 "limit" if S > _limit(impl) else "time budget"))
+    if _skip(impl, S, failed, last):
       continue
     run = run_config(impl, S, page_size=FLAGS.page_size, decode_steps=FLAGS.decode_steps,
                      prefill_chunk=FLAGS.prefill_chunk, dtype=FLAGS.dtype, attention=FLAGS.attention)
@@ -124,17 +129,17 @@ def worker_jax(impl: str):
     try:
       t0 = time.time()
       eng = Engine.random(cfg, run=run, seed=0)
-      resident = _stat(dev, "bytes_in_use")           # weights + cache pools, as allocated
+      resident = benchlib.memory_stat(dev, "bytes_in_use")    # weights + cache pools, as allocated
       # Warm-up with one chunk compiles every step at the shapes of the timed run.
       eng.generate(rng.integers(0, cfg.vocab_size, run.prefill_chunk).tolist(), max_new_tokens=2)
       compile_s = time.time() - t0
       # Compilation (autotuning) and one chunk's activations. Process-wide and never reset: in a sweep it holds
       # at least the previous (shorter) context's peak, so it tells apart warm-up and run only for a first context.
-      warmup_peak = _stat(dev, "peak_bytes_in_use")
+      warmup_peak = benchlib.memory_stat(dev, "peak_bytes_in_use")
       prompt = rng.integers(0, cfg.vocab_size, S).tolist()
       res = eng.generate(prompt, max_new_tokens=FLAGS.decode_steps + 1)
       st = res.stats
-      peak = _stat(dev, "peak_bytes_in_use")
+      peak = benchlib.memory_stat(dev, "peak_bytes_in_use")
       benchlib.emit_row(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
                         prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
                         decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
@@ -164,10 +169,7 @@ def worker_hf():
   last = None
   failed = False
   for S in sorted(map(int, FLAGS.contexts)):
-    if failed or _too_late(S, last) or S > _limit("hf"):
-      benchlib.emit_row(impl="hf", S=S, oom=failed,   # after an OOM a longer context is not run, only implied
-                        skipped=("not run: a shorter context ran out of memory" if failed else
-                                 "limit" if S > _limit("hf") else "time budget"))
+    if _skip("hf", S, failed, last):
       continue
     gc.collect()
     torch.cuda.empty_cache()

@@ -138,7 +138,7 @@ def worker(spec: str):
       res = eng.generate(suffixes, max_new_tokens=FLAGS.decode_steps + 1, prefix=prompt)
       prefill_s = None   # the shared prefix's prefill is not a request's; batch-1 rows time prefill
       decode_ms = res[0].stats["decode_ms_per_token"]
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()[:tensor * seq]]
+    peaks = [benchlib.memory_stat(d, "peak_bytes_in_use") for d in jax.local_devices()[:tensor * seq]]
     peak = max(peaks) / GiB if all(peaks) else None
     flops = prefill_flops(cfg, S)
     benchlib.emit_row(**base, prefill_s=prefill_s, prefill_tok_s=S / prefill_s if prefill_s else None,

@@ -34,6 +34,12 @@ def versions(modules=("jax", "jaxlib", "flax", "torch", "transformers")) -> dict
   return v
 
 
+def memory_stat(dev, key: str):
+  """A device memory counter in bytes (`peak_bytes_in_use`, `bytes_in_use`), or None where the backend keeps none
+  (CPU)."""
+  return (dev.memory_stats() or {}).get(key)
+
+
 def emit_row(**row) -> None:
   """A result row from a benchmark worker process, for its orchestrator to collect from stdout."""
   print("ROW " + json.dumps(row), flush=True)

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from lcjax.config import preset  # noqa: E402
 from lcjax.engine import plan as planlib  # noqa: E402
-from tools.bench_longctx import markdown, plot, run_config  # noqa: E402
+from tools.bench_longctx import IMPLIED_OOM, markdown, plot, run_config  # noqa: E402
 
 RES = os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
@@ -78,8 +78,9 @@ def _goals(rows) -> list[dict]:
     h = next((x for x in rows if x["impl"] == "hf" and x["S"] == r["S"] and x["call"] == r["call"]
               and x.get("prefill_s")), None)
     div = lambda k: r[k] / h[k] if h and r.get(k) and h.get(k) else None
-    out.append(dict(impl=r["impl"], S=r["S"], call=r["call"], prefill_over_hf=div("prefill_s"), decode_over_hf=div("decode_ms_per_token"),
-                    peak_over_hf=div("peak_gib"), decode_ms=r["decode_ms_per_token"],
+    out.append(dict(impl=r["impl"], S=r["S"], call=r["call"], prefill_over_hf=div("prefill_s"),
+                    decode_over_hf=div("decode_ms_per_token"), peak_over_hf=div("peak_gib"),
+                    decode_ms=r["decode_ms_per_token"],
                     overhead_gib=r["peak_gib"] - r["weights_gib"] - r["kv_gib"],
                     goal_prefill_over_hf=GOALS["prefill_over_hf"].get(r["S"]),
                     goal_decode_ms=GOALS["decode_ms"].get(r["S"]), goal_overhead_gib=GOALS["overhead_gib"]))
@@ -97,7 +98,7 @@ def main():
     for r in sorted(d["rows"], key=lambda r: r["S"]):
       r = dict(r, call=call)
       if r.get("oom") and r["impl"] in oomed and not r.get("skipped"):
-        r["skipped"] = "not run: a shorter context ran out of memory"   # the bench's rule; older calls' rows
+        r["skipped"] = IMPLIED_OOM          # the bench's rule, for rows of calls made before it labelled them
       if r.get("oom"):
         oomed.add(r["impl"])
       if layers:
@@ -136,9 +137,11 @@ def main():
             "| impl | S | call | prefill / HF (goal) | decode ms/token (goal) | decode / HF | peak / HF | "
             "overhead GiB (goal) |", "|---|---|---|---|---|---|---|---|"]
   for q in goals:
-    lines.append(f"| {q['impl']} | {q['S']:,} | {q['call']} | {fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
-                 f"{fmt(q['decode_ms'], '{:.1f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | {fmt(q['decode_over_hf'])} | "
-                 f"{fmt(q['peak_over_hf'])} | {fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
+    lines.append(f"| {q['impl']} | {q['S']:,} | {q['call']} | "
+                 f"{fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
+                 f"{fmt(q['decode_ms'], '{:.1f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | "
+                 f"{fmt(q['decode_over_hf'])} | {fmt(q['peak_over_hf'])} | "
+                 f"{fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
   lines += ["", "Predicted row: " + next(r for r in rows if r.get("predicted"))["method"] + "."]
   with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")

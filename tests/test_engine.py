@@ -1,6 +1,8 @@
 """Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 
-TINY = preset("tiny")
+TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
 
 def _engine(**kw):
@@ -161,3 +163,30 @@ def test_fp8_cache_close_to_float32_cache():
   got = _prefill_logits(fp8, prompt)
   rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
   assert 0 < rel < 0.03, rel
+
+
+def test_decode_groups_match_one_step_per_check(monkeypatch):
+  """The decode loop tests `done` once per group of steps (a host sync): slots that end mid-group (EOS, or their
+  token budget) give the same tokens, finish reasons and pages back as with a check after every step."""
+  from lcjax.engine import steps as steps_mod
+  assert [steps_mod.sync_group(n) for n in (16, 12, 13, 7, 3, 1)] == [8, 6, 1, 7, 3, 1]
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (9, 30, 17)]
+  budgets = dict(max_new_tokens=21)
+  free = [r.token_ids for r in _engine(decode_steps=16).generate(prompts, **budgets)]
+  # EOS: the first token of prompt 1's output that neither its earlier tokens nor the other outputs hold
+  j = next(j for j in range(1, 21) if free[1][j] not in free[1][:j] + free[0] + free[2])
+  cfg = dataclasses.replace(TINY, eos_ids=(free[1][j],))
+
+  def run(group):
+    monkeypatch.setattr(steps_mod, "SYNC_GROUP", group)
+    eng = Engine.random(cfg, run=RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256,
+                                           max_batch=3, decode_steps=16), seed=3)
+    res = eng.generate(prompts, **budgets)
+    assert eng.pool.pages_used == 0
+    return [(r.token_ids, r.finish_reason) for r in res]
+
+  grouped, single = run(8), run(1)
+  assert grouped == single
+  assert grouped == [(free[0], "length"), (free[1][:j + 1], "eos"), (free[2], "length")]
+  assert j % 8 != 0          # prompt 1 ends mid-group: token j (j >= 1) comes from decode step j - 1 of 0..7

@@ -22,6 +22,11 @@ from lcjax.cache import kv as kvc
 from lcjax.engine.sampling import sample
 
 
+# Largest number of decode steps between two host checks of the loop condition (see Steps._decode); at most
+# SYNC_GROUP - 1 steps run after every slot is done.
+SYNC_GROUP = 8
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
@@ -85,12 +90,9 @@ class Steps:
     model = self._model(params)
     B = state.tokens.shape[0]
     Z = self.page_size
+    group = sync_group(steps)
 
-    def cond(c):
-      i, st, _, _ = c
-      return (i < steps) & ~jnp.all(st.done)
-
-    def body(c):
+    def one(c):
       i, st, cache, out = c
       page = jnp.take_along_axis(page_table, (st.pos // Z)[:, None], axis=1)[:, 0]
       slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots write the null page
@@ -105,6 +107,22 @@ class Steps:
       st = DecodeState(jnp.where(live, nxt, st.tokens), jnp.where(live, st.pos + 1, st.pos), done, remaining)
       return i + 1, st, cache, out
 
+    def cond(c):
+      i, st, _, _ = c
+      return (i < steps) & ~jnp.all(st.done)
+
+    def body(c):
+      # `group` steps per test of the loop condition: the test is a device-to-host copy that stalls the GPU
+      # (~0.1 ms a token at batch 1, benchmarks/NOTES-longctx.md session 4). Steps after every slot is done
+      # within a group run on the null page and emit -1, as done slots always have.
+      return jax.lax.fori_loop(0, group, lambda _, c: one(c), c) if group > 1 else one(c)
+
     out = jnp.full((B, steps), -1, jnp.int32)
     _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, cache, out))
     return out, state, cache
+
+
+def sync_group(steps: int) -> int:
+  """Decode steps run between two host checks of `done`: the largest divisor of `steps` up to SYNC_GROUP, so a
+  call never runs past `steps`."""
+  return max(d for d in range(1, min(SYNC_GROUP, steps) + 1) if steps % d == 0)

@@ -25,7 +25,7 @@ def make_hf_llama(cfg, seed=0, std=0.5):
 
 
 def hf_to_lcjax_state(hf_model, cfg):
-  """A dict path -> np.ndarray in lcjax's parameter layout."""
+  """A dict path -> np.ndarray in lcjax's model parameter layout (fused wqkv and w_gate_up)."""
   sd = {k: v.detach().cpu().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
   D, N, K, H, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
 
@@ -37,12 +37,15 @@ def hf_to_lcjax_state(hf_model, cfg):
       ("final_norm", "scale"): sd["model.norm.weight"],
       ("layers", "attn_norm", "scale"): stack("model.layers.{}.input_layernorm.weight", lambda w: w),
       ("layers", "mlp_norm", "scale"): stack("model.layers.{}.post_attention_layernorm.weight", lambda w: w),
-      ("layers", "attn", "wq"): stack("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
-      ("layers", "attn", "wk"): stack("model.layers.{}.self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
-      ("layers", "attn", "wv"): stack("model.layers.{}.self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H)),
+      # per KV head k: its query heads k*G .. k*G+G-1, then its key, then its value
+      ("layers", "attn", "wqkv"): np.stack([np.concatenate([
+          sd[f"model.layers.{i}.self_attn.q_proj.weight"].T.reshape(D, K, N // K, H),
+          sd[f"model.layers.{i}.self_attn.k_proj.weight"].T.reshape(D, K, 1, H),
+          sd[f"model.layers.{i}.self_attn.v_proj.weight"].T.reshape(D, K, 1, H)], axis=2) for i in range(L)]),
       ("layers", "attn", "wo"): stack("model.layers.{}.self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D)),
-      ("layers", "mlp", "w_gate"): stack("model.layers.{}.mlp.gate_proj.weight", lambda w: w.T),
-      ("layers", "mlp", "w_up"): stack("model.layers.{}.mlp.up_proj.weight", lambda w: w.T),
+      ("layers", "mlp", "w_gate_up"): np.stack([np.stack([sd[f"model.layers.{i}.mlp.gate_proj.weight"].T,
+                                                           sd[f"model.layers.{i}.mlp.up_proj.weight"].T], axis=1)
+                                                 for i in range(L)]),
       ("layers", "mlp", "w_down"): stack("model.layers.{}.mlp.down_proj.weight", lambda w: w.T),
   }
   if not cfg.tie_embeddings:

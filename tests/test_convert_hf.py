@@ -55,11 +55,14 @@ def _flat(state):
 
 
 def test_layout_matches_model():
-  """param_shapes (what converters write) is exactly the model's parameter tree."""
+  """param_shapes (what converters write) is exactly the model's parameter tree, once each fused model tensor is
+  replaced by the stored tensors it is assembled from."""
+  from lcjax.checkpoint.store import FUSED, stored_shapes
   for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
     shapes = {n: s for n, (s, _) in param_shapes(cfg).items()}
-    model = {"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(_abstract(cfg))}
+    model = stored_shapes({"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(_abstract(cfg))})
     assert shapes == model
+    assert set(FUSED) <= {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(_abstract(cfg))}
 
 
 @pytest.fixture(params=["whole", "split"])
@@ -123,13 +126,13 @@ def test_bfloat16_cast_and_restore_dtype(hf_dirs, tmp_path):
   assert {t["dtype"] for t in manifest["tensors"].values()} == {"bfloat16"}
   got = _flat(restore_params(dst, _abstract(CFG, jnp.bfloat16), progress=False))
   want = hf_oracle.hf_to_lcjax_state(model, CFG)
-  w = want[("layers", "attn", "wq")].astype(ml_dtypes.bfloat16)
-  assert got["layers/attn/wq"].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(got["layers/attn/wq"], w)
+  w = want[("layers", "attn", "wqkv")].astype(ml_dtypes.bfloat16)
+  assert got["layers/attn/wqkv"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(got["layers/attn/wqkv"], w)
   # dtype= casts on restore: float32 arrays holding the bfloat16 values
   got32 = _flat(restore_params(dst, _abstract(CFG, jnp.bfloat16), dtype="float32", progress=False))
-  assert got32["layers/attn/wq"].dtype == np.float32
-  np.testing.assert_array_equal(got32["layers/attn/wq"], w.astype(np.float32))
+  assert got32["layers/attn/wqkv"].dtype == np.float32
+  np.testing.assert_array_equal(got32["layers/attn/wqkv"], w.astype(np.float32))
 
 
 def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes):
@@ -139,8 +142,8 @@ def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes
   convert_hf(single, dst, progress=False)
   mesh = jax.make_mesh((2, 2), ("seq", "tensor"), devices=jax.devices()[:4])
   abstract = _abstract(CFG)
-  specs = {"embed/embedding": P("tensor", None), "layers/attn/wq": P(None, None, "tensor", None),
-           "layers/mlp/w_down": P(None, "tensor", None)}
+  specs = {"embed/embedding": P("tensor", None), "layers/attn/wqkv": P(None, None, "tensor", None, None),
+           "layers/mlp/w_gate_up": P(None, None, None, "tensor"), "layers/mlp/w_down": P(None, "tensor", None)}
   shardings = jax.tree_util.tree_map_with_path(
       lambda p, v: NamedSharding(mesh, specs.get("/".join(k.key for k in p), P())), abstract,
       is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -227,7 +227,7 @@ def test_smollm2_on_meshes_matches_one_device(smollm2_ckpt):
   want = base.generate(ids, max_new_tokens=32).token_ids
   for tensor, seq in [(3, 2), (1, 8)]:
     eng = Engine.load(smollm2_ckpt, run=SMOL_RUN, tensor=tensor, seq=seq)
-    assert eng.kv_rep == 1 and eng.params["layers"]["attn"]["wk"].get_value().sharding.spec[2] == "tensor"
+    assert eng.kv_rep == 1 and eng.params["layers"]["attn"]["wqkv"].get_value().sharding.spec[2] == "tensor"
     assert rel(eng.logits([ids]), want_logits) <= 1e-4
     assert rel(prefill(eng, ids)[0], want_prefill) <= 1e-4
     assert eng.generate(ids, max_new_tokens=32).token_ids == want, (tensor, seq)

@@ -50,10 +50,10 @@ def _worker(process_id: int, port: int, out: str, ckpt: str) -> None:
   for tensor, seq in MESHES:
     eng = Engine.random(cfg, run=run.replace(tensor=tensor, seq=seq), seed=1)
     # Each process holds only its devices' shards of the parameters and of the page pool.
-    assert not eng.params["layers"]["attn"]["wq"].get_value().is_fully_addressable
+    assert not eng.params["layers"]["attn"]["wqkv"].get_value().is_fully_addressable
     assert not eng.cache.k.is_fully_addressable
     res[f"{tensor}x{seq}"] = _results(eng, prompts)
-    # tensor=4 repeats the 2 KV heads: wk/wv are restored replicated, then repeated into their shards.
+    # tensor=4 repeats the 2 KV heads: wqkv is restored replicated, then repeated into their shards.
     eng = Engine.load(ckpt, run=run, tensor=tensor, seq=seq)
     assert eng.kv_rep == tensor // 2 and not eng.params["embed"]["embedding"].get_value().is_fully_addressable
     res[f"{tensor}x{seq} from checkpoint"] = _results(eng, prompts)
@@ -70,13 +70,11 @@ def _free_port() -> int:
 
 
 def _write_checkpoint(eng, dst: str) -> None:
-  from lcjax.checkpoint.store import CheckpointWriter, param_shapes
+  from lcjax.checkpoint.store import CheckpointWriter, _flatten, _unwrap, param_shapes, stored_tensor
+  flat = {name: _unwrap(leaf) for name, leaf in _flatten(eng.params)}
   with CheckpointWriter(dst, eng.cfg) as w:
     for name, (_, stacked) in param_shapes(eng.cfg).items():
-      node = eng.params
-      for part in name.split("/"):
-        node = node[part]
-      value = np.asarray(node.get_value())
+      value = np.asarray(stored_tensor(flat, name))     # the stored tensor (wq, w_up, ...) of the fused layout
       for layer in (range(value.shape[0]) if stacked else [None]):
         w.write(name, value if layer is None else value[layer], layer=layer)
 

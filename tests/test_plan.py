@@ -89,7 +89,7 @@ def test_plan_kv_replication_and_comm_model():
   assert "KV heads replicated x2" in p16.table()
   p8 = planlib.plan(cfg, RunConfig(tensor=8, max_context=8192, max_batch=1))
   assert p8.kv_replication == 1
-  # Per device, both hold one KV head per layer in wk and wv (16 repeated heads / 16, 8 / 8) and the replicated
+  # Per device, both hold one KV head per layer in wqkv (its key and value) (16 repeated heads / 16, 8 / 8) and the replicated
   # norms; everything else halves from tensor=8 to tensor=16.
   D, L, H = cfg.dim, cfg.n_layers, cfg.head_dim
   norms, kv = (2 * L * D + D) * 2, L * 2 * D * H * 2
@@ -141,8 +141,9 @@ def test_golden_partition_specs():
   assert got == want
   # Independent spot checks of the table the golden file freezes.
   l70 = got["llama3.1-70b"]["tensor=8 seq=1"]["params"]
-  assert l70["layers/attn/wq"] == [None, None, "tensor", None]
-  assert l70["layers/attn/wk"] == [None, None, "tensor", None]
+  assert l70["layers/attn/wqkv"] == [None, None, "tensor", None, None]
+  assert l70["layers/attn/wo"] == [None, "tensor", None, None]
+  assert l70["layers/mlp/w_gate_up"] == [None, None, None, "tensor"]
   assert l70["layers/mlp/w_down"] == [None, "tensor", None]
   assert l70["embed/embedding"] == ["tensor", None] and l70["lm_head/kernel"] == [None, "tensor"]
   assert l70["layers/attn_norm/scale"] == [None, None]

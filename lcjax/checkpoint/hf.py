@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from lcjax.checkpoint.store import CheckpointError, CheckpointWriter, _flatten, _unwrap, param_shapes
+from lcjax.checkpoint.store import (CheckpointError, CheckpointWriter, _flatten, _unwrap, param_shapes, stored_shapes,
+                                    stored_tensor)
 from lcjax.config import ConfigError, ModelConfig
 from lcjax import tokenizer as tok
 
@@ -77,9 +78,10 @@ def export_hf(params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
   Loads lcjax weights into HF transformers (an oracle on the same weights) or writes them back out."""
   flat = {name: _unwrap(leaf) for name, leaf in _flatten(params)}
   shapes = param_shapes(cfg)
+  have = stored_shapes({name: tuple(arr.shape) for name, arr in flat.items()})
   for name, (shape, _) in shapes.items():
-    if name in flat and tuple(flat[name].shape) != tuple(shape):
-      raise ValueError(f"{name} has shape {tuple(flat[name].shape)}, {cfg.name} has {tuple(shape)}: export the "
+    if name in have and tuple(have[name]) != tuple(shape):
+      raise ValueError(f"{name} has shape {tuple(have[name])}, {cfg.name} has {tuple(shape)}: export the "
                        "checkpoint-shaped state (an Engine on a mesh with tensor > n_kv_heads holds repeated KV "
                        "heads)")
   for hf_name, (name, in_dims) in HF_NAMES.items():
@@ -87,9 +89,9 @@ def export_hf(params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
       continue
     if "{i}" in hf_name:
       for i in range(cfg.n_layers):
-        yield hf_name.replace("{i}", str(i)), to_hf(np.asarray(flat[name][i]), in_dims)
+        yield hf_name.replace("{i}", str(i)), to_hf(np.asarray(stored_tensor(flat, name, i)), in_dims)
     else:
-      yield hf_name, to_hf(np.asarray(flat[name]), in_dims)
+      yield hf_name, to_hf(np.asarray(stored_tensor(flat, name)), in_dims)
 
 
 def match_name(name: str) -> tuple[str, int | None] | None:

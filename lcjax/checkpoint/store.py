@@ -72,6 +72,66 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
   return shapes
 
 
+# Model tensors that checkpoints store as several: HF's one tensor per projection, which converters write one
+# source tensor at a time, while the model runs fused projections (one GEMM each, lcjax.model.llama). Model name ->
+# (the axis of its per-layer array along which the stored tensors are stacked, the stored names in order). Each
+# stored tensor is that array's slice along `axis` merged into the axis before it: wq [D, N, H] is wqkv's
+# [D, K, G, H] part, wk [D, K, H] its [D, K, 1, H] part; w_gate [D, F] is w_gate_up's [D, 1, F] part.
+FUSED = {
+    "layers/attn/wqkv": (2, ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")),
+    "layers/mlp/w_gate_up": (1, ("layers/mlp/w_gate", "layers/mlp/w_up")),
+}
+
+
+def _sources(name: str, item_shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int, int]]:
+  """(stored name, view shape, offset along the fused axis, fused axis) of each stored tensor that makes up the
+  model tensor `name`, whose per-layer array has `item_shape`; a tensor stored as itself is its own whole view."""
+  if name not in FUSED:
+    return [(name, item_shape, 0, 0)]
+  axis, names = FUSED[name]
+  if name == "layers/attn/wqkv":      # [D, K, G + 2, H]: the G query heads of each KV head, its key, its value
+    widths = (item_shape[axis] - 2, 1, 1)
+  else:
+    widths = (1,) * len(names)
+  views, offset = [], 0
+  for stored, width in zip(names, widths):
+    views.append((stored, (*item_shape[:axis], width, *item_shape[axis + 1:]), offset, axis))
+    offset += width
+  return views
+
+
+def _stored_shape(view: tuple[int, ...], axis: int) -> tuple[int, ...]:
+  """A fused view's shape as stored: its `axis` merged into the one before (axis 0: the view itself)."""
+  if not axis:
+    return view
+  return (*view[:axis - 1], view[axis - 1] * view[axis], *view[axis + 1:])
+
+
+def stored_shapes(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+  """Shapes of the stored tensors that make up model tensors of `model_shapes` (name -> full shape)."""
+  out = {}
+  for name, shape in model_shapes.items():
+    lead, item = (shape[:1], shape[1:]) if name.startswith("layers/") else ((), shape)
+    for src, view, _, axis in _sources(name, tuple(item)):
+      out[src] = (*lead, *_stored_shape(view, axis))
+  return out
+
+
+def stored_tensor(flat: dict[str, Any], name: str, layer: int | None = None):
+  """The stored tensor `name` (layer `layer` of it) cut from model-layout arrays `flat`: restore's assembly
+  backwards (for export)."""
+  model = next((m for m, (_, srcs) in FUSED.items() if name in srcs), name)
+  arr = flat[model] if layer is None else flat[model][layer]
+  if model == name:
+    return arr
+  lead = 1 if layer is None and model.startswith("layers/") else 0
+  for src, view, offset, axis in _sources(model, tuple(arr.shape[lead:])):
+    if src == name:
+      piece = arr[(slice(None),) * (lead + axis) + (slice(offset, offset + view[axis]),)]
+      return piece.reshape(*arr.shape[:lead], *_stored_shape(view, axis))
+  raise KeyError(name)
+
+
 def _item_dir(root: str, name: str, layer: int | None, part: int) -> str:
   path = os.path.join(root, PARAMS_DIR, *name.split("/"))
   if layer is not None:
@@ -279,9 +339,29 @@ def _fit_sharding(sharding: jax.sharding.Sharding, shape) -> jax.sharding.Shardi
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:len(shape)]))
 
 
-def _place(full, slab, offsets):
-  slab = slab.reshape((1,) * (full.ndim - slab.ndim) + slab.shape)   # a layer of a stacked array
+def _place(full, slab, offsets, view, axis):
+  """full with `slab` (a stored part, reshaped to its `view` within one layer) written at `offsets`. A fused view
+  has one axis more than the stored part (`axis`, unsharded); the rest keep the part's sharding, which meshes of
+  explicit axes need spelt out for a reshape that splits a sharded axis (wq's N into K x G)."""
+  shape = (1,) * (full.ndim - len(view)) + tuple(view)               # a layer of a stacked array
+  typed = jax.typeof(slab).sharding
+  spec = tuple(typed.spec) + (None,) * (slab.ndim - len(typed.spec))
+  if axis:
+    spec = (*spec[:axis], None, *spec[axis:])
+  spec = (None,) * (len(shape) - len(spec)) + spec
+  slab = jax.lax.reshape(slab, shape, out_sharding=jax.sharding.NamedSharding(typed.mesh,
+                                                                              jax.sharding.PartitionSpec(*spec)))
   return jax.lax.dynamic_update_slice(full, slab.astype(full.dtype), offsets)
+
+
+def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sharding.Sharding:
+  """The sharding of a stored tensor read for a fused view: the view's, less the fused axis (never sharded: a
+  query-head axis merged with its KV-head axis splits as the KV heads do, KV-head major)."""
+  if not (axis and isinstance(sharding, jax.sharding.NamedSharding)):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  assert spec[axis] is None, f"fused axis {axis} of {spec} is sharded"
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:axis], *spec[axis + 1:]))
 
 
 class _Reader:
@@ -322,7 +402,8 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   manifest = read_manifest(ckpt_dir)
   tensors = manifest["tensors"]
   abstract = dict(_flatten(abstract_state))
-  extra = sorted(set(tensors) - set(abstract))
+  wanted = {src for name in abstract for src in (FUSED[name][1] if name in FUSED else (name,))}
+  extra = sorted(set(tensors) - wanted)
   if extra:
     raise CheckpointError(f"{ckpt_dir}: checkpoint has tensor(s) {extra} that the model does not "
                           "(tie_embeddings or layer layout differ between checkpoint and model config)")
@@ -336,34 +417,45 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   with bar:
     for name, leaf in abstract.items():
       spec = _unwrap(leaf)
-      if name not in tensors:
-        raise CheckpointError(f"{ckpt_dir}: tensor {name} is missing from {MANIFEST_FILE}")
-      info = tensors[name]
-      if tuple(info["shape"]) != tuple(spec.shape):
-        raise CheckpointError(f"{ckpt_dir}: tensor {name} has shape {tuple(info['shape'])} in the checkpoint, "
-                              f"the model expects {tuple(spec.shape)}")
       sharding = sh_flat.get(name) or getattr(spec, "sharding", None) or default
       dt = jnp.dtype(dtype or spec.dtype)
-      stacked = bool(info["layers"])
+      first = FUSED[name][1][0] if name in FUSED else name
+      if first not in tensors:
+        raise CheckpointError(f"{ckpt_dir}: tensor {first} is missing from {MANIFEST_FILE}")
+      stacked = bool(tensors[first]["layers"])
       item_shape = tuple(spec.shape[1:] if stacked else spec.shape)
+      lead = spec.shape[:1] if stacked else ()
+      sources = _sources(name, item_shape)
+      for src, view, _, axis in sources:
+        stored = (*lead, *_stored_shape(view, axis))
+        if src not in tensors:
+          raise CheckpointError(f"{ckpt_dir}: tensor {src} is missing from {MANIFEST_FILE}")
+        if tuple(tensors[src]["shape"]) != stored:
+          raise CheckpointError(f"{ckpt_dir}: tensor {src} has shape {tuple(tensors[src]['shape'])} in the "
+                                f"checkpoint, the model expects {stored}")
       rows = item_shape[0] if item_shape else 1
-      step = info["part_rows"]
-      if not stacked and step >= rows:
+      if len(sources) == 1 and not stacked and tensors[name]["part_rows"] >= rows:
         restored[name] = reader.read(name, None, 0, spec.shape, dt, sharding)
         bar.update(1)
         continue
       slab_sharding = _slab_sharding(sharding, len(spec.shape), stacked)
       full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
-      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding)
-      for layer in (range(spec.shape[0]) if stacked else [None]):
-        for part, start in enumerate(range(0, rows, step)):
-          shape = (min(step, rows - start), *item_shape[1:])
-          slab = reader.read(name, layer, part, shape, dt, _fit_sharding(slab_sharding, shape))
-          lead = () if layer is None else (layer,)
-          offsets = tuple(jnp.int32(o) for o in (*lead, start, *[0] * (len(item_shape) - 1)))
-          full = place(full, slab, offsets)
-          del slab
-        bar.update(1)
+      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding, static_argnums=(3, 4))
+      for src, view, offset, axis in sources:
+        step = tensors[src]["part_rows"]
+        read_sharding = _drop_axis(slab_sharding, axis, len(item_shape))
+        for layer in (range(spec.shape[0]) if stacked else [None]):
+          for part, start in enumerate(range(0, rows, step)):
+            part_view = (min(step, rows - start), *view[1:])
+            shape = _stored_shape(part_view, axis)
+            slab = reader.read(src, layer, part, shape, dt, _fit_sharding(read_sharding, shape))
+            at = [0] * len(item_shape)
+            at[0] = start
+            at[axis] += offset
+            offsets = tuple(jnp.int32(o) for o in ((layer,) if stacked else ()) + tuple(at))
+            full = place(full, slab, offsets, part_view, axis)
+            del slab
+          bar.update(1)
       restored[name] = full
 
   def fill(path, leaf):

@@ -7,7 +7,7 @@ prefilled chunk by chunk, then every live request decodes together in one on-dev
 
 Every engine runs on a ("seq", "tensor") mesh of `run.seq` x `run.tensor` devices (one device: the plain
 single-device model). Parameters are placed with their logical-axis shardings; when the model has fewer KV heads
-than `tensor` devices (or `tensor` does not divide them), wk/wv are restored replicated and each KV head is
+than `tensor` devices (or `tensor` does not divide them), wqkv is restored replicated and each KV head is
 repeated the minimal number of times (lcjax.sharding.kv_head_replication), so the model the engine runs, and its
 cache, hold K * rep KV heads split evenly over `tensor`. The page pool is split over `seq` (a null page per shard,
 page-table slot m on shard m % seq) and the device cache with it.
@@ -152,8 +152,8 @@ def net_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):
 
 
 def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> object:
-  """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except that wk/wv stay
-  replicated over `tensor` when their KV heads do not split (they are repeated after placement)."""
+  """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except that wqkv stays
+  replicated over `tensor` when its KV heads do not split (they are repeated after placement)."""
   rep = kv_replication_for(model_cfg, mesh.shape[sh.TENSOR])
   abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))),
                        nnx.Param)
@@ -249,7 +249,7 @@ class Engine:
     planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *device_memory(mesh))
     if rep == 1:
       model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=run.dtype, mesh=mesh)
-    else:   # wk/wv restored replicated over tensor, then repeated into their shards by the engine
+    else:   # wqkv restored replicated over tensor, then repeated into its shards by the engine
       abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
       params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
       tokenizer = find_tokenizer(ckpt_dir)

@@ -84,20 +84,26 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention. Projections are [D, heads, H] so heads shard on `tensor` without reshapes."""
+  """Grouped-query attention. The projections are head-major so heads shard on `tensor` without reshapes.
+
+  wqkv [D, K, G + 2, H] is the query, key and value projection in one: per KV head its G query heads (query head
+  n = k * G + g, HF's order), then its key, then its value. One GEMM per layer: at batch-1 decode XLA rewrites a
+  dot under 10M multiply-adds, such as a separate [D, K * H] key projection, into a reduce fusion that reads its
+  weights at 1.4-1.7 TB/s (benchmarks/NOTES-longctx.md, session 4). Checkpoints keep one tensor per projection
+  (lcjax.checkpoint.store.FUSED assembles them on restore)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
     D, N, K, H = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     std = D ** -0.5
-    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, std, n_layers)
-    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, std, n_layers)
-    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, std, n_layers)
+    self.wqkv = _param(rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, std, n_layers)
     self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers)
 
   def qkv(self, x, positions, inv_freq):
-    q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])            # [B, T, N, H]
-    k = jnp.einsum("btd,dkh->btkh", x, self.wk[...])            # [B, T, K, H]
-    v = jnp.einsum("btd,dkh->btkh", x, self.wv[...])
+    B, T, _ = x.shape
+    qkv = jnp.einsum("btd,dkgh->btkgh", x, self.wqkv[...])      # [B, T, K, G + 2, H]
+    G = qkv.shape[3] - 2
+    q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
+    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
   def out(self, o):
@@ -105,16 +111,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+  """SwiGLU. w_gate_up [D, 2, F] is the gate and up projections in one GEMM (a larger GEMV at decode)."""
+
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
     D, F = cfg.dim, cfg.ffn_dim
-    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, D ** -0.5, n_layers)
-    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, D ** -0.5, n_layers)
+    self.w_gate_up = _param(rngs, (D, 2, F), ("embed", None, "mlp"), dtype, D ** -0.5, n_layers)
     self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers)
 
   def __call__(self, x):
-    g = jnp.einsum("btd,df->btf", x, self.w_gate[...])
-    u = jnp.einsum("btd,df->btf", x, self.w_up[...])
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.w_down[...])
+    gu = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...])   # [B, T, 2, F]
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.w_down[...])
 
 
 class Block(nnx.Module):
@@ -153,17 +159,23 @@ def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -
 
 
 def repeat_kv_heads(params, rep: int):
-  """Parameters with each KV head of wk/wv repeated `rep` times in place ([L, D, K, H] -> [L, D, K*rep, H]):
-  a model of K*rep KV heads that computes exactly the same function (query head n still reads original KV head
-  n // (N/K)), whose KV heads split over `tensor` when K alone does not."""
+  """Parameters with each KV head repeated `rep` times in place: a model of K * rep KV heads that computes exactly
+  the same function, whose KV heads split over `tensor` when K alone does not. wqkv [L, D, K, G + 2, H] becomes
+  [L, D, K * rep, G / rep + 2, H]: KV head k's G query heads are dealt in order to its rep copies, so query head n
+  keeps its index and still reads original KV head n // G (rep divides G: lcjax.sharding.kv_head_replication)."""
   if rep == 1:
     return params
 
   def one(path, leaf):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    if names[-2:] in (["attn", "wk"], ["attn", "wv"]):
-      return leaf.replace(jnp.repeat(leaf.get_value(), rep, axis=-2))
-    return leaf
+    if names[-2:] != ["attn", "wqkv"]:
+      return leaf
+    w = leaf.get_value()
+    *lead, K, G2, H = w.shape
+    G = G2 - 2
+    q = w[..., :G, :].reshape(*lead, K * rep, G // rep, H)
+    kv = jnp.repeat(w[..., G:, :], rep, axis=-3)
+    return leaf.replace(jnp.concatenate([q, kv], axis=-2))
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

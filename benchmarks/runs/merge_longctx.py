@@ -3,10 +3,9 @@
   python benchmarks/runs/merge_longctx.py
 
 Each row keeps the call that measured it (`call`, the per-call file beside it holds that call's command, device
-and versions, and its peer measured in the same call). `planned_gib` is recomputed by the planner at HEAD (the
-calls' own values predate its calibration), except for calls made before a change it models (OWN_PLAN). The one
-predicted row (Llama-3-8B with all 32 layers at 1M tokens,
-fp8 KV) is labelled `predicted: true` and says how it was extrapolated from the measured 8-layer run.
+and versions, and its peer measured in the same call). `planned_gib` is recomputed by the planner at HEAD (every
+merged call ran code whose memory the planner at HEAD models). The one predicted row (Llama-3-8B with all 32 layers
+at 1M tokens, fp8 KV) is labelled `predicted: true` and says how it was extrapolated from the measured 8-layer run.
 """
 from __future__ import annotations
 
@@ -23,13 +22,12 @@ from tools.bench_longctx import IMPLIED_OOM, markdown, plot, run_config  # noqa:
 
 RES = os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
-# (call, file): call J is the 8K-256K sweep with HF and the dense baseline, call I 512K with HF (both session 3,
-# at 16K chunks, the bf16 lm_head and the decode compile options); call G the 1M fp8 run with 8 of the 32 layers.
-# Older calls (A, B: 32K chunks, before the decode fixes) stay in their own files and benchmarks/NOTES-longctx.md.
-SOURCES = [("J", "longctx-h200-j.json"), ("I", "longctx-h200-i.json"), ("G", "longctx-h200-g-8layers.json")]
-# Calls measured before a change that the planner at HEAD models keep their own plan (HEAD's goes in a note).
-OWN_PLAN = {"G": "measured before the fp8 prefix was read in 128K-key blocks (session 3: 4 GiB less transient "
-                 "at 1M); the planner at HEAD gives {:.1f} GiB for the code as it is now"}
+# (call, file, implementations taken from it or None for all). Session 4 (fused projections, grouped decode loop):
+# call P is the 8K-256K sweep with HF, call Q 512K with HF, call O the 1M fp8 run with 8 of the 32 layers (fp8
+# prefix read in 128K-key blocks). The dense baseline's rows come from session 3's call J (8K ran, OOM from 32K:
+# the dense path did not change since). Older calls stay in their own files and benchmarks/NOTES-longctx.md.
+SOURCES = [("P", "longctx-h200-p.json", None), ("Q", "longctx-h200-q.json", None),
+           ("O", "longctx-h200-o-8layers.json", None), ("J", "longctx-h200-j.json", {"dense"})]
 # The issue's goals (one H200, Llama-3-8B shape, batch 1, peers in the same call).
 GOALS = dict(prefill_over_hf={131072: 0.85, 262144: 0.85, 524288: 0.75}, decode_ms={131072: 9.0, 524288: 22.0},
              overhead_gib=4.0)
@@ -48,25 +46,24 @@ def _run(impl: str, S: int, model: dict):
                     prefill_chunk=model["prefill_chunk"])
 
 
-def _predicted_1m(rows, model_g) -> dict:
-  """Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call G."""
-  g = next(r for r in rows if r["call"] == "G")
+def _predicted_1m(rows, model_o) -> dict:
+  """Llama-3-8B, 32 layers, 1M tokens, fp8 KV: extrapolated from the 8-layer run of call O."""
+  o = next(r for r in rows if r["call"] == "O")
   cfg32 = dataclasses.replace(preset("llama3-8b"), max_position=1 << 21)
   cfg8 = dataclasses.replace(cfg32, n_layers=8)
-  S = g["S"]
+  S = o["S"]
   flops = planlib.prefill_flops(cfg32, S) / planlib.prefill_flops(cfg8, S)
-  g_run = _run("lcjax-fp8kv", S, model_g)
-  p8, p32 = planlib.plan(cfg8, g_run), planlib.plan(cfg32, g_run)
+  o_run = _run("lcjax-fp8kv", S, model_o)
+  p8, p32 = planlib.plan(cfg8, o_run), planlib.plan(cfg32, o_run)
   bytes_ratio = (p32.weights + p32.kv_cache) / (p8.weights + p8.kv_cache)
-  return dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="G", note="predicted",
-              prefill_s=g["prefill_s"] * flops, prefill_tflops=g["prefill_tflops"],
-              decode_ms_per_token=g["decode_ms_per_token"] * bytes_ratio, peak_gib=None, planned_gib=p32.total / GiB,
+  return dict(impl="lcjax-fp8kv (predicted)", S=S, predicted=True, oom=False, call="O", note="predicted",
+              prefill_s=o["prefill_s"] * flops, prefill_tflops=o["prefill_tflops"],
+              decode_ms_per_token=o["decode_ms_per_token"] * bytes_ratio, peak_gib=None, planned_gib=p32.total / GiB,
               method=(f"prefill: the 8-layer run's time x its FLOP ratio ({flops:.2f}) at its measured "
-                      f"{g['prefill_tflops']:.0f} TFLOP/s; decode: x the ratio of bytes read per token "
-                      f"(weights + KV, {bytes_ratio:.2f}), from a run before the bf16 lm_head (call H: -1.0 ms per "
-                      f"token); memory: the planner at HEAD (blocked fp8 prefix reads, 32K chunks as call G ran), "
-                      f"whose version at call G matched that run's peak within "
-                      f"{abs(g['peak_gib'] - g['planned_gib']) / g['peak_gib']:.1%}"))
+                      f"{o['prefill_tflops']:.0f} TFLOP/s; decode: x the ratio of bytes read per token "
+                      f"(weights + KV, {bytes_ratio:.2f}); memory: the planner at HEAD (16K chunks as call O "
+                      f"ran), {(o['planned_gib'] - o['peak_gib']) / o['peak_gib']:+.1%} off that run's "
+                      f"measured peak"))
 
 
 def _goals(rows) -> list[dict]:
@@ -89,13 +86,15 @@ def _goals(rows) -> list[dict]:
 
 def main():
   rows, calls, models = [], {}, {}
-  for call, fname in SOURCES:
+  for call, fname, impls in SOURCES:
     d = json.load(open(os.path.join(RES, fname)))
     models[call] = d["model"]
     calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
     layers = d["model"].get("layers")
     oomed = set()
     for r in sorted(d["rows"], key=lambda r: r["S"]):
+      if impls is not None and r["impl"] not in impls:
+        continue
       r = dict(r, call=call)
       if r.get("oom") and r["impl"] in oomed and not r.get("skipped"):
         r["skipped"] = IMPLIED_OOM          # the bench's rule, for rows of calls made before it labelled them
@@ -105,18 +104,14 @@ def main():
         r["layers"] = layers
         r["impl"] = f"{r['impl']} ({layers} of 32 layers)"
       if r["impl"].startswith("lcjax") and not r.get("oom"):
-        head = planned(r["impl"].split()[0], r["S"], d["model"])
-        if call in OWN_PLAN:
-          r["note"] = OWN_PLAN[call].format(head)
-        else:
-          r["planned_gib"] = head
+        r["planned_gib"] = planned(r["impl"].split()[0], r["S"], d["model"])
       elif r["impl"] == "dense":
         r.pop("planned_gib", None)   # the planner models lcjax, not the dense baseline's O(S^2) scores
       rows.append(r)
-  rows.append(_predicted_1m(rows, models["G"]))
+  rows.append(_predicted_1m(rows, models["O"]))
   rows.sort(key=lambda r: (r["impl"], r["S"]))
   goals = _goals(rows)
-  result = dict(device=calls["J"]["device"], versions=calls["J"]["versions"],
+  result = dict(device=calls["P"]["device"], versions=calls["P"]["versions"],
                 command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
                 date=max(c["date"] for c in calls.values()),
                 model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, decode_steps=32,
@@ -145,7 +140,7 @@ def main():
   lines += ["", "Predicted row: " + next(r for r in rows if r.get("predicted"))["method"] + "."]
   with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  device_gib = float(calls["J"]["device"].split(",")[1].split()[0]) / 1024
+  device_gib = float(calls["P"]["device"].split(",")[1].split()[0]) / 1024
   plot(rows, os.path.join(RES, "longctx-h200"), device_gib)
   print("\n".join(lines))
 

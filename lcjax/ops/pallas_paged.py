@@ -4,7 +4,8 @@ Decode reads the whole cache once per step, so it is bound by HBM bandwidth: the
 page loads in flight on every SM. One program handles (sequence b, kv head h, split s): the G query heads of kv
 head h and the T query tokens of b form R = T * G rows that share every K/V page load (GQA without repeating K/V),
 and the split walks pages [s * pps, (s + 1) * pps) of b's page table with an online base-2 softmax. Each split
-writes a partial (out, lse) and `_combine` joins the splits exactly with log-sum-exp weights.
+writes a partial (out, lse) of its R0 = T * G real rows and `_combine` joins the splits exactly with log-sum-exp
+weights.
 
 Masking follows the contract: token j of the sequence is visible to row (t, g) iff j < kv_len[b] and
 j <= q_pos[b, t]. fp8 (e4m3) pages carry float32 scales per page and kv head ([P, K]); a page's K scale multiplies
@@ -65,7 +66,7 @@ def num_splits_for(tuning: PagedTuning, B, K, M):
 
 
 def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H, pps, upp, quantized,
-            scale_log2):
+            scale_log2, R0):
   if quantized:
     ks_ref, vs_ref, o_ref, lse_ref = rest
   else:
@@ -124,8 +125,12 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H
   m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
-  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+  # Only the R0 real rows are written (and read by _combine): padding rows would be 3/4 of the partials'
+  # traffic for Llama-3's 4 query heads per kv head at one token.
+  real = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) < R0
+  pltriton.store(o_ref, jnp.where(seen[:, None], acc / l_safe[:, None], 0.0),
+                 mask=jnp.broadcast_to(real[:, None], (R, H)))
+  pltriton.store(lse_ref, jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=real)
 
 
 def _combine(o, lse):
@@ -181,7 +186,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)
 
   kernel = lambda *refs: _kernel(*refs, Z=Z, Zb=Zb, H=H, pps=pps, upp=upp, quantized=quantized,
-                                 scale_log2=_LOG2E / math.sqrt(H))
+                                 scale_log2=_LOG2E / math.sqrt(H), R0=R0)
   whole = pl.no_block_spec                                              # whole-array refs, indexed in the kernel
   in_specs = [whole, whole,
               pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
@@ -203,9 +208,9 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
       interpret=interpret,
       name="lcjax_paged_decode",
   )(*args)
-  out, lse = _combine(o, lse)                                          # [B, K, R, H], [B, K, R]
-  out = out[:, :, :R0].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
-  lse = lse[:, :, :R0].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, N)
+  out, lse = _combine(o[..., :R0, :], lse[..., :R0])                  # [B, K, R0, H], [B, K, R0]
+  out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+  lse = lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, N)
   return out.astype(q.dtype), lse
 
 

@@ -16,6 +16,7 @@ def get_config():
   c.max_batch = 4
   c.prefill_chunk = 2048
   c.decode_steps = 32
+  c.decode_sync_every = 1
   c.attention = "auto"
   c.tensor = 1
   c.seq = 1

@@ -10,4 +10,5 @@ def get_config():
   c.max_context = 0          # the model's trained context
   c.prefill_chunk = 16384
   c.decode_steps = 128
+  c.decode_sync_every = 1
   return c

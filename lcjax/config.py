@@ -191,6 +191,9 @@ class RunConfig:
   max_batch: int = 4                 # sequences decoded together
   prefill_chunk: int = 2048          # tokens per prefill chunk (activation memory is bounded by this)
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
+  decode_sync_every: int = 1         # decode steps between host checks for EOS: N > 1 saves a device-to-host
+                                     # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
+                                     # last live request ends; for long fixed-length generation (benchmarks)
   attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
@@ -202,7 +205,7 @@ class RunConfig:
     if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
       raise ConfigError(f"cache_dtype={self.cache_dtype!r} must be auto, bfloat16, float32, float16 or "
                         "float8_e4m3fn")
-    for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "tensor", "seq"):
+    for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
     if self.prefill_chunk % self.page_size:

@@ -165,11 +165,12 @@ def test_fp8_cache_close_to_float32_cache():
   assert 0 < rel < 0.03, rel
 
 
-def test_decode_groups_match_one_step_per_check(monkeypatch):
-  """The decode loop tests `done` once per group of steps (a host sync): slots that end mid-group (EOS, or their
-  token budget) give the same tokens, finish reasons and pages back as with a check after every step."""
-  from lcjax.engine import steps as steps_mod
-  assert [steps_mod.sync_group(n) for n in (16, 12, 13, 7, 3, 1)] == [8, 6, 1, 7, 3, 1]
+def test_decode_groups_match_one_step_per_check():
+  """decode_sync_every > 1 tests `done` once per group of steps (a host sync): slots that end mid-group (EOS, or
+  their token budget) give the same tokens, finish reasons and pages back as with a check after every step."""
+  from lcjax.engine.steps import sync_group
+  assert [sync_group(n, 8) for n in (16, 12, 13, 7, 3, 1)] == [8, 6, 1, 7, 3, 1]
+  assert sync_group(16, 1) == 1
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (9, 30, 17)]
   budgets = dict(max_new_tokens=21)
@@ -178,10 +179,9 @@ def test_decode_groups_match_one_step_per_check(monkeypatch):
   j = next(j for j in range(1, 21) if free[1][j] not in free[1][:j] + free[0] + free[2])
   cfg = dataclasses.replace(TINY, eos_ids=(free[1][j],))
 
-  def run(group):
-    monkeypatch.setattr(steps_mod, "SYNC_GROUP", group)
+  def run(every):
     eng = Engine.random(cfg, run=RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256,
-                                           max_batch=3, decode_steps=16), seed=3)
+                                           max_batch=3, decode_steps=16, decode_sync_every=every), seed=3)
     res = eng.generate(prompts, **budgets)
     assert eng.pool.pages_used == 0
     return [(r.token_ids, r.finish_reason) for r in res]

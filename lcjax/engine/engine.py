@@ -178,7 +178,7 @@ class Engine:
     self.plan = planlib.plan(model_cfg, self.run)
     self.pool = PagePool(self.plan.num_pages, self.run.page_size, shards=self.run.seq)
     self.steps = Steps(self.graphdef, self.run.page_size, self.mesh,
-                       kvc.cache_shardings(self.mesh, self.fp8_cache))
+                       kvc.cache_shardings(self.mesh, self.fp8_cache), sync_every=self.run.decode_sync_every)
     self.cache = self._new_cache()
     self.eos = jnp.asarray(model_cfg.eos_ids or (-1,), jnp.int32)
     self.peak_pages_used = 0

@@ -22,11 +22,6 @@ from lcjax.cache import kv as kvc
 from lcjax.engine.sampling import sample
 
 
-# Largest number of decode steps between two host checks of the loop condition (see Steps._decode); at most
-# SYNC_GROUP - 1 steps run after every slot is done.
-SYNC_GROUP = 8
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
@@ -54,10 +49,12 @@ def decode_compiler_options() -> dict | None:
 
 
 class Steps:
-  def __init__(self, graphdef, page_size: int, mesh=None, cache_shardings=None):
-    """mesh, cache_shardings: the engine's mesh and the PagedKV of its pools' shardings (None: one device)."""
+  def __init__(self, graphdef, page_size: int, mesh=None, cache_shardings=None, sync_every: int = 1):
+    """mesh, cache_shardings: the engine's mesh and the PagedKV of its pools' shardings (None: one device).
+    sync_every: decode steps between host checks of the loop condition (RunConfig.decode_sync_every)."""
     self.graphdef = graphdef
     self.page_size = page_size
+    self.sync_every = sync_every
     rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     host = {} if mesh is None else dict(out_shardings=rep)
     self.forward = jax.jit(self._forward, **host)
@@ -90,7 +87,7 @@ class Steps:
     model = self._model(params)
     B = state.tokens.shape[0]
     Z = self.page_size
-    group = sync_group(steps)
+    group = sync_group(steps, self.sync_every)
 
     def one(c):
       i, st, cache, out = c
@@ -114,7 +111,8 @@ class Steps:
     def body(c):
       # `group` steps per test of the loop condition: the test is a device-to-host copy that stalls the GPU
       # (~0.1 ms a token at batch 1, benchmarks/NOTES-longctx.md session 4). Steps after every slot is done
-      # within a group run on the null page and emit -1, as done slots always have.
+      # within a group run on the null page and emit -1, as done slots always have: wasted, so grouping pays
+      # only for long generations (hence RunConfig.decode_sync_every defaults to 1).
       return jax.lax.fori_loop(0, group, lambda _, c: one(c), c) if group > 1 else one(c)
 
     out = jnp.full((B, steps), -1, jnp.int32)
@@ -122,7 +120,7 @@ class Steps:
     return out, state, cache
 
 
-def sync_group(steps: int) -> int:
-  """Decode steps run between two host checks of `done`: the largest divisor of `steps` up to SYNC_GROUP, so a
-  call never runs past `steps`."""
-  return max(d for d in range(1, min(SYNC_GROUP, steps) + 1) if steps % d == 0)
+def sync_group(steps: int, most: int) -> int:
+  """Decode steps run between two host checks of `done`: the largest divisor of `steps` up to `most`, so a call
+  never runs past `steps`."""
+  return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)

@@ -193,7 +193,8 @@ class RunConfig:
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
   decode_sync_every: int = 1         # decode steps between host checks for EOS: N > 1 saves a device-to-host
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
-                                     # last live request ends; for long fixed-length generation (benchmarks)
+                                     # last live request ends; for long fixed-length generation (benchmarks).
+                                     # Groups are the largest divisor of decode_steps up to N (1 if none)
   attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1

@@ -120,8 +120,8 @@ def param_shardings(state, mesh: jax.sharding.Mesh, *, replicate: frozenset[str]
   Leaves are either nnx Variables carrying metadata `axes` (an nnx State, concrete or from `nnx.eval_shape`)
   or plain tuples of logical names. The result is a tree prefix of the state, so it serves directly as
   `jax.device_put(state, shardings)` target and as jit `out_shardings`. Logical axes named in `replicate` are
-  left unsharded: a checkpoint's KV projections with fewer KV heads than `tensor` are restored replicated and
-  then repeated into their sharded layout (see `kv_head_replication`).
+  left unsharded: a checkpoint's wqkv with fewer KV heads than `tensor` is restored without its KV-head split
+  and then repeated into its sharded layout (see `kv_head_replication`, lcjax.engine.engine.checkpoint_shardings).
   """
   from flax import nnx  # lazily: L1 describes layouts and must import without the model's framework
 

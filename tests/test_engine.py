@@ -182,6 +182,7 @@ def test_decode_groups_match_one_step_per_check():
   def run(every):
     eng = Engine.random(cfg, run=RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256,
                                            max_batch=3, decode_steps=16, decode_sync_every=every), seed=3)
+    assert eng.steps.sync_every == every
     res = eng.generate(prompts, **budgets)
     assert eng.pool.pages_used == 0
     return [(r.token_ids, r.finish_reason) for r in res]

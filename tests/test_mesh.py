@@ -11,9 +11,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig
-from lcjax.engine.engine import Engine
+from lcjax.engine.engine import Engine, checkpoint_shardings
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
 
@@ -74,6 +75,10 @@ def ref():
 def test_mesh_matches_one_device(ref, tensor, seq):
   eng = engine(tensor, seq)
   assert eng.kv_rep == {1: 1, 2: 1, 4: 2, 8: 4}[tensor]
+  # Before its KV heads are repeated, the checkpoint-shaped wqkv is split along D, never whole on every device.
+  _, ckpt = checkpoint_shardings(eng.cfg, eng.mesh, "float32")
+  want = P(None, "tensor") if eng.kv_rep > 1 else P(None, None, "tensor", None, None)
+  assert ckpt["layers"]["attn"]["wqkv"].spec == want
   # Uncached forward (ring over the whole call), two rows.
   assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), ref["logits"]) <= 1e-4
   # Chunked paged prefill: 3 chunks of 32, the later ones against a prefix held by the seq shards.

@@ -89,8 +89,8 @@ def test_plan_kv_replication_and_comm_model():
   assert "KV heads replicated x2" in p16.table()
   p8 = planlib.plan(cfg, RunConfig(tensor=8, max_context=8192, max_batch=1))
   assert p8.kv_replication == 1
-  # Per device, both hold one KV head per layer in wqkv (its key and value) (16 repeated heads / 16, 8 / 8) and the replicated
-  # norms; everything else halves from tensor=8 to tensor=16.
+  # Per device, both hold one KV head's key and value per layer in wqkv (16 repeated heads / 16, 8 / 8) and the
+  # replicated norms; everything else halves from tensor=8 to tensor=16.
   D, L, H = cfg.dim, cfg.n_layers, cfg.head_dim
   norms, kv = (2 * L * D + D) * 2, L * 2 * D * H * 2
   assert p16.weights == (p8.weights - norms - kv) // 2 + norms + kv

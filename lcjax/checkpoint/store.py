@@ -51,7 +51,8 @@ class CheckpointError(ValueError):
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
-  """name -> (full shape, stacked over layers): the parameter tree of `lcjax.model.llama.Llama`."""
+  """name -> (full shape, stacked over layers): the tensors a checkpoint stores, i.e. the parameter tree of
+  `lcjax.model.llama.Llama` with each fused projection (FUSED) as the tensors it is assembled from."""
   D, N, K, H, F, V, L = (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size,
                          cfg.n_layers)
   shapes = {
@@ -360,7 +361,9 @@ def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sha
   if not (axis and isinstance(sharding, jax.sharding.NamedSharding)):
     return sharding
   spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-  assert spec[axis] is None, f"fused axis {axis} of {spec} is sharded"
+  if spec[axis] is not None:
+    raise ValueError(f"a fused tensor's sharding {spec} splits its fused axis {axis}; its stored parts cannot be "
+                     "read into that layout")
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:axis], *spec[axis + 1:]))
 
 
@@ -391,7 +394,8 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   """Restore a checkpoint into a tree shaped like `abstract_state`.
 
   abstract_state: `nnx.state(nnx.eval_shape(lambda: Llama(cfg, ...)), nnx.Param)` or any pytree whose leaves are
-    ShapeDtypeStruct (or nnx Variables holding them), with paths such as embed/embedding, layers/attn/wq.
+    ShapeDtypeStruct (or nnx Variables holding them), with paths such as embed/embedding, layers/attn/wqkv
+    (a FUSED tensor is assembled from its stored tensors).
   shardings: optional pytree of the same structure whose leaves are `jax.sharding.Sharding` (or Variables holding
     them). Leaves without one use the ShapeDtypeStruct's own `.sharding`, else the default device.
   dtype: the parameter dtype to cast to on restore (default: each abstract leaf's dtype).

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax import sharding as sh
 from lcjax.cache import kv as kvc
@@ -152,12 +153,21 @@ def net_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):
 
 
 def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> object:
-  """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except that wqkv stays
-  replicated over `tensor` when its KV heads do not split (they are repeated after placement)."""
-  rep = kv_replication_for(model_cfg, mesh.shape[sh.TENSOR])
+  """Shardings of a checkpoint-shaped parameter state on `mesh`: the logical-axis table, except when its KV heads
+  do not split over `tensor` (they are repeated after placement): then wqkv, whose only tensor-split axis is
+  the KV heads, is split along D instead, so no device holds all of it (query heads included: 13 GB for a 70B at
+  tensor=16) while the engine repeats its heads, and D stays whole where `tensor` does not divide it."""
+  T = mesh.shape[sh.TENSOR]
+  rep = kv_replication_for(model_cfg, T)
   abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))),
                        nnx.Param)
-  return abstract, sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
+  shardings = sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
+  if rep > 1 and model_cfg.dim % T == 0:
+    by_d = NamedSharding(mesh, PartitionSpec(None, sh.TENSOR))                     # [L, D, K, G + 2, H]
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: by_d if [getattr(k, "key", None) for k in path][-2:] == ["attn", "wqkv"] else leaf,
+        shardings)
+  return abstract, shardings
 
 
 class Engine:

@@ -340,19 +340,19 @@ def _fit_sharding(sharding: jax.sharding.Sharding, shape) -> jax.sharding.Shardi
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:len(shape)]))
 
 
-def _place(full, slab, offsets, view, axis):
-  """full with `slab` (a stored part, reshaped to its `view` within one layer) written at `offsets`. A fused view
-  has one axis more than the stored part (`axis`, unsharded); the rest keep the part's sharding, which meshes of
-  explicit axes need spelt out for a reshape that splits a sharded axis (wq's N into K x G)."""
+def _place(full, slab, offsets, view):
+  """full with `slab` (a stored part, reshaped to its `view` within one layer) written at `offsets`. On a mesh of
+  Explicit axes (jax.make_mesh's default) the update runs with auto axes: a part whose rows do not split over a
+  sharded axis is read whole on that axis, and an explicit dynamic_update_slice refuses shardings that differ."""
   shape = (1,) * (full.ndim - len(view)) + tuple(view)               # a layer of a stacked array
-  typed = jax.typeof(slab).sharding
-  spec = tuple(typed.spec) + (None,) * (slab.ndim - len(typed.spec))
-  if axis:
-    spec = (*spec[:axis], None, *spec[axis:])
-  spec = (None,) * (len(shape) - len(spec)) + spec
-  slab = jax.lax.reshape(slab, shape, out_sharding=jax.sharding.NamedSharding(typed.mesh,
-                                                                              jax.sharding.PartitionSpec(*spec)))
-  return jax.lax.dynamic_update_slice(full, slab.astype(full.dtype), offsets)
+
+  def put(full, slab):
+    return jax.lax.dynamic_update_slice(full, slab.reshape(shape).astype(full.dtype), offsets)
+
+  typed = jax.typeof(full).sharding
+  if any(t == jax.sharding.AxisType.Explicit for t in getattr(typed.mesh, "axis_types", ())):
+    return jax.sharding.auto_axes(put, out_sharding=typed)(full, slab)
+  return put(full, slab)
 
 
 def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sharding.Sharding:
@@ -444,7 +444,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
         continue
       slab_sharding = _slab_sharding(sharding, len(spec.shape), stacked)
       full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
-      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding, static_argnums=(3, 4))
+      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding, static_argnums=3)
       for src, view, offset, axis in sources:
         step = tensors[src]["part_rows"]
         read_sharding = _drop_axis(slab_sharding, axis, len(item_shape))
@@ -457,7 +457,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
             at[0] = start
             at[axis] += offset
             offsets = tuple(jnp.int32(o) for o in ((layer,) if stacked else ()) + tuple(at))
-            full = place(full, slab, offsets, part_view, axis)
+            full = place(full, slab, offsets, part_view)
             del slab
           bar.update(1)
       restored[name] = full

@@ -135,15 +135,14 @@ def test_bfloat16_cast_and_restore_dtype(hf_dirs, tmp_path):
   np.testing.assert_array_equal(got32["layers/attn/wqkv"], w.astype(np.float32))
 
 
-def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes):
+def _restore_with_specs(hf_dirs, tmp_path, mesh, specs):
+  """Convert the single-file HF model, restore it with `specs` (name -> PartitionSpec, others replicated) on
+  `mesh`, and check every array's sharding and values against the oracle."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   model, single, _ = hf_dirs
   dst = str(tmp_path / "ckpt")
   convert_hf(single, dst, progress=False)
-  mesh = jax.make_mesh((2, 2), ("seq", "tensor"), devices=jax.devices()[:4])
   abstract = _abstract(CFG)
-  specs = {"embed/embedding": P("tensor", None), "layers/attn/wqkv": P(None, None, "tensor", None, None),
-           "layers/mlp/w_gate_up": P(None, None, None, "tensor"), "layers/mlp/w_down": P(None, "tensor", None)}
   shardings = jax.tree_util.tree_map_with_path(
       lambda p, v: NamedSharding(mesh, specs.get("/".join(k.key for k in p), P())), abstract,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -156,26 +155,21 @@ def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes
     np.testing.assert_array_equal(np.asarray(arr), want[name], err_msg=name)
 
 
+def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes):
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2, 2), ("seq", "tensor"), devices=jax.devices()[:4])
+  _restore_with_specs(hf_dirs, tmp_path, mesh, {
+      "embed/embedding": P("tensor", None), "layers/attn/wqkv": P(None, None, "tensor", None, None),
+      "layers/mlp/w_gate_up": P(None, None, None, "tensor"), "layers/mlp/w_down": P(None, "tensor", None)})
+
+
 def test_restore_on_explicit_mesh_with_parts_that_do_not_split(hf_dirs, tmp_path, part_bytes):
   """jax.make_mesh's Explicit axes: the vocab (320) splits over tensor=5 but a 32-row stored part does not, so
   the part is read whole on that axis and placed into the split array."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  model, single, _ = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(single, dst, progress=False)
+  from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((1, 5), ("seq", "tensor"), devices=jax.devices()[:5])
   assert jax.sharding.AxisType.Explicit in mesh.axis_types
-  abstract = _abstract(CFG)
-  specs = {"embed/embedding": P("tensor", None)}
-  shardings = jax.tree_util.tree_map_with_path(
-      lambda p, v: NamedSharding(mesh, specs.get("/".join(k.key for k in p), P())), abstract,
-      is_leaf=lambda x: isinstance(x, nnx.Variable))
-  state = restore_params(dst, abstract, shardings, progress=False)
-  want = {"/".join(k): v for k, v in hf_oracle.hf_to_lcjax_state(model, CFG).items()}
-  for path, var in nnx.to_flat_state(state):
-    name = "/".join(map(str, path))
-    assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, specs.get(name, P())), var.ndim), name
-    np.testing.assert_array_equal(np.asarray(var.get_value()), want[name], err_msg=name)
+  _restore_with_specs(hf_dirs, tmp_path, mesh, {"embed/embedding": P("tensor", None)})
 
 
 def test_load_checkpoint_on_a_mesh(hf_dirs, tmp_path, part_bytes):

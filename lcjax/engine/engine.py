@@ -7,7 +7,7 @@ prefilled chunk by chunk, then every live request decodes together in one on-dev
 
 Every engine runs on a ("seq", "tensor") mesh of `run.seq` x `run.tensor` devices (one device: the plain
 single-device model). Parameters are placed with their logical-axis shardings; when the model has fewer KV heads
-than `tensor` devices (or `tensor` does not divide them), wqkv is restored replicated and each KV head is
+than `tensor` devices (or `tensor` does not divide them), wqkv is restored split along D and each KV head is
 repeated the minimal number of times (lcjax.sharding.kv_head_replication), so the model the engine runs, and its
 cache, hold K * rep KV heads split evenly over `tensor`. The page pool is split over `seq` (a null page per shard,
 page-table slot m on shard m % seq) and the device cache with it.
@@ -248,22 +248,19 @@ class Engine:
     tensor, seq, dtype override the run config's fields (default: its own). Every parameter is read straight
     into its shards on the mesh: a process reads only what its devices hold (multi-host included).
     """
-    from lcjax.checkpoint import load_checkpoint, load_config
+    from lcjax.checkpoint import load_config
     from lcjax.checkpoint.store import restore_params
     from lcjax.tokenizer import find_tokenizer
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides)
     mesh = _mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
-    _, rep = net_config(model_cfg, run)         # refuse a mesh the heads cannot split over before reading
+    net_config(model_cfg, run)                  # refuse a mesh the heads cannot split over before reading
     planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *device_memory(mesh))
-    if rep == 1:
-      model_cfg, params, tokenizer = load_checkpoint(ckpt_dir, dtype=run.dtype, mesh=mesh)
-    else:   # wqkv restored replicated over tensor, then repeated into its shards by the engine
-      abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
-      params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
-      tokenizer = find_tokenizer(ckpt_dir)
-    return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
+    # The logical-axis shardings, or wqkv split along D when its KV heads are repeated after placement.
+    abstract, shardings = checkpoint_shardings(model_cfg, mesh, run.dtype)
+    params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
+    return cls(model_cfg, params, run=run, tokenizer=find_tokenizer(ckpt_dir), mesh=mesh)
 
   # -- checks -------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:

@@ -66,7 +66,7 @@ def num_splits_for(tuning: PagedTuning, B, K, M):
 
 
 def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H, pps, upp, quantized,
-            scale_log2, R0):
+            scale_log2, T, G):
   if quantized:
     ks_ref, vs_ref, o_ref, lse_ref = rest
   else:
@@ -77,11 +77,19 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H
   b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   M = table_ref.shape[1]
   q = q_ref[...]                                                       # [R, H]
-  qpos = qpos_ref[...]                                                 # [R]; padded rows are -1
-  R = q.shape[0]
+  R, R0 = q.shape[0], T * G
+  # Row r = t * G + g sees up to position q_pos[b, t]; padded rows (r >= R0) see nothing. Built here from the
+  # T scalars rather than passed as a padded [B, R] array: that pad was one more XLA kernel per layer.
+  row = jax.lax.broadcasted_iota(jnp.int32, (R,), 0)
+  qpos = jnp.full((R,), -1, jnp.int32)
+  last = jnp.int32(-1)
+  for t in range(T):
+    pt = qpos_ref[b, t]
+    qpos = jnp.where((row >= t * G) & (row < (t + 1) * G), pt, qpos)
+    last = jnp.maximum(last, pt)
   kvl = kvlen_ref[b]
   # Keys past the last query position are invisible to every row.
-  lim_tok = jnp.minimum(kvl, jnp.max(qpos) + 1)
+  lim_tok = jnp.minimum(kvl, last + 1)
   # This program reads pages [s * pps, (s + 1) * pps) of the table, as blocks j of Zb keys (bpp per page).
   bpp = Z // Zb
   lim_tok = jnp.minimum(lim_tok, (s + 1) * pps * Z)                     # never read into the next split
@@ -127,7 +135,7 @@ def _kernel(kvlen_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H
   l_safe = jnp.where(seen, l, 1.0)
   # Only the R0 real rows are written (and read by _combine): padding rows would be 3/4 of the partials'
   # traffic for Llama-3's 4 query heads per kv head at one token.
-  real = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) < R0
+  real = row < R0
   pltriton.store(o_ref, jnp.where(seen[:, None], acc / l_safe[:, None], 0.0),
                  mask=jnp.broadcast_to(real[:, None], (R, H)))
   pltriton.store(lse_ref, jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=real)
@@ -181,15 +189,13 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - R0), (0, 0)))
   if quantized:
     qr = qr.astype(jnp.float16)                                        # see the fp8 note in _kernel
-  qpos = jnp.repeat(jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32), G, axis=1)
-  qpos = jnp.pad(qpos, ((0, 0), (0, R - R0)), constant_values=-1)      # padded rows see nothing
+  qpos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
   kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)
 
   kernel = lambda *refs: _kernel(*refs, Z=Z, Zb=Zb, H=H, pps=pps, upp=upp, quantized=quantized,
-                                 scale_log2=_LOG2E / math.sqrt(H), R0=R0)
+                                 scale_log2=_LOG2E / math.sqrt(H), T=T, G=G)
   whole = pl.no_block_spec                                              # whole-array refs, indexed in the kernel
-  in_specs = [whole, whole,
-              pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
+  in_specs = [whole, whole, whole,
               pl.BlockSpec((None, None, R, H), lambda b, h, s: (b, h, 0, 0)),
               whole, whole]
   args = [kvl, page_table.astype(jnp.int32), qpos, qr, k_pages, v_pages]

@@ -17,7 +17,6 @@ def get_config():
   c.prefill_chunk = 2048
   c.decode_steps = 32
   c.decode_sync_every = 1
-  c.decode_split_k = 1
   c.attention = "auto"
   c.tensor = 1
   c.seq = 1

@@ -195,9 +195,6 @@ class RunConfig:
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).
                                      # Groups are the largest divisor of decode_steps up to N (1 if none)
-  decode_split_k: int = 1            # decode (<= 16 tokens a call): the qkv, wo and down projections contract as
-                                     # this many float32 partial products (split-K by hand): a GEMV with few output
-                                     # tiles leaves SMs idle (benchmarks/NOTES-longctx.md, session 5)
   attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
@@ -209,8 +206,7 @@ class RunConfig:
     if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
       raise ConfigError(f"cache_dtype={self.cache_dtype!r} must be auto, bfloat16, float32, float16 or "
                         "float8_e4m3fn")
-    for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "decode_split_k",
-              "tensor", "seq"):
+    for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
     if self.prefill_chunk % self.page_size:

@@ -38,15 +38,6 @@ def test_cached_decode_equals_uncached_forward(eng):
   assert len(got) >= 32
 
 
-def test_split_k_decode_equals_uncached_forward(eng):
-  """decode_split_k=4 (the decode projections as four float32 partial products) changes no greedy token of the
-  cached decode against the plain model's uncached forward."""
-  prompt = list(np.random.default_rng(5).integers(3, TINY.vocab_size, 45))
-  got = _engine(decode_split_k=4).generate(prompt, max_new_tokens=40).token_ids
-  assert got == _greedy_uncached(eng, prompt, 40)[:len(got)]
-  assert len(got) >= 32
-
-
 def test_chunked_prefill_equals_one_shot():
   prompt = list(np.random.default_rng(1).integers(3, TINY.vocab_size, 100))
   one = _engine(prefill_chunk=128).generate(prompt, max_new_tokens=20).token_ids

@@ -236,6 +236,20 @@ def test_cudnn_paged_fp8(T, past, block):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
+@pytest.mark.parametrize("name", ["reference", "dense", "cudnn", "pallas"])
+def test_paged_page_offset(name):
+  """page_offset=o reads page table[b, m] + o: the pools with o junk pages in front give the oracle's answer."""
+  B, T, N, K, H, Z, M, P, off = 2, 1, 8, 2, 32, 16, 4, 10, 7
+  q, kp, vp, table, _, _, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P)
+  junk = lambda x: jnp.concatenate([jnp.full((off, *x.shape[1:]), 50.0, x.dtype), x])
+  kv_len = jnp.array([50, 21], jnp.int32)
+  q_pos = kv_len[:, None] - 1
+  be = {"reference": backends.ReferenceBackend(), "dense": backends.DenseBackend(), "cudnn": EMU,
+        "pallas": pallas_flash.PallasBackend(interpret=True)}[name]
+  got = be.paged(q, junk(kp), junk(vp), table, q_pos=q_pos, kv_len=kv_len, page_offset=off)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
 # ---------------------------------------------------------------- selection
 def test_backend_registry_and_reasons():
   assert backends.get_backend("reference").name == "reference"

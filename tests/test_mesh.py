@@ -94,14 +94,6 @@ def test_mesh_matches_one_device(ref, tensor, seq):
   assert eng.pool.pages_used == 0
 
 
-@pytest.mark.parametrize("tensor,seq", [(2, 4), (4, 2)])
-def test_decode_split_k_on_a_mesh(ref, tensor, seq):
-  """decode_split_k=2 on a mesh: the split contraction dims (embed, heads, mlp) are sharded or not; the greedy
-  tokens are the one-device engine's."""
-  got = [r.token_ids for r in engine(tensor, seq, decode_split_k=2).generate(PROMPTS, max_new_tokens=40)]
-  assert got == ref["greedy"]
-
-
 @pytest.mark.parametrize("tensor,seq", [(1, 8), (2, 4)])
 def test_long_prefill_then_many_decode_steps(tensor, seq):
   """230 prompt tokens (8 chunks) then 80 decode steps: the sequence's pages end up on every seq shard, and

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from lcjax.config import PRESETS, ModelConfig, RopeScaling, preset
-from lcjax.model.llama import Llama, contract
+from lcjax.model.llama import Llama
 from tests import hf_oracle
 
 # Published parameter counts (model cards / HF safetensors index totals).
@@ -48,33 +48,6 @@ def test_logits_match_hf_transformers(kw):
   scale = np.abs(ref).max()
   assert scale > 1.0, "oracle logits too small to be a meaningful check"
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4 * scale, rtol=0)
-
-
-def test_decode_split_k_matches_hf_transformers():
-  """Decode-shaped calls (B * T <= 16 tokens) with decode_split_k=2: the qkv, wo and down projections contract as
-  two float32 partials; the logits still match HF on the same weights."""
-  cfg = _cfg()
-  hf = hf_oracle.make_hf_llama(cfg, seed=4)
-  model = hf_oracle.load_into(Llama(cfg, dtype=jnp.float32, decode_split_k=2, rngs=nnx.Rngs(0)),
-                              hf_oracle.hf_to_lcjax_state(hf, cfg))
-  tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8))
-  ref = hf_oracle.hf_logits(hf, tokens)
-  got, _ = model(jnp.asarray(tokens, jnp.int32))
-  np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_contract_split_equals_one_product(n):
-  ks = jax.random.split(jax.random.key(0), 2)
-  x = jax.random.normal(ks[0], (2, 3, 8, 4)[:2 + n], jnp.float32)
-  w = jax.random.normal(ks[1], ((8, 4)[:n] if n == 2 else (4,)) + (5, 6), jnp.float32)
-  if n == 1:
-    x = x[..., :4]
-  want = np.tensordot(np.asarray(x, np.float64), np.asarray(w, np.float64), n)
-  for split in (1, 2, 4):
-    np.testing.assert_allclose(np.asarray(contract(x, w, n, split)), want, rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="decode_split_k=3 does not divide the contracted dimension"):
-    contract(x, w, n, 3)
 
 
 def test_bf16_close_to_f32():

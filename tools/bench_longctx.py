@@ -40,8 +40,6 @@ flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: lcjax, lc
 flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill")
 flags.DEFINE_integer("decode_sync_every", 8, "lcjax decode steps between host checks for EOS (RunConfig field; "
                      "random weights have no EOS, so no step is wasted; the session-4 calls ran with 8)")
-flags.DEFINE_integer("decode_split_k", 0, "lcjax decode projections as this many partial products (RunConfig "
-                     "field; 0: its default)")
 flags.DEFINE_integer("prefill_chunk", 16384, "lcjax prefill chunk (16K: peak within weights + KV + 4 GiB on "
                      "the 8B shape at 1.7% of 128K prefill time against 32K chunks, call H)")
 flags.DEFINE_integer("page_size", 64, "lcjax page size")
@@ -69,7 +67,7 @@ def _model_cfg():
 
 
 def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_chunk: int,
-               dtype: str = "bfloat16", attention: str = "auto", sync_every: int = 1, split_k: int = 0):
+               dtype: str = "bfloat16", attention: str = "auto", sync_every: int = 1):
   """The RunConfig an implementation's row of context S runs with: room for S + decode_steps tokens, one
   sequence, chunks of prefill_chunk (dense: the whole prompt at once), fp8 pages for lcjax-fp8kv."""
   from lcjax.config import RunConfig
@@ -78,8 +76,7 @@ def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_
   return RunConfig(dtype=dtype, cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto",
                    page_size=page_size, max_context=ctx, max_batch=1,
                    prefill_chunk=-(-chunk // page_size) * page_size, decode_steps=decode_steps,
-                   decode_sync_every=sync_every, attention="dense" if impl == "dense" else attention,
-                   **({"decode_split_k": split_k} if split_k else {}))
+                   decode_sync_every=sync_every, attention="dense" if impl == "dense" else attention)
 
 
 def _limit(impl: str) -> int:
@@ -127,7 +124,7 @@ def worker_jax(impl: str):
       continue
     run = run_config(impl, S, page_size=FLAGS.page_size, decode_steps=FLAGS.decode_steps,
                      prefill_chunk=FLAGS.prefill_chunk, dtype=FLAGS.dtype, attention=FLAGS.attention,
-                     sync_every=FLAGS.decode_sync_every, split_k=FLAGS.decode_split_k)
+                     sync_every=FLAGS.decode_sync_every)
     plan = planlib.plan(cfg, run)
     # The planner models lcjax's paged, chunked engine, not the dense baseline's O(S^2) scores.
     planned = None if impl == "dense" else plan.total / GiB
@@ -275,7 +272,7 @@ def orchestrate():
     remaining = FLAGS.time_budget_s - (time.time() - start)
     argv = [sys.executable, os.path.abspath(__file__), f"--worker={impl}", f"--deadline={time.time() + remaining}"]
     argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "decode_sync_every",
-                                                      "decode_split_k", "prefill_chunk", "page_size", "attention", "dtype")]
+                                                      "prefill_chunk", "page_size", "attention", "dtype")]
     argv += ["--contexts=" + ",".join(FLAGS.contexts), "--limits=" + ",".join(FLAGS.limits)]
     print(f"== {impl}: {' '.join(argv[2:])}", flush=True)
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
@@ -298,14 +295,12 @@ def orchestrate():
 
 
 def write_results(rows):
-  from lcjax.config import RunConfig
   rows = sorted(rows, key=lambda r: (r["impl"], r["S"]))
   dev = benchlib.device_name()
   result = dict(device=dev, versions=benchlib.versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
                            decode_steps=FLAGS.decode_steps, decode_sync_every=FLAGS.decode_sync_every,
-                           decode_split_k=FLAGS.decode_split_k or RunConfig().decode_split_k,
                            prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size,
                            attention=FLAGS.attention), rows=rows)
   stem = os.path.join(FLAGS.out, FLAGS.name)

@@ -33,8 +33,6 @@ flags.DEFINE_integer("context", 32768, "tokens prefilled before the traced call"
 flags.DEFINE_integer("steps", 16, "decode steps per call")
 flags.DEFINE_integer("decode_sync_every", 8, "decode steps between host checks for EOS (random weights: no EOS, so "
                      "no step is wasted; the session-4 profiles ran with 8)")
-flags.DEFINE_integer("decode_split_k", 0, "decode projections as this many partial products (0: RunConfig's "
-                     "default)")
 flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "what to trace")
 flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
 flags.DEFINE_string("attention", "auto", "attention backend")
@@ -82,7 +80,6 @@ def main(argv):
   ctx = -(-(FLAGS.context + 4 * FLAGS.steps + 2) // page) * page
   run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
                   decode_sync_every=FLAGS.decode_sync_every,
-                  **({"decode_split_k": FLAGS.decode_split_k} if FLAGS.decode_split_k else {}),
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
                   cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention)
   eng = Engine.random(cfg, run=run, seed=0)
@@ -120,8 +117,7 @@ def main(argv):
   kv_bytes = p.kv_cache * FLAGS.context / max(p.tokens_capacity, 1)
   floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
-                steps=FLAGS.steps, decode_sync_every=FLAGS.decode_sync_every,
-                decode_split_k=run.decode_split_k, xla_flags=FLAGS.xla_flags,
+                steps=FLAGS.steps, decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
                 attention=eng.attention.name,
                 wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
                 floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})

@@ -11,6 +11,14 @@ Each variant reads the 32 stacked weights of one projection in a lax.scan, as th
 Prints TB/s of weights read per variant and checks every variant against the float32 product.
 
   python3 benchmarks/runs/gemv_probe.py [--interpret]   (--interpret: tiny shapes on the CPU, correctness only)
+
+Outcome (call S, benchmarks/results/decode-profile/gemv-probe-s.json): only the pallas rows compare with the
+model. The xla and split rows here run at 1.2-1.3 TB/s on every shape, gate_up included (4.1 TB/s in the model's
+profile): this scan materialises each layer's weight slice before the dot, which the model's scan does not (its
+GEMMs read the stack in place through dynamic-slice fusions). The Pallas GEMV reached 2.4 (qkv), 2.3 (wo), 3.4
+(gate_up) and 3.1 TB/s (down) at 8 splits, below cuBLAS in the model (3.2, ~2.8, 4.1, ~4.0): not pursued. Split-K
+by hand inside the model (float32 partials of a batched dot) made XLA convert the weights to float32 and call
+cuBLAS's legacy gemv: 128K decode 9.18 -> 15.35 (split 2) / 14.32 ms (split 4). Dropped.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from lcjax.config import ConfigError, ModelConfig, RunConfig
 from lcjax.engine import plan as planlib
 from lcjax.engine.sampling import SamplingParams, stack as stack_sampling
 from lcjax.engine.steps import DecodeState, Steps
-from lcjax.model.llama import Llama, check_mesh, check_split_k, repeat_kv_heads
+from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
 from lcjax.ops.backends import get_backend
 
 
@@ -134,7 +134,6 @@ def net_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig, int
   net = dataclasses.replace(model_cfg, n_kv_heads=model_cfg.n_kv_heads * rep)
   try:
     check_mesh(net, run.tensor, run.seq, run.sp_mode)
-    check_split_k(net, run.decode_split_k)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return net, rep
@@ -144,7 +143,7 @@ def net_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs
   """The engine's model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
   net, _ = net_config(model_cfg, run)
   return Llama(net, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               decode_split_k=run.decode_split_k, rngs=rngs or nnx.Rngs(0))
+               rngs=rngs or nnx.Rngs(0))
 
 
 def net_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):

@@ -68,30 +68,6 @@ def _param(rngs, shape, axes, dtype, std, n_layers=None):
   return nnx.Param(value, axes=axes)
 
 
-# A call of at most this many tokens (B * T) is decode-shaped: its projections are GEMVs, bound by the weights' bytes.
-DECODE_TOKENS = 16
-
-
-def contract(x, w, n, split=1):
-  """x [..., c1..cn] . w [c1..cn, ...] -> [..., ...] in x's dtype: every projection of the model.
-
-  split > 1 contracts as `split` partial products over equal slices of c1 (a batched dot with float32 partials,
-  summed after: split-K by hand). At decode a GEMV with few output tiles (a [4096 -> 4096] projection) keeps too
-  few SMs loading weights; the partials cost split x the outputs, nothing at batch 1. The slices are views: c1
-  is the weights' major axis."""
-  b = x.ndim - n
-  if split == 1:
-    return lax.dot_general(x, w, ((tuple(range(b, x.ndim)), tuple(range(n))), ((), ())))
-  c1 = w.shape[0]
-  if c1 % split:
-    raise ValueError(f"decode_split_k={split} does not divide the contracted dimension {c1}")
-  xs = x.reshape(*x.shape[:b], split, c1 // split, *x.shape[b + 1:])
-  ws = w.reshape(split, c1 // split, *w.shape[1:])
-  y = lax.dot_general(xs, ws, ((tuple(range(b + 1, b + 1 + n)), tuple(range(1, 1 + n))), ((b,), (0,))),
-                      preferred_element_type=jnp.float32)              # [split, ..., ...]
-  return y.sum(0).astype(x.dtype)
-
-
 def rms_norm(x, scale, eps):
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -122,16 +98,16 @@ class Attention(nnx.Module):
     self.wqkv = _param(rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, std, n_layers)
     self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers)
 
-  def qkv(self, x, positions, inv_freq, split=1):
+  def qkv(self, x, positions, inv_freq):
     B, T, _ = x.shape
-    qkv = contract(x, self.wqkv[...], 1, split)                  # [B, T, K, G + 2, H]
+    qkv = jnp.einsum("btd,dkgh->btkgh", x, self.wqkv[...])      # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-  def out(self, o, split=1):
-    return contract(o, self.wo[...], 2, split)                   # [B, T, D]
+  def out(self, o):
+    return jnp.einsum("btnh,nhd->btd", o, self.wo[...])
 
 
 class MLP(nnx.Module):
@@ -142,9 +118,9 @@ class MLP(nnx.Module):
     self.w_gate_up = _param(rngs, (D, 2, F), ("embed", None, "mlp"), dtype, D ** -0.5, n_layers)
     self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers)
 
-  def __call__(self, x, split=1):
-    gu = contract(x, self.w_gate_up[...], 1)                     # [B, T, 2, F]: enough output tiles unsplit
-    return contract(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.w_down[...], 1, split)
+  def __call__(self, x):
+    gu = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...])   # [B, T, 2, F]
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.w_down[...])
 
 
 class Block(nnx.Module):
@@ -182,13 +158,6 @@ def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -
     check_ulysses(cfg.n_heads // tensor, cfg.n_kv_heads // tensor, seq)
 
 
-def check_split_k(cfg: ModelConfig, split: int) -> None:
-  """Raise unless `split` divides every dimension the decode projections contract (contract(split=...))."""
-  for name, n in (("dim", cfg.dim), ("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim)):
-    if n % split:
-      raise ValueError(f"decode_split_k={split} does not divide {name}={n}")
-
-
 def repeat_kv_heads(params, rep: int):
   """Parameters with each KV head repeated `rep` times in place: a model of K * rep KV heads that computes exactly
   the same function, whose KV heads split over `tensor` when K alone does not. wqkv [L, D, K, G + 2, H] becomes
@@ -213,9 +182,8 @@ def repeat_kv_heads(params, rep: int):
 
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
-               sp_mode: str = "ring", decode_split_k: int = 1, rngs: nnx.Rngs):
+               sp_mode: str = "ring", rngs: nnx.Rngs):
     self.cfg = cfg
-    self.decode_split_k = decode_split_k      # see contract(); RunConfig.decode_split_k
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
@@ -262,7 +230,7 @@ class Llama(nnx.Module):
     k_all = kvc.write_layer(k_all, kvc.quantize(k, k_scale), step.slots, layer)
     v_all = kvc.write_layer(v_all, kvc.quantize(v, v_scale), step.slots, layer)
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
-    table = step.page_table + layer * P
+    table, offset = step.page_table, layer * P
     # Only this layer's pages are read, so its scale can stand for every page.
     ks = None if k_scale is None else jnp.broadcast_to(k_scale, (L * P, k_scale.shape[-1]))
     vs = None if v_scale is None else jnp.broadcast_to(v_scale, (L * P, v_scale.shape[-1]))
@@ -272,11 +240,11 @@ class Llama(nnx.Module):
       o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
                                    causal=True)
       o_pre, lse_pre = be.paged(q, k_pool, v_pool, table, q_pos=step.positions,
-                                kv_len=step.prefix_len, k_scale=ks, v_scale=vs)
+                                kv_len=step.prefix_len, k_scale=ks, v_scale=vs, page_offset=offset)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     else:
       o, _ = be.paged(q, k_pool, v_pool, table, q_pos=step.positions, kv_len=step.kv_len,
-                      k_scale=ks, v_scale=vs)
+                      k_scale=ks, v_scale=vs, page_offset=offset)
     return o, (k_all, v_all)
 
   def _attend_mesh(self, q, k, v, step: _Step, cache_l):
@@ -344,13 +312,11 @@ class Llama(nnx.Module):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
 
   def _layer(self, block: Block, x, step: _Step, cache_l):
-    B, T, _ = x.shape
-    split = self.decode_split_k if B * T <= DECODE_TOKENS else 1
     h = block.attn_norm(x)
-    q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg), split)
+    q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg))
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
-    x = self._constrain(x + block.attn.out(o, split), self._x_axes(step))
-    x = self._constrain(x + block.mlp(block.mlp_norm(x), split), self._x_axes(step))
+    x = self._constrain(x + block.attn.out(o), self._x_axes(step))
+    x = self._constrain(x + block.mlp(block.mlp_norm(x)), self._x_axes(step))
     return x, new_cache_l
 
   @staticmethod

@@ -2,7 +2,8 @@
 
 A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
 `backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
-`(out, lse)` contract of `lcjax.ops.attention`. `why_not(...)` returns the reason a backend cannot serve a shape
+`(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
+the pools (the model passes one layer's pages as an offset into the pools of every layer). `why_not(...)` returns the reason a backend cannot serve a shape
 (or None), so `auto` can fall back to one that can and say why.
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ class ReferenceBackend:
     return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, causal=causal,
                                    block_k=self.block_k)
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
-    return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+    return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kv_len,
                                          pages_per_block=self.pages_per_block, k_scale=k_scale,
                                          v_scale=v_scale)
 
@@ -51,9 +52,10 @@ class DenseBackend:
       q_pos = q_pos - k_start[:, None]
     return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     B, M = page_table.shape
     Z = k_pages.shape[1]
+    page_table = page_table + page_offset
 
     def gather(pages, scale):
       return ref.gather_pages(pages, scale, page_table, q.dtype).reshape(B, M * Z, *pages.shape[2:])

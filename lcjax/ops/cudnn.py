@@ -314,11 +314,12 @@ class CudnnBackend:
     case = jnp.where(~ok, 0, jnp.where(jnp.all(d == 0), 1, jnp.where(jnp.all(d >= S - 1), 2, 3)))
     return lax.switch(case, (reference, diagonal, past, split))
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     B, T, N, H = q.shape
     Z = k_pages.shape[1]
     M = page_table.shape[1]
     scale = 1.0 / math.sqrt(H)
+    page_table = page_table + page_offset
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     fp8 = jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn

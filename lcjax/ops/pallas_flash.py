@@ -343,16 +343,17 @@ class PallasBackend:
                     lambda: run(d, causal=True),
                     lambda: ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True))
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops import pallas_paged
     B, T, N, H = q.shape
     K = k_pages.shape[2]
     tuning = self._decode_tuning()
     if T * (N // K) <= tuning.max_rows:
       return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                       k_scale=k_scale, v_scale=v_scale, tuning=tuning, interpret=self.interpret)
+                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
+                                       interpret=self.interpret)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
     # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
     from lcjax.ops.cudnn import CudnnBackend
-    return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
-                                v_scale=v_scale)
+    return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                                      k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)

@@ -9,6 +9,7 @@ import pytest
 
 from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
+from lcjax.engine.sampling import SamplingParams
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
@@ -66,6 +67,25 @@ def test_batch_equals_alone(eng):
   alone = [eng.generate(p, max_new_tokens=24, sampling=sampling).token_ids for p in prompts]
   assert together == alone
   assert eng.pool.pages_used == 0   # every page came back
+
+
+def test_greedy_decode_loop_equals_the_general_sampler(eng, monkeypatch):
+  """A batch of greedy requests decodes in a loop compiled without the top-k / top-p sort (greedy=True); a greedy
+  request batched with a sampled one goes through the general sampler. Its tokens are the same either way."""
+  rng = np.random.default_rng(8)
+  prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (30, 12)]
+  flags = []
+  real = eng.steps.decode
+  monkeypatch.setattr(eng.steps, "decode", lambda *a, **k: (flags.append(k["greedy"]), real(*a, **k))[1])
+  alone = eng.generate(prompts[0], max_new_tokens=24).token_ids
+  assert flags and all(flags)
+  flags.clear()
+  reqs = eng._make_requests(prompts, 24, None)
+  reqs[1].sampling = SamplingParams(temperature=1.0, seed=3)
+  for _ in eng._run(reqs):
+    pass
+  assert flags and not any(flags)
+  assert eng._result(reqs[0]).token_ids == alone
 
 
 def test_more_requests_than_batch_slots_and_pages():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lcjax.engine.sampling import SamplingParams, sample, stack
+from lcjax.engine.sampling import SamplingParams, all_greedy, sample, stack
 
 
 def _draw(logits, params, n, start=0):
@@ -24,6 +24,15 @@ def test_greedy_is_argmax():
   lg = rng.normal(size=(5, 50)).astype(np.float32)
   out = sample(jnp.asarray(lg), stack([SamplingParams()] * 5), jnp.zeros(5, jnp.int32))
   np.testing.assert_array_equal(np.asarray(out), lg.argmax(-1))
+
+
+def test_greedy_flag_skips_only_what_greedy_rows_ignore():
+  lg = jnp.asarray(np.random.default_rng(1).normal(size=(4, 300)).astype(np.float32))
+  params = [SamplingParams(top_k=5, top_p=0.5, seed=s) for s in range(4)]     # temperature 0: greedy
+  assert all_greedy(params) and not all_greedy(params + [SamplingParams(temperature=0.5)])
+  pos = jnp.arange(4, dtype=jnp.int32)
+  np.testing.assert_array_equal(np.asarray(sample(lg, stack(params), pos, greedy=True)),
+                                np.asarray(sample(lg, stack(params), pos)))
 
 
 def test_temperature_frequencies_follow_softmax():

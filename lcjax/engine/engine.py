@@ -34,7 +34,7 @@ from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePool, PagePoolExhausted
 from lcjax.config import ConfigError, ModelConfig, RunConfig
 from lcjax.engine import plan as planlib
-from lcjax.engine.sampling import SamplingParams, stack as stack_sampling
+from lcjax.engine.sampling import SamplingParams, all_greedy, stack as stack_sampling
 from lcjax.engine.steps import DecodeState, Steps
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
 from lcjax.ops.backends import get_backend
@@ -539,11 +539,12 @@ class Engine:
     for b, s in enumerate(seqs):
       if s is not None:
         table[b] = self.pool.page_table_array([s], self.table_width)[0]
-    sp = stack_sampling([r.sampling if r is not None else SamplingParams() for r in live])
+    sampling = [r.sampling if r is not None else SamplingParams() for r in live]
+    sp = stack_sampling(sampling)
     state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
     t0 = time.perf_counter()
     out, state, self.cache = self.steps.decode(self.params, self.cache, state, sp, jnp.asarray(table), self.eos,
-                                               steps=self.run.decode_steps)
+                                               steps=self.run.decode_steps, greedy=all_greedy(sampling))
     out = np.asarray(out)
     dt = time.perf_counter() - t0
     final_done = np.asarray(state.done)

@@ -60,10 +60,19 @@ def stack(params: list[SamplingParams]) -> dict:
               seed=jnp.asarray([p.seed for p in params], jnp.uint32))
 
 
-def sample(logits, sp: dict, positions):
-  """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32."""
+def all_greedy(params: list[SamplingParams]) -> bool:
+  """Whether a batch needs no random draw: `sample(..., greedy=True)` then skips the vocabulary sort."""
+  return all(p.temperature == 0 for p in params)
+
+
+def sample(logits, sp: dict, positions, greedy: bool = False):
+  """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32.
+  greedy=True (static; every row's temperature is 0, `all_greedy`) returns the argmax without the top-k / top-p
+  machinery, whose [B, V] sort is ~0.08 ms a token on an H200 for a 128K vocabulary (call T)."""
   B, V = logits.shape
   greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if greedy:
+    return greedy_tok
   temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
   scaled = logits / temp[:, None]
   desc = -jnp.sort(-scaled, axis=-1)                                             # [B, V] descending

@@ -61,7 +61,7 @@ class Steps:
     self.kv_absmax = jax.jit(lambda params, tokens: self._model(params)(tokens, return_kv_absmax=True), **host)
     self.prefill = jax.jit(self._prefill, donate_argnames=("cache",),
                            **({} if mesh is None else dict(out_shardings=(rep, cache_shardings))))
-    self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps",),
+    self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps", "greedy"),
                           compiler_options=decode_compiler_options(),
                           **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
     self.first_token = jax.jit(sample, **host)
@@ -81,9 +81,11 @@ class Steps:
                                         prefix_len=prefix_len, lengths=lengths, logits_at=lengths - 1)
     return logits[:, 0], cache
 
-  def _decode(self, params, cache, state: DecodeState, sp, page_table, eos_ids, *, steps: int):
+  def _decode(self, params, cache, state: DecodeState, sp, page_table, eos_ids, *, steps: int,
+              greedy: bool = False):
     """Up to `steps` tokens for every live slot, stopping early when all are done. Returns tokens [B, steps]
-    (-1 where a slot produced nothing), the new state and the cache."""
+    (-1 where a slot produced nothing), the new state and the cache. greedy: every slot samples greedily
+    (sampling.all_greedy; a second compiled loop, without the vocabulary sort)."""
     model = self._model(params)
     B = state.tokens.shape[0]
     Z = self.page_size
@@ -95,7 +97,7 @@ class Steps:
       slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots write the null page
       logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slot[:, None],
                             page_table=page_table, kv_len=st.pos + 1)
-      nxt = sample(logits[:, 0], sp, st.pos + 1)
+      nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
       live = ~st.done
       out = out.at[:, i].set(jnp.where(live, nxt, -1))
       remaining = st.remaining - live.astype(jnp.int32)

@@ -22,12 +22,16 @@ from tools.bench_longctx import IMPLIED_OOM, markdown, plot, run_config  # noqa:
 
 RES = os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
-# (call, file, implementations taken from it or None for all). Session 4 (fused projections, grouped decode loop):
-# call P is the 8K-256K sweep with HF, call Q 512K with HF, call O the 1M fp8 run with 8 of the 32 layers (fp8
-# prefix read in 128K-key blocks). The dense baseline's rows come from session 3's call J (8K ran, OOM from 32K:
-# the dense path did not change since). Older calls stay in their own files and benchmarks/NOTES-longctx.md.
-SOURCES = [("P", "longctx-h200-p.json", None), ("Q", "longctx-h200-q.json", None),
-           ("O", "longctx-h200-o-8layers.json", None), ("J", "longctx-h200-j.json", {"dense"})]
+# (call, file, implementations taken from it or None for all, contexts taken from it or None for all).
+# Session 5 (one Pallas kernel joins the split partials, the page offset read in the kernel, greedy batches decode
+# without the sampler's sort): call W is the 8K-128K sweep with HF, call V's 256K row with HF (V ran on a machine
+# ~3% slow on everything, HF included). Session 4 (fused projections, grouped decode loop): call Q 512K with HF,
+# call O the 1M fp8 run with 8 of the 32 layers (fp8 prefix read in 128K-key blocks). The dense baseline's rows
+# come from session 3's call J (8K ran, OOM from 32K: the dense path did not change since). Older calls stay in
+# their own files and benchmarks/NOTES-longctx.md.
+SOURCES = [("W", "longctx-h200-w.json", None, None), ("V", "longctx-h200-v.json", None, {262144}),
+           ("Q", "longctx-h200-q.json", None, None), ("O", "longctx-h200-o-8layers.json", None, None),
+           ("J", "longctx-h200-j.json", {"dense"}, None)]
 # The issue's goals (one H200, Llama-3-8B shape, batch 1, peers in the same call).
 GOALS = dict(prefill_over_hf={131072: 0.85, 262144: 0.85, 524288: 0.75}, decode_ms={131072: 9.0, 524288: 22.0},
              overhead_gib=4.0)
@@ -86,14 +90,14 @@ def _goals(rows) -> list[dict]:
 
 def main():
   rows, calls, models = [], {}, {}
-  for call, fname, impls in SOURCES:
+  for call, fname, impls, contexts in SOURCES:
     d = json.load(open(os.path.join(RES, fname)))
     models[call] = d["model"]
     calls[call] = dict(file=fname, command=d["command"], date=d["date"], device=d["device"], versions=d["versions"])
     layers = d["model"].get("layers")
     oomed = set()
     for r in sorted(d["rows"], key=lambda r: r["S"]):
-      if impls is not None and r["impl"] not in impls:
+      if (impls is not None and r["impl"] not in impls) or (contexts is not None and r["S"] not in contexts):
         continue
       r = dict(r, call=call)
       if r.get("oom") and r["impl"] in oomed and not r.get("skipped"):
@@ -111,11 +115,13 @@ def main():
   rows.append(_predicted_1m(rows, models["O"]))
   rows.sort(key=lambda r: (r["impl"], r["S"]))
   goals = _goals(rows)
-  result = dict(device=calls["P"]["device"], versions=calls["P"]["versions"],
+  first = calls[SOURCES[0][0]]
+  result = dict(device=first["device"], versions=first["versions"],
                 command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
                 date=max(c["date"] for c in calls.values()),
-                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, decode_steps=32,
-                           page_size=64, prefill_chunk={c: m["prefill_chunk"] for c, m in models.items()}),
+                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, page_size=64,
+                           decode_steps={c: m["decode_steps"] for c, m in models.items()},
+                           prefill_chunk={c: m["prefill_chunk"] for c, m in models.items()}),
                 rows=rows, goals=goals)
   with open(os.path.join(RES, "longctx-h200.json"), "w") as f:
     json.dump(result, f, indent=1)
@@ -134,13 +140,13 @@ def main():
   for q in goals:
     lines.append(f"| {q['impl']} | {q['S']:,} | {q['call']} | "
                  f"{fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
-                 f"{fmt(q['decode_ms'], '{:.1f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | "
+                 f"{fmt(q['decode_ms'], '{:.2f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | "
                  f"{fmt(q['decode_over_hf'])} | {fmt(q['peak_over_hf'])} | "
                  f"{fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
   lines += ["", "Predicted row: " + next(r for r in rows if r.get("predicted"))["method"] + "."]
   with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  device_gib = float(calls["P"]["device"].split(",")[1].split()[0]) / 1024
+  device_gib = float(first["device"].split(",")[1].split()[0]) / 1024
   plot(rows, os.path.join(RES, "longctx-h200"), device_gib)
   print("\n".join(lines))
 

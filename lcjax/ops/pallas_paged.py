@@ -136,7 +136,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
   m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  # Only the R0 real rows are written (and read by _combine): padding rows would be 3/4 of the partials'
+  # Only the R0 real rows are written (and read by _combine_kernel): padding rows would be 3/4 of the partials'
   # traffic for Llama-3's 4 query heads per kv head at one token.
   real = row < R0
   pltriton.store(o_ref, jnp.where(seen[:, None], acc / l_safe[:, None], 0.0),

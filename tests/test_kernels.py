@@ -106,24 +106,38 @@ PAGED_CASES = [
     # steps, so its last step runs into the next split's blocks, whose keys (sequence 0: 150) it must not count
     dict(T=1, N=8, K=2, fp8=True, kv_len=(150, 50, 9), Z=32,
          tuning=dict(num_splits=2, pages_per_step=4, block_tokens=16)),
+    # GQA 3 (rows not a power of two: 6 real of 16) over 5 splits (partials padded to 8, three unused)
+    dict(T=2, N=6, K=2, fp8=False, kv_len=(70, 33, 0), tuning=dict(num_splits=5, combine_block=8)),
     pytest.param(dict(T=1, N=8, K=8, fp8=False, kv_len=(96, 17, 1), tuning=dict()), marks=slow),    # GQA 1
     pytest.param(dict(T=2, N=16, K=4, fp8=True, kv_len=(64, 40, 5), tuning=dict(num_splits=4)), marks=slow),
 ]
 
 
-@pytest.mark.parametrize("case", PAGED_CASES, ids=["T3-G8", "T1-G4-fp8", "T1-G1", "T2-G4-fp8"])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=["T3-G8", "T1-G4-fp8", "T2-G3", "T1-G1", "T2-G4-fp8"])
 def test_paged_decode_interpret(case):
-  B, H, M, P = 3, 32, 6, 23
+  B, H, M, P, off = 3, 32, 6, 23, 3
   T, N, K, Z = case["T"], case["N"], case["K"], case.get("Z", 16)
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(T * 7 + N, B, T, N, K, H, Z, M, P, fp8=case["fp8"])
+  # The pools (and fp8 scales) start with `off` junk pages: the table counts from page_offset=off.
+  junk = lambda x, v: None if x is None else jnp.concatenate([jnp.full((off, *x.shape[1:]), v, x.dtype), x])
   kv_len = jnp.array(case["kv_len"], jnp.int32)
   # Row t sits at kv_len - T + t, one row also earlier in the cache (a causal bound inside the cached keys).
   q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
   q_pos = q_pos.at[0, 0].add(-20)
-  got = pallas_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
+  got = pallas_paged.paged_decode(q, junk(kp, 50.0), junk(vp, 50.0), table, q_pos=q_pos, kv_len=kv_len,
+                                  k_scale=junk(ks, 100.0), v_scale=junk(vs, 100.0), page_offset=off,
                                   tuning=pallas_paged.PagedTuning(**case["tuning"]), interpret=True)
   want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
   check(got, want, tol_out=2e-2)
+
+
+def test_paged_decode_rejects_a_combine_block_not_dividing_the_head_dim():
+  q = jnp.zeros((1, 1, 8, 32), jnp.bfloat16)
+  kp = jnp.zeros((4, 16, 2, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="combine_block=24 must be a power of two dividing head dim H=32"):
+    pallas_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 1), jnp.int32),
+                              kv_len=jnp.ones((1,), jnp.int32), tuning=pallas_paged.PagedTuning(combine_block=24),
+                              interpret=True)
 
 
 def test_paged_decode_rejects_prefill_shapes():
@@ -136,8 +150,10 @@ def test_paged_decode_rejects_prefill_shapes():
 
 def test_split_heuristic_fills_gpu_but_keeps_pages_per_split():
   t = pallas_paged.PagedTuning()
-  assert pallas_paged.num_splits_for(t, 8, 8, 8192) == -(-t.target_programs // 64)
+  assert pallas_paged.num_splits_for(t, 8, 8, 8192) == 16       # 1056 programs wanted / 64: 17, a power of two
+  assert pallas_paged.num_splits_for(t, 1, 8, 2048) == 128      # 128K tokens of 64: 132 wanted
   assert pallas_paged.num_splits_for(t, 8, 8, 8) == 2          # 8 slots, at least 4 pages per split
+  assert pallas_paged.num_splits_for(t, 1, 1, 28) == 4         # 7 splits of 4 pages: 4
   assert pallas_paged.num_splits_for(pallas_paged.PagedTuning(num_splits=99), 1, 1, 5) == 5
 
 

@@ -239,7 +239,8 @@ def _generate() -> None:
     # An untimed pass over a prompt of the same length compiles every step the timed run will use, so the
     # stats below are steady-state numbers and compilation is reported on its own line.
     t0 = time.perf_counter()
-    engine.generate([model_cfg.bos_id or 0] * len(ids), max_new_tokens=2)
+    # The same sampling too: greedy and sampled batches decode in two differently compiled loops.
+    engine.generate([model_cfg.bos_id or 0] * len(ids), max_new_tokens=2, sampling=sampling)
     warmup_s = time.perf_counter() - t0
   if FLAGS.stream and tokenizer is not None:
     for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling):

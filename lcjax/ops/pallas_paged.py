@@ -61,10 +61,13 @@ def _next_pow2(n):
 
 
 def num_splits_for(tuning: PagedTuning, B, K, M):
+  """Splits of each (b, h)'s page table. The heuristic's count is a power of two (rounded down): the combine
+  reads a row's partials as one block of the next power of two, so 132 splits would read 256 rows."""
   if tuning.num_splits is not None:
     return max(1, min(tuning.num_splits, M))
   want = -(-tuning.target_programs // (B * K))
-  return max(1, min(want, M // tuning.min_pages_per_split or 1, M))
+  n = max(1, min(want, M // tuning.min_pages_per_split or 1, M))
+  return 1 << (n.bit_length() - 1)
 
 
 def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H, pps, upp, quantized,
@@ -192,6 +195,8 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
       raise ValueError(f"{name}={n} must be a power of two >= 16 for the Triton kernel")
   S_ = num_splits_for(tuning, B, K, M)
   pps = -(-M // S_)
+  if tuning.combine_block & (tuning.combine_block - 1) or H % min(H, tuning.combine_block):
+    raise ValueError(f"combine_block={tuning.combine_block} must be a power of two dividing head dim H={H}")
   Zb = min(Z, tuning.block_tokens)
   if Zb & (Zb - 1) or Zb < 16:
     raise ValueError(f"block_tokens={tuning.block_tokens} must be a power of two >= 16 for the Triton kernel")

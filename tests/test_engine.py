@@ -14,10 +14,10 @@ from lcjax.engine.sampling import SamplingParams
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
 
-def _engine(**kw):
+def _engine(cfg=TINY, **kw):
   run = RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256, max_batch=3,
                   decode_steps=16).replace(**kw)
-  return Engine.random(TINY, run=run, seed=3)
+  return Engine.random(cfg, run=run, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +200,7 @@ def test_decode_groups_match_one_step_per_check():
   cfg = dataclasses.replace(TINY, eos_ids=(free[1][j],))
 
   def run(every):
-    eng = Engine.random(cfg, run=RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256,
-                                           max_batch=3, decode_steps=16, decode_sync_every=every), seed=3)
+    eng = _engine(cfg, decode_sync_every=every)
     assert eng.steps.sync_every == every
     res = eng.generate(prompts, **budgets)
     assert eng.pool.pages_used == 0

@@ -53,7 +53,7 @@ def _worker(process_id: int, port: int, out: str, ckpt: str) -> None:
     assert not eng.params["layers"]["attn"]["wqkv"].get_value().is_fully_addressable
     assert not eng.cache.k.is_fully_addressable
     res[f"{tensor}x{seq}"] = _results(eng, prompts)
-    # tensor=4 repeats the 2 KV heads: wqkv is restored replicated, then repeated into their shards.
+    # tensor=4 repeats the 2 KV heads: wqkv is restored split along D, then its heads repeated into their shards.
     eng = Engine.load(ckpt, run=run, tensor=tensor, seq=seq)
     assert eng.kv_rep == tensor // 2 and not eng.params["embed"]["embedding"].get_value().is_fully_addressable
     res[f"{tensor}x{seq} from checkpoint"] = _results(eng, prompts)

@@ -115,17 +115,18 @@ def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
 
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
 
-def shard_table(page_table, shard, n_shards: int, pages_per_shard: int, base=0):
+def shard_table(page_table, shard, n_shards: int, pages_per_shard: int):
   """Global page table [B, M] -> shard `shard`'s local table [B, M / n_shards]: its slots shard, shard + S, ...
-  as local page ids (+ base, the first page of a layer in a pool viewed as [L * P/S, Z, K, H]). M must be a
-  multiple of n_shards; unused slots (global null page 0) become the local null page."""
+  as local page ids (a layer's pages in a pool viewed as [L * P/S, Z, K, H] are read through the backends'
+  `page_offset`). M must be a multiple of n_shards; unused slots (global null page 0) become the local null
+  page."""
   B, M = page_table.shape
   if M % n_shards:
     raise ValueError(f"page-table width M={M} is not divisible by {n_shards=}")
   cols = jax.lax.dynamic_index_in_dim(page_table.reshape(B, M // n_shards, n_shards), shard, axis=2,
                                       keepdims=False)                                   # [B, M/S]
   local = cols - shard * pages_per_shard
-  return (base + jnp.where((local >= 0) & (local < pages_per_shard), local, 0)).astype(jnp.int32)
+  return jnp.where((local >= 0) & (local < pages_per_shard), local, 0).astype(jnp.int32)
 
 
 def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):

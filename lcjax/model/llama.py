@@ -230,7 +230,7 @@ class Llama(nnx.Module):
     k_all = kvc.write_layer(k_all, kvc.quantize(k, k_scale), step.slots, layer)
     v_all = kvc.write_layer(v_all, kvc.quantize(v, v_scale), step.slots, layer)
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
-    table, offset = step.page_table, layer * P
+    offset = layer * P                      # layer `layer`'s page p is pool page offset + p
     # Only this layer's pages are read, so its scale can stand for every page.
     ks = None if k_scale is None else jnp.broadcast_to(k_scale, (L * P, k_scale.shape[-1]))
     vs = None if v_scale is None else jnp.broadcast_to(v_scale, (L * P, v_scale.shape[-1]))
@@ -239,11 +239,11 @@ class Llama(nnx.Module):
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
       o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
                                    causal=True)
-      o_pre, lse_pre = be.paged(q, k_pool, v_pool, table, q_pos=step.positions,
+      o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
                                 kv_len=step.prefix_len, k_scale=ks, v_scale=vs, page_offset=offset)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     else:
-      o, _ = be.paged(q, k_pool, v_pool, table, q_pos=step.positions, kv_len=step.kv_len,
+      o, _ = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions, kv_len=step.kv_len,
                       k_scale=ks, v_scale=vs, page_offset=offset)
     return o, (k_all, v_all)
 
@@ -286,14 +286,15 @@ class Llama(nnx.Module):
       k_all = kvc.write_shard(k_all, kvc.quantize(gather(k), ks), slots_all, d, layer)
       v_all = kvc.write_shard(v_all, kvc.quantize(gather(v), vs), slots_all, d, layer)
       kp, vp = (a.reshape(L * Pl, *a.shape[2:]) for a in (k_all, v_all))
-      table_l = kvc.shard_table(table, d, S, Pl, layer * Pl)
+      table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Only this layer's pages are read, so its scale can stand for every page.
       kb = None if ks is None else jnp.broadcast_to(ks, (L * Pl, ks.shape[-1]))
       vb = None if vs is None else jnp.broadcast_to(vs, (L * Pl, vs.shape[-1]))
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
-      o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb)
+      o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb,
+                        page_offset=layer * Pl)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if not decode:

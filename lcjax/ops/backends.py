@@ -3,8 +3,8 @@
 A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
 `backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
 `(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
-the pools (the model passes one layer's pages as an offset into the pools of every layer). `why_not(...)` returns the reason a backend cannot serve a shape
-(or None), so `auto` can fall back to one that can and say why.
+the pools (the model passes one layer's pages as an offset into the pools of every layer). `why_not(...)`
+returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
 """
 from __future__ import annotations
 

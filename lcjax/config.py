@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any, Mapping
 
@@ -195,7 +194,9 @@ class RunConfig:
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).
                                      # Groups are the largest divisor of decode_steps up to N (1 if none)
-  attention: str = "auto"            # auto | reference | cudnn | pallas | fa3 | dense (baseline)
+  attention: str = "auto"            # auto | reference | cudnn | pallas | dense (baseline)
+  prefix_cache: bool = True          # keep full KV pages after their requests end; reuse them for prompts
+                                     # that start with the same tokens (lcjax.cache.prefix)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
   sp_mode: str = "ring"              # ring (zigzag layout) | ring-plain (contiguous blocks) | ulysses
@@ -211,8 +212,8 @@ class RunConfig:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
     if self.prefill_chunk % self.page_size:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be a multiple of page_size={self.page_size}")
-    if self.attention not in ("auto", "reference", "cudnn", "pallas", "fa3", "dense"):
-      raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas, fa3 or dense "
+    if self.attention not in ("auto", "reference", "cudnn", "pallas", "dense"):
+      raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas or dense "
                         "(the unoptimised baseline)")
     if self.sp_mode not in ("ring", "ring-plain", "ulysses"):
       raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring, ring-plain (no zigzag: the load-imbalanced "
@@ -224,12 +225,6 @@ class RunConfig:
 
   def context_for(self, model: ModelConfig) -> int:
     return self.max_context or model.max_position
-
-  def pages_for(self, model: ModelConfig) -> int:
-    """Pages in the pool, counting the null page 0."""
-    if self.num_pages:
-      return self.num_pages
-    return self.max_batch * math.ceil(self.context_for(model) / self.page_size) + 1
 
   def replace(self, **kw) -> "RunConfig":
     return dataclasses.replace(self, **kw)

@@ -48,7 +48,7 @@ def _prompts(seed, n, lo=1, hi=100):
 def _watch(eng, monkeypatch):
   """Record the live sequences of every decode call and the pages in use after every admission."""
   seen = {"live": [], "pages": []}
-  decode, admit = eng._decode_call, eng._admit
+  decode, admit = eng.scheduler.decode_call, eng.scheduler.admit
 
   def decode_call(live):
     seen["live"].append(sum(r is not None for r in live))
@@ -58,8 +58,8 @@ def _watch(eng, monkeypatch):
     ok = admit(r)
     seen["pages"].append(eng.pool.pages_used)
     return ok
-  monkeypatch.setattr(eng, "_decode_call", decode_call)
-  monkeypatch.setattr(eng, "_admit", admit_one)
+  monkeypatch.setattr(eng.scheduler, "decode_call", decode_call)
+  monkeypatch.setattr(eng.scheduler, "admit", admit_one)
   return seen
 
 
@@ -144,7 +144,7 @@ def test_interleaved_streams_equal_each_alone_and_an_unadmittable_one_is_refused
                    "c": keep("c", eng.generate_stream(c, max_new_tokens=16))})
   assert set(failed) == {"c"} and isinstance(failed["c"], PagePoolExhausted), failed
   msg = str(failed["c"])
-  assert "request 0 cannot be admitted" in msg and "of 16 pages free" in msg and "generate_stream" in msg, msg
+  assert "request 0 cannot be admitted" in msg and "of 16 pages are free" in msg and "generate_stream" in msg, msg
   assert texts["a"] == want_a and texts["b"] == want_b
   _idle(eng)
   assert eng.generate(c[0], max_new_tokens=16).token_ids == want_c     # alone it fits
@@ -185,3 +185,44 @@ def test_sequence_sharded_pool_beyond_capacity_equals_each_alone(eng):
                                          r"the 2 seq shards has only 7 pages"):
     sharded.generate([[5] * 108], max_new_tokens=12)
   _idle(sharded)
+
+
+def test_more_prompts_than_slots_that_finish_at_prefill(eng):
+  """max_new_tokens=1 finishes every request at its prefill: each gives its pages back at once and the next is
+  admitted, however many there are beyond max_batch."""
+  prompts = _prompts(50, 9, hi=60)
+  alone = [eng.generate(p, max_new_tokens=1).token_ids for p in prompts]
+  assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=1)] == alone
+  _idle(eng)
+
+
+def test_soak_of_mixed_calls_leaves_every_page_free_and_tokens_unchanged(eng):
+  """A seeded mix of calls on one engine: batches beyond max_batch, max_new_tokens=1, sampling, refused
+  requests, abandoned streams, a pinned context. Afterwards every page is free (or only cached) and greedy
+  tokens equal a fresh engine's."""
+  rng = np.random.default_rng(77)
+  probe = _prompts(60, 3, hi=40)
+  for step in range(40):
+    kind = rng.integers(0, 6)
+    prompts = _prompts(int(rng.integers(1 << 20)), int(rng.integers(1, 9)), hi=70)
+    new = int(rng.choice([1, 2, 9]))
+    sampling = SAMPLED if kind == 1 else None
+    if kind == 2:                                           # refused up front: nothing may leak
+      with pytest.raises(RequestError):
+        eng.generate(prompts + [[5] * 200], max_new_tokens=new)
+    elif kind == 3:                                         # a stream abandoned midway
+      g = eng.generate_stream(prompts, max_new_tokens=new + 8)
+      next(g, None)
+      g.close()
+    elif kind == 4:                                         # a pinned context, questions on it, closed
+      with eng.prefill(prompts[0][:30]) as ctx:
+        eng.generate([p[:20] for p in prompts[1:]] or [[7]], max_new_tokens=new, context=ctx)
+    else:
+      eng.generate(prompts, max_new_tokens=new, sampling=sampling)
+    assert eng.pool.pages_used == 0, step
+    eng.pool.check()
+    eng.prefix_cache.check()
+  fresh = Engine.random(TINY, run=RUN, seed=1)
+  assert [r.token_ids for r in eng.generate(probe, max_new_tokens=12)] == \
+      [r.token_ids for r in fresh.generate(probe, max_new_tokens=12)]
+  _idle(eng)

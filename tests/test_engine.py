@@ -50,11 +50,11 @@ def test_prefill_logits_match_full_forward(eng):
   """Last-position logits of a chunked, paged prefill equal the uncached forward's."""
   prompt = list(np.random.default_rng(2).integers(3, TINY.vocab_size, 77))
   r = eng._make_requests([prompt], 1, None)[0]
-  assert eng._admit(r)
+  assert eng.scheduler.admit(r)
   try:
-    eng._prefill(r)
+    eng.scheduler.prefill(r)
   finally:
-    eng._release(r)
+    eng.scheduler.release(r)
   full = eng.logits([prompt])[0, -1]
   assert r.out[0] == int(np.argmax(full))
 
@@ -82,7 +82,7 @@ def test_greedy_decode_loop_equals_the_general_sampler(eng, monkeypatch):
   flags.clear()
   reqs = eng._make_requests(prompts, 24, None)
   reqs[1].sampling = SamplingParams(temperature=1.0, seed=3)
-  for _ in eng._run(reqs):
+  for _ in eng.scheduler.serve(reqs):
     pass
   assert flags and not any(flags)
   assert eng._result(reqs[0]).token_ids == alone
@@ -130,7 +130,7 @@ def test_bad_requests_are_refused_and_engine_stays_usable(eng, bad, match):
 
 def test_request_larger_than_pool_is_refused_before_allocating():
   eng = _engine(num_pages=5)
-  with pytest.raises(RequestError, match=r"needs 9 pages \(70 tokens\) but the pool has only 4 pages \(32 tokens\)"):
+  with pytest.raises(RequestError, match=r"needs 9 pages \(70 tokens\) but the pool has only 4 pages \(32 tokens"):
     eng.generate([[1] * 10, [2] * 60], max_new_tokens=10)
   assert eng.pool.pages_used == 0
 
@@ -139,15 +139,15 @@ def test_interrupted_generation_frees_pages(eng, monkeypatch):
   prompt = [4, 5, 6, 7]
   expected = eng.generate(prompt, max_new_tokens=20).token_ids
   calls = {"n": 0}
-  real = eng._decode_call
+  real = eng.scheduler.decode_call
 
   def interrupt(live):
     calls["n"] += 1
     raise KeyboardInterrupt
-  monkeypatch.setattr(eng, "_decode_call", interrupt)
+  monkeypatch.setattr(eng.scheduler, "decode_call", interrupt)
   with pytest.raises(KeyboardInterrupt):
     eng.generate(prompt, max_new_tokens=20)
-  monkeypatch.setattr(eng, "_decode_call", real)
+  monkeypatch.setattr(eng.scheduler, "decode_call", real)
   assert calls["n"] == 1 and eng.pool.pages_used == 0
   assert eng.generate(prompt, max_new_tokens=20).token_ids == expected
 
@@ -156,7 +156,7 @@ def test_prefix_sharing_saves_pages_and_keeps_outputs():
   rng = np.random.default_rng(6)
   prefix = list(rng.integers(3, TINY.vocab_size, 45))          # 5 full pages + a partly filled one
   suffixes = [list(rng.integers(3, TINY.vocab_size, n)) for n in (3, 9, 14)]
-  plain = _engine()
+  plain = _engine(prefix_cache=False)
   expected = [r.token_ids for r in plain.generate([prefix + s for s in suffixes], max_new_tokens=10)]
   shared = _engine()
   got = [r.token_ids for r in shared.generate(suffixes, max_new_tokens=10, prefix=prefix)]

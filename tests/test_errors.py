@@ -226,7 +226,7 @@ CLI_CASES = [
     ("max_new_tokens past the context", ["ckpt", "--prompt=hi", "--max_new_tokens=1000", "--checkpoint={good}"],
      ["max_new_tokens=1000", "> max context 256"]),
     ("request larger than the page pool", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--config.num_pages=4"],
-     ["need 5 pages", "num_pages=4", "holds 3"]),
+     ["needs 5 pages", "num_pages=4", "only 3 pages"]),
     ("page pool larger than memory", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--config.num_pages=100000000"],
      # KV cache: 2 (K, V) x 2 layers x 1e8 pages x 16 tokens x 2 heads x 8 x 4 bytes = 381.47 GiB
      ["num_pages=100000000 does not fit", "GiB per device (KV cache 381.47 GiB", "GiB: lower"]),

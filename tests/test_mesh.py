@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig
-from lcjax.engine.engine import Engine, checkpoint_shardings
+from lcjax.engine.engine import Engine
+from lcjax.engine.placement import checkpoint_shardings
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
 
@@ -44,7 +45,7 @@ def rel(a, b):
 def prefill(eng: Engine, prompt):
   """Chunked paged prefill of one prompt: (last-position logits [V], K and V of its tokens [L, n, K, H])."""
   r = eng._make_requests([prompt], 1, None)[0]
-  assert eng._admit(r)
+  assert eng.scheduler.admit(r)
   captured = {}
   real = eng.steps.first_token
 
@@ -53,13 +54,13 @@ def prefill(eng: Engine, prompt):
     return real(logits, sp, pos)
   try:
     eng.steps.first_token = keep
-    eng._prefill(r)
+    eng.scheduler.prefill(r)
     slots = eng.pool.slot_mapping(r.seq, 0, len(prompt))
     L, P, Z, K, H = eng.cache.k.shape
     k, v = (np.asarray(x).reshape(L, P * Z, K, H)[:, slots] for x in (eng.cache.k, eng.cache.v))
   finally:
     eng.steps.first_token = real
-    eng._release(r)
+    eng.scheduler.release(r)
   return captured["logits"], k, v
 
 
@@ -101,11 +102,11 @@ def test_long_prefill_then_many_decode_steps(tensor, seq):
   want = engine().generate(LONG, max_new_tokens=80).token_ids
   eng = engine(tensor, seq)
   r = eng._make_requests([LONG], 80, None)[0]
-  assert eng._admit(r)
+  assert eng.scheduler.admit(r)
   table = eng.pool.page_table(r.seq)
   per_shard = np.bincount([eng.pool.shard_of(p) for p in table], minlength=seq)
   assert per_shard.max() - per_shard.min() <= 1 and per_shard.sum() == len(table) == -(-310 // 4)
-  eng._release(r)
+  eng.scheduler.release(r)
   assert eng.generate(LONG, max_new_tokens=80).token_ids == want
 
 

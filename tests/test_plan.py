@@ -22,7 +22,8 @@ from lcjax import sharding as sh
 from lcjax.cache import kv as kvc
 from lcjax.config import PRESETS, ConfigError, ModelConfig, RunConfig, preset
 from lcjax.engine import plan as planlib
-from lcjax.engine.engine import Engine, net_config, net_model, net_shardings
+from lcjax.engine.engine import Engine
+from lcjax.engine.placement import serving_config, serving_model, serving_shardings
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
 
@@ -69,12 +70,12 @@ def test_plan_equals_eval_shape_of_presets(name, tensor, seq):
   run = RunConfig(tensor=tensor, seq=seq, max_batch=2, page_size=256, max_context=32768)
   mesh = sh.make_mesh(tensor=tensor, seq=seq)
   p = planlib.plan(cfg, run)
-  _, shardings = net_shardings(cfg, run, mesh)
-  abstract = nnx.state(nnx.eval_shape(lambda: net_model(cfg, run, mesh)), nnx.Param)
+  _, shardings = serving_shardings(cfg, run, mesh)
+  abstract = nnx.state(nnx.eval_shape(lambda: serving_model(cfg, run, mesh)), nnx.Param)
   leaves = zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
   weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in leaves)
   assert weights == p.weights
-  net, rep = net_config(cfg, run)
+  net, rep = serving_config(cfg, run)
   shape = kvc.cache_shape(cfg.n_layers, p.num_pages, run.page_size, net.n_kv_heads, cfg.head_dim)
   pool = kvc.cache_shardings(mesh, quantized=False).k
   assert 2 * math.prod(pool.shard_shape(shape)) * 2 == p.kv_cache
@@ -117,12 +118,12 @@ def _golden_data() -> dict:
       run = RunConfig(tensor=t, seq=s)
       key = f"tensor={t} seq={s}"
       try:
-        net, rep = net_config(cfg, run)
+        net, rep = serving_config(cfg, run)
       except ConfigError as e:
         per[key] = {"error": str(e)}
         continue
       mesh = sh.make_mesh(tensor=t, seq=s)
-      _, shardings = net_shardings(cfg, run, mesh)
+      _, shardings = serving_shardings(cfg, run, mesh)
       flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
       params = {"/".join(str(getattr(k, "key", k)) for k in path): [a if a is None else str(a) for a in
                                                                      tuple(ns.spec)] for path, ns in flat}

@@ -93,17 +93,17 @@ def main(argv):
     wall_ms = res.stats["decode_ms_per_token"]
     # Trace a decode call only: prefill untraced, then the call under the profiler.
     r = eng._make_requests([prompt], 2 * FLAGS.steps + 1, None)[0]
-    if not eng._admit(r):
+    if not eng.scheduler.admit(r):
       raise RuntimeError(f"the page pool cannot hold {len(prompt)} + {2 * FLAGS.steps + 1} tokens")
     try:
-      eng._prefill(r)
-      eng._decode_call([r])                                                  # same shapes: no compile inside
+      eng.scheduler.prefill(r)
+      eng.scheduler.decode_call([r])                                                  # same shapes: no compile inside
       with jax.profiler.trace(trace_dir):
         t = time.perf_counter()
-        eng._decode_call([r])
+        eng.scheduler.decode_call([r])
         traced_ms = 1e3 * (time.perf_counter() - t) / FLAGS.steps
     finally:
-      eng._release(r)
+      eng.scheduler.release(r)
     per = FLAGS.steps
   else:
     eng.generate(prompt, max_new_tokens=1)

@@ -18,6 +18,12 @@ and the attention work over them, are balanced across shards within one page, ho
 and the device finds shard d's part of any table as the columns d, d+S, d+2S, ... with no lookup. Copy-on-write
 keeps a page's slot, hence its shard.
 
+Holds outside sequences: the prefix cache (lcjax.cache.prefix) keeps pages whose sequences have ended by holding a
+reference of its own (`hold` / `unhold`); a page only it holds is *cached*, not used, and goes back to the free
+list when the cache lets go of it. A pool made with a `reclaimer` asks it to let go of cached pages when a shard
+runs short (`extend` evicts only what it needs, and only when the extend can then succeed); `adopt` starts a
+sequence on cached full pages.
+
 Legend: P pages, Z page size, M page-table slots per sequence, S sequence shards.
 """
 from __future__ import annotations
@@ -40,7 +46,9 @@ class PagePool:
   never reused, so a stale id after `free` is an error rather than a silent alias of a newer sequence.
   """
 
-  def __init__(self, num_pages: int, page_size: int, shards: int = 1):
+  def __init__(self, num_pages: int, page_size: int, shards: int = 1, reclaimer=None):
+    """reclaimer: an object with `evictable(shard) -> int` (pages it can let go of on that shard) and
+    `evict(shard, n)` (lets go of n of them through `unhold`), asked when an `extend` finds a shard short."""
     if shards < 1:
       raise ValueError(f"{shards=} must be >= 1")
     if num_pages % shards:
@@ -60,6 +68,8 @@ class PagePool:
     # One heap per shard; an ascending list already is one.
     self._free = [list(range(d * self._per_shard + 1, (d + 1) * self._per_shard)) for d in range(shards)]
     self._refcount = [0] * num_pages
+    self._outside = [0] * num_pages      # references held outside sequences (`hold`)
+    self.reclaimer = reclaimer
     self._tables: dict[int, list[int]] = {}
     self._lengths: dict[int, int] = {}
     self._next_seq = 0
@@ -96,8 +106,13 @@ class PagePool:
 
   @property
   def pages_used(self) -> int:
-    """Distinct pages held by at least one sequence (a shared page counts once)."""
-    return self.pages_allocatable - self.pages_free
+    """Distinct pages held by at least one sequence (a shared page counts once); cached pages not included."""
+    return self.pages_allocatable - self.pages_free - self.pages_cached
+
+  @property
+  def pages_cached(self) -> int:
+    """Pages held only outside sequences (by the prefix cache): reclaimable."""
+    return sum(1 for p, n in enumerate(self._outside) if n and n == self._refcount[p])
 
   def shard_of(self, page: int) -> int:
     return page // self._per_shard
@@ -174,15 +189,40 @@ class PagePool:
         return d, n
     return None
 
+  def _reclaim_for(self, slots: list[int]) -> bool:
+    """Evict cached pages so that every shard can supply its share of `slots`; False (nothing evicted) when even
+    eviction cannot."""
+    need = [0] * self._shards
+    for m in slots:
+      need[m % self._shards] += 1
+    short = [(d, n - len(self._free[d])) for d, n in enumerate(need) if n > len(self._free[d])]
+    if not short:
+      return True
+    if self.reclaimer is None or any(self.reclaimer.evictable(d) < k for d, k in short):
+      return False
+    for d, k in short:
+      self.reclaimer.evict(d, k)
+    return True
+
   def can_extend(self, seq: int, n_tokens: int) -> bool:
-    return self._short_shard(self._slots_to_fill(seq, n_tokens)) is None
+    slots = self._slots_to_fill(seq, n_tokens)
+    if self._short_shard(slots) is None:
+      return True
+    if self.reclaimer is None:
+      return False
+    need = [0] * self._shards
+    for m in slots:
+      need[m % self._shards] += 1
+    return all(n <= len(self._free[d]) + self.reclaimer.evictable(d) for d, n in enumerate(need))
 
   def extend(self, seq: int, n_tokens: int) -> list[tuple[int, int]]:
     """Reserve room for n_tokens more tokens of seq; return the (src, dst) page copies to do before writing.
 
-    All or nothing: if the pool cannot supply the pages it raises PagePoolExhausted and changes nothing.
+    All or nothing: if the pool cannot supply the pages (after evicting cached pages, when there is a reclaimer)
+    it raises PagePoolExhausted and changes nothing.
     """
     slots = self._slots_to_fill(seq, n_tokens)   # validates seq and n_tokens
+    self._reclaim_for(slots)
     short = self._short_shard(slots)
     if short is not None:
       length = self._lengths[seq]
@@ -209,6 +249,37 @@ class PagePool:
         table.append(page)
     self._lengths[seq] += n_tokens
     return copies
+
+  def adopt(self, pages: list[int]) -> int:
+    """A new sequence whose table is `pages`, all full (length len(pages) * page_size), each already held (by
+    the prefix cache) and placed on the shard of its slot; their refcounts grow by one."""
+    for m, page in enumerate(pages):
+      if not 0 <= page < self._num_pages or self._refcount[page] < 1:
+        raise ValueError(f"page {page} at slot {m} is not held: only held (cached) pages can be adopted")
+      if self.shard_of(page) != m % self._shards:
+        raise ValueError(f"page {page} is on shard {self.shard_of(page)}, slot {m} belongs on {m % self._shards}")
+    seq = self.new_sequence()
+    self._tables[seq] = list(pages)
+    self._lengths[seq] = len(pages) * self._page_size
+    for page in pages:
+      self._refcount[page] += 1
+    return seq
+
+  def hold(self, page: int) -> None:
+    """One more reference to a page that a sequence holds, kept outside sequences (the prefix cache's)."""
+    if not 0 <= page < self._num_pages or self._refcount[page] < 1:
+      raise ValueError(f"page {page} is not held by any sequence: only a held page can be kept")
+    self._refcount[page] += 1
+    self._outside[page] += 1
+
+  def unhold(self, page: int) -> None:
+    """Drop a reference taken by `hold`; the page goes back to the free list when nothing else holds it."""
+    if not 0 <= page < self._num_pages or self._outside[page] < 1:
+      raise ValueError(f"page {page} has no reference held outside sequences")
+    self._outside[page] -= 1
+    self._refcount[page] -= 1
+    if self._refcount[page] == 0:
+      heapq.heappush(self._free[self.shard_of(page)], page)
 
   def fork(self, seq: int) -> int:
     """A new sequence sharing every page of seq (the prefix is not copied), with the same length."""
@@ -288,6 +359,10 @@ class PagePool:
           fail(f"sequence {seq} holds page {page} (shard {self.shard_of(page)}) at slot {m}, which belongs "
                f"on shard {m % self._shards}")
         held[page] += 1
+    for page, n in enumerate(self._outside):
+      if n < 0 or (n and page in nulls):
+        fail(f"page {page} holds {n} outside references")
+      held[page] += n
     if held != self._refcount:
       bad = [p for p in range(self._num_pages) if held[p] != self._refcount[p]]
       fail(f"refcounts {[(p, self._refcount[p]) for p in bad]} != tables' counts {[(p, held[p]) for p in bad]}")

@@ -193,20 +193,16 @@ def _generate() -> None:
     raise UsageError(str(e)) from None
   model_cfg, ckpt = _model(run)
 
-  from lcjax import sharding as sh
-  from lcjax.cache.pages import PagePool
-  from lcjax.config import ConfigError
+  from lcjax.engine import placement
   from lcjax.engine import plan as planlib
-  from lcjax.engine.engine import Engine, RequestError, device_memory, net_config
+  from lcjax.engine.engine import Engine
+  from lcjax.engine.requests import Limits, RequestError
   from lcjax.tokenizer import find_tokenizer
-  try:
-    mesh = sh.make_mesh(tensor=run.tensor, seq=run.seq)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  net_config(model_cfg, run)                     # the heads split over tensor (and seq for Ulysses)
+  mesh = placement.mesh_for(run)
+  placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   plan = planlib.plan(model_cfg, run)
   print(plan.table(), file=sys.stderr)
-  planlib.require_fit(plan, model_cfg, run, *device_memory(mesh))
+  planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
 
   tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
   if text is not None:
@@ -214,24 +210,13 @@ def _generate() -> None:
       raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
                          "tokenizer.model): give the prompt as --prompt_ids")
     if FLAGS.chat and tokenizer.chat_template:
-      text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    ids = tokenizer.encode(text)
+      ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    else:
+      ids = tokenizer.encode(text)
     if not ids:
       raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
                          "tokenizer's vocabulary")
-  V = model_cfg.vocab_size
-  bad = [t for t in ids if not 0 <= t < V]
-  if bad:
-    raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {V})")
-  n, ctx = len(ids) + max_new, run.context_for(model_cfg)
-  if n > ctx:
-    raise RequestError(f"the prompt has {len(ids)} tokens + max_new_tokens={max_new} = {n} > max context {ctx}: "
-                       "shorten the prompt or raise --config.max_context")
-  pool = PagePool(plan.num_pages, run.page_size, shards=run.seq)
-  if not pool.fits(n):
-    raise RequestError(f"the prompt's {len(ids)} tokens + max_new_tokens={max_new} need {pool.pages_needed(n)} pages "
-                       f"of {run.page_size} tokens but num_pages={plan.num_pages} holds {pool.pages_allocatable} "
-                       f"over {run.seq} seq shard(s): raise --config.num_pages or lower --max_new_tokens")
+  Limits.of(model_cfg, run, plan.num_pages).check(0, ids, max_new)
 
   engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
   warmup_s = None

@@ -39,11 +39,14 @@ class SamplingParams:
 
   @classmethod
   def make(cls, spec) -> "SamplingParams":
-    """From None, a SamplingParams, or a dict; unknown keys are refused by name."""
-    if spec is None:
+    """From None or "greedy", a SamplingParams, or a dict; unknown keys are refused by name."""
+    if spec is None or spec == "greedy":
       return cls()
     if isinstance(spec, cls):
       return spec
+    if not isinstance(spec, dict):
+      raise ValueError(f"sampling={spec!r} must be None, 'greedy', a SamplingParams or a dict of "
+                       f"{[f.name for f in dataclasses.fields(cls)]}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(spec) - known)
     if unknown:

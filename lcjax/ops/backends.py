@@ -78,11 +78,6 @@ def _pallas():
 _FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cudnn, "pallas": _pallas}
 
 
-def register(name, factory):
-  """Kernel modules register their backend here (keeps this module free of GPU imports)."""
-  _FACTORIES[name] = factory
-
-
 def get_backend(name: str = "auto", *, head_dim: int = 128, dtype="bfloat16"):
   """Return the backend called `name`; `auto` takes the fastest one that can serve this shape here."""
   if name == "auto":

@@ -1,0 +1,294 @@
+"""Pinned contexts: a prefilled document whose KV pages stay on the device until it is closed, offloaded to host
+memory, or saved to disk and restored in another process (onto any mesh).
+
+A context is a sequence the scheduler does not free (`Scheduler.pin`). Its K/V leave the device page by page in
+table order, one layer at a time, as `[n_pages, Z, K, H]` with the model's own K KV heads (the engine's repeated
+heads are dropped), so a context saved at one mesh restores at another: restoring allocates fresh pages in the
+target pool (each on the shard of its table slot) and writes them, after first sharing whatever full pages the
+prefix cache still holds.
+
+On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (a killed save leaves
+nothing that loads):
+  context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
+                 count, layout and fp8 scales; written last
+  tokens.npy     int32 token ids
+  kv.bin         for each layer, K then V pages [n_pages, Z, K, H] in the cache dtype, raw (streamed in and out
+                 at disk speed; one layer in host memory at a time)
+
+Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lcjax.engine.requests import RequestError
+
+FORMAT = "lcjax-context-v1"
+META_FILE = "context.json"
+
+
+class ContextError(ValueError):
+  """A context that cannot be saved, restored or used here; the message names the values."""
+
+
+def _gather(cache, layer, pages, rep: int):
+  """K, V of `pages` of one layer, the model's own KV heads: [n, Z, K, H] each."""
+  return cache.k[layer, pages][..., ::rep, :], cache.v[layer, pages][..., ::rep, :]
+
+
+def _scatter(cache, layer, pages, k, v, rep: int):
+  k, v = (jnp.repeat(x, rep, axis=-2).astype(cache.k.dtype) for x in (k, v))
+  return type(cache)(cache.k.at[layer, pages].set(k), cache.v.at[layer, pages].set(v), cache.k_scale,
+                     cache.v_scale)
+
+
+class _Mover:
+  """The engine's compiled page gather / scatter (one layer per call)."""
+
+  def __init__(self, engine):
+    from lcjax.cache import kv as kvc
+    mesh, rep = engine.mesh, engine.kv_rep
+    replicated = NamedSharding(mesh, PartitionSpec())
+    self.replicated = replicated
+    self.gather = jax.jit(lambda c, l, p: _gather(c, l, p, rep), out_shardings=(replicated, replicated))
+    self.scatter = jax.jit(lambda c, l, p, k, v: _scatter(c, l, p, k, v, rep), donate_argnums=0,
+                           out_shardings=kvc.cache_shardings(mesh, engine.fp8_cache))
+
+
+def _mover(engine) -> _Mover:
+  if getattr(engine, "_context_mover", None) is None:
+    engine._context_mover = _Mover(engine)
+  return engine._context_mover
+
+
+def _layers_out(engine, pages: list[int]):
+  """Yield (layer, K, V) as host arrays [n, Z, K, H], the next layer's copy started before the current one is
+  handed over."""
+  mover, sched = _mover(engine), engine.scheduler
+  idx = jnp.asarray(pages, jnp.int32)
+  L = engine.cfg.n_layers
+
+  def start(l):
+    k, v = mover.gather(sched.cache, jnp.int32(l), idx)
+    k.copy_to_host_async()
+    v.copy_to_host_async()
+    return k, v
+
+  nxt = start(0)
+  for l in range(L):
+    cur, nxt = nxt, (start(l + 1) if l + 1 < L else None)
+    yield l, np.asarray(cur[0]), np.asarray(cur[1])
+
+
+def _write_layers(engine, pages: list[int], first: int, layers) -> None:
+  """Write host K/V of pages[first:] for every layer from `layers`, an iterator of (layer, K, V) [n - first, ...]."""
+  if first >= len(pages):
+    return
+  mover, sched = _mover(engine), engine.scheduler
+  idx = jnp.asarray(pages[first:], jnp.int32)
+  for l, k, v in layers:
+    k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
+    sched.cache = mover.scatter(sched.cache, jnp.int32(l), idx, k, v)
+  jax.block_until_ready(sched.cache.k)
+
+
+class Context:
+  """A prefilled, pinned context (see `Engine.prefill`). Holds its pages until `close()`; usable as a context
+  manager. `len(ctx)` is its token count; `ctx.stats` says how it was made."""
+
+  def __init__(self, engine, token_ids: list[int], seq: int, *, cached_tokens: int = 0, source: str = "prefill",
+               seconds: float = 0.0):
+    self.engine = engine
+    self.token_ids = list(token_ids)
+    self.seq: int | None = seq
+    self.epoch = engine.scheduler.epoch
+    self._host = None             # [(K, V)] per layer while offloaded
+    self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
+
+  def __len__(self) -> int:
+    return len(self.token_ids)
+
+  def __repr__(self) -> str:
+    where = "closed" if self.closed else "host" if self._host is not None else "device"
+    return f"Context({len(self)} tokens on {where})"
+
+  @property
+  def closed(self) -> bool:
+    return self.seq is None and self._host is None
+
+  @property
+  def on_device(self) -> bool:
+    return self.seq is not None
+
+  def pages(self) -> list[int]:
+    return self.engine.scheduler.pool.page_table(self.seq)
+
+  def _check_usable(self, engine=None) -> None:
+    if engine is not None and engine is not self.engine:
+      raise RequestError("this context belongs to another engine: prefill or load it on this one")
+    if self.closed:
+      raise RequestError("this context is closed")
+    if self._host is not None:
+      raise RequestError("this context is offloaded to host memory: call ctx.restore() first")
+    if self.epoch != self.engine.scheduler.epoch:
+      raise RequestError("this context's pages were lost when a device step was interrupted: prefill it again")
+
+  def close(self) -> None:
+    """Return the context's pages (its full pages stay in the prefix cache until the pool needs them)."""
+    if self.seq is not None:
+      self.engine.scheduler.unpin(self.seq)
+    self.seq, self._host = None, None
+
+  def __enter__(self) -> "Context":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- host tier ----------------------------------------------------------------------------------------------
+  def offload(self) -> float:
+    """Copy the context's K/V to host memory and return its pages to the pool; returns the seconds taken."""
+    self._check_usable()
+    t0 = time.perf_counter()
+    with self.engine.scheduler.lock:
+      self._host = [(k, v) for _, k, v in _layers_out(self.engine, self.pages())]
+      self.engine.scheduler.unpin(self.seq)
+      self.seq = None
+    return time.perf_counter() - t0
+
+  def restore(self) -> float:
+    """Bring an offloaded context back onto the device (sharing pages the prefix cache still holds); returns
+    the seconds taken."""
+    if self._host is None:
+      raise RequestError("this context is not offloaded" if not self.closed else "this context is closed")
+    t0 = time.perf_counter()
+    host = self._host
+
+    def fill(pages, first):
+      _write_layers(self.engine, pages, first, ((l, k[first:], v[first:]) for l, (k, v) in enumerate(host)))
+
+    self.seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
+    self.epoch, self._host = self.engine.scheduler.epoch, None
+    self.stats.update(cached_tokens=cached)
+    return time.perf_counter() - t0
+
+  # -- disk ---------------------------------------------------------------------------------------------------
+  def save(self, path, *, overwrite: bool = False) -> float:
+    """Write the context to directory `path` (atomic: a killed save leaves nothing that loads). Returns the
+    seconds taken."""
+    self._check_usable()
+    eng = self.engine
+    dst = os.path.abspath(path)
+    if os.path.exists(dst) and not overwrite:
+      raise ContextError(f"{dst} already exists: pass overwrite=True to replace it")
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    t0 = time.perf_counter()
+    try:
+      with eng.scheduler.lock:
+        pages = self.pages()
+        np.save(os.path.join(tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
+        with open(os.path.join(tmp, "kv.bin"), "wb") as f:
+          for _, k, v in _layers_out(eng, pages):
+            f.write(k.tobytes())
+            f.write(v.tobytes())
+        cache = eng.scheduler.cache
+        meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
+                    page_size=eng.run.page_size, layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads,
+                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype))
+        if cache.quantized:
+          meta.update(k_scale=np.asarray(cache.k_scale)[:, ::eng.kv_rep].tolist(),
+                      v_scale=np.asarray(cache.v_scale)[:, ::eng.kv_rep].tolist())
+      with open(os.path.join(tmp, META_FILE), "w") as f:
+        json.dump(meta, f)
+      old = None
+      if os.path.exists(dst):
+        old = f"{dst}.old-{os.getpid()}"
+        os.rename(dst, old)
+      os.rename(tmp, dst)
+      if old:
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+def _mismatch(saved: dict, mine: dict, where: str = "") -> str | None:
+  """The first field where two fingerprints differ, as 'name: saved X, this engine Y'."""
+  for key in sorted(set(saved) | set(mine)):
+    a, b = saved.get(key), mine.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      found = _mismatch(a, b, f"{where}{key}.")
+      if found:
+        return found
+    elif a != b:
+      return f"{where}{key}: saved {a!r}, this engine {b!r}"
+  return None
+
+
+def read_meta(path: str) -> dict:
+  meta_path = os.path.join(path, META_FILE)
+  if not os.path.isdir(path):
+    raise ContextError(f"{path}: no such context directory")
+  if not os.path.isfile(meta_path):
+    raise ContextError(f"{path} is not a complete saved context (no {META_FILE}): save it again")
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ContextError(f"{meta_path} is corrupt ({e.msg} at line {e.lineno}): save the context again") from None
+  if meta.get("format") != FORMAT:
+    raise ContextError(f"{path} has format {meta.get('format')!r}, this lcjax reads {FORMAT!r}")
+  return meta
+
+
+def load_context(engine, path) -> Context:
+  path = os.path.abspath(os.fspath(path))
+  meta = read_meta(path)
+  diff = _mismatch(meta["fingerprint"], engine.fingerprint)
+  if diff:
+    raise ContextError(f"the context at {path} was saved by another model or run config ({diff})")
+  cache = engine.scheduler.cache
+  if cache.quantized:
+    mine = (np.asarray(cache.k_scale)[:, ::engine.kv_rep].tolist(), np.asarray(cache.v_scale)[:, ::engine.kv_rep]
+            .tolist())
+    if (meta["k_scale"], meta["v_scale"]) != mine:
+      raise ContextError(f"the context at {path} was quantized with other fp8 scales than this engine's "
+                         "(another calibration): save it from an engine of the same checkpoint and tokenizer")
+  ids = np.load(os.path.join(path, "tokens.npy")).tolist()
+  n, Z, K, H = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"]
+  if len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
+    raise ContextError(f"{path}: tokens.npy holds {len(ids)} tokens, context.json says {meta['tokens']} in {n} "
+                       "pages: save the context again")
+  engine.limits.check(0, ids, 1)
+  dtype = np.dtype(cache.k.dtype)
+  layer_bytes = n * Z * K * H * dtype.itemsize
+  kv_path = os.path.join(path, "kv.bin")
+  size = os.path.getsize(kv_path) if os.path.exists(kv_path) else -1
+  if size != 2 * meta["layers"] * layer_bytes:
+    raise ContextError(f"{kv_path} holds {size} bytes, {meta['layers']} layers of {n} pages need "
+                       f"{2 * meta['layers'] * layer_bytes}: save the context again")
+
+  def fill(pages, first):
+    def layers():
+      with open(kv_path, "rb") as f:
+        for l in range(meta["layers"]):
+          kv = []
+          for part in range(2):
+            f.seek((2 * l + part) * layer_bytes + first * Z * K * H * dtype.itemsize)
+            kv.append(np.fromfile(f, dtype, (n - first) * Z * K * H).reshape(n - first, Z, K, H))
+          yield l, kv[0], kv[1]
+    _write_layers(engine, pages, first, layers())
+
+  t0 = time.perf_counter()
+  seq, cached = engine.scheduler.pin(ids, fill=fill)
+  return Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)

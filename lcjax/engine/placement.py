@@ -1,0 +1,118 @@
+"""Where things live on devices: the mesh, each device's memory, and the shardings of the parameters.
+
+The engine serves the checkpoint's model with its KV heads repeated when `tensor` does not divide them
+(`lcjax.sharding.kv_head_replication`): the *serving model* (`serving_config`, `serving_model`) computes the same
+function with K * rep KV heads, which split evenly over `tensor`, and its cache holds that many heads. A
+checkpoint-shaped parameter state is first placed with `checkpoint_shardings` (wqkv split along D while its heads
+are still to be repeated) and then turned into the serving model's layout by `place_params`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lcjax import sharding as sh
+from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
+
+
+def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
+  """The ("seq", "tensor") mesh of the run config (a given `mesh` must match its sizes)."""
+  if mesh is None:
+    try:
+      return sh.make_mesh(tensor=run.tensor, seq=run.seq)
+    except ValueError as e:     # more devices than exist
+      raise ConfigError(str(e)) from None
+  got = (mesh.shape[sh.SEQ], mesh.shape[sh.TENSOR])
+  if got != (run.seq, run.tensor):
+    raise ConfigError(f"mesh of (seq, tensor) = {got} does not match the run config's seq={run.seq} "
+                      f"tensor={run.tensor}")
+  return mesh
+
+
+def _host_available_bytes() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+  except (OSError, StopIteration):
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory(mesh: jax.sharding.Mesh) -> tuple[int, str]:
+  """(bytes, what they are) that each device of this process in `mesh` offers: XLA's bytes_limit on accelerators
+  (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); CPU devices share the host, so its available RAM split."""
+  devs = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devs]
+  if all(limits):
+    return min(limits), f"each {devs[0].device_kind} (XLA_PYTHON_CLIENT_MEM_FRACTION sets the share JAX gets)"
+  return _host_available_bytes() // len(devs), f"each of {len(devs)} CPU device(s) (available host memory)"
+
+
+def kv_replication_for(model_cfg: ModelConfig, tensor: int) -> int:
+  """KV-head repetition on `tensor` devices; a ConfigError naming the numbers when heads cannot split."""
+  try:
+    return sh.kv_head_replication(model_cfg.n_kv_heads, tensor, n_heads=model_cfg.n_heads)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig, int]:
+  """(the serving model's config, KV-head repetition): KV heads repeated so they split over `tensor` (the same
+  function of the same weights). ConfigError when the heads cannot split over the mesh."""
+  rep = kv_replication_for(model_cfg, run.tensor)
+  serving = dataclasses.replace(model_cfg, n_kv_heads=model_cfg.n_kv_heads * rep)
+  try:
+    check_mesh(serving, run.tensor, run.seq, run.sp_mode)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return serving, rep
+
+
+def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None) -> Llama:
+  """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
+  serving, _ = serving_config(model_cfg, run)
+  return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
+               rngs=rngs or nnx.Rngs(0))
+
+
+def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):
+  """(graphdef, NamedSharding of every parameter) of the serving model on `mesh`, allocating nothing."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention)),
+                                 nnx.Param)
+  return graphdef, sh.param_shardings(abstract, mesh)
+
+
+def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> tuple[object, object]:
+  """(abstract state, shardings) of a checkpoint-shaped parameter state on `mesh`: the logical-axis table,
+  except when its KV heads do not split over `tensor` (they are repeated after placement): then wqkv, whose only
+  tensor-split axis is the KV heads, is split along D instead, so no device holds all of it (query heads
+  included: 13 GB for a 70B at tensor=16) while the engine repeats its heads, and D stays whole where `tensor`
+  does not divide it."""
+  T = mesh.shape[sh.TENSOR]
+  rep = kv_replication_for(model_cfg, T)
+  abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))),
+                       nnx.Param)
+  shardings = sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
+  if rep > 1 and model_cfg.dim % T == 0:
+    by_d = NamedSharding(mesh, PartitionSpec(None, sh.TENSOR))                     # [L, D, K, G + 2, H]
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: by_d if [getattr(k, "key", None) for k in path][-2:] == ["attn", "wqkv"] else leaf,
+        shardings)
+  return abstract, shardings
+
+
+def place_params(params, model_cfg: ModelConfig, run: RunConfig, mesh, serving_param_shardings):
+  """A checkpoint-shaped state (host, one device, or placed by `checkpoint_shardings`) -> the serving model's
+  parameters on `mesh`, KV heads repeated where `tensor` needs it."""
+  _, ckpt = checkpoint_shardings(model_cfg, mesh, run.dtype)
+  params = jax.device_put(params, ckpt)            # a no-op for arrays already placed so
+  rep = kv_replication_for(model_cfg, run.tensor)
+  if rep == 1:
+    return params
+  repeat = jax.jit(lambda p: repeat_kv_heads(p, rep), out_shardings=serving_param_shardings)
+  return repeat(params)

@@ -1,0 +1,68 @@
+"""The request validator: what a request must satisfy before anything is allocated (no JAX here).
+
+One set of rules for the Engine and the CLI (which refuses before it reads any weights): token ids inside the
+vocabulary, prompt + max_new_tokens inside the context, and pages that a pool of the run's size could ever hold
+(with a shared prefix, its pages are held beside the request's own).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from lcjax.config import ModelConfig, RunConfig
+
+
+class RequestError(ValueError):
+  """A request lcjax refuses (bad prompt, limits); the engine stays usable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  vocab_size: int
+  max_context: int
+  page_size: int          # Z
+  shards: int             # S: seq shards of the page pool
+  pages_per_shard: int    # P / S, the shard's null page included
+
+  @classmethod
+  def of(cls, model_cfg: ModelConfig, run: RunConfig, num_pages: int) -> "Limits":
+    return cls(model_cfg.vocab_size, run.context_for(model_cfg), run.page_size, run.seq, num_pages // run.seq)
+
+  def check_ids(self, ids) -> None:
+    bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+  @staticmethod
+  def check_max_new(max_new_tokens) -> None:
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
+        or max_new_tokens < 1):
+      raise RequestError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+
+  def pages_held(self, n: int, prefix_len: int = 0) -> list[int]:
+    """Pages per seq shard held while a request of n tokens runs: with a shared prefix of `prefix_len` tokens,
+    the prefix sequence's pages too, and the request's copy of the prefix's partly filled last page."""
+    Z, S = self.page_size, self.shards
+    slots = list(range(-(-prefix_len // Z))) + list(range(prefix_len // Z, -(-n // Z)))   # slot m: shard m % S
+    return [sum(1 for m in slots if m % S == d) for d in range(S)]
+
+  def check(self, index: int, ids, max_new_tokens: int, prefix_len: int = 0) -> None:
+    """Refuse prompt `index` (all its ids, prefix included) when it can never run."""
+    self.check_max_new(max_new_tokens)
+    self.check_ids(ids)
+    n = len(ids) + max_new_tokens
+    if n > self.max_context:
+      raise RequestError(f"prompt {index} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = {n} > max "
+                         f"context {self.max_context}: shorten the prompt or raise max_context")
+    per_shard = self.pages_held(n, prefix_len)
+    need, per = sum(per_shard), self.pages_per_shard - 1
+    if max(per_shard) <= per:
+      return
+    what = f"{n} tokens" + (", with the shared prefix's pages held beside them" if prefix_len else "")
+    if self.shards == 1:
+      raise RequestError(f"prompt {index} needs {need} pages ({what}) but the pool has only {per} pages "
+                         f"({per * self.page_size} tokens; num_pages={self.pages_per_shard}): raise num_pages or "
+                         "lower max_new_tokens")
+    raise RequestError(f"prompt {index} needs {need} pages ({what}), {max(per_shard)} of them on seq shard "
+                       f"{per_shard.index(max(per_shard))}, but each of the {self.shards} seq shards has only "
+                       f"{per} pages: raise num_pages or lower max_new_tokens")

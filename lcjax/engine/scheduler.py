@@ -1,0 +1,285 @@
+"""The scheduler: the page pool, the device KV cache and the compiled steps, driving requests given as token ids.
+
+Admission: a request is admitted when the pool can hold its whole prompt + max_new_tokens (so a running request
+never runs out of pages), first taking the longest cached run of its prompt's full pages from the prefix cache
+(lcjax.cache.prefix) or forking a pinned context / shared prefix, and evicting cached pages nobody uses when a
+shard runs short. Prompts are prefilled chunk by chunk from the first token not already cached; then every live
+request decodes together in one on-device loop of up to `run.decode_steps` tokens per call. A request releases
+its pages the moment it finishes (at prefill too), its written full pages staying in the prefix cache, and
+waiting requests are admitted as long as any wait.
+
+The device cache is donated through every step: a step interrupted midway leaves no cache, so the scheduler
+makes a fresh one, forgets every cached page and advances `epoch`, which invalidates pinned contexts.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcjax.cache import kv as kvc
+from lcjax.cache.pages import PagePool, PagePoolExhausted
+from lcjax.cache.prefix import PrefixCache
+from lcjax.config import RunConfig
+from lcjax.engine.sampling import SamplingParams, all_greedy, stack as stack_sampling
+from lcjax.engine.steps import DecodeState, Steps
+
+
+@dataclasses.dataclass
+class Request:
+  index: int
+  prompt: list[int]                # every token id of the sequence's prompt, a shared prefix included
+  max_new: int
+  sampling: SamplingParams
+  prefix_len: int = 0              # leading prompt tokens held by `prefix_seq` (a pinned context or prefix)
+  prefix_seq: int | None = None
+  seq: int | None = None           # the request's own sequence in the pool, once admitted
+  cached: int = 0                  # leading prompt tokens already in the cache at admission (not prefilled)
+  written: int = 0                 # tokens whose K/V are in the cache
+  out: list[int] = dataclasses.field(default_factory=list)
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  finish: str | None = None        # "eos" | "length"
+
+
+def _bucket(n: int, lo: int, hi: int | None = None) -> int:
+  b = max(lo, 1 << max(0, n - 1).bit_length())
+  return min(b, hi) if hi else b
+
+
+class Scheduler:
+  def __init__(self, steps: Steps, params, run: RunConfig, num_pages: int, max_context: int,
+               new_cache: Callable[[], kvc.PagedKV], eos_ids: tuple[int, ...], salt: bytes = b""):
+    """new_cache: makes a zeroed device cache of `num_pages` pages; salt: names what computed the pages (the
+    prefix cache's keys start from it)."""
+    self.steps = steps
+    self.params = params
+    self.run = run
+    self.max_context = max_context
+    self.eos_ids = tuple(eos_ids)
+    self._new_cache = new_cache
+    self.pool = PagePool(num_pages, run.page_size, shards=run.seq)
+    self.prefix_cache = PrefixCache(self.pool, salt) if run.prefix_cache else None
+    self.cache = new_cache()
+    self.eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+    self.epoch = 0                   # advances whenever the device cache is lost and made afresh
+    self.pinned: dict[int, int] = {}  # pinned sequence -> its token count
+    self.peak_pages_used = 0
+    self.lock = threading.RLock()
+
+  @property
+  def table_width(self) -> int:
+    """Page-table slots per sequence: one width for every call, so each step compiles once per chunk size; a
+    multiple of seq, so every seq shard reads an equal slice of it."""
+    # Rounded to 16, not to a power of two: kernels that read B * M pages must not see twice the context.
+    w = -(-math.ceil(self.max_context / self.run.page_size) // 16) * 16
+    return -(-w // self.run.seq) * self.run.seq
+
+  # -- pages --------------------------------------------------------------------------------------------------
+  def admit(self, r: Request, cached_limit: int | None = None) -> bool:
+    """Reserve every page the request will need: fork its prefix sequence, or start from the prefix cache's
+    longest match of at most `cached_limit` tokens (default: all but the last prompt token, whose logits are
+    needed). False, holding nothing, when the pool cannot supply the pages."""
+    n = len(r.prompt)
+    if r.prefix_seq is not None:
+      r.seq, r.cached = self.pool.fork(r.prefix_seq), r.prefix_len
+    else:
+      limit = n - 1 if cached_limit is None else cached_limit
+      pages = self.prefix_cache.match(r.prompt, limit) if self.prefix_cache is not None else []
+      r.seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
+      r.cached = len(pages) * self.run.page_size
+    r.written = r.cached
+    try:
+      copies = self.pool.extend(r.seq, n - r.cached + r.max_new)
+    except PagePoolExhausted:
+      self.pool.free(r.seq)
+      r.seq = None
+      return False
+    if copies:
+      src, dst = (jnp.asarray(c, jnp.int32) for c in zip(*copies))
+      self.cache = self.steps.copy_pages(self.cache, src, dst)
+    self.peak_pages_used = max(self.peak_pages_used, self.pool.pages_used)
+    return True
+
+  def _keep_written(self, r: Request) -> None:
+    """Hand the request's written full pages to the prefix cache."""
+    if self.prefix_cache is not None and r.seq is not None and r.written:
+      tokens = (r.prompt + r.out)[:r.written]
+      self.prefix_cache.insert(tokens, self.pool.page_table(r.seq)[:len(tokens) // self.run.page_size])
+
+  def release(self, r: Request) -> None:
+    if r.seq is not None:
+      self._keep_written(r)
+      self.pool.free(r.seq)
+      r.seq = None
+
+  def recover_cache(self) -> None:
+    """After an interruption inside a donated call the pools are gone: start afresh. Cached pages are forgotten
+    and pinned contexts become stale (`epoch`)."""
+    if self.cache.k.is_deleted():
+      if self.prefix_cache is not None:
+        self.prefix_cache.clear()
+      self.cache = self._new_cache()
+      self.epoch += 1
+
+  # -- pinned sequences (contexts and shared prefixes) ---------------------------------------------------------
+  def pin(self, ids: list[int], fill: Callable[[list[int], int], None] | None = None) -> tuple[int, int]:
+    """A sequence of `ids` that stays until `unpin`: (sequence, tokens taken from the prefix cache). Its full
+    pages already in the prefix cache are shared; the rest are prefilled, or, with `fill`, written by
+    `fill(pages, first)`, which must write the K/V of the sequence's pages[first:] (restored from host or
+    disk)."""
+    with self.lock:
+      r = Request(-1, list(ids), 0, SamplingParams())
+      if not self.admit(r, cached_limit=len(ids)):
+        raise PagePoolExhausted(self.blocked_message(r, "the context"))
+      try:
+        if fill is None:
+          self.prefill(r, sample=False)
+        else:
+          fill(self.pool.page_table(r.seq), r.cached // self.run.page_size)
+          r.written = len(ids)
+        self._keep_written(r)
+      except BaseException:
+        r.written = r.cached
+        self.release(r)
+        self.recover_cache()
+        raise
+      self.pinned[r.seq] = len(ids)
+      return r.seq, r.cached
+
+  def unpin(self, seq: int) -> None:
+    with self.lock:
+      if self.pinned.pop(seq, None) is not None:
+        self.pool.free(seq)
+
+  def pinned_pages(self) -> int:
+    pages = set()
+    for seq in self.pinned:
+      pages.update(self.pool.page_table(seq))
+    return len(pages)
+
+  def blocked_message(self, r: Request, what: str | None = None) -> str:
+    used, pinned = self.pool.pages_used, self.pinned_pages()
+    return (f"{what or f'request {r.index}'} cannot be admitted: it needs pages for {len(r.prompt) + r.max_new} "
+            f"tokens; {self.pool.pages_free} of {self.pool.pages_allocatable} pages are free, "
+            f"{self.pool.pages_cached} cached, {pinned} held by {len(self.pinned)} pinned context(s) and "
+            f"{used - pinned} by other generations on this engine (an unfinished generate_stream): close a "
+            "context or finish the stream")
+
+  # -- driving ------------------------------------------------------------------------------------------------
+  def serve(self, reqs: list[Request], prefix: list[int] | None = None) -> Iterator[Request]:
+    """Drive requests to completion, yielding a request each time it gains tokens. One run at a time per
+    scheduler: the cache is donated through every step, so another thread's run waits here (a run of this
+    thread, e.g. a second stream, interleaves: its pages are its own). `prefix`: token ids every request's
+    prompt starts with, prefilled once into a sequence they fork."""
+    with self.lock:
+      base = None
+      try:
+        if prefix is not None:
+          base, _ = self.pin(prefix)
+          for r in reqs:
+            r.prefix_seq, r.prefix_len = base, len(prefix)
+        yield from self._drive(reqs)
+      finally:
+        for r in reqs:
+          self.release(r)
+        if base is not None:
+          self.unpin(base)
+        self.recover_cache()
+
+  def _drive(self, reqs: list[Request]) -> Iterator[Request]:
+    waiting = collections.deque(reqs)
+    live: list[Request | None] = [None] * self.run.max_batch
+    while waiting or any(live):
+      while waiting and None in live and self.admit(waiting[0]):
+        r = waiting.popleft()
+        self.prefill(r)
+        yield r
+        if r.finish:
+          self.release(r)
+        else:
+          live[live.index(None)] = r
+      if not any(live):
+        if waiting:   # nothing of this run holds pages: they are pinned or held by another run of this thread
+          raise PagePoolExhausted(self.blocked_message(waiting[0]))
+        break
+      yield from self.decode_call(live)
+      for b, r in enumerate(live):
+        if r is not None and r.finish:
+          self.release(r)
+          live[b] = None
+
+  def prefill(self, r: Request, sample: bool = True):
+    """Prefill r.prompt[r.cached:] in chunks (what comes before is in the cache), then sample a token (or, with
+    sample=False, return the last chunk's logits [1, V], None when nothing was left to prefill)."""
+    t0 = time.perf_counter()
+    C = self.run.prefill_chunk
+    n = len(r.prompt)
+    logits = None
+    table = jnp.asarray(self.pool.page_table_array([r.seq], self.table_width))   # pages are reserved up front
+    for c0 in range(r.cached, n, C):
+      piece = r.prompt[c0:c0 + C]
+      Tb = _bucket(len(piece), 16, C)
+      tokens = np.zeros((1, Tb), np.int32)
+      tokens[0, :len(piece)] = piece
+      slots = np.zeros((1, Tb), np.int32)
+      slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
+      positions = (c0 + np.arange(Tb, dtype=np.int32))[None]
+      logits, self.cache = self.steps.prefill(
+          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
+          table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
+      r.written = c0 + len(piece)
+    if not sample:
+      if logits is not None:
+        jax.block_until_ready(logits)
+      r.prefill_s = time.perf_counter() - t0
+      return logits
+    tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
+    tok = int(tok[0])
+    r.prefill_s = time.perf_counter() - t0
+    r.out.append(tok)
+    if tok in self.eos_ids:
+      r.finish = "eos"
+    elif r.max_new <= 1:
+      r.finish = "length"
+    if self.prefix_cache is not None:        # the prompt's full pages serve requests admitted from now on
+      self._keep_written(r)
+
+  def decode_call(self, live: list[Request | None]) -> list[Request]:
+    B = len(live)
+    alive = [r for r in live if r is not None]
+    tokens = np.zeros(B, np.int32)
+    pos = np.zeros(B, np.int32)
+    done = np.ones(B, bool)
+    remaining = np.zeros(B, np.int32)
+    table = np.zeros((B, self.table_width), np.int32)
+    for b, r in enumerate(live):
+      if r is not None:
+        tokens[b], pos[b], done[b] = r.out[-1], len(r.prompt) + len(r.out) - 1, False
+        remaining[b] = r.max_new - len(r.out)
+        table[b] = self.pool.page_table_array([r.seq], self.table_width)[0]
+    sampling = [r.sampling if r is not None else SamplingParams() for r in live]
+    state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
+    t0 = time.perf_counter()
+    out, state, self.cache = self.steps.decode(self.params, self.cache, state, stack_sampling(sampling),
+                                               jnp.asarray(table), self.eos, steps=self.run.decode_steps,
+                                               greedy=all_greedy(sampling))
+    out = np.asarray(out)
+    dt = time.perf_counter() - t0
+    final_done = np.asarray(state.done)
+    for b, r in enumerate(live):
+      if r is None:
+        continue
+      r.out.extend(int(t) for t in out[b] if t >= 0)
+      r.written = len(r.prompt) + len(r.out) - 1        # the last token is sampled, not yet fed
+      r.decode_s += dt
+      if final_done[b]:
+        r.finish = "eos" if r.out[-1] in self.eos_ids else "length"
+    return alive

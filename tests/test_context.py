@@ -1,0 +1,252 @@
+"""The context cache on a tiny float32 model: cached == uncached, pinned contexts, save / restore, offload.
+
+The oracle everywhere is an engine without a prefix cache (`prefix_cache=False`) given the whole prompt: reusing
+pages must change neither the greedy tokens nor (beyond float32 rounding) the logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from lcjax.config import RunConfig, preset
+from lcjax.engine import context as ctxlib
+from lcjax.engine.context import ContextError
+from lcjax.engine.engine import Engine, RequestError
+
+TINY = dataclasses.replace(preset("tiny"), eos_ids=())
+RUN = RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256, max_batch=3, decode_steps=16)
+RNG = np.random.default_rng(11)
+DOC = RNG.integers(3, TINY.vocab_size, 45).tolist()          # ends inside page 5
+DOC48 = RNG.integers(3, TINY.vocab_size, 48).tolist()        # ends on a page boundary
+QS = [RNG.integers(3, TINY.vocab_size, n).tolist() for n in (5, 9, 14)]
+
+
+def _engine(**kw):
+  return Engine.random(TINY, run=RUN.replace(**kw), seed=3)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+  return _engine(prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def eng():
+  return _engine()
+
+
+def _idle(eng):
+  assert eng.pool.pages_used == 0 and eng.pool.sequences == () and not eng.scheduler.pinned
+  eng.pool.check()
+  if eng.prefix_cache is not None:
+    eng.prefix_cache.check()
+
+
+@pytest.mark.parametrize("doc", [DOC, DOC48], ids=["inside-a-page", "page-boundary"])
+def test_second_question_reuses_the_document(eng, oracle, doc):
+  eng.prefix_cache.clear()
+  first = eng.generate(doc + QS[0], max_new_tokens=12)
+  second = eng.generate(doc + QS[1], max_new_tokens=12)
+  assert first.stats["cached_tokens"] == 0
+  assert second.stats["cached_tokens"] == len(doc) // 8 * 8
+  assert second.stats["prefill_tokens"] == len(doc) + len(QS[1]) - second.stats["cached_tokens"]
+  assert first.token_ids == oracle.generate(doc + QS[0], max_new_tokens=12).token_ids
+  assert second.token_ids == oracle.generate(doc + QS[1], max_new_tokens=12).token_ids
+  np.testing.assert_allclose(eng.prompt_logits(doc + QS[2][:3]), oracle.prompt_logits(doc + QS[2][:3]),
+                             rtol=1e-5, atol=1e-5)
+  _idle(eng)
+
+
+def test_the_same_prompt_twice_recomputes_only_its_last_page(eng, oracle):
+  eng.prefix_cache.clear()
+  prompt = DOC48 + QS[0][:8]                       # 56 tokens: 7 full pages
+  a = eng.generate(prompt, max_new_tokens=6)
+  b = eng.generate(prompt, max_new_tokens=6)
+  assert b.stats["cached_tokens"] == 48            # the last token's logits are needed: its page is computed
+  assert a.token_ids == b.token_ids == oracle.generate(prompt, max_new_tokens=6).token_ids
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(eng, oracle):
+  """A chat's next turn repeats the previous answer: its pages were kept when the request ended."""
+  eng.prefix_cache.clear()
+  turn1 = eng.generate(DOC, max_new_tokens=20)
+  follow = DOC + turn1.token_ids + QS[0]
+  turn2 = eng.generate(follow, max_new_tokens=8)
+  assert turn2.stats["cached_tokens"] == (len(DOC) + 20 - 1) // 8 * 8
+  assert turn2.token_ids == oracle.generate(follow, max_new_tokens=8).token_ids
+
+
+def test_eviction_under_pressure_then_a_correct_recompute(oracle):
+  eng = _engine(num_pages=13, max_batch=2)         # 12 usable pages: 96 tokens
+  a = DOC + QS[0]                                  # 50 tokens + 6 = 7 pages, 6 of them kept
+  want_a = oracle.generate(a, max_new_tokens=6).token_ids
+  assert eng.generate(a, max_new_tokens=6).token_ids == want_a
+  assert eng.pool.pages_cached == 6
+  b = RNG.integers(3, TINY.vocab_size, 80).tolist()
+  assert eng.generate(b, max_new_tokens=10).token_ids == oracle.generate(b, max_new_tokens=10).token_ids
+  assert eng.prefix_cache.match(a) == []          # b needed all 12 pages: a's were evicted
+  again = eng.generate(a, max_new_tokens=6)
+  assert again.stats["cached_tokens"] == 0 and again.token_ids == want_a
+  _idle(eng)
+
+
+def test_eviction_never_takes_pages_in_use(oracle):
+  """Two runs of one thread: the first holds cached pages it adopted; the second's admission must not evict
+  them."""
+  eng = _engine(num_pages=15, max_batch=2)                   # 14 usable pages
+  a, c = DOC + QS[0], RNG.integers(3, TINY.vocab_size, 17).tolist()
+  eng.generate(a, max_new_tokens=2)                          # a's 6 full pages cached
+  eng.generate(c, max_new_tokens=2)                          # c's 2 full pages cached
+  ra = eng._make_requests([a], 30, None)
+  sa = eng.scheduler.serve(ra)
+  next(sa)                                                   # a is prefilled on its 6 cached pages
+  assert ra[0].cached == 48 and eng.pool.pages_used == 10 and eng.pool.pages_free == 2
+  b = RNG.integers(3, TINY.vocab_size, 25).tolist()          # 30 tokens: 4 pages, 2 of them evicted
+  want_b = oracle.generate(b, max_new_tokens=5).token_ids
+  got_b = eng.generate(b, max_new_tokens=5).token_ids
+  assert eng.prefix_cache.match(c) == [] and len(eng.prefix_cache.match(a)) == 6
+  for _ in sa:
+    pass
+  assert got_b == want_b
+  assert eng._result(ra[0]).token_ids == oracle.generate(a, max_new_tokens=30).token_ids
+  _idle(eng)
+
+
+def test_a_batch_on_a_pinned_context(eng, oracle):
+  with eng.prefill(DOC) as ctx:
+    assert len(ctx) == len(DOC) and eng.scheduler.pinned
+    got = [r.token_ids for r in eng.generate(QS, max_new_tokens=10, context=ctx)]
+    stats = [r.stats for r in eng.last_results]
+    again = eng.generate(QS[1], max_new_tokens=10, context=ctx).token_ids
+  assert got == [r.token_ids for r in oracle.generate([DOC + q for q in QS], max_new_tokens=10)]
+  assert again == got[1]
+  assert all(s["cached_tokens"] == len(DOC) for s in stats)
+  _idle(eng)
+  with pytest.raises(RequestError, match="closed"):
+    eng.generate(QS[0], max_new_tokens=2, context=ctx)
+
+
+def test_several_contexts_count_against_the_pool():
+  eng = _engine(num_pages=17, max_batch=2)        # 16 usable pages
+  c1 = eng.prefill(DOC)                           # 6 pages
+  c2 = eng.prefill(DOC48 + [5] * 20)              # 9 pages
+  assert eng.scheduler.pinned_pages() == 15
+  with pytest.raises(Exception, match="pinned context"):
+    eng.generate(QS[2], max_new_tokens=20)        # needs 5 pages, 1 is free
+  c1.close()
+  assert len(eng.generate(QS[2], max_new_tokens=20).token_ids) == 20
+  c2.close()
+  _idle(eng)
+
+
+def test_context_continuation_gets_no_second_bos(eng):
+  from lcjax.tokenizer import Tokenizer
+  from tests import fixtures_ckpt as fx
+  import tempfile
+  with tempfile.TemporaryDirectory() as d:
+    fx.byte_level_tokenizer_json(os.path.join(d, "tokenizer.json"))
+    tok = Tokenizer(d, bos_id=1, eos_ids=[2], add_bos=True)
+  limits = eng.limits
+  eng.tokenizer, eng.limits = tok, dataclasses.replace(limits, vocab_size=300)   # the tokenizer's vocabulary
+  try:
+    plain = eng._make_requests(["hello"], 1, None)[0].prompt
+    cont = eng._make_requests(["hello"], 1, None, head=[7, 8])[0].prompt
+  finally:
+    eng.tokenizer, eng.limits = None, limits
+  assert plain[0] == 1 and plain.count(1) == 1
+  assert cont[:2] == [7, 8] and 1 not in cont and cont[2:] == plain[1:]
+
+
+def test_save_and_restore_in_a_new_engine(tmp_path, oracle):
+  eng = _engine()
+  ctx = eng.prefill(DOC)
+  ctx.save(tmp_path / "doc")
+  assert sorted(os.listdir(tmp_path)) == ["doc"]
+  want = [r.token_ids for r in oracle.generate([DOC + q for q in QS[:2]], max_new_tokens=10)]
+  fresh = _engine()
+  restored = fresh.load_context(tmp_path / "doc")
+  assert restored.token_ids == DOC and restored.stats["cached_tokens"] == 0
+  assert [r.token_ids for r in fresh.generate(QS[:2], max_new_tokens=10, context=restored)] == want
+  np.testing.assert_array_equal(
+      *(np.asarray(e.cache.k)[:, e.pool.page_table(c.seq)] for e, c in ((eng, ctx), (fresh, restored))))
+  restored.close()
+  ctx.close()
+  _idle(fresh)
+
+
+def test_a_killed_save_leaves_nothing_that_loads(tmp_path, monkeypatch):
+  eng = _engine()
+  ctx = eng.prefill(DOC)
+  real = ctxlib._layers_out
+
+  def dies(engine, pages):
+    it = real(engine, pages)
+    yield next(it)
+    raise KeyboardInterrupt
+  monkeypatch.setattr(ctxlib, "_layers_out", dies)
+  with pytest.raises(KeyboardInterrupt):
+    ctx.save(tmp_path / "doc")
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(ContextError, match="no such context"):
+    eng.load_context(tmp_path / "doc")
+  os.makedirs(tmp_path / "half")
+  with pytest.raises(ContextError, match="not a complete saved context"):
+    eng.load_context(tmp_path / "half")
+  ctx.close()
+
+
+@pytest.mark.parametrize("change, names", [
+    (dict(page_size=16), ["page_size: saved 8, this engine 16"]),
+    (dict(dtype="bfloat16"), ["dtype: saved 'float32', this engine 'bfloat16'"]),
+    (dict(seed=4), ["weights: saved"]),
+])
+def test_a_mismatched_restore_is_refused(tmp_path, change, names):
+  eng = _engine()
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "doc")
+  seed = change.pop("seed", 3)
+  other = Engine.random(TINY, run=RUN.replace(**change), seed=seed)
+  with pytest.raises(ContextError) as e:
+    other.load_context(tmp_path / "doc")
+  assert "\n" not in str(e.value)
+  for name in names:
+    assert name in str(e.value), str(e.value)
+  _idle(other)
+
+
+@pytest.mark.parametrize("save_at, load_at", [((2, 1), (1, 1)), ((1, 1), (2, 2)), ((1, 4), (2, 1))],
+                         ids=["seq2-to-1", "1-to-seq2-tensor2", "tensor4-to-seq2"])
+def test_restore_across_meshes(tmp_path, oracle, save_at, load_at):
+  """Pages saved from one mesh restore onto another (tensor=4 repeats the 2 KV heads: saved once each)."""
+  (s1, t1), (s2, t2) = save_at, load_at
+  a = _engine(seq=s1, tensor=t1)
+  with a.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "doc")
+  b = _engine(seq=s2, tensor=t2)
+  with b.load_context(tmp_path / "doc") as ctx:
+    got = [r.token_ids for r in b.generate(QS[:2], max_new_tokens=8, context=ctx)]
+  assert got == [r.token_ids for r in oracle.generate([DOC + q for q in QS[:2]], max_new_tokens=8)]
+  _idle(b)
+
+
+def test_offload_and_restore(oracle):
+  eng = _engine(num_pages=17, max_batch=2)
+  ctx = eng.prefill(DOC)
+  want = oracle.generate(DOC + QS[0], max_new_tokens=10).token_ids
+  ctx.offload()
+  assert not ctx.on_device and not eng.scheduler.pinned
+  with pytest.raises(RequestError, match="offloaded"):
+    eng.generate(QS[0], max_new_tokens=2, context=ctx)
+  eng.generate(RNG.integers(3, TINY.vocab_size, 104).tolist(), max_new_tokens=24)   # all 16 pages: evicts it
+  ctx.restore()
+  assert ctx.stats["cached_tokens"] == 0
+  assert eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids == want
+  ctx.offload()
+  ctx.restore()                                    # nothing evicted meanwhile: shares the cached full pages
+  assert ctx.stats["cached_tokens"] == 40
+  assert eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids == want
+  ctx.close()
+  _idle(eng)

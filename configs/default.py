@@ -1,24 +1,17 @@
-"""CPU-friendly defaults: the bundled SmolLM2-135M, float32, 2K prefill chunks.
+"""The defaults of lcjax.config.RunConfig as a config file: dtype "auto" (bfloat16 on a GPU, float32 on a CPU),
+the checkpoint's trained context, 2K prefill chunks, the prefix cache on.
 
 Every field is a RunConfig field (lcjax/config.py); override any on the command line, e.g.
 `--config=configs/default.py --config.page_size=128`.
 """
+import dataclasses
+
 import ml_collections
+
+from lcjax.config import RunConfig
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  c.dtype = "float32"
-  c.cache_dtype = "auto"
-  c.page_size = 64
-  c.num_pages = 0
-  c.max_context = 8192
-  c.max_batch = 4
-  c.prefill_chunk = 2048
+  c = ml_collections.ConfigDict(dataclasses.asdict(RunConfig()))
   c.decode_steps = 32
-  c.decode_sync_every = 1
-  c.attention = "auto"
-  c.tensor = 1
-  c.seq = 1
-  c.sp_mode = "ring"
   return c

@@ -1,9 +1,14 @@
 """lcjax: long-context LLaMA inference in JAX.
 
     import lcjax
-    engine = lcjax.Engine.load("checkpoints/smollm2-135m-instruct", dtype="float32")
+    engine = lcjax.Engine.load("checkpoints/smollm2-135m-instruct")
     out = engine.generate("The capital of France is", max_new_tokens=16)
     print(out.text, out.stats)
+
+    with engine.prefill(long_document) as ctx:          # prefilled once, pinned until closed
+      for q in questions:
+        print(engine.generate(q, context=ctx).text)
+      ctx.save("doc.ctx")                               # engine.load_context("doc.ctx") in a later process
 
 Names are imported lazily so that `import lcjax.config` (or the host allocator) does not pull in JAX.
 """
@@ -14,7 +19,9 @@ import importlib
 _API = {
     "Engine": "lcjax.engine.engine",
     "GenerationResult": "lcjax.engine.engine",
-    "RequestError": "lcjax.engine.engine",
+    "RequestError": "lcjax.engine.requests",
+    "Context": "lcjax.engine.context",
+    "ContextError": "lcjax.engine.context",
     "SamplingParams": "lcjax.engine.sampling",
     "ModelConfig": "lcjax.config",
     "RunConfig": "lcjax.config",

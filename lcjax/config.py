@@ -182,7 +182,8 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """How lcjax runs a model. Every field can be overridden from the CLI (`--config.page_size=128`)."""
-  dtype: str = "bfloat16"            # parameters and activations; "float32" for checks
+  dtype: str = "auto"                # parameters and activations: "auto" (bfloat16 on accelerators, float32 on
+                                     # CPUs, where bf16 matmuls are emulated), "bfloat16", "float32" (checks)
   cache_dtype: str = "auto"          # "auto" (= dtype), "bfloat16", "float32", "float8_e4m3fn"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
@@ -202,8 +203,8 @@ class RunConfig:
   sp_mode: str = "ring"              # ring (zigzag layout) | ring-plain (contiguous blocks) | ulysses
 
   def __post_init__(self):
-    if self.dtype not in ("bfloat16", "float32", "float16"):
-      raise ConfigError(f"dtype={self.dtype!r} must be one of bfloat16, float32, float16")
+    if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+      raise ConfigError(f"dtype={self.dtype!r} must be one of auto, bfloat16, float32, float16")
     if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
       raise ConfigError(f"cache_dtype={self.cache_dtype!r} must be auto, bfloat16, float32, float16 or "
                         "float8_e4m3fn")
@@ -219,8 +220,16 @@ class RunConfig:
       raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring, ring-plain (no zigzag: the load-imbalanced "
                         "baseline) or ulysses")
 
+  def for_platform(self, platform: str) -> "RunConfig":
+    """This config with dtype="auto" made concrete for a JAX platform ("gpu", "cuda", "tpu", "cpu", ...)."""
+    if self.dtype != "auto":
+      return self
+    return self.replace(dtype="float32" if platform == "cpu" else "bfloat16")
+
   @property
   def resolved_cache_dtype(self) -> str:
+    if self.dtype == "auto" and self.cache_dtype == "auto":
+      raise ConfigError("dtype='auto' is not resolved yet: call RunConfig.for_platform first")
     return self.dtype if self.cache_dtype == "auto" else self.cache_dtype
 
   def context_for(self, model: ModelConfig) -> int:

@@ -229,6 +229,17 @@ class Tokenizer:
         messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos or "",
         eos_token=eos or "", **kwargs)
 
+  def chat_context(self, document: str) -> tuple[str, str] | None:
+    """Split a chat whose user turn is `document` followed by a question: (the text before the question, the
+    text after it), so that a pinned context holds the first and each question q continues it as q + tail.
+    None when the checkpoint has no chat template (or the template does not keep the question verbatim)."""
+    if not self.chat_template:
+      return None
+    marker = "\x00lcjax-question\x00"
+    rendered = self.apply_chat_template([{"role": "user", "content": f"{document}\n\n{marker}"}])
+    head, found, tail = rendered.partition(marker)
+    return (head, tail) if found else None
+
   def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
     """Ids of the rendered chat; no extra BOS, since templates that want one write it themselves."""
     return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_bos=False)

@@ -180,13 +180,13 @@ def test_save_and_restore_in_a_new_engine(tmp_path, oracle):
 def test_a_killed_save_leaves_nothing_that_loads(tmp_path, monkeypatch):
   eng = _engine()
   ctx = eng.prefill(DOC)
-  real = ctxlib._layers_out
+  real = ctxlib._blocks_out
 
   def dies(engine, pages):
     it = real(engine, pages)
     yield next(it)
     raise KeyboardInterrupt
-  monkeypatch.setattr(ctxlib, "_layers_out", dies)
+  monkeypatch.setattr(ctxlib, "_blocks_out", dies)
   with pytest.raises(KeyboardInterrupt):
     ctx.save(tmp_path / "doc")
   assert os.listdir(tmp_path) == []

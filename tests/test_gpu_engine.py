@@ -81,3 +81,32 @@ def test_mesh_engine_matches_one_gpu(backend, tensor, seq, sp_mode, prompts):
   many = Engine.random(CFG, run=one.run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
   assert many.attention.name == backend
   _assert_agree(one, many, prompts)
+
+
+def test_context_cache_matches_a_cold_prefill(prompts, tmp_path):
+  """The prefix cache, a pinned context and a context restored from host memory and from disk give what a cold
+  prefill of the whole prompt gives, through the fast backend, and nothing is left held."""
+  from tests.test_engine import _prefill_logits
+  doc, q = prompts[0][:2000], prompts[1][:300]
+  eng = _engine("auto")
+  cold = Engine.random(CFG, run=eng.run.replace(prefix_cache=False), seed=1)
+  rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(a)
+  want = cold.generate(doc + q, max_new_tokens=8).token_ids
+  eng.generate(doc + prompts[1][300:400], max_new_tokens=2)                 # caches the document's pages
+  auto = eng.generate(doc + q, max_new_tokens=8)
+  assert auto.stats["cached_tokens"] == len(doc) // 64 * 64
+  assert rel(_prefill_logits(cold, doc + q), _prefill_logits(eng, doc + q)) < 2e-2
+  ctx = eng.prefill(doc)
+  got = [eng.generate(q, max_new_tokens=8, context=ctx).token_ids]
+  ctx.offload()
+  eng.prefix_cache.clear()
+  ctx.restore()
+  got.append(eng.generate(q, max_new_tokens=8, context=ctx).token_ids)
+  ctx.save(tmp_path / "ctx")
+  ctx.close()
+  eng.prefix_cache.clear()
+  with eng.load_context(tmp_path / "ctx") as ctx:
+    got.append(eng.generate(q, max_new_tokens=8, context=ctx).token_ids)
+  assert all(g[:4] == want[:4] for g in [auto.token_ids] + got), (want, auto.token_ids, got)
+  assert got[1] == got[0] == got[2]                # the same pages, moved: bit-identical
+  assert eng.pool.pages_used == 0 and not eng.scheduler.pinned

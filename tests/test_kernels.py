@@ -340,7 +340,7 @@ def test_paged_gpu(backend, T, fp8, Z):
   be = backends.get_backend(backend)
   got = jax.jit(be.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   # An fp8 chunk runs on its pages dequantized to bf16 (scale * fp8 rounded to 8 bits of mantissa): lse rel err
-  # 3.708e-3 on the H200 (call F) against the float64 oracle of the exact products, and the same 3.708e-3 from
+  # 3.708e-3 on the H200 against the float64 oracle of the exact products, and the same 3.708e-3 from
   # the CPU emulation of cuDNN on the same bf16 pages: the rounding, not the kernel.
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2,
         tol_lse=6e-3 if fp8 and T > 1 else 2e-3)

@@ -1,4 +1,7 @@
-"""One import direction: a module imports only from lower layers (DESIGN.md §2)."""
+"""One import direction: a module imports only from lower layers.
+
+L0 config, host allocator, prefix cache, tokenizer (stdlib, numpy) < L1 sharding < L2 ops (kernels) < L3 model,
+device cache < L4 checkpoint, engine < L5 the package's API, the CLI; tools/ and configs/ sit above all of it."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +11,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "lcjax"
 
 LAYERS = {
-    "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.tokenizer": 0,
+    "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.cache.prefix": 0, "lcjax.tokenizer": 0,
     "lcjax.sharding": 1,
     "lcjax.ops": 2,
     "lcjax.model": 3, "lcjax.cache.kv": 3, "lcjax.cache": 3,
@@ -58,4 +61,27 @@ def test_imports_go_down_the_layers():
         top = imp.split(".")[0]
         if top not in sys.stdlib_module_names and top not in ALLOWED_THIRD_PARTY[mine] | {"__future__"}:
           bad.append(f"{module} (L{mine}) imports third-party {imp}")
+  assert not bad, "\n".join(bad)
+
+
+def test_tools_and_configs_sit_above_the_package():
+  """lcjax never imports tools/, configs/ or tests/; configs import without editing sys.path; tools import
+  lcjax and their own tools/benchlib only."""
+  repo = ROOT.parent
+  bad = []
+  for path in ROOT.rglob("*.py"):
+    rel = path.relative_to(repo).with_suffix("")
+    for imp in _imports(path, ".".join(rel.parts)):
+      if imp.split(".")[0] in ("tools", "configs", "tests"):
+        bad.append(f"{rel} imports {imp}")
+  for path in (repo / "configs").glob("*.py"):
+    if "sys.path" in path.read_text():
+      bad.append(f"{path.name} edits sys.path")
+    for imp in _imports(path, f"configs.{path.stem}"):
+      if imp.split(".")[0] not in ("lcjax", "ml_collections", "dataclasses", "__future__"):
+        bad.append(f"configs/{path.name} imports {imp}")
+  for path in (repo / "tools").glob("*.py"):
+    for imp in _imports(path, f"tools.{path.stem}"):
+      if imp.startswith(("tests", "configs")) or (imp.startswith("tools") and imp not in ("tools.benchlib",)):
+        bad.append(f"tools/{path.name} imports {imp}")
   assert not bad, "\n".join(bad)

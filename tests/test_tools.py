@@ -60,7 +60,7 @@ def test_bench_multigpu_extrapolates_measured_rows(tmp_path):
 
 
 def test_is_oom_tells_memory_from_a_kernel_launch_limit():
-  """Both come as RESOURCE_EXHAUSTED; a benchmark row must say OOM only for the first (2x H200 call K recorded a
+  """Both come as RESOURCE_EXHAUSTED; a benchmark row must say OOM only for the first (a 2x H200 run recorded a
   Pallas kernel's shared-memory overflow as five OOM rows)."""
   sys.path.insert(0, REPO)
   from tools.benchlib import is_oom

@@ -41,7 +41,7 @@ flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill"
 flags.DEFINE_integer("decode_sync_every", 8, "lcjax decode steps between host checks for EOS (RunConfig field; "
                      "random weights have no EOS, so no step is wasted; the session-4 calls ran with 8)")
 flags.DEFINE_integer("prefill_chunk", 16384, "lcjax prefill chunk (16K: peak within weights + KV + 4 GiB on "
-                     "the 8B shape at 1.7% of 128K prefill time against 32K chunks, call H)")
+                     "the 8B shape at 1.7% of 128K prefill time against 32K chunks on the H200)")
 flags.DEFINE_integer("page_size", 64, "lcjax page size")
 flags.DEFINE_string("attention", "auto", "lcjax attention backend")
 flags.DEFINE_string("dtype", "bfloat16", "parameter / activation dtype")

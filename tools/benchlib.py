@@ -51,3 +51,22 @@ def is_oom(e: BaseException) -> bool:
   if "Shared memory size limit" in s:   # RESOURCE_EXHAUSTED too, but a kernel's launch config, not the memory
     return False
   return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
+
+
+def write_result(out_dir: str, name: str, rows: list[dict], table: str, **meta) -> dict:
+  """Write `name`.json (device, versions, command, date, `meta`, rows) and `name`.md (the same header and the
+  markdown `table`) under out_dir. Returns the JSON object."""
+  import datetime
+  import os
+  import sys
+  result = dict(device=device_name(), versions=versions(),
+                command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta, rows=rows)
+  os.makedirs(out_dir, exist_ok=True)
+  stem = os.path.join(out_dir, name)
+  with open(stem + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  with open(stem + ".md", "w") as f:
+    f.write(f"# {name}\n\ndevice: {result['device']}\n\ncommand: `{result['command']}`\n\n"
+            f"versions: {json.dumps(result['versions'])}\n\n{table}\n")
+  return result

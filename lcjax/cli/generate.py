@@ -41,7 +41,15 @@ flags.DEFINE_integer("top_k", 0, "0 = off")
 flags.DEFINE_float("top_p", 1.0, "1 = off")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_bool("stream", True, "print text as it is generated")
-flags.DEFINE_bool("warmup", True, "compile with an untimed pass first, so the stats are steady-state")
+flags.DEFINE_bool("warmup", True, "compile with an untimed pass over short prompts of the same chunk shapes first, "
+                  "so the stats are steady-state")
+flags.DEFINE_string("context_file", None, "a UTF-8 document to prefill once as a pinned context; --prompt (or each "
+                    "--interactive line) is a question about it")
+flags.DEFINE_string("save_context", None, "save the prefilled context to this directory (reload it with "
+                    "--load_context, skipping the prefill)")
+flags.DEFINE_string("load_context", None, "a context directory written by --save_context (or Context.save)")
+flags.DEFINE_bool("interactive", False, "after the context is ready, answer questions read from stdin, one per "
+                  "line, printing each answer's time to first token")
 flags.DEFINE_bool("verbose", False, "show Python tracebacks on errors")
 config_flags.DEFINE_config_file("config", None, "a configs/*.py file; override fields with --config.NAME=VALUE")
 
@@ -59,13 +67,18 @@ def demo_prompt(words: int) -> tuple[str, str]:
   return f"{doc}\n\nWhat is the password?", "PELICAN-42"
 
 
-def _stats_table(res, warmup_s) -> str:
+def _stats_table(engine, res, warmup_s) -> str:
   s = res.stats
   gib = 1024 ** 3
-  rows = [("prompt tokens", f"{s['prompt_tokens']:,}"), ("new tokens", f"{s['new_tokens']:,}"),
+  rows = [("model", f"{engine.cfg.name}, {engine.run.dtype} weights, {engine.run.resolved_cache_dtype} KV cache, "
+                    f"attention {engine.attention.name}"),
+          ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the cache, "
+                            f"{s['prefill_tokens']:,} prefilled)"),
+          ("new tokens", f"{s['new_tokens']:,}"),
           ("warm-up", "off (prefill and decode include XLA compilation)" if warmup_s is None
-           else f"{warmup_s:.2f} s (XLA compilation + one untimed pass)"),
-          ("prefill", f"{s['prefill_s']:.2f} s ({s['prompt_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
+           else f"{warmup_s:.2f} s (XLA compilation over short prompts of the same shapes)"),
+          ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
+          ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token"),
           ("peak device memory", f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
            else "n/a on this backend"),
@@ -127,6 +140,8 @@ def _prompt() -> tuple[str | None, list[int] | None, str | None]:
   """(prompt text, or prompt ids, and the --demo answer) from exactly one of the prompt flags, never empty."""
   given = [f"--{n}" for n in ("prompt", "prompt_file", "prompt_ids") if FLAGS[n].value is not None]
   given += ["--demo"] if FLAGS.demo else []
+  if FLAGS.interactive and not given:
+    return None, None, None
   if len(given) != 1:
     raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompt_ids or --demo, not {given or 'none'}")
   if FLAGS.demo:
@@ -181,7 +196,7 @@ def _model(run):
 
 def _generate() -> None:
   from lcjax.config import RunConfig          # flags first, before JAX is imported: they fail in a blink
-  run = RunConfig.from_dict(FLAGS.config.to_dict()) if FLAGS.config is not None else RunConfig(dtype="float32")
+  run = RunConfig.from_dict(FLAGS.config.to_dict()) if FLAGS.config is not None else RunConfig()
   text, ids, answer = _prompt()
   max_new = FLAGS.max_new_tokens
   if max_new < 1:
@@ -193,11 +208,13 @@ def _generate() -> None:
     raise UsageError(str(e)) from None
   model_cfg, ckpt = _model(run)
 
+  import jax
   from lcjax.engine import placement
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError
   from lcjax.tokenizer import find_tokenizer
+  run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   plan = planlib.plan(model_cfg, run)
@@ -205,40 +222,188 @@ def _generate() -> None:
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
 
   tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
+  if text is not None and tokenizer is None:
+    raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
+                       "tokenizer.model): give the prompt as --prompt_ids")
+  limits = Limits.of(model_cfg, run, plan.num_pages)
+  ctx_ids, question_tail = _context_ids(tokenizer, limits)
   if text is not None:
-    if tokenizer is None:
-      raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
-                         "tokenizer.model): give the prompt as --prompt_ids")
-    if FLAGS.chat and tokenizer.chat_template:
-      ids = tokenizer.encode_chat([{"role": "user", "content": text}])
-    else:
-      ids = tokenizer.encode(text)
-    if not ids:
-      raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
-                         "tokenizer's vocabulary")
-  Limits.of(model_cfg, run, plan.num_pages).check(0, ids, max_new)
+    ids = _question_ids(tokenizer, text, question_tail) if ctx_ids is not None else _prompt_text_ids(tokenizer, text)
+  if ids is not None:
+    limits.check(0, (ctx_ids or []) + ids, max_new, prefix_len=len(ctx_ids or []))
 
   engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
   warmup_s = None
   if FLAGS.warmup:
-    # An untimed pass over a prompt of the same length compiles every step the timed run will use, so the
-    # stats below are steady-state numbers and compilation is reported on its own line.
     t0 = time.perf_counter()
-    # The same sampling too: greedy and sampled batches decode in two differently compiled loops.
-    engine.generate([model_cfg.bos_id or 0] * len(ids), max_new_tokens=2, sampling=sampling)
+    prefilled = ctx_ids if ctx_ids is not None and not FLAGS.load_context else ids
+    _warm_up(engine, len(prefilled or [1]), sampling)
     warmup_s = time.perf_counter() - t0
+  ctx = None
+  if ctx_ids is not None:
+    ctx = _open_context(engine, ctx_ids, question_tail)
+  if ids is not None:
+    res = _answer(engine, ids, max_new, sampling, ctx, tokenizer)
+    print("\nstats\n" + _stats_table(engine, res, warmup_s))
+    print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
+    if answer is not None:
+      print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
+  if FLAGS.interactive:
+    _interactive(engine, ctx, question_tail, tokenizer, limits, max_new, sampling)
+  if ctx is not None:
+    ctx.close()
+
+
+def _prompt_text_ids(tokenizer, text: str) -> list[int]:
+  from lcjax.engine.requests import RequestError
+  if FLAGS.chat and tokenizer.chat_template:
+    ids = tokenizer.encode_chat([{"role": "user", "content": text}])     # the template writes its own BOS
+  else:
+    ids = tokenizer.encode(text)
+  if not ids:
+    raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
+                       "tokenizer's vocabulary")
+  return ids
+
+
+def _question_ids(tokenizer, question: str, tail: str) -> list[int]:
+  """A question continuing a context: no BOS, and the chat turn's closing text after it."""
+  from lcjax.engine.requests import RequestError
+  if tokenizer is None:
+    raise RequestError("this model has no tokenizer: questions about a context must be text")
+  ids = tokenizer.encode(question + tail, add_bos=False)
+  if not ids:
+    raise RequestError(f"the question {question[:40]!r} encodes to no tokens")
+  return ids
+
+
+def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
+  """(token ids of the context, text that closes a question) from --context_file or --load_context."""
+  from lcjax.engine.context import read_meta
+  from lcjax.engine.requests import RequestError
+  if FLAGS.context_file and FLAGS.load_context:
+    raise UsageError("give --context_file or --load_context, not both")
+  if not (FLAGS.context_file or FLAGS.load_context):
+    if FLAGS.save_context or FLAGS.interactive:
+      raise UsageError(f"--{'save_context' if FLAGS.save_context else 'interactive'} needs a context: give "
+                       "--context_file=DOC or --load_context=DIR")
+    return None, ""
+  if FLAGS.load_context:
+    meta = read_meta(os.path.abspath(FLAGS.load_context))
+    import numpy as np
+    ids = np.load(os.path.join(FLAGS.load_context, "tokens.npy")).tolist()
+    limits.check(0, ids, 1)
+    return ids, (meta.get("meta") or {}).get("question_tail", "\n\n")
+  if tokenizer is None:
+    raise RequestError("--context_file needs a checkpoint with a tokenizer")
+  try:
+    with open(FLAGS.context_file, encoding="utf-8") as f:
+      doc = f.read()
+  except UnicodeDecodeError as e:
+    raise UsageError(f"--context_file={FLAGS.context_file} is not UTF-8 text: {e.reason} at byte {e.start}") \
+        from None
+  if not doc:
+    raise UsageError(f"--context_file={FLAGS.context_file} is empty")
+  split = tokenizer.chat_context(doc) if FLAGS.chat else None
+  head, tail = split if split else (doc + "\n\n", "\n")
+  ids = tokenizer.encode(head, add_bos=None if split is None else False)   # a template writes its own BOS
+  limits.check(0, ids, 1)
+  return ids, tail
+
+
+def _open_context(engine, ids, question_tail):
+  t0 = time.perf_counter()
+  if FLAGS.load_context:
+    ctx = engine.load_context(FLAGS.load_context)
+    how = f"restored from {FLAGS.load_context}"
+  else:
+    with _progress_bar(len(ids), engine.run.prefill_chunk, "context") as bar:
+      ctx = engine.prefill(ids, on_progress=bar)
+    ctx.meta["question_tail"] = question_tail
+    how = f"prefilled ({ctx.stats['cached_tokens']:,} tokens from the prefix cache)"
+  print(f"context: {len(ctx):,} tokens {how} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+  if FLAGS.save_context:
+    dt = ctx.save(FLAGS.save_context, overwrite=True)
+    print(f"context: saved to {FLAGS.save_context} in {dt:.2f} s", file=sys.stderr)
+  return ctx
+
+
+def _answer(engine, ids, max_new, sampling, ctx, tokenizer):
+  """Generate and print one answer; returns its result with the wall time to the first token in its stats."""
+  t0 = time.perf_counter()
+  first = None
   if FLAGS.stream and tokenizer is not None:
-    for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling):
-      print(delta, end="", flush=True)
+    with _progress_bar(len(ids), engine.run.prefill_chunk, "prefill") as bar:
+      for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling, context=ctx,
+                                             on_progress=bar):
+        if first is None:
+          bar.close()
+          first = time.perf_counter()
+        print(delta, end="", flush=True)
     print()
     res = engine.last_results[0]
   else:
-    res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling)
+    with _progress_bar(len(ids), engine.run.prefill_chunk, "prefill") as bar:
+      res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling, context=ctx, on_progress=bar)
     print(res.text if tokenizer is not None else f"token ids: {res.token_ids}")
-  print("\nstats\n" + _stats_table(res, warmup_s))
-  print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
-  if answer is not None:
-    print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
+  res.stats["time_to_first_token_s"] = (first - t0) if first else res.stats["prefill_s"]
+  return res
+
+
+class _progress_bar:
+  """A tqdm bar over prefill tokens on stderr (tokens, tokens/s, ETA) for prompts longer than one chunk; used as
+  the API's on_progress callback."""
+
+  def __init__(self, n_tokens: int, chunk: int, what: str):
+    self.bar = None
+    if n_tokens > chunk:
+      from tqdm import tqdm
+      self.bar = tqdm(total=n_tokens, desc=what, unit="tok", unit_scale=True, file=sys.stderr, leave=False)
+
+  def __call__(self, index: int, done: int, total: int) -> None:
+    if self.bar is not None:
+      self.bar.total = total
+      self.bar.update(done - self.bar.n)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _interactive(engine, ctx, tail, tokenizer, limits, max_new, sampling):
+  from lcjax.engine.requests import RequestError
+  print("ask a question per line (Ctrl-D to end)", file=sys.stderr)
+  for line in sys.stdin:
+    question = line.strip()
+    if not question:
+      continue
+    try:
+      ids = _question_ids(tokenizer, question, tail)
+      limits.check(0, ctx.token_ids + ids, max_new, prefix_len=len(ctx))
+    except RequestError as e:
+      print(f"error: {e}", file=sys.stderr)
+      continue
+    res = _answer(engine, ids, max_new, sampling, ctx, tokenizer)
+    s = res.stats
+    print(f"[time to first token {s['time_to_first_token_s']:.3f} s; {s['cached_tokens']:,} tokens from the "
+          f"context, {s['prefill_tokens']:,} prefilled; {s['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
+
+
+def _warm_up(engine, n_tokens: int, sampling) -> None:
+  """Compile every step a prompt of n_tokens uses with a short prompt of the same chunk shapes: a full chunk and
+  the last, partly filled one (whose bucket depends only on n_tokens mod prefill_chunk), then two decode steps
+  with the same sampling (greedy and sampled batches decode in two differently compiled loops)."""
+  C = engine.run.prefill_chunk
+  n = min(n_tokens, C + (n_tokens % C or C)) if n_tokens > C else n_tokens
+  filler = [engine.cfg.bos_id or 0] * n
+  engine.generate(filler, max_new_tokens=2 if n + 2 <= engine.max_context else 1, sampling=sampling)
 
 
 def main(argv):

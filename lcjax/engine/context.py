@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
+import threading
 import time
 
 import jax
@@ -39,8 +41,17 @@ class ContextError(ValueError):
   """A context that cannot be saved, restored or used here; the message names the values."""
 
 
+BLOCK_PAGES = 256    # pages per gather / scatter call
+
+
+def _block(n: int) -> int:
+  """Pages a call moves for n pages: BLOCK_PAGES from a quarter of it up (one compiled shape for every long
+  context), else the next power of two."""
+  return BLOCK_PAGES if n > BLOCK_PAGES // 4 else 1 << max(0, n - 1).bit_length()
+
+
 def _gather(cache, layer, pages, rep: int):
-  """K, V of `pages` of one layer, the model's own KV heads: [n, Z, K, H] each."""
+  """K, V of `pages` of one layer, the model's own KV heads: [b, Z, K, H] each."""
   return cache.k[layer, pages][..., ::rep, :], cache.v[layer, pages][..., ::rep, :]
 
 
@@ -51,7 +62,7 @@ def _scatter(cache, layer, pages, k, v, rep: int):
 
 
 class _Mover:
-  """The engine's compiled page gather / scatter (one layer per call)."""
+  """The engine's compiled page gather / scatter (one block of one layer per call)."""
 
   def __init__(self, engine):
     from lcjax.cache import kv as kvc
@@ -69,35 +80,72 @@ def _mover(engine) -> _Mover:
   return engine._context_mover
 
 
-def _layers_out(engine, pages: list[int]):
-  """Yield (layer, K, V) as host arrays [n, Z, K, H], the next layer's copy started before the current one is
-  handed over."""
+def _blocks_out(engine, pages: list[int]):
+  """Yield (layer, first page index, K, V): host arrays [b, Z, K, H] of consecutive pages, layer by layer, in
+  page order; the next block's device-to-host copy is under way while the current one is handed over."""
   mover, sched = _mover(engine), engine.scheduler
-  idx = jnp.asarray(pages, jnp.int32)
-  L = engine.cfg.n_layers
+  n, B = len(pages), _block(len(pages))
+  starts = range(0, n, B)
+  idx = np.zeros(len(starts) * B, np.int32)
+  idx[:n] = pages
+  idx = jnp.asarray(idx.reshape(len(starts), B))
+  jobs = [(l, j) for l in range(engine.cfg.n_layers) for j in range(len(starts))]
 
-  def start(l):
-    k, v = mover.gather(sched.cache, jnp.int32(l), idx)
+  def start(job):
+    l, j = job
+    k, v = mover.gather(sched.cache, jnp.int32(l), idx[j])
     k.copy_to_host_async()
     v.copy_to_host_async()
     return k, v
 
-  nxt = start(0)
-  for l in range(L):
-    cur, nxt = nxt, (start(l + 1) if l + 1 < L else None)
-    yield l, np.asarray(cur[0]), np.asarray(cur[1])
+  nxt = start(jobs[0])
+  for i, (l, j) in enumerate(jobs):
+    cur, nxt = nxt, (start(jobs[i + 1]) if i + 1 < len(jobs) else None)
+    b = min(B, n - starts[j])
+    yield l, starts[j], np.asarray(cur[0])[:b], np.asarray(cur[1])[:b]
 
 
-def _write_layers(engine, pages: list[int], first: int, layers) -> None:
-  """Write host K/V of pages[first:] for every layer from `layers`, an iterator of (layer, K, V) [n - first, ...]."""
-  if first >= len(pages):
-    return
+def _write_blocks(engine, pages: list[int], blocks) -> None:
+  """Write host blocks (layer, first page index, K, V [b, Z, K, H]) into the context's `pages`."""
   mover, sched = _mover(engine), engine.scheduler
-  idx = jnp.asarray(pages[first:], jnp.int32)
-  for l, k, v in layers:
+  for l, s, k, v in blocks:
+    b = len(k)
+    B = _block(b)
+    target = np.zeros(B, np.int32)                 # padding rows go to the null page, which is never read
+    target[:b] = pages[s:s + b]
+    if B != b:
+      k, v = (np.concatenate([x, np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
     k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
-    sched.cache = mover.scatter(sched.cache, jnp.int32(l), idx, k, v)
+    sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
   jax.block_until_ready(sched.cache.k)
+
+
+def _from(blocks, first: int):
+  """The parts of host blocks at page index >= first."""
+  for l, s, k, v in blocks:
+    if s + len(k) > first:
+      cut = max(0, first - s)
+      yield l, s + cut, k[cut:], v[cut:]
+
+
+def _prefetch(it, depth: int = 2):
+  """Run iterator `it` (file reads, which release the GIL) up to `depth` items ahead in a thread."""
+  q: queue.Queue = queue.Queue(depth)
+  done = object()
+
+  def work():
+    try:
+      for x in it:
+        q.put(x)
+      q.put(done)
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+      q.put(e)
+
+  threading.Thread(target=work, daemon=True).start()
+  while (x := q.get()) is not done:
+    if isinstance(x, BaseException):
+      raise x
+    yield x
 
 
 class Context:
@@ -110,7 +158,8 @@ class Context:
     self.token_ids = list(token_ids)
     self.seq: int | None = seq
     self.epoch = engine.scheduler.epoch
-    self._host = None             # [(K, V)] per layer while offloaded
+    self._host = None             # [(layer, first page index, K, V)] host blocks while offloaded
+    self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
     self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
 
   def __len__(self) -> int:
@@ -159,7 +208,7 @@ class Context:
     self._check_usable()
     t0 = time.perf_counter()
     with self.engine.scheduler.lock:
-      self._host = [(k, v) for _, k, v in _layers_out(self.engine, self.pages())]
+      self._host = list(_blocks_out(self.engine, self.pages()))
       self.engine.scheduler.unpin(self.seq)
       self.seq = None
     return time.perf_counter() - t0
@@ -173,7 +222,7 @@ class Context:
     host = self._host
 
     def fill(pages, first):
-      _write_layers(self.engine, pages, first, ((l, k[first:], v[first:]) for l, (k, v) in enumerate(host)))
+      _write_blocks(self.engine, pages, _from(host, first))
 
     self.seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
     self.epoch, self._host = self.engine.scheduler.epoch, None
@@ -198,13 +247,18 @@ class Context:
         pages = self.pages()
         np.save(os.path.join(tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
         with open(os.path.join(tmp, "kv.bin"), "wb") as f:
-          for _, k, v in _layers_out(eng, pages):
-            f.write(k.tobytes())
-            f.write(v.tobytes())
+          layer = []                                 # one layer's blocks: its K pages are written before its V
+          for l, _, k, v in _blocks_out(eng, pages):
+            layer.append((k, v))
+            if len(layer) * _block(len(pages)) >= len(pages):
+              for part in (0, 1):
+                for kv in layer:
+                  f.write(memoryview(np.ascontiguousarray(kv[part])).cast("B"))
+              layer = []
         cache = eng.scheduler.cache
         meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
                     page_size=eng.run.page_size, layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads,
-                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype))
+                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta)
         if cache.quantized:
           meta.update(k_scale=np.asarray(cache.k_scale)[:, ::eng.kv_rep].tolist(),
                       v_scale=np.asarray(cache.v_scale)[:, ::eng.kv_rep].tolist())
@@ -278,17 +332,24 @@ def load_context(engine, path) -> Context:
     raise ContextError(f"{kv_path} holds {size} bytes, {meta['layers']} layers of {n} pages need "
                        f"{2 * meta['layers'] * layer_bytes}: save the context again")
 
+  page_bytes = Z * K * H * dtype.itemsize
+
   def fill(pages, first):
-    def layers():
+    def blocks():
+      B = _block(n)
       with open(kv_path, "rb") as f:
         for l in range(meta["layers"]):
-          kv = []
-          for part in range(2):
-            f.seek((2 * l + part) * layer_bytes + first * Z * K * H * dtype.itemsize)
-            kv.append(np.fromfile(f, dtype, (n - first) * Z * K * H).reshape(n - first, Z, K, H))
-          yield l, kv[0], kv[1]
-    _write_layers(engine, pages, first, layers())
+          for s in range(first, n, B):
+            b = min(B, n - s)
+            kv = []
+            for part in range(2):
+              f.seek((2 * l + part) * layer_bytes + s * page_bytes)
+              kv.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
+            yield l, s, kv[0], kv[1]
+    _write_blocks(engine, pages, _prefetch(blocks()))
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)
-  return Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
+  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
+  ctx.meta = dict(meta.get("meta") or {})
+  return ctx

@@ -9,6 +9,7 @@ single-device model); the page pool is split over `seq` and KV heads over `tenso
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -83,7 +84,7 @@ class Engine:
     by `placement.checkpoint_shardings`); the engine places it on the mesh of `run.seq` x `run.tensor` devices
     (or `mesh`) and repeats KV heads when `tensor` needs it."""
     self.cfg = model_cfg
-    self.run = run or RunConfig()
+    self.run = (run or RunConfig()).for_platform(jax.default_backend())
     self.tokenizer = tokenizer
     self.max_context = self.run.context_for(model_cfg)
     self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype)
@@ -161,7 +162,7 @@ class Engine:
              mesh: jax.sharding.Mesh | None = None):
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
     The weights depend on `seed` only, never on the mesh."""
-    run = run or RunConfig()
+    run = (run or RunConfig()).for_platform(jax.default_backend())
     mesh = placement.mesh_for(run, mesh)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)
@@ -184,7 +185,7 @@ class Engine:
     from lcjax.checkpoint.store import restore_params
     from lcjax.tokenizer import find_tokenizer
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
-    run = (run or RunConfig()).replace(**given, **overrides)
+    run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
     mesh = placement.mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
@@ -284,26 +285,28 @@ class Engine:
     return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
 
   def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-               context: Context | None = None):
+               context: Context | None = None, on_progress=None):
     """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
 
     `context` (from `prefill` or `load_context`) continues a pinned context: each prompt follows its tokens
     (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call.
     Either way the context's pages are shared by all requests (copy-on-write of the last, partly filled page).
-    sampling: None or "greedy", a SamplingParams, or a dict of its fields.
+    sampling: None or "greedy", a SamplingParams, or a dict of its fields. on_progress(prompt index, tokens
+    prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
     """
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context)
-    for _ in self.scheduler.serve(reqs, prefix=prefix_ids):
-      pass
+    with self._progress(on_progress):
+      for _ in self.scheduler.serve(reqs, prefix=prefix_ids):
+        pass
     self.last_results = [self._result(r) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-                      context: Context | None = None) -> Iterator[tuple[int, str]]:
+                      context: Context | None = None, on_progress=None) -> Iterator[tuple[int, str]]:
     """Yield (prompt index, text delta) as tokens come back from the device (one decode call at a time)."""
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context)
     sent = {r.index: "" for r in reqs}
-    for r in self.scheduler.serve(reqs, prefix=prefix_ids):
+    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids), on_progress):
       text = self._text(r.out)
       if text != sent[r.index]:
         # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
@@ -313,6 +316,24 @@ class Engine:
           sent[r.index] = stable
     self.last_results = [self._result(r) for r in reqs]
 
+  @contextlib.contextmanager
+  def _progress(self, on_progress):
+    before, self.scheduler.on_progress = self.scheduler.on_progress, on_progress
+    try:
+      yield
+    finally:
+      self.scheduler.on_progress = before
+
+  def _progressing(self, it, on_progress):
+    """Drive a generator with `on_progress` set only while it runs (a stream interleaves with other calls)."""
+    while True:
+      with self._progress(on_progress):
+        try:
+          x = next(it)
+        except StopIteration:
+          return
+      yield x
+
   def _text(self, ids) -> str:
     if self.tokenizer is None:
       return ""
@@ -320,21 +341,23 @@ class Engine:
 
   def _result(self, r: Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)
-    stats = dict(prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
+    stats = dict(attention=self.attention.name, dtype=self.run.dtype, cache_dtype=self.run.resolved_cache_dtype,
+                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
                  prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
 
   # -- contexts -----------------------------------------------------------------------------------------------
-  def prefill(self, document) -> Context:
+  def prefill(self, document, *, on_progress=None) -> Context:
     """Prefill a document (text or ids) once and pin it: the returned Context holds its pages until
     `close()` (or the end of a `with` block); `generate(..., context=ctx)` continues it. Full pages already in
     the prefix cache are reused, not recomputed."""
     ids = self.encode(document)
     self.limits.check(0, ids, 1)
     t0 = time.perf_counter()
-    seq, cached = self.scheduler.pin(ids)
+    with self._progress(on_progress):
+      seq, cached = self.scheduler.pin(ids)
     return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0)
 
   def load_context(self, path) -> Context:

@@ -131,6 +131,7 @@ def weight_bytes_per_device(model: ModelConfig, tensor: int, itemsize: int) -> i
 
 
 def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch: int = 1) -> CommPlan:
+  run = _concrete(run)
   T, S = run.tensor, run.seq
   item = _ITEMSIZE[run.dtype]
   H = model.head_dim
@@ -162,7 +163,16 @@ def prefill_flops(model: ModelConfig, S: int) -> float:
   return linear + attention
 
 
+def _concrete(run: RunConfig) -> RunConfig:
+  """dtype="auto" resolved for the platform JAX runs on."""
+  if run.dtype != "auto":
+    return run
+  import jax
+  return run.for_platform(jax.default_backend())
+
+
 def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H200) -> MemoryPlan:
+  run = _concrete(run)
   T, S = run.tensor, run.seq
   w_item = _ITEMSIZE[run.dtype]
   rep = kv_replication(model.n_kv_heads, T)

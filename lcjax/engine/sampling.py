@@ -71,7 +71,7 @@ def all_greedy(params: list[SamplingParams]) -> bool:
 def sample(logits, sp: dict, positions, greedy: bool = False):
   """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32.
   greedy=True (static; every row's temperature is 0, `all_greedy`) returns the argmax without the top-k / top-p
-  machinery, whose [B, V] sort is ~0.08 ms a token on an H200 for a 128K vocabulary (call T)."""
+  machinery, whose [B, V] sort is ~0.08 ms a token on an H200 for a 128K vocabulary."""
   B, V = logits.shape
   greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if greedy:

@@ -73,6 +73,9 @@ class Scheduler:
     self.pinned: dict[int, int] = {}  # pinned sequence -> its token count
     self.peak_pages_used = 0
     self.lock = threading.RLock()
+    # Called after each prefill chunk with (request index, tokens prefilled, tokens to prefill) when set; the
+    # chunk is waited for first, so the numbers are what the device has done.
+    self.on_progress: Callable[[int, int, int], None] | None = None
 
   @property
   def table_width(self) -> int:
@@ -236,6 +239,9 @@ class Scheduler:
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
           table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
       r.written = c0 + len(piece)
+      if self.on_progress is not None:
+        jax.block_until_ready(logits)
+        self.on_progress(r.index, r.written - r.cached, n - r.cached)
     if not sample:
       if logits is not None:
         jax.block_until_ready(logits)

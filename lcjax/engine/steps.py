@@ -38,7 +38,7 @@ def decode_compiler_options() -> dict | None:
   The layer scan reads layer l's weights as a dynamic slice of the stacked [L, ...] arrays. XLA's Triton GEMM
   fusions cannot read such a slice in place, so each decode step copied 5 of the 7 weight matrices of every layer
   before multiplying (160 memcpys, 6.6 of 13.0 ms of a Llama-3-8B token at 32K on the H200). cuBLAS with
-  dynamic-slice fusion reads the slice where it lies (benchmarks/NOTES-longctx.md, call E). Prefill keeps XLA's
+  dynamic-slice fusion reads the slice where it lies (benchmarks/NOTES-longctx.md). Prefill keeps XLA's
   defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there. LCJAX_DECODE_XLA_DEFAULTS=1,
   set before an Engine is made (its steps are built then), compiles decode with XLA's defaults too (e.g. to rule
   these options out when chasing a numerical problem).
@@ -112,7 +112,7 @@ class Steps:
 
     def body(c):
       # `group` steps per test of the loop condition: the test is a device-to-host copy that stalls the GPU
-      # (~0.1 ms a token at batch 1, benchmarks/NOTES-longctx.md session 4). Steps after every slot is done
+      # (~0.1 ms a token at batch 1, benchmarks/NOTES-longctx.md). Steps after every slot is done
       # within a group run on the null page and emit -1, as done slots always have: wasted, so grouping pays
       # only for long generations (hence RunConfig.decode_sync_every defaults to 1).
       return jax.lax.fori_loop(0, group, lambda _, c: one(c), c) if group > 1 else one(c)

@@ -16,7 +16,7 @@ Call forms (B batch, T tokens in this call):
 logits of one position per sequence (prefill needs just the last one). `return_kv_absmax=True` (no cache)
 returns the per-layer, per-kv-head max |k| and |v| [L, 2, K] instead of logits: fp8 cache calibration.
 
-On a mesh (`mesh=`, axes "seq" x "tensor"; DESIGN.md §4) the same call forms hold, inputs and outputs in
+On a mesh (`mesh=`, axes "seq" x "tensor"; lcjax.sharding) the same call forms hold, inputs and outputs in
 natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP);
 attention runs in one shard_map over both axes with the heads local:
   full forward / prefill chunk   the call's tokens are padded to a multiple of 2 * seq and permuted into the
@@ -89,7 +89,7 @@ class Attention(nnx.Module):
   wqkv [D, K, G + 2, H] is the query, key and value projection in one: per KV head its G query heads (query head
   n = k * G + g, HF's order), then its key, then its value. One GEMM per layer: at batch-1 decode XLA rewrites a
   dot under 10M multiply-adds, such as a separate [D, K * H] key projection, into a reduce fusion that reads its
-  weights at 1.4-1.7 TB/s (benchmarks/NOTES-longctx.md, session 4). Checkpoints keep one tensor per projection
+  weights at 1.4-1.7 TB/s (benchmarks/NOTES-longctx.md). Checkpoints keep one tensor per projection
   (lcjax.checkpoint.store.FUSED assembles them on restore)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
@@ -380,7 +380,7 @@ class Llama(nnx.Module):
     # Logits in the activation dtype, as HF computes them (the GEMM accumulates in float32 either way), then
     # float32 for sampling. A float32-output dot over a bf16 head made XLA's cuBLAS path convert the whole head
     # (1 GiB for Llama-3-8B) to float32 on every decode step: 1.26 of 10.7 ms per token at 128K
-    # (benchmarks/NOTES-longctx.md, call F).
+    # (benchmarks/NOTES-longctx.md).
     logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
     if split and logits_at is None:
       logits = logits[:, inv[:T]]

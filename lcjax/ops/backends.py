@@ -9,6 +9,7 @@ returns the reason a backend cannot serve a shape (or None), so `auto` can fall 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -81,12 +82,16 @@ _FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cu
 def get_backend(name: str = "auto", *, head_dim: int = 128, dtype="bfloat16"):
   """Return the backend called `name`; `auto` takes the fastest one that can serve this shape here."""
   if name == "auto":
-    order = ["pallas", "cudnn", "reference"] if jax.default_backend() == "gpu" else ["reference"]
-    for cand in order:
-      if cand in _FACTORIES:
-        be = _FACTORIES[cand]()
-        if be.why_not(head_dim=head_dim, dtype=dtype) is None:
-          return be
+    if jax.default_backend() != "gpu":
+      return ReferenceBackend()
+    reasons = []
+    for cand in ("pallas", "cudnn"):
+      be = _FACTORIES[cand]()
+      reason = be.why_not(head_dim=head_dim, dtype=dtype)
+      if reason is None:
+        return be
+      reasons.append(f"{cand}: {reason}")
+    logging.warning("attention 'auto' runs the jnp reference on this GPU (slow) because %s", "; ".join(reasons))
     return ReferenceBackend()
   if name not in _FACTORIES:
     raise ValueError(f"attention backend {name!r} is not available here; available: {sorted(_FACTORIES)}")

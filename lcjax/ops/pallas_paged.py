@@ -46,7 +46,7 @@ class PagedTuning:
   block_tokens: int = 128            # keys per K/V block: a larger page is read in blocks of this many, so a
                                      # step's K and V (pages_per_step x block x H each) stay within shared
                                      # memory: 2 whole 256-token pages asked for 268 KiB of 227 (2x H200, page
-                                     # 256, session 3 call L). 128 keeps the footprint of 128-token pages, the
+                                     # 256 on the H200). 128 keeps the footprint of 128-token pages, the
                                      # largest measured on the GPU (64- and 128-token pages run as before).
   num_warps: int = 4
   num_stages: int = 3
@@ -237,7 +237,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
       name="lcjax_paged_decode",
   )(*args)
   # One kernel joins the splits of every real row into out [B, T, N, H]: in XLA the join was four kernels a
-  # layer (max, exp-sum, weighted sum, normalise + convert), ~0.2 ms a token at 128K (call S).
+  # layer (max, exp-sum, weighted sum, normalise + convert), ~0.2 ms a token at 128K on the H200.
   HB = min(H, tuning.combine_block)
   return pl.pallas_call(
       lambda *refs: _combine_kernel(*refs, S=S_, G=G, HB=HB),

@@ -250,3 +250,22 @@ def test_offload_and_restore(oracle):
   assert eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids == want
   ctx.close()
   _idle(eng)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "auto"), ("bfloat16", "float8_e4m3fn")])
+def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
+  """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged."""
+  eng = _engine(dtype=dtype, cache_dtype=cache_dtype)
+  ctx = eng.prefill(DOC)
+  before = np.asarray(eng.cache.k)[:, ctx.pages()]
+  want = eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids
+  ctx.offload()
+  eng.prefix_cache.clear()
+  ctx.restore()
+  np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, ctx.pages()], before)
+  ctx.save(tmp_path / "c")
+  ctx.close()
+  eng.prefix_cache.clear()
+  with eng.load_context(tmp_path / "c") as ctx:
+    np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, ctx.pages()], before)
+    assert eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == want

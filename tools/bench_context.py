@@ -13,9 +13,9 @@ For each context length S, one engine (random weights for a preset; real ones wi
   ttft        a --question-token question on the context (`generate(q, context=ctx)`), and another through the
               automatic prefix cache (`generate(doc + q)`, no context); each timed after a first question of the
               same length compiled its shapes.
-  host        ctx.offload() (device -> host numpy) and, after the prefix cache is emptied so every page is
-              written, ctx.restore() (host -> device); beside them `h2d_floor_gbs`, a plain jax.device_put of the
-              same bytes from host numpy, and `pinned_h2d_gbs`, from a `pinned_host` array where JAX offers one.
+  host        ctx.offload() (device -> pinned host memory, or numpy where JAX offers none: `host_memory`) and,
+              after the prefix cache is emptied so every page is written, ctx.restore() (host -> device); beside
+              them `h2d_floor_gbs`, a plain jax.device_put of the same host blocks to the device.
   disk        ctx.save() (fsync'd, then dropped from the OS page cache), a cold sequential read of the same file
               (`disk_floor_gbs`), dropped again, then Engine.load_context with the prefix cache emptied.
   check       the greedy answer to the question after each restore equals the one on the first prefill
@@ -77,30 +77,15 @@ def _disk_read_floor(path: str, block: int = 256 << 20) -> float:
   return time.perf_counter() - t0
 
 
-def _h2d_floors(host_layers) -> tuple[float, float | None]:
-  """(seconds to device_put the host arrays as they are, GB/s from pinned host memory or None)."""
+def _h2d_floor(eng, blocks) -> float:
+  """Seconds to copy the offloaded blocks to the device with nothing else (the floor of a restore)."""
   import jax
-  import numpy as np
-  dev = jax.local_devices()[0]
-  arrays = [x for _, _, k, v in host_layers for x in (k, v)]
+  from lcjax.engine.context import _mover
+  dst = _mover(eng).replicated
   t0 = time.perf_counter()
-  out = [jax.device_put(x, dev) for x in arrays]
+  out = [jax.device_put(x, dst) for _, _, k, v in blocks for x in (k, v)]
   jax.block_until_ready(out)
-  pageable = time.perf_counter() - t0
-  del out
-  pinned = None
-  try:
-    s = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    x = jax.device_put(arrays[0], s)
-    jax.block_until_ready(x)
-    t0 = time.perf_counter()
-    for _ in range(3):
-      y = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="device"))
-      jax.block_until_ready(y)
-    pinned = 3 * np.asarray(arrays[0]).nbytes / (time.perf_counter() - t0) / GB
-  except Exception as e:  # noqa: BLE001 - a backend without pinned host memory: the row says so
-    print(f"no pinned_host floor: {e!r}"[:200], file=sys.stderr)
-  return pageable, pinned
+  return time.perf_counter() - t0
 
 
 def _engine(S: int):
@@ -171,8 +156,8 @@ def bench(S: int) -> dict:
   # Host memory.
   row["offload_s"] = ctx.offload()
   row["offload_gbs"] = kv_bytes / row["offload_s"] / GB
-  pageable, row["pinned_h2d_gbs"] = _h2d_floors(ctx._host)
-  row["h2d_floor_gbs"] = kv_bytes / pageable / GB
+  row["host_memory"] = ctx.stats["host_memory"]
+  row["h2d_floor_gbs"] = kv_bytes / _h2d_floor(eng, ctx._host) / GB
   eng.prefix_cache.clear()
   row["restore_host_s"] = ctx.restore()
   row["restore_host_gbs"] = kv_bytes / row["restore_host_s"] / GB
@@ -218,15 +203,16 @@ def bench(S: int) -> dict:
 def markdown(rows) -> str:
   def f(r, k, fmt):
     return fmt.format(r[k]) if r.get(k) is not None else "-"
-  lines = ["| S | KV | prefill s | TTFT cached s | TTFT auto s | cold / cached | offload GB/s | restore host s "
+  lines = ["| S | KV | host | prefill s | TTFT cached s | TTFT auto s | cold / cached | offload GB/s | restore host s "
            "(GB/s, of floor) | restore disk s (GB/s, of floor) | recompute / restore (host, disk) | answers |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['S']:,} | | error: {r['error'][:80]} | | | | | | | | |")
+      lines.append(f"| {r['S']:,} | | | error: {r['error'][:80]} | | | | | | | | |")
       continue
     lines.append(
-        f"| {r['S']:,} | {r['cache_dtype']} {f(r, 'kv_gb', '{:.1f}')} GB | {f(r, 'prefill_s', '{:.2f}')} | "
+        f"| {r['S']:,} | {r['cache_dtype']} {f(r, 'kv_gb', '{:.1f}')} GB | {r.get('host_memory', '-')} | "
+        f"{f(r, 'prefill_s', '{:.2f}')} | "
         f"{f(r, 'ttft_s', '{:.3f}')} | {f(r, 'auto_ttft_s', '{:.3f}')} | {f(r, 'speedup', '{:.0f}')}x | "
         f"{f(r, 'offload_gbs', '{:.1f}')} | {f(r, 'restore_host_s', '{:.2f}')} ({f(r, 'restore_host_gbs', '{:.1f}')}, "
         f"{f(r, 'restore_host_vs_floor', '{:.0%}')} of {f(r, 'h2d_floor_gbs', '{:.1f}')}) | "

@@ -20,6 +20,7 @@ Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
@@ -62,16 +63,23 @@ def _scatter(cache, layer, pages, k, v, rep: int):
 
 
 class _Mover:
-  """The engine's compiled page gather / scatter (one block of one layer per call)."""
+  """The engine's compiled page gather / scatter (one block of one layer per call). `pinned`: the gather that
+  lands its blocks in pinned host memory (None where the devices offer none), which the host tier keeps: the
+  way back to the device then runs at the link's full speed, not through a pageable staging copy."""
 
   def __init__(self, engine):
     from lcjax.cache import kv as kvc
     mesh, rep = engine.mesh, engine.kv_rep
     replicated = NamedSharding(mesh, PartitionSpec())
     self.replicated = replicated
-    self.gather = jax.jit(lambda c, l, p: _gather(c, l, p, rep), out_shardings=(replicated, replicated))
+    gather = lambda c, l, p: _gather(c, l, p, rep)
+    self.gather = jax.jit(gather, out_shardings=(replicated, replicated))
     self.scatter = jax.jit(lambda c, l, p, k, v: _scatter(c, l, p, k, v, rep), donate_argnums=0,
                            out_shardings=kvc.cache_shardings(mesh, engine.fp8_cache))
+    self.pinned = None
+    if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
+      host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+      self.pinned = jax.jit(gather, out_shardings=(host, host))
 
 
 def _mover(engine) -> _Mover:
@@ -80,16 +88,20 @@ def _mover(engine) -> _Mover:
   return engine._context_mover
 
 
+def _gather_jobs(engine, pages: list[int]):
+  """(block size B, page-index array [blocks, B] padded with the null page, [(layer, block)] in order)."""
+  n, B = len(pages), _block(len(pages))
+  blocks = -(-n // B)
+  idx = np.zeros(blocks * B, np.int32)
+  idx[:n] = pages
+  return B, jnp.asarray(idx.reshape(blocks, B)), [(l, j) for l in range(engine.cfg.n_layers) for j in range(blocks)]
+
+
 def _blocks_out(engine, pages: list[int]):
-  """Yield (layer, first page index, K, V): host arrays [b, Z, K, H] of consecutive pages, layer by layer, in
+  """Yield (layer, first page index, K, V): numpy arrays [b, Z, K, H] of consecutive pages, layer by layer, in
   page order; the next block's device-to-host copy is under way while the current one is handed over."""
   mover, sched = _mover(engine), engine.scheduler
-  n, B = len(pages), _block(len(pages))
-  starts = range(0, n, B)
-  idx = np.zeros(len(starts) * B, np.int32)
-  idx[:n] = pages
-  idx = jnp.asarray(idx.reshape(len(starts), B))
-  jobs = [(l, j) for l in range(engine.cfg.n_layers) for j in range(len(starts))]
+  B, idx, jobs = _gather_jobs(engine, pages)
 
   def start(job):
     l, j = job
@@ -101,31 +113,43 @@ def _blocks_out(engine, pages: list[int]):
   nxt = start(jobs[0])
   for i, (l, j) in enumerate(jobs):
     cur, nxt = nxt, (start(jobs[i + 1]) if i + 1 < len(jobs) else None)
-    b = min(B, n - starts[j])
-    yield l, starts[j], np.asarray(cur[0])[:b], np.asarray(cur[1])[:b]
+    b = min(B, len(pages) - j * B)
+    yield l, j * B, np.asarray(cur[0])[:b], np.asarray(cur[1])[:b]
 
 
-def _write_blocks(engine, pages: list[int], blocks) -> None:
-  """Write host blocks (layer, first page index, K, V [b, Z, K, H]) into the context's `pages`."""
+def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
+  """The context's blocks in host memory: (blocks, "pinned_host" | "numpy"). Pinned blocks keep their padding
+  (rows past the context are the null page's)."""
   mover, sched = _mover(engine), engine.scheduler
+  if mover.pinned is not None:
+    try:
+      B, idx, jobs = _gather_jobs(engine, pages)
+      out = [(l, j * B, *mover.pinned(sched.cache, jnp.int32(l), idx[j])) for l, j in jobs]
+      jax.block_until_ready(out)
+      return out, "pinned_host"
+    except Exception as e:  # noqa: BLE001 - a backend that lists pinned memory but cannot place outputs there
+      logging.warning("offload to pinned host memory failed (%s): using numpy host arrays", repr(e)[:200])
+      mover.pinned = None
+  return list(_blocks_out(engine, pages)), "numpy"
+
+
+def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
+  """Write host blocks (layer, first page index s, K, V [b, Z, K, H]) into the context's pages[s:s + b]; rows
+  before page index `first` (pages shared from the prefix cache) and past the context go to the null page, which
+  is never read."""
+  mover, sched = _mover(engine), engine.scheduler
+  n = len(pages)
   for l, s, k, v in blocks:
     b = len(k)
     B = _block(b)
-    target = np.zeros(B, np.int32)                 # padding rows go to the null page, which is never read
-    target[:b] = pages[s:s + b]
+    target = np.zeros(B, np.int32)
+    for i in range(max(0, first - s), min(b, n - s)):
+      target[i] = pages[s + i]
     if B != b:
-      k, v = (np.concatenate([x, np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
+      k, v = (np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
     k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
     sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
   jax.block_until_ready(sched.cache.k)
-
-
-def _from(blocks, first: int):
-  """The parts of host blocks at page index >= first."""
-  for l, s, k, v in blocks:
-    if s + len(k) > first:
-      cut = max(0, first - s)
-      yield l, s + cut, k[cut:], v[cut:]
 
 
 def _prefetch(it, depth: int = 2):
@@ -208,7 +232,7 @@ class Context:
     self._check_usable()
     t0 = time.perf_counter()
     with self.engine.scheduler.lock:
-      self._host = list(_blocks_out(self.engine, self.pages()))
+      self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
       self.engine.scheduler.unpin(self.seq)
       self.seq = None
     return time.perf_counter() - t0
@@ -222,7 +246,7 @@ class Context:
     host = self._host
 
     def fill(pages, first):
-      _write_blocks(self.engine, pages, _from(host, first))
+      _write_blocks(self.engine, pages, host, first)
 
     self.seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
     self.epoch, self._host = self.engine.scheduler.epoch, None
@@ -253,7 +277,7 @@ class Context:
             if len(layer) * _block(len(pages)) >= len(pages):
               for part in (0, 1):
                 for kv in layer:
-                  f.write(memoryview(np.ascontiguousarray(kv[part])).cast("B"))
+                  f.write(np.ascontiguousarray(kv[part]).view(np.uint8))
               layer = []
         cache = eng.scheduler.cache
         meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
@@ -346,7 +370,7 @@ def load_context(engine, path) -> Context:
               f.seek((2 * l + part) * layer_bytes + s * page_bytes)
               kv.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
             yield l, s, kv[0], kv[1]
-    _write_blocks(engine, pages, _prefetch(blocks()))
+    _write_blocks(engine, pages, _prefetch(blocks()), first)
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)

@@ -43,6 +43,7 @@ class ContextError(ValueError):
 
 
 BLOCK_PAGES = 256    # pages per gather / scatter call
+_IN_FLIGHT = 8       # gathers to pinned host memory dispatched ahead of the one waited for
 
 
 def _block(n: int) -> int:
@@ -124,7 +125,11 @@ def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
   if mover.pinned is not None:
     try:
       B, idx, jobs = _gather_jobs(engine, pages)
-      out = [(l, j * B, *mover.pinned(sched.cache, jnp.int32(l), idx[j])) for l, j in jobs]
+      out = []
+      for i, (l, j) in enumerate(jobs):
+        out.append((l, j * B, *mover.pinned(sched.cache, jnp.int32(l), idx[j])))
+        if i >= _IN_FLIGHT:     # each call holds its block on the device until its copy lands: bound them
+          jax.block_until_ready(out[i - _IN_FLIGHT][2:])
       jax.block_until_ready(out)
       return out, "pinned_host"
     except Exception as e:  # noqa: BLE001 - a backend that lists pinned memory but cannot place outputs there

@@ -144,7 +144,7 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
   is never read."""
   mover, sched = _mover(engine), engine.scheduler
   n = len(pages)
-  sent = []
+  sent = 0
   for l, s, k, v in blocks:
     b = len(k)
     B = _block(b)
@@ -155,9 +155,9 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
       k, v = (np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
     k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
     sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
-    sent.append(k)
-    if len(sent) > _IN_FLIGHT:    # each block waits on the device until its scatter runs: bound them
-      jax.block_until_ready(sent.pop(0))
+    sent += 1
+    if sent % _IN_FLIGHT == 0:    # each block waits on the device until its scatter runs: bound them
+      jax.block_until_ready(sched.cache.k)
   jax.block_until_ready(sched.cache.k)
 
 

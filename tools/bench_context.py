@@ -105,6 +105,14 @@ def _engine(S: int):
   return Engine.random(cfg, run=run, seed=0)
 
 
+STAGE = {"now": "start"}
+
+
+def _stage(name: str) -> None:
+  STAGE["now"] = name
+  print(f"[{time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
+
+
 def bench(S: int) -> dict:
   import jax
   import numpy as np
@@ -126,6 +134,7 @@ def bench(S: int) -> dict:
     res = eng.generate(q, max_new_tokens=1, **kw)
     return time.perf_counter() - t0, res
 
+  _stage("compile")
   # Compile the prefill shapes of the document (a full chunk and the last one) without the document itself.
   C = eng.run.prefill_chunk
   warm = rng.integers(3, V, min(S, C + (S % C or C))).tolist()
@@ -138,9 +147,11 @@ def bench(S: int) -> dict:
   eng.prefix_cache.clear()
   row["compile_s"] = time.perf_counter() - t0
 
+  _stage("prefill")
   t0 = time.perf_counter()
   ctx = eng.prefill(doc)
   row["prefill_s"] = time.perf_counter() - t0
+  _stage("questions")
   first, _ = answer(qs[0], context=ctx)                       # compiles the question's shapes at this offset
   row["ttft_s"], _ = ttft(qs[1], context=ctx)
   row["cold_ttft_s"] = row["prefill_s"] + row["ttft_s"]
@@ -153,6 +164,7 @@ def bench(S: int) -> dict:
       * np.dtype(eng.cache.k.dtype).itemsize
   row["kv_gb"] = kv_bytes / GB
 
+  _stage("host")
   # Host memory.
   row["offload_s"] = ctx.offload()
   row["offload_gbs"] = kv_bytes / row["offload_s"] / GB
@@ -165,6 +177,7 @@ def bench(S: int) -> dict:
   row["restore_host_vs_recompute"] = row["prefill_s"] / row["restore_host_s"]
   host_answer, _ = answer(qs[0], context=ctx)
 
+  _stage("disk")
   # Disk.
   tmp = tempfile.mkdtemp(prefix="lcjax-ctx-", dir=FLAGS.tmp)
   path = os.path.join(tmp, "ctx")
@@ -230,7 +243,7 @@ def main(argv):
     try:
       row = bench(S)
     except Exception as e:  # noqa: BLE001 - a benchmark records every failure as a row
-      row = dict(S=S, error=repr(e)[:400], oom=benchlib.is_oom(e))
+      row = dict(S=S, error=repr(e)[:400], oom=benchlib.is_oom(e), stage=STAGE["now"])
     rows.append(row)
     print(row, flush=True)
     benchlib.write_result(FLAGS.out, FLAGS.name, rows, markdown(rows),

@@ -1,6 +1,6 @@
 """Merge the H200 long-context calls into benchmarks/results/longctx-h200.{json,md} and its plots.
 
-  python benchmarks/runs/merge_longctx.py
+  python benchmarks/merge_longctx.py [DIR]      # DIR: where the runs are and the merge goes (default: benchmarks/results)
 
 Each row keeps the call that measured it (`call`, the per-call file beside it holds that call's command, device
 and versions, and its peer measured in the same call). `planned_gib` is recomputed by the planner at HEAD (every
@@ -14,13 +14,13 @@ import json
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from lcjax.config import preset  # noqa: E402
 from lcjax.engine import plan as planlib  # noqa: E402
 from tools.bench_longctx import IMPLIED_OOM, markdown, plot, run_config  # noqa: E402
 
-RES = os.path.join(REPO, "benchmarks", "results")
+RES = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
 # (call, file, implementations taken from it or None for all, contexts taken from it or None for all).
 # Session 5 (one Pallas kernel joins the split partials, the page offset read in the kernel, greedy batches decode
@@ -117,7 +117,7 @@ def main():
   goals = _goals(rows)
   first = calls[SOURCES[0][0]]
   result = dict(device=first["device"], versions=first["versions"],
-                command="python benchmarks/runs/merge_longctx.py (merging the calls below)", calls=calls,
+                command="python benchmarks/merge_longctx.py (merging the calls below)", calls=calls,
                 date=max(c["date"] for c in calls.values()),
                 model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, page_size=64,
                            decode_steps={c: m["decode_steps"] for c, m in models.items()},
@@ -128,7 +128,7 @@ def main():
 
   fmt = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)
   lines = ["# longctx-h200: Llama-3-8B shape, random bf16 weights, batch 1, one H200", "",
-           "Merged from the calls below by `python benchmarks/runs/merge_longctx.py`; each row's `call` names the "
+           "Merged from the calls below by `python benchmarks/merge_longctx.py`; each row's `call` names the "
            "run that measured it, with its peer (HF) measured in the same call. planned GiB: the planner at HEAD.",
            ""]
   for c, v in calls.items():

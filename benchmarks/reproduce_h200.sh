@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
+#
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~45 min in all)
+#
+# Steps (each fits one 10-minute GPU session; the wall time it took on the H200 is noted):
+#   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
+#   longctx     benchmarks/results/longctx-h200-{w,v,q,o-8layers,j}.* and their merge longctx-h200.*, lcjax
+#               beside HF and the dense baseline                                                    ~5+5+8+5+4 min
+#   exact       benchmarks/results/exact-llama3-8b-h200.*           vs a float32 HF oracle           ~6 min
+#   l70b        benchmarks/results/l70b-8layers-h200.*              70B shape, 8 of 80 layers        ~2 min
+#   context     benchmarks/results/context-h200-128k.*, -512k-fp8.* the context cache                ~3 + 5 min
+# Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
+# FA3 is optional in the attention step).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+export PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context)
+
+for step in "${steps[@]}"; do
+  echo "== $step"
+  case $step in
+    attention)
+      python3 tools/bench_attention.py --out="$OUT" --stall_s=60 --reps=5 --skip=torch-sdpa-flash,probe ;;
+    longctx)
+      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=8192,32768,131072 --decode_steps=64 \
+        --time_budget_s=150 --out="$OUT" --name=longctx-h200-w
+      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072,262144 --decode_steps=64 \
+        --time_budget_s=270 --out="$OUT" --name=longctx-h200-v
+      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=524288 --decode_steps=32 --time_budget_s=500 \
+        --out="$OUT" --name=longctx-h200-q
+      python3 tools/bench_longctx.py --impls=lcjax-fp8kv --layers=8 --contexts=1048576 --decode_steps=32 \
+        --time_budget_s=240 --out="$OUT" --name=longctx-h200-o-8layers
+      python3 tools/bench_longctx.py --impls=lcjax,hf,dense --contexts=8192,32768,131072,262144 \
+        --limits=dense:32768 --decode_steps=32 --time_budget_s=440 --out="$OUT" --name=longctx-h200-j
+      python3 benchmarks/merge_longctx.py "$OUT" ;;
+    exact)
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=4096,32768,131072 --caches=bfloat16,float8_e4m3fn \
+        --out="$OUT" --name=exact-llama3-8b-h200 ;;
+    l70b)
+      python3 tools/bench_longctx.py --preset=llama3.1-70b --layers=8 --contexts=65536,131072 --impls=lcjax \
+        --decode_steps=16 --prefill_chunk=32768 --time_budget_s=100 --out="$OUT" --name=l70b-8layers-h200 ;;
+    context)
+      python3 tools/bench_context.py --contexts=131072 --out="$OUT" --name=context-h200-128k
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \
+        --cache_dtype=float8_e4m3fn --check_cold=false --out="$OUT" --name=context-h200-512k-fp8 ;;
+    *)
+      echo "unknown step $step: attention longctx exact l70b context" >&2; exit 2 ;;
+  esac
+done

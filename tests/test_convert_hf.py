@@ -57,7 +57,7 @@ def _flat(state):
 def test_layout_matches_model():
   """param_shapes (what converters write) is exactly the model's parameter tree, once each fused model tensor is
   replaced by the stored tensors it is assembled from."""
-  from lcjax.checkpoint.store import FUSED, stored_shapes
+  from lcjax.checkpoint.layout import FUSED, stored_shapes
   for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
     shapes = {n: s for n, (s, _) in param_shapes(cfg).items()}
     model = stored_shapes({"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(_abstract(cfg))})
@@ -68,9 +68,9 @@ def test_layout_matches_model():
 @pytest.fixture(params=["whole", "split"])
 def part_bytes(request, monkeypatch):
   """Store tensors whole, or split into many row slabs (what a 70B's large tensors get)."""
-  from lcjax.checkpoint import store
+  from lcjax.checkpoint import layout
   if request.param == "split":
-    monkeypatch.setattr(store, "PART_BYTES", 8192)   # 32 float32 rows of D=64 per part
+    monkeypatch.setattr(layout, "PART_BYTES", 8192)   # 32 float32 rows of D=64 per part
   return request.param
 
 
@@ -298,9 +298,9 @@ def test_restore_refuses_missing_truncated_and_mismatched(hf_dirs, tmp_path):
 # -- atomic writes -----------------------------------------------------------------------------------
 
 def test_failed_conversion_leaves_nothing_and_rerun_succeeds(hf_dirs, tmp_path, monkeypatch):
-  from lcjax.checkpoint import store
+  from lcjax.checkpoint.writer import CheckpointWriter
   dst = str(tmp_path / "out")
-  real, calls = store.CheckpointWriter.write, []
+  real, calls = CheckpointWriter.write, []
 
   def failing(self, *a, **kw):
     calls.append(1)
@@ -308,11 +308,11 @@ def test_failed_conversion_leaves_nothing_and_rerun_succeeds(hf_dirs, tmp_path, 
       raise KeyboardInterrupt
     return real(self, *a, **kw)
 
-  monkeypatch.setattr(store.CheckpointWriter, "write", failing)
+  monkeypatch.setattr(CheckpointWriter, "write", failing)
   with pytest.raises(KeyboardInterrupt):
     convert_hf(hf_dirs[1], dst, progress=False)
   assert os.listdir(tmp_path) == []
-  monkeypatch.setattr(store.CheckpointWriter, "write", real)
+  monkeypatch.setattr(CheckpointWriter, "write", real)
   convert_hf(hf_dirs[1], dst, progress=False)
   assert load_config(dst).n_layers == CFG.n_layers
 
@@ -350,8 +350,8 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
 # VmHWM, not getrusage: ru_maxrss survives exec, so a child of this (large) pytest process would report ours.
 _PEAK = """
 import json, sys
-from lcjax.checkpoint import convert_hf, store
-store.PART_BYTES = 16 << 20
+from lcjax.checkpoint import convert_hf, layout
+layout.PART_BYTES = 16 << 20
 convert_hf(sys.argv[1], sys.argv[2], progress=False)
 hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"peak": int(hwm.split()[1]) * 1024}))

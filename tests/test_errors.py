@@ -28,7 +28,7 @@ import pytest
 
 import lcjax.checkpoint
 from lcjax.cache.pages import PagePoolExhausted
-from lcjax.checkpoint import CheckpointError, convert_gguf, store
+from lcjax.checkpoint import CheckpointError, convert_gguf, layout, restore, writer
 from lcjax.checkpoint.hf import HF_NAMES, hf_shape
 from lcjax.config import ConfigError, ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
@@ -48,8 +48,8 @@ CLI_RUN = ["--config=" + DEFAULT_CONFIG, "--config.max_context=256", "--config.p
 def write_checkpoint(dst: str, cfg: ModelConfig, seed: int = 0, tokenizer_dir: str | None = None) -> None:
   """Random float32 weights of cfg through the converters' own writer (so the layout is the real one)."""
   rng = np.random.default_rng(seed)
-  with store.CheckpointWriter(dst, cfg, overwrite=True) as w:
-    for name, (shape, stacked) in store.param_shapes(cfg).items():
+  with writer.CheckpointWriter(dst, cfg, overwrite=True) as w:
+    for name, (shape, stacked) in layout.param_shapes(cfg).items():
       for layer in (range(shape[0]) if stacked else [None]):
         w.write(name, (0.2 * rng.standard_normal(shape[1:] if stacked else shape)).astype(np.float32), layer)
     if tokenizer_dir:
@@ -62,7 +62,7 @@ def write_hf_folder(dst: str, cfg: ModelConfig, shards: int = 2, seed: int = 0) 
   rng = np.random.default_rng(seed)
   tensors = {}
   for hf_name, (name, in_dims) in HF_NAMES.items():
-    shapes = store.param_shapes(cfg)
+    shapes = layout.param_shapes(cfg)
     if name not in shapes:
       continue
     full, stacked = shapes[name]
@@ -122,7 +122,7 @@ def paths(tmp_path_factory):
   variant("reshaped_array", reshape_layer)
   variant("no_tokenizer", lambda d: os.unlink(os.path.join(d, "tokenizer.json")))
   variant("corrupt_tokenizer", corrupt_tokenizer)
-  variant("incomplete", lambda d: os.unlink(os.path.join(d, store.MANIFEST_FILE)))   # a killed conversion
+  variant("incomplete", lambda d: os.unlink(os.path.join(d, layout.MANIFEST_FILE)))   # a killed conversion
   p["hf"] = str(root / "hf")
   shard = write_hf_folder(p["hf"], CFG)[1]
   os.unlink(os.path.join(p["hf"], shard))
@@ -402,7 +402,7 @@ def test_api_refuses_a_plan_that_does_not_fit_before_any_allocation(api, monkeyp
   def never(*a, **kw):
     raise AssertionError("weights were read before the memory plan was checked")
   monkeypatch.setattr(lcjax.checkpoint, "load_checkpoint", never)
-  monkeypatch.setattr(store, "restore_params", never)
+  monkeypatch.setattr(restore, "restore_params", never)
   before = len(jax.live_arrays())
   with pytest.raises(ConfigError) as e:
     Engine.load(api["good"], run=RUN.replace(num_pages=100_000_000))

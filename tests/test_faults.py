@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lcjax.checkpoint import CheckpointError, convert_hf, load_config
-from lcjax.checkpoint import store
+from lcjax.checkpoint import layout
 from lcjax.config import ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine
 from tests import fixtures_ckpt as fx
@@ -49,7 +49,7 @@ def snapshot(ckpt: str) -> dict:
   out = {}
   for root, dirs, files in os.walk(ckpt):
     rel = os.path.relpath(root, ckpt)
-    if _PART.match(os.path.basename(root)) and rel.startswith(store.PARAMS_DIR):
+    if _PART.match(os.path.basename(root)) and rel.startswith(layout.PARAMS_DIR):
       out[rel] = ocp.PyTreeCheckpointer().restore(os.path.abspath(root))["value"]
       dirs[:] = []
     elif rel == ".":
@@ -78,7 +78,7 @@ def _wait_items(p, tmp, k, deadline):
     time.sleep(0.002)
 
 
-# Runs convert_hf with a SIGKILL of itself at one exact point of the commit (the names store.py renames).
+# Runs convert_hf with a SIGKILL of itself at one exact point of the commit (the names lcjax.checkpoint.writer renames).
 _HOOKED = r"""
 import os, shutil, signal, sys
 from lcjax.checkpoint import convert_hf

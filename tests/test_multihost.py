@@ -70,7 +70,8 @@ def _free_port() -> int:
 
 
 def _write_checkpoint(eng, dst: str) -> None:
-  from lcjax.checkpoint.store import CheckpointWriter, _flatten, _unwrap, param_shapes, stored_tensor
+  from lcjax.checkpoint.layout import flatten as _flatten, param_shapes, stored_tensor, unwrap as _unwrap
+  from lcjax.checkpoint.writer import CheckpointWriter
   flat = {name: _unwrap(leaf) for name, leaf in _flatten(eng.params)}
   with CheckpointWriter(dst, eng.cfg) as w:
     for name, (_, stacked) in param_shapes(eng.cfg).items():

@@ -208,7 +208,6 @@ def bench(S: int) -> dict:
   peak = benchlib.memory_stat(jax.local_devices()[0], "peak_bytes_in_use")
   row["peak_gib"] = peak / 2**30 if peak else None
   eng.close()
-  del eng
   gc.collect()
   return row
 

@@ -6,8 +6,8 @@
     restore_params(ckpt_dir, abstract_state, shardings=None, dtype=None) -> state for nnx.update
     load_checkpoint(ckpt_dir, dtype=..., mesh=None) -> (ModelConfig, params, Tokenizer or None)
 """
-from lcjax.checkpoint.store import (CheckpointError, load_checkpoint, load_config, param_shapes,
-                                    restore_params)
+from lcjax.checkpoint.layout import CheckpointError, load_config, param_shapes
+from lcjax.checkpoint.restore import load_checkpoint, restore_params
 from lcjax.checkpoint.hf import convert_hf
 from lcjax.checkpoint.gguf import convert_gguf
 

@@ -12,7 +12,7 @@ def bundled_checkpoint(path: str = BUNDLED_CHECKPOINT) -> str:
   """The converted SmolLM2 checkpoint directory, converting the packaged GGUF into it if it is missing or
   incomplete."""
   from lcjax.checkpoint.gguf import convert_gguf, smollm2_gguf_path
-  from lcjax.checkpoint.store import load_config
+  from lcjax.checkpoint.layout import load_config
   try:
     load_config(path)
     return path

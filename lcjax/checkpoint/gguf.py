@@ -20,7 +20,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lcjax.checkpoint.hf import hf_shape, to_lcjax
-from lcjax.checkpoint.store import CheckpointError, CheckpointWriter, param_shapes
+from lcjax.checkpoint.layout import CheckpointError, param_shapes
+from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ModelConfig
 
 # GGUF tensor name -> (lcjax name, in_dims as in hf.HF_NAMES). Dequantized GGUF matrices are [out, in] like HF's.

@@ -18,8 +18,9 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from lcjax.checkpoint.store import (CheckpointError, CheckpointWriter, _flatten, _unwrap, param_shapes, stored_shapes,
-                                    stored_tensor)
+from lcjax.checkpoint.layout import (CheckpointError, flatten, param_shapes, stored_shapes, stored_tensor,
+                                     unwrap)
+from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig
 from lcjax import tokenizer as tok
 
@@ -76,7 +77,7 @@ def export_hf(params, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
   """(HF tensor name, array) for every tensor of a checkpoint-shaped lcjax state (an `nnx.State`, such as
   `Engine.params` unless a mesh made it repeat KV heads), one tensor at a time on the host: HF_NAMES read backwards.
   Loads lcjax weights into HF transformers (an oracle on the same weights) or writes them back out."""
-  flat = {name: _unwrap(leaf) for name, leaf in _flatten(params)}
+  flat = {name: unwrap(leaf) for name, leaf in flatten(params)}
   shapes = param_shapes(cfg)
   have = stored_shapes({name: tuple(arr.shape) for name, arr in flat.items()})
   for name, (shape, _) in shapes.items():

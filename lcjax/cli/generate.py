@@ -180,7 +180,7 @@ def _model(run):
       raise ConfigError(f"give --checkpoint or --preset, not both (--preset={FLAGS.preset})")
     return preset(FLAGS.preset), None
   from lcjax.checkpoint import CheckpointError, load_config
-  from lcjax.checkpoint.store import MANIFEST_FILE
+  from lcjax.checkpoint.layout import MANIFEST_FILE
   from lcjax.checkpoint.bundled import bundled_checkpoint
   ckpt = FLAGS.checkpoint or bundled_checkpoint()
   if os.path.isfile(ckpt):

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import resource
 import time
 from typing import Iterator, Sequence
@@ -182,7 +181,7 @@ class Engine:
     into its shards on the mesh: a process reads only what its devices hold (multi-host included).
     """
     from lcjax.checkpoint import load_config
-    from lcjax.checkpoint.store import restore_params
+    from lcjax.checkpoint.restore import restore_params
     from lcjax.tokenizer import find_tokenizer
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())

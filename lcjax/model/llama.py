@@ -90,7 +90,7 @@ class Attention(nnx.Module):
   n = k * G + g, HF's order), then its key, then its value. One GEMM per layer: at batch-1 decode XLA rewrites a
   dot under 10M multiply-adds, such as a separate [D, K * H] key projection, into a reduce fusion that reads its
   weights at 1.4-1.7 TB/s (benchmarks/NOTES-longctx.md). Checkpoints keep one tensor per projection
-  (lcjax.checkpoint.store.FUSED assembles them on restore)."""
+  (lcjax.checkpoint.layout.FUSED assembles them on restore)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
     D, N, K, H = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -1,0 +1,133 @@
+"""Writing a checkpoint (the format of lcjax.checkpoint.layout), atomically.
+
+Everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written, so an interrupted
+conversion leaves nothing that looks like a checkpoint; leftovers of dead processes are removed by the next run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lcjax.checkpoint import layout
+from lcjax.checkpoint.layout import (CONFIG_FILE, FORMAT, MANIFEST_FILE, PARAMS_DIR, CheckpointError, item_dir,
+                                     param_shapes, part_rows)
+from lcjax.config import ModelConfig
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _remove_checkpoint(path: str) -> None:
+  """Delete a checkpoint directory manifest first, so that one half removed never looks complete."""
+  try:
+    os.remove(os.path.join(path, MANIFEST_FILE))
+  except FileNotFoundError:
+    pass
+  shutil.rmtree(path, ignore_errors=True)
+
+
+class CheckpointWriter:
+  """Writes a checkpoint tensor by tensor into `DST.tmp-<pid>`, renamed to DST on a clean exit.
+
+    with CheckpointWriter(dst, cfg) as w:
+      w.write("embed/embedding", array)            # unstacked tensor, full shape
+      w.write("layers/attn/wq", array, layer=3)    # one layer of a stacked tensor, shape without L
+      w.copy_file(path)                            # tokenizer files etc.
+  """
+
+  def __init__(self, dst: str, cfg: ModelConfig, *, overwrite: bool = False, source: str = ""):
+    self.dst = os.path.abspath(dst)
+    self.cfg = cfg
+    self.overwrite = overwrite
+    self.source = source
+    self.tmp = f"{self.dst}.tmp-{os.getpid()}"
+    self.expected = param_shapes(cfg)
+    self.written: dict[str, dict[str, Any]] = {}
+    self._ckptr = None
+
+  def __enter__(self) -> "CheckpointWriter":
+    if os.path.exists(self.dst) and not self.overwrite:
+      raise CheckpointError(f"{self.dst} already exists; pass --overwrite to replace it")
+    parent = os.path.dirname(self.dst)
+    os.makedirs(parent, exist_ok=True)
+    for entry in os.listdir(parent):
+      # A dead process's partial output (.tmp-<pid>), or the checkpoint an interrupted overwrite was replacing
+      # (.old-<pid>); a live process's (another conversion running now) is left alone.
+      for suffix in (".tmp-", ".old-"):
+        base = os.path.basename(self.dst) + suffix
+        if entry.startswith(base) and entry[len(base):].isdigit() and not _pid_alive(int(entry[len(base):])):
+          _remove_checkpoint(os.path.join(parent, entry))
+    shutil.rmtree(self.tmp, ignore_errors=True)
+    os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
+    self._ckptr = ocp.PyTreeCheckpointer()
+    return self
+
+  def write(self, name: str, array: np.ndarray, layer: int | None = None) -> None:
+    if name not in self.expected:
+      raise CheckpointError(f"tensor {name} is not a parameter of this model; parameters: {sorted(self.expected)}")
+    full, stacked = self.expected[name]
+    if stacked != (layer is not None):
+      raise CheckpointError(f"tensor {name}: {'a layer index is' if stacked else 'no layer index is'} expected")
+    want = full[1:] if stacked else full
+    if tuple(array.shape) != want:
+      raise CheckpointError(f"tensor {name}{'' if layer is None else f' layer {layer}'} has shape "
+                            f"{tuple(array.shape)}, the model config implies {want}")
+    rows = part_rows(want, array.dtype.itemsize)
+    entry = self.written.setdefault(name, {"shape": list(full), "dtype": str(array.dtype),
+                                           "layers": full[0] if stacked else 0, "part_rows": rows,
+                                           "done": set()})
+    if entry["dtype"] != str(array.dtype):
+      raise CheckpointError(f"tensor {name} layer {layer} has dtype {array.dtype}, earlier layers {entry['dtype']}")
+    for part, start in enumerate(range(0, max(1, want[0] if want else 1), rows)):
+      slab = array[start:start + rows] if want else array
+      save_args = ocp.SaveArgs(chunk_byte_size=layout.CHUNK_BYTES) if slab.nbytes > layout.CHUNK_BYTES else ocp.SaveArgs()
+      self._ckptr.save(item_dir(self.tmp, name, layer, part),
+                       args=ocp.args.PyTreeSave({"value": slab}, save_args={"value": save_args}))
+      del slab
+    entry["done"].add(layer)
+
+  def copy_file(self, path: str, name: str | None = None) -> None:
+    shutil.copyfile(path, os.path.join(self.tmp, name or os.path.basename(path)))
+
+  def write_text(self, name: str, text: str) -> None:
+    with open(os.path.join(self.tmp, name), "w", encoding="utf-8") as f:
+      f.write(text)
+
+  def _finish(self) -> None:
+    for name, (full, stacked) in self.expected.items():
+      done = self.written.get(name, {}).get("done", set())
+      missing = sorted(set(range(full[0])) - done) if stacked else ([] if done else [None])
+      if missing:
+        where = "" if missing == [None] else f" layers {missing}"
+        raise CheckpointError(f"{self.source or self.dst}: tensor {name}{where} was never written")
+    tensors = {n: {k: v for k, v in e.items() if k != "done"} for n, e in self.written.items()}
+    self.write_text(CONFIG_FILE, json.dumps(self.cfg.to_dict(), indent=2))
+    self.write_text(MANIFEST_FILE, json.dumps({"format": FORMAT, "source": self.source, "tensors": tensors},
+                                              indent=2))
+    old = None
+    if os.path.exists(self.dst):
+      old = f"{self.dst}.old-{os.getpid()}"
+      os.rename(self.dst, old)
+    os.rename(self.tmp, self.dst)
+    if old:
+      _remove_checkpoint(old)
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    try:
+      if exc_type is None:
+        self._finish()
+    finally:
+      if os.path.exists(self.tmp):
+        shutil.rmtree(self.tmp, ignore_errors=True)

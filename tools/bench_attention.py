@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcjax.ops import attention as ref
-from lcjax.ops import cudnn
+from lcjax.ops import cudnn, cudnn_calls
 from lcjax.ops import pallas_flash
 from lcjax.ops import pallas_paged
 
@@ -353,7 +353,7 @@ def decode_impls():
       impls[f"fa3-paged-split{splits}"] = (False, False, functools_partial_fa3(fa3, splits))
   except Exception as e:  # noqa: BLE001
     print("no flash_attn3_jax:", e, flush=True)
-  impls["cudnn-private-paged"] = (False, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn._paged_cudnn(
+  impls["cudnn-private-paged"] = (False, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn_calls.paged(
       q, kp, vp, t, kl, 1.0 / math.sqrt(H)))
   return impls
 
@@ -451,7 +451,7 @@ def probe_cudnn_any_pool(res, dog):
     vp = jax.random.normal(ks[2], (P, Z, K, H), DT)
     table = jax.random.permutation(ks[3], P)[:B * M].reshape(B, M).astype(jnp.int32)
     kv_len = jnp.array([M * Z, 300, 5], jnp.int32)
-    o, l = jax.jit(lambda *a: cudnn._paged_cudnn(*a, 1.0 / math.sqrt(H), any_pool=True))(q, kp, vp, table, kv_len)
+    o, l = jax.jit(lambda *a: cudnn_calls.paged(*a, 1.0 / math.sqrt(H)))(q, kp, vp, table, kv_len)
     wo, wl = ref.paged_attention_reference(q, kp, vp, table, q_pos=kv_len[:, None] - 1, kv_len=kv_len)
     res.add(op="probe", impl="cudnn-paged-any-pool", lcjax=True, S=M * Z, batch=B, dtype="bfloat16",
             rel_err=rel_err(o, wo), lse_err=lse_err(l, wl))

@@ -14,9 +14,7 @@ the contract is therefore cut into pieces cuDNN can do and joined with `merge`:
 Rows whose positions are not contiguous, or d < 0 (rows before the first key), go to the jnp reference: cuDNN
 cannot express them. Rows that see no key get out = 0, lse = -inf here, whatever cuDNN wrote for them.
 
-LSE: the private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., return_residual=True)`
-returns float32 softmax stats [B, N, T]; the public `jax.nn.dot_product_attention` casts them to the output dtype
-(bf16: ~3% merge-weight error), so it is used only when the private entry is missing, with a warning.
+The calls themselves, with float32 LSE, and their jnp model live in lcjax.ops.cudnn_calls.
 
 Paged: the primitive under the private `fused_attention_stablehlo.paged_attention` reads K/V through the page
 table. Its Python wrapper wants a pool of exactly B * M pages; lcjax calls the primitive with that check skipped
@@ -25,114 +23,20 @@ has no fp8: a chunk of many rows over fp8 pages reads them dequantized into a co
 (`dequantize_pages`; 128K prefill 10.9 s vs bf16's 11.1 s on the H200); a single decode row over fp8 pages goes
 to the reference (the pallas backend serves fp8 decode).
 
-GPU-only modules are imported lazily so this file imports on CPU. `emulate=True` swaps the two cuDNN calls for a
-jnp model of their documented masks, so the decomposition above is tested on CPU against the reference.
+`emulate=True` swaps the two cuDNN calls for the jnp model of their documented masks, so the decomposition above
+is tested on CPU against the reference.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import attention as ref
-
-_DTYPES = ("bfloat16", "float16")
-
-
-@functools.cache
-def _private():
-  """The private cuDNN module if it has float32-LSE entries, else None (warned once)."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fsa
-  except ImportError as e:  # pragma: no cover - depends on the jax build
-    warnings.warn(f"jax._src.cudnn.fused_attention_stablehlo is missing ({e}); cuDNN LSE falls back to the "
-                  "public API, which returns it in the output dtype")
-    return None
-  params = inspect.signature(fsa.dot_product_attention).parameters
-  if "return_residual" not in params or "mask_type" not in params:
-    warnings.warn("fused_attention_stablehlo.dot_product_attention lacks return_residual/mask_type; cuDNN LSE "
-                  "falls back to the public API, which returns it in the output dtype")
-    return None
-  return fsa
-
-
-def has_private_paged() -> bool:
-  fsa = _private()
-  return fsa is not None and hasattr(fsa, "paged_attention") and hasattr(fsa, "_dot_product_attention")
-
-
-def _full(B, n):
-  return jnp.full((B,), n, jnp.int32)
-
-
-def _dense_cudnn(q, k, v, kv_seqlen, causal, scale):
-  """One cuDNN call. q [B, T, N, H], k/v [B, S, K, H], kv_seqlen [B] or None (all keys valid).
-
-  Returns (out, lse [B, T, N] f32). Without lengths the call uses the plain masks: cuDNN's padding variant ran
-  8-15% slower on the same causal blocks (benchmarks/NOTES-attention.md, call 1).
-  """
-  B, T = q.shape[:2]
-  fsa = _private()
-  if fsa is not None:
-    if kv_seqlen is None:
-      mt = fsa.MaskType.CAUSAL if causal else fsa.MaskType.NO_MASK
-      lens = dict()
-    else:
-      mt = fsa.MaskType.PADDING_CAUSAL if causal else fsa.MaskType.PADDING
-      lens = dict(q_seqlen=_full(B, T), kv_seqlen=kv_seqlen)
-    out, stats = fsa.dot_product_attention(q, k, v, scale=scale, mask_type=mt, qkv_layout="BTNH",
-                                           return_residual=True, **lens)
-    return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)   # stats [B, N, T]
-  out, lse = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=kv_seqlen,
-                                          implementation="cudnn", return_residual=True)
-  return out, lse.astype(jnp.float32)
-
-
-def _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen, scale):
-  """Padding-masked cuDNN paged call. q [B, T, N, H], pages [P, Z, K, H], page_table [B, M].
-
-  Calls the primitive under `fused_attention_stablehlo.paged_attention` directly: its Python wrapper wants a pool
-  of exactly B * M pages, and the kernel only needs every table entry < P. Checked against the reference on the
-  H200 with P = 29, B * M = 24 (call 1 probe, rel err 2e-3 in bf16) and by tests/test_kernels.py::test_paged_gpu
-  (P = 100, B * M = 96); the engine's pools are always larger than one table.
-  """
-  fsa = _private()
-  B, T = q.shape[:2]
-  table = page_table[:, None, :, None].astype(jnp.int32)             # [B, 1, M, 1]
-  unused = jnp.zeros(0, q.dtype)
-  out, stats = fsa._dot_product_attention(
-      q, k_pages, v_pages, unused, _full(B, T), kv_seqlen, unused, unused, table, table, scale, 42, 0.0,
-      (False, False), fsa.MaskType.PADDING, fsa.AttentionLayout.BTNH.value, None, fsa.check_cudnn_version(), True)
-  return out, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)
-
-
-def _dense_emulated(q, k, v, kv_seqlen, causal, scale):
-  """jnp model of cuDNN's masks: padding j < kv_seqlen, causal top-left j <= i. Garbage-free but unsanitized."""
-  T, S = q.shape[1], k.shape[1]
-  B = q.shape[0]
-  if kv_seqlen is None:
-    kv_seqlen = _full(B, S)
-  if causal:
-    # Top-left alignment is q_pos = i, key positions 0..S-1.
-    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_seqlen, causal=True, scale=scale)
-  return ref.attention_dense(q, k, v, kv_len=kv_seqlen, causal=False, scale=scale)
-
-
-def _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen, scale):
-  B = q.shape[0]
-  Z = k_pages.shape[1]
-  M = page_table.shape[1]
-  k = k_pages[page_table].reshape(B, M * Z, *k_pages.shape[2:])
-  v = v_pages[page_table].reshape(B, M * Z, *v_pages.shape[2:])
-  return _dense_emulated(q, k, v, kv_seqlen, False, scale)
-
+from lcjax.ops import cudnn_calls as calls
 
 def _sanitize(out, lse, empty):
   """Rows with no visible key: out = 0, lse = -inf. empty [B] or [B, T]."""
@@ -199,8 +103,8 @@ class CudnnBackend:
   fp8_block_tokens: int = FP8_BLOCK_TOKENS   # an fp8 prefix is dequantized and read this many keys at a time
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
-    if jnp.dtype(dtype).name not in _DTYPES:
-      return f"cuDNN flash attention takes {_DTYPES}, not dtype={jnp.dtype(dtype).name}"
+    if jnp.dtype(dtype).name not in calls.DTYPES:
+      return f"cuDNN flash attention takes {calls.DTYPES}, not dtype={jnp.dtype(dtype).name}"
     if head_dim > 256 or head_dim % 8:
       return f"cuDNN flash attention needs head_dim <= 256 and a multiple of 8, got {head_dim=}"
     if self.emulate:
@@ -217,13 +121,13 @@ class CudnnBackend:
 
   # -- the two library calls, swappable for the CPU emulation
   def _dense(self, q, k, v, kv_seqlen, causal, scale):
-    f = _dense_emulated if self.emulate else _dense_cudnn
+    f = calls.dense_emulated if self.emulate else calls.dense
     return f(q, k, v, None if kv_seqlen is None else kv_seqlen.astype(jnp.int32), causal, scale)
 
   def _paged_call(self, q, k_pages, v_pages, page_table, kv_seqlen, scale):
     if self.emulate:
-      return _paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
-    return _paged_cudnn(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+      return calls.paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
+    return calls.paged(q, k_pages, v_pages, page_table, kv_seqlen.astype(jnp.int32), scale)
 
   def _prefix(self, q, k_pages, v_pages, page_table, lengths, scale, k_scale=None, v_scale=None):
     """Every row of sequence b over the first lengths[b] keys of its pages (a padding mask, no causal part):
@@ -275,7 +179,7 @@ class CudnnBackend:
     S = k.shape[1]
     scale = 1.0 / math.sqrt(H)
     full = kv_len is None                              # every key valid: cuDNN's faster non-padding masks
-    kvl = _full(B, S) if full else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
+    kvl = calls.full_lengths(B, S) if full else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
     if not causal:
       return _sanitize(*self._dense(q, k, v, None if full else kvl, False, scale), kvl <= 0)
     W = min(T, S)
@@ -323,8 +227,8 @@ class CudnnBackend:
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     fp8 = jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
-    readable = fp8 or jnp.dtype(k_pages.dtype).name in _DTYPES
-    if (not self.emulate and not has_private_paged()) or not readable or (fp8 and T == 1):
+    readable = fp8 or jnp.dtype(k_pages.dtype).name in calls.DTYPES
+    if (not self.emulate and not calls.has_private_paged()) or not readable or (fp8 and T == 1):
       # The exact jnp path: older jax has no cuDNN paged entry; cuDNN reads no float32 pages; and a decode row
       # over fp8 pages reads each page once, so dequantizing a copy of them first would double its bytes.
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,

@@ -230,13 +230,14 @@ class Tokenizer:
         eos_token=eos or "", **kwargs)
 
   def chat_context(self, document: str) -> tuple[str, str] | None:
-    """Split a chat whose user turn is `document` followed by a question: (the text before the question, the
-    text after it), so that a pinned context holds the first and each question q continues it as q + tail.
-    None when the checkpoint has no chat template (or the template does not keep the question verbatim)."""
+    """Split the chat whose user turn is `document` followed by a question: (the text up to the document's end,
+    the text after the question), so that a pinned context holds the first and a question q continues it as
+    "\n\n" + q + tail. None when the checkpoint has no chat template (or the template does not keep the turn's
+    text verbatim)."""
     if not self.chat_template:
       return None
     marker = "\x00lcjax-question\x00"
-    rendered = self.apply_chat_template([{"role": "user", "content": f"{document}\n\n{marker}"}])
+    rendered = self.apply_chat_template([{"role": "user", "content": f"{document}{marker}"}])
     head, found, tail = rendered.partition(marker)
     return (head, tail) if found else None
 

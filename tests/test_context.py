@@ -269,3 +269,84 @@ def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
   with eng.load_context(tmp_path / "c") as ctx:
     np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, ctx.pages()], before)
     assert eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == want
+
+
+def test_a_lost_cache_voids_every_request_and_context_of_its_epoch(oracle, monkeypatch):
+  """A step interrupted inside its device call loses the whole cache. A request of another run of this thread
+  and a pinned context, both admitted before, are refused from then on; nothing of theirs enters the prefix
+  cache, so a later request computes its prompt afresh and right."""
+  eng = _engine()
+  rb = eng._make_requests([DOC48 + QS[0]], 20, None)
+  sb = eng.scheduler.serve(rb)
+  next(sb)                                               # B is prefilled and waits to decode
+  ctx = eng.prefill(DOC)
+  real = eng.steps.prefill
+
+  def dies(*a, **kw):
+    real(*a, **kw)                                       # the cache went into the call ...
+    raise KeyboardInterrupt                              # ... and never came back
+  monkeypatch.setattr(eng.steps, "prefill", dies)
+  with pytest.raises(KeyboardInterrupt):
+    eng.generate(QS[2] * 3, max_new_tokens=2)
+  monkeypatch.undo()
+  with pytest.raises(RequestError, match="lost their cache"):
+    for _ in sb:
+      pass
+  with pytest.raises(RequestError, match="lost when a device step was interrupted"):
+    eng.generate(QS[1], max_new_tokens=4, context=ctx)
+  ctx.close()
+  again = eng.generate(DOC48 + QS[1], max_new_tokens=10)
+  assert again.stats["cached_tokens"] == 0
+  assert again.token_ids == oracle.generate(DOC48 + QS[1], max_new_tokens=10).token_ids
+  _idle(eng)
+
+
+def test_a_closed_engine_refuses_work_and_allocates_nothing():
+  eng = _engine()
+  ctx = eng.prefill(DOC)
+  eng.close()
+  for call in (lambda: eng.generate(QS[0], max_new_tokens=2), lambda: eng.prefill(DOC),
+               lambda: eng.logits([QS[0]]), lambda: eng.generate(QS[0], max_new_tokens=2, context=ctx)):
+    with pytest.raises(RequestError, match="engine is closed"):
+      call()
+  assert eng.cache.k.is_deleted() and eng.pool.pages_used == 0 and not eng.scheduler.pinned
+
+
+def test_a_context_dropped_unclosed_gives_its_pages_back():
+  import gc
+  eng = _engine()
+  for _ in range(3):
+    ctx = eng.prefill(DOC)                               # each rebinding drops the previous Context
+  del ctx
+  gc.collect()
+  eng.generate(QS[0], max_new_tokens=2)                  # the scheduler unpins orphans at its next call
+  _idle(eng)
+
+
+def test_closing_a_context_under_a_running_stream_is_a_clear_error():
+  eng = _engine(max_batch=1)
+  ctx = eng.prefill(DOC)
+  reqs = eng._make_requests(QS, 4, None, head=ctx.token_ids)
+  for r in reqs:
+    r.prefix_seq = ctx.seq
+  stream = eng.scheduler.serve(reqs)
+  next(stream)
+  ctx.close()
+  with pytest.raises(RequestError, match="context was closed or offloaded"):
+    for _ in stream:
+      pass
+  _idle(eng)
+
+
+def test_an_fp8_context_restores_on_another_mesh(tmp_path):
+  """Calibrated fp8 scales differ in their last bits between meshes: the restore requantizes."""
+  a = _engine(seq=2, cache_dtype="float8_e4m3fn")
+  with a.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "doc")
+  b = _engine(cache_dtype="float8_e4m3fn")
+  want = b.generate(DOC + QS[0], max_new_tokens=8).token_ids
+  b.prefix_cache.clear()
+  with b.load_context(tmp_path / "doc") as ctx:
+    assert ctx.stats["cached_tokens"] == 0
+    assert b.generate(QS[0], max_new_tokens=8, context=ctx).token_ids == want
+  _idle(b)

@@ -267,11 +267,11 @@ def _prompt_text_ids(tokenizer, text: str) -> list[int]:
 
 
 def _question_ids(tokenizer, question: str, tail: str) -> list[int]:
-  """A question continuing a context: no BOS, and the chat turn's closing text after it."""
+  """A question continuing a context: no BOS, a blank line before it, and the chat turn's closing text after."""
   from lcjax.engine.requests import RequestError
   if tokenizer is None:
     raise RequestError("this model has no tokenizer: questions about a context must be text")
-  ids = tokenizer.encode(question + tail, add_bos=False)
+  ids = tokenizer.encode("\n\n" + question + tail, add_bos=False)
   if not ids:
     raise RequestError(f"the question {question[:40]!r} encodes to no tokens")
   return ids
@@ -293,7 +293,7 @@ def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
     import numpy as np
     ids = np.load(os.path.join(FLAGS.load_context, "tokens.npy")).tolist()
     limits.check(0, ids, 1)
-    return ids, (meta.get("meta") or {}).get("question_tail", "\n\n")
+    return ids, (meta.get("meta") or {}).get("question_tail", "\n")
   if tokenizer is None:
     raise RequestError("--context_file needs a checkpoint with a tokenizer")
   try:
@@ -305,7 +305,7 @@ def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
   if not doc:
     raise UsageError(f"--context_file={FLAGS.context_file} is empty")
   split = tokenizer.chat_context(doc) if FLAGS.chat else None
-  head, tail = split if split else (doc + "\n\n", "\n")
+  head, tail = split if split else (doc, "\n")
   ids = tokenizer.encode(head, add_bos=None if split is None else False)   # a template writes its own BOS
   limits.check(0, ids, 1)
   return ids, tail

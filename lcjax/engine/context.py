@@ -26,12 +26,14 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lcjax.cache import kv as kvc
 from lcjax.engine.requests import RequestError
 
 FORMAT = "lcjax-context-v1"
@@ -57,8 +59,14 @@ def _gather(cache, layer, pages, rep: int):
   return cache.k[layer, pages][..., ::rep, :], cache.v[layer, pages][..., ::rep, :]
 
 
-def _scatter(cache, layer, pages, k, v, rep: int):
-  k, v = (jnp.repeat(x, rep, axis=-2).astype(cache.k.dtype) for x in (k, v))
+def _scatter(cache, layer, pages, k, v, rep: int, ratio=None):
+  """Write K, V [b, Z, K, H] (the model's KV heads) into `pages` of one layer. ratio: [2, K] factors (saved scale /
+  this pool's scale) that requantize fp8 values stored with other scales."""
+  def put(x, r):
+    if r is not None:
+      x = jnp.clip(x.astype(jnp.float32) * r[:, None], -kvc.FP8_MAX, kvc.FP8_MAX)
+    return jnp.repeat(x, rep, axis=-2).astype(cache.k.dtype)
+  k, v = put(k, None if ratio is None else ratio[0]), put(v, None if ratio is None else ratio[1])
   return type(cache)(cache.k.at[layer, pages].set(k), cache.v.at[layer, pages].set(v), cache.k_scale,
                      cache.v_scale)
 
@@ -69,14 +77,16 @@ class _Mover:
   way back to the device then runs at the link's full speed, not through a pageable staging copy."""
 
   def __init__(self, engine):
-    from lcjax.cache import kv as kvc
     mesh, rep = engine.mesh, engine.kv_rep
     replicated = NamedSharding(mesh, PartitionSpec())
     self.replicated = replicated
     gather = lambda c, l, p: _gather(c, l, p, rep)
     self.gather = jax.jit(gather, out_shardings=(replicated, replicated))
+    out = kvc.cache_shardings(mesh, engine.fp8_cache)
     self.scatter = jax.jit(lambda c, l, p, k, v: _scatter(c, l, p, k, v, rep), donate_argnums=0,
-                           out_shardings=kvc.cache_shardings(mesh, engine.fp8_cache))
+                           out_shardings=out)
+    self.requantize = jax.jit(lambda c, l, p, k, v, r: _scatter(c, l, p, k, v, rep, r), donate_argnums=0,
+                              out_shardings=out)
     self.pinned = None
     if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
       host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
@@ -138,15 +148,17 @@ def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
   return list(_blocks_out(engine, pages)), "numpy"
 
 
-def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
-  """Write host blocks (layer, first page index s, K, V [b, Z, K, H]) into the context's pages[s:s + b]; rows
-  before page index `first` (pages shared from the prefix cache) and past the context go to the null page, which
-  is never read."""
+def _write_blocks(engine, pages: list[int], blocks, first: int = 0, ratio=None) -> None:
+  """Write host blocks (layer, first page index s, K, V [b, Z, K, H]) into the context's pages[s:s + b]. Blocks
+  wholly before page index `first` (shared from the prefix cache) are skipped; rows before it in a block, and rows
+  past the context, go to the null page, which is never read. ratio: [L, 2, K] fp8 requantization factors."""
   mover, sched = _mover(engine), engine.scheduler
   n = len(pages)
   sent = 0
   for l, s, k, v in blocks:
     b = len(k)
+    if s + b <= first:
+      continue
     B = _block(b)
     target = np.zeros(B, np.int32)
     for i in range(max(0, first - s), min(b, n - s)):
@@ -154,7 +166,10 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
     if B != b:
       k, v = (np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
     k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
-    sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
+    if ratio is None:
+      sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
+    else:
+      sched.cache = mover.requantize(sched.cache, jnp.int32(l), jnp.asarray(target), k, v, ratio[l])
     sent += 1
     if sent % _IN_FLIGHT == 0:    # each block waits on the device until its scatter runs: bound them
       jax.block_until_ready(sched.cache.k)
@@ -162,23 +177,39 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
 
 
 def _prefetch(it, depth: int = 2):
-  """Run iterator `it` (file reads, which release the GIL) up to `depth` items ahead in a thread."""
+  """Run iterator `it` (file reads, which release the GIL) up to `depth` items ahead in a thread; the thread ends
+  when the consumer stops early too."""
   q: queue.Queue = queue.Queue(depth)
-  done = object()
+  done, stop = object(), threading.Event()
+
+  def put(x) -> bool:
+    while not stop.is_set():
+      try:
+        q.put(x, timeout=0.1)
+        return True
+      except queue.Full:
+        pass
+    return False
 
   def work():
     try:
       for x in it:
-        q.put(x)
-      q.put(done)
+        if not put(x):
+          return
+      put(done)
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
-      q.put(e)
+      put(e)
 
-  threading.Thread(target=work, daemon=True).start()
-  while (x := q.get()) is not done:
-    if isinstance(x, BaseException):
-      raise x
-    yield x
+  worker = threading.Thread(target=work, daemon=True)
+  worker.start()
+  try:
+    while (x := q.get()) is not done:
+      if isinstance(x, BaseException):
+        raise x
+      yield x
+  finally:
+    stop.set()
+    worker.join()
 
 
 class Context:
@@ -189,14 +220,26 @@ class Context:
                seconds: float = 0.0):
     self.engine = engine
     self.token_ids = list(token_ids)
-    self.seq: int | None = seq
-    self.epoch = engine.scheduler.epoch
+    self.seq: int | None = None
+    self._finalizer = None
+    self._hold(seq)
     self._host = None             # [(layer, first page index, K, V)] host blocks while offloaded
     self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
     self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
 
   def __len__(self) -> int:
     return len(self.token_ids)
+
+  def _hold(self, seq: int) -> None:
+    """Own pinned sequence `seq`; a Context dropped without close() hands it back to the scheduler."""
+    self.seq, self.epoch = seq, self.engine.scheduler.epoch
+    self._finalizer = weakref.finalize(self, self.engine.scheduler.orphans.append, seq)
+
+  def _let_go(self) -> None:
+    if self.seq is not None:
+      self._finalizer.detach()
+      self.engine.scheduler.unpin(self.seq)
+    self.seq = None
 
   def __repr__(self) -> str:
     where = "closed" if self.closed else "host" if self._host is not None else "device"
@@ -216,6 +259,7 @@ class Context:
   def _check_usable(self, engine=None) -> None:
     if engine is not None and engine is not self.engine:
       raise RequestError("this context belongs to another engine: prefill or load it on this one")
+    self.engine.scheduler.check_open()
     if self.closed:
       raise RequestError("this context is closed")
     if self._host is not None:
@@ -225,9 +269,8 @@ class Context:
 
   def close(self) -> None:
     """Return the context's pages (its full pages stay in the prefix cache until the pool needs them)."""
-    if self.seq is not None:
-      self.engine.scheduler.unpin(self.seq)
-    self.seq, self._host = None, None
+    self._let_go()
+    self._host = None
 
   def __enter__(self) -> "Context":
     return self
@@ -242,8 +285,7 @@ class Context:
     t0 = time.perf_counter()
     with self.engine.scheduler.lock:
       self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
-      self.engine.scheduler.unpin(self.seq)
-      self.seq = None
+      self._let_go()
     return time.perf_counter() - t0
 
   def restore(self) -> float:
@@ -257,8 +299,9 @@ class Context:
     def fill(pages, first):
       _write_blocks(self.engine, pages, host, first)
 
-    self.seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
-    self.epoch, self._host = self.engine.scheduler.epoch, None
+    seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
+    self._hold(seq)
+    self._host = None
     self.stats.update(cached_tokens=cached)
     return time.perf_counter() - t0
 
@@ -345,12 +388,17 @@ def load_context(engine, path) -> Context:
   if diff:
     raise ContextError(f"the context at {path} was saved by another model or run config ({diff})")
   cache = engine.scheduler.cache
+  ratio = None
   if cache.quantized:
-    mine = (np.asarray(cache.k_scale)[:, ::engine.kv_rep].tolist(), np.asarray(cache.v_scale)[:, ::engine.kv_rep]
-            .tolist())
-    if (meta["k_scale"], meta["v_scale"]) != mine:
-      raise ContextError(f"the context at {path} was quantized with other fp8 scales than this engine's "
-                         "(another calibration): save it from an engine of the same checkpoint and tokenizer")
+    # Calibrated scales differ in their last bits between meshes: values stored with other scales are
+    # requantized to this pool's (bit-identical when the scales are equal).
+    rep = engine.kv_rep
+    mine = np.stack([np.asarray(cache.k_scale)[:, ::rep], np.asarray(cache.v_scale)[:, ::rep]], 1)   # [L, 2, K]
+    saved = np.stack([np.asarray(meta["k_scale"]), np.asarray(meta["v_scale"])], 1).astype(np.float32)
+    if saved.shape != mine.shape:
+      raise ContextError(f"{path}: fp8 scales of shape {saved.shape}, this engine's are {mine.shape}")
+    if not np.array_equal(saved, mine):
+      ratio = jnp.asarray(saved / mine, jnp.float32)
   ids = np.load(os.path.join(path, "tokens.npy")).tolist()
   n, Z, K, H = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"]
   if len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
@@ -379,10 +427,11 @@ def load_context(engine, path) -> Context:
               f.seek((2 * l + part) * layer_bytes + s * page_bytes)
               kv.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
             yield l, s, kv[0], kv[1]
-    _write_blocks(engine, pages, _prefetch(blocks()), first)
+    _write_blocks(engine, pages, _prefetch(blocks()), first, ratio)
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)
   ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
+  ctx.stats["requantized"] = ratio is not None
   ctx.meta = dict(meta.get("meta") or {})
   return ctx

@@ -126,12 +126,12 @@ class Engine:
     return self.run.resolved_cache_dtype == "float8_e4m3fn"
 
   def close(self) -> None:
-    """Free the engine's device memory (weights and cache); the engine cannot be used afterwards."""
+    """Free the engine's device memory (weights, cache, contexts); later calls are refused."""
     with self.scheduler.lock:
-      for x in jax.tree.leaves((self.params, self.scheduler.cache)):
+      self.scheduler.close()
+      for x in jax.tree.leaves(self.params):
         if isinstance(x, jax.Array) and not x.is_deleted():
           x.delete()
-      self.scheduler.pinned.clear()
 
   def __enter__(self) -> "Engine":
     return self
@@ -196,6 +196,7 @@ class Engine:
   # -- checks -------------------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:
     """Full causal forward without cache: float32 logits [B, T, V]."""
+    self.scheduler.check_open()
     tokens = np.atleast_2d(np.asarray(token_ids, np.int32))
     self.limits.check_ids(tokens.ravel().tolist())
     return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
@@ -207,6 +208,7 @@ class Engine:
     r = self._make_requests([prompt], 1, None)[0]
     sched = self.scheduler
     with sched.lock:
+      sched.check_open()
       if not sched.admit(r):
         raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
       try:

@@ -9,7 +9,8 @@ its pages the moment it finishes (at prefill too), its written full pages stayin
 waiting requests are admitted as long as any wait.
 
 The device cache is donated through every step: a step interrupted midway leaves no cache, so the scheduler
-makes a fresh one, forgets every cached page and advances `epoch`, which invalidates pinned contexts.
+makes a fresh one, forgets every cached page and advances `epoch`. Pages of an earlier epoch hold nothing: a
+request or pinned sequence admitted before it is refused (never decoded, never handed to the prefix cache).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePool, PagePoolExhausted
 from lcjax.cache.prefix import PrefixCache
 from lcjax.config import RunConfig
+from lcjax.engine.requests import RequestError
 from lcjax.engine.sampling import SamplingParams, all_greedy, stack as stack_sampling
 from lcjax.engine.steps import DecodeState, Steps
 
@@ -43,6 +45,7 @@ class Request:
   seq: int | None = None           # the request's own sequence in the pool, once admitted
   cached: int = 0                  # leading prompt tokens already in the cache at admission (not prefilled)
   written: int = 0                 # tokens whose K/V are in the cache
+  epoch: int = -1                  # the scheduler's epoch at admission (its pages are void in a later one)
   out: list[int] = dataclasses.field(default_factory=list)
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -71,6 +74,9 @@ class Scheduler:
     self.eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     self.epoch = 0                   # advances whenever the device cache is lost and made afresh
     self.pinned: dict[int, int] = {}  # pinned sequence -> its token count
+    self.pinned_epoch: dict[int, int] = {}
+    self.orphans: list[int] = []     # pinned sequences whose Context was dropped unclosed (unpinned under the lock)
+    self.closed = False
     self.peak_pages_used = 0
     self.lock = threading.RLock()
     # Called after each prefill chunk with (request index, tokens prefilled, tokens to prefill) when set; the
@@ -92,13 +98,18 @@ class Scheduler:
     needed). False, holding nothing, when the pool cannot supply the pages."""
     n = len(r.prompt)
     if r.prefix_seq is not None:
+      if r.prefix_seq not in self.pinned:
+        raise RequestError(f"request {r.index}'s context was closed or offloaded while its generation ran")
+      if self.pinned_epoch[r.prefix_seq] != self.epoch:
+        raise RequestError(f"request {r.index}'s context lost its pages when a device step was interrupted: "
+                           "prefill it again")
       r.seq, r.cached = self.pool.fork(r.prefix_seq), r.prefix_len
     else:
       limit = n - 1 if cached_limit is None else cached_limit
       pages = self.prefix_cache.match(r.prompt, limit) if self.prefix_cache is not None else []
       r.seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
       r.cached = len(pages) * self.run.page_size
-    r.written = r.cached
+    r.written, r.epoch = r.cached, self.epoch
     try:
       copies = self.pool.extend(r.seq, n - r.cached + r.max_new)
     except PagePoolExhausted:
@@ -113,7 +124,7 @@ class Scheduler:
 
   def _keep_written(self, r: Request) -> None:
     """Hand the request's written full pages to the prefix cache."""
-    if self.prefix_cache is not None and r.seq is not None and r.written:
+    if self.prefix_cache is not None and r.seq is not None and r.written and r.epoch == self.epoch:
       tokens = (r.prompt + r.out)[:r.written]
       self.prefix_cache.insert(tokens, self.pool.page_table(r.seq)[:len(tokens) // self.run.page_size])
 
@@ -126,22 +137,24 @@ class Scheduler:
   def recover_cache(self) -> None:
     """After an interruption inside a donated call the pools are gone: start afresh. Cached pages are forgotten
     and pinned contexts become stale (`epoch`)."""
-    if self.cache.k.is_deleted():
+    if self.cache.k.is_deleted() and not self.closed:
       if self.prefix_cache is not None:
         self.prefix_cache.clear()
       self.cache = self._new_cache()
       self.epoch += 1
 
   # -- pinned sequences (contexts and shared prefixes) ---------------------------------------------------------
-  def pin(self, ids: list[int], fill: Callable[[list[int], int], None] | None = None) -> tuple[int, int]:
+  def pin(self, ids: list[int], fill: Callable[[list[int], int], None] | None = None,
+          what: str = "the context") -> tuple[int, int]:
     """A sequence of `ids` that stays until `unpin`: (sequence, tokens taken from the prefix cache). Its full
     pages already in the prefix cache are shared; the rest are prefilled, or, with `fill`, written by
     `fill(pages, first)`, which must write the K/V of the sequence's pages[first:] (restored from host or
     disk)."""
     with self.lock:
+      self.check_open()
       r = Request(-1, list(ids), 0, SamplingParams())
       if not self.admit(r, cached_limit=len(ids)):
-        raise PagePoolExhausted(self.blocked_message(r, "the context"))
+        raise PagePoolExhausted(self.blocked_message(r, what))
       try:
         if fill is None:
           self.prefill(r, sample=False)
@@ -155,12 +168,33 @@ class Scheduler:
         self.recover_cache()
         raise
       self.pinned[r.seq] = len(ids)
+      self.pinned_epoch[r.seq] = self.epoch
       return r.seq, r.cached
 
   def unpin(self, seq: int) -> None:
     with self.lock:
       if self.pinned.pop(seq, None) is not None:
+        self.pinned_epoch.pop(seq)
         self.pool.free(seq)
+
+  def check_open(self) -> None:
+    """Refuse work on a closed engine; unpin the sequences of contexts dropped without close()."""
+    if self.closed:
+      raise RequestError("this engine is closed: load or make a new one")
+    while self.orphans:
+      self.unpin(self.orphans.pop())
+
+  def close(self) -> None:
+    """Free every pinned sequence and cached page, then the device cache; refuse any later work."""
+    with self.lock:
+      for seq in list(self.pinned):
+        self.unpin(seq)
+      if self.prefix_cache is not None:
+        self.prefix_cache.clear()
+      self.closed = True
+      for x in (self.cache.k, self.cache.v):
+        if not x.is_deleted():
+          x.delete()
 
   def pinned_pages(self) -> int:
     pages = set()
@@ -183,10 +217,11 @@ class Scheduler:
     thread, e.g. a second stream, interleaves: its pages are its own). `prefix`: token ids every request's
     prompt starts with, prefilled once into a sequence they fork."""
     with self.lock:
+      self.check_open()
       base = None
       try:
         if prefix is not None:
-          base, _ = self.pin(prefix)
+          base, _ = self.pin(prefix, what="the shared prefix")
           for r in reqs:
             r.prefix_seq, r.prefix_len = base, len(prefix)
         yield from self._drive(reqs)
@@ -213,6 +248,10 @@ class Scheduler:
         if waiting:   # nothing of this run holds pages: they are pinned or held by another run of this thread
           raise PagePoolExhausted(self.blocked_message(waiting[0]))
         break
+      lost = [r.index for r in live if r is not None and r.epoch != self.epoch]
+      if lost:          # another run of this thread was interrupted inside a step: these pages hold nothing
+        raise RequestError(f"request(s) {lost} lost their cache when another generation's device step was "
+                           "interrupted: run them again")
       yield from self.decode_call(live)
       for b, r in enumerate(live):
         if r is not None and r.finish:

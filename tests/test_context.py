@@ -350,3 +350,27 @@ def test_an_fp8_context_restores_on_another_mesh(tmp_path):
     assert ctx.stats["cached_tokens"] == 0
     assert b.generate(QS[0], max_new_tokens=8, context=ctx).token_ids == want
   _idle(b)
+
+
+def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path):
+  """--context_file with --save_context, then --load_context: the same answer, the second without a prefill."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The ferry ran twice an hour. Remember this: the password is PELICAN-42. The mill stood by the "
+                 "river.", encoding="utf-8")
+  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+  common = ["--prompt=What is the password?", "--max_new_tokens=8", "--nowarmup", "--nostream",
+            "--config=" + os.path.join(repo, "configs", "default.py"), "--config.max_context=1024"]
+
+  def cli(*args):
+    p = subprocess.run([sys.executable, "-m", "lcjax.cli.generate", *common, *args], env=env, cwd=repo,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.split("\n\nstats\n")[0], p.stderr
+
+  fresh, err1 = cli(f"--context_file={doc}", f"--save_context={tmp_path / 'ctx'}")
+  restored, err2 = cli(f"--load_context={tmp_path / 'ctx'}")
+  assert "prefilled" in err1 and "saved to" in err1 and "restored from" in err2
+  assert fresh == restored and fresh.strip()

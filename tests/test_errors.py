@@ -234,6 +234,15 @@ CLI_CASES = [
                                     "--config.max_context=1048576"],
      ["max_context=1048576 x max_batch=4 does not fit", "GiB per device (KV cache 1024.02 GiB"]),
     ("text prompt for a preset", ["--preset=tiny", "--prompt=hi"], ["--preset=tiny has no tokenizer", "--prompt_ids"]),
+    # contexts
+    ("saving a context without one", ["--prompt=hi", "--save_context={root}/ctx"],
+     ["--save_context needs a context", "--context_file"]),
+    ("context file and saved context together", ["--prompt=hi", "--context_file={latin1_file}",
+                                                 "--load_context={root}/ctx"], ["--context_file or --load_context"]),
+    ("context file that is not UTF-8", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={latin1_file}"],
+     ["--context_file=", "not UTF-8"]),
+    ("missing saved context", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--load_context={root}/nowhere"],
+     ["nowhere", "no such context directory"]),
 ]
 PLAN_PRINTED = {"page pool larger than memory", "context larger than memory"}
 

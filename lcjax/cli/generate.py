@@ -136,6 +136,16 @@ def _prompt_ids(text: str) -> list[int]:
   return ids
 
 
+def _read_text(flag: str) -> str:
+  """The UTF-8 text of the file that flag --`flag` names."""
+  path = FLAGS[flag].value
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise UsageError(f"--{flag}={path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+
+
 def _prompt() -> tuple[str | None, list[int] | None, str | None]:
   """(prompt text, or prompt ids, and the --demo answer) from exactly one of the prompt flags, never empty."""
   given = [f"--{n}" for n in ("prompt", "prompt_file", "prompt_ids") if FLAGS[n].value is not None]
@@ -153,12 +163,7 @@ def _prompt() -> tuple[str | None, list[int] | None, str | None]:
       raise UsageError("empty prompt: --prompt_ids holds no token id")
     return None, ids, None
   if FLAGS.prompt_file is not None:
-    try:
-      with open(FLAGS.prompt_file, encoding="utf-8") as f:
-        text = f.read()
-    except UnicodeDecodeError as e:
-      raise UsageError(f"--prompt_file={FLAGS.prompt_file} is not UTF-8 text: {e.reason} at byte {e.start}") \
-          from None
+    text = _read_text("prompt_file")
     where = f" (--prompt_file={FLAGS.prompt_file} is empty)"
   else:
     text, where = FLAGS.prompt, ""
@@ -198,6 +203,7 @@ def _generate() -> None:
   from lcjax.config import RunConfig          # flags first, before JAX is imported: they fail in a blink
   run = RunConfig.from_dict(FLAGS.config.to_dict()) if FLAGS.config is not None else RunConfig()
   text, ids, answer = _prompt()
+  _check_context_flags()
   max_new = FLAGS.max_new_tokens
   if max_new < 1:
     raise UsageError(f"max_new_tokens={max_new} must be >= 1")
@@ -277,16 +283,19 @@ def _question_ids(tokenizer, question: str, tail: str) -> list[int]:
   return ids
 
 
+def _check_context_flags() -> None:
+  if FLAGS.context_file and FLAGS.load_context:
+    raise UsageError("give --context_file or --load_context, not both")
+  if not (FLAGS.context_file or FLAGS.load_context) and (FLAGS.save_context or FLAGS.interactive):
+    raise UsageError(f"--{'save_context' if FLAGS.save_context else 'interactive'} needs a context: give "
+                     "--context_file=DOC or --load_context=DIR")
+
+
 def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
   """(token ids of the context, text that closes a question) from --context_file or --load_context."""
   from lcjax.engine.context import read_meta
   from lcjax.engine.requests import RequestError
-  if FLAGS.context_file and FLAGS.load_context:
-    raise UsageError("give --context_file or --load_context, not both")
   if not (FLAGS.context_file or FLAGS.load_context):
-    if FLAGS.save_context or FLAGS.interactive:
-      raise UsageError(f"--{'save_context' if FLAGS.save_context else 'interactive'} needs a context: give "
-                       "--context_file=DOC or --load_context=DIR")
     return None, ""
   if FLAGS.load_context:
     meta = read_meta(os.path.abspath(FLAGS.load_context))
@@ -296,12 +305,7 @@ def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
     return ids, (meta.get("meta") or {}).get("question_tail", "\n")
   if tokenizer is None:
     raise RequestError("--context_file needs a checkpoint with a tokenizer")
-  try:
-    with open(FLAGS.context_file, encoding="utf-8") as f:
-      doc = f.read()
-  except UnicodeDecodeError as e:
-    raise UsageError(f"--context_file={FLAGS.context_file} is not UTF-8 text: {e.reason} at byte {e.start}") \
-        from None
+  doc = _read_text("context_file")
   if not doc:
     raise UsageError(f"--context_file={FLAGS.context_file} is empty")
   split = tokenizer.chat_context(doc) if FLAGS.chat else None

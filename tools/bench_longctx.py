@@ -18,7 +18,6 @@ Implementations:
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -296,26 +295,18 @@ def orchestrate():
 
 def write_results(rows):
   rows = sorted(rows, key=lambda r: (r["impl"], r["S"]))
-  dev = benchlib.device_name()
-  result = dict(device=dev, versions=benchlib.versions(), command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
-                           decode_steps=FLAGS.decode_steps, decode_sync_every=FLAGS.decode_sync_every,
-                           prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size,
-                           attention=FLAGS.attention), rows=rows)
-  stem = os.path.join(FLAGS.out, FLAGS.name)
-  with open(stem + ".json", "w") as f:
-    json.dump(result, f, indent=1)
   table = markdown(rows)
-  with open(stem + ".md", "w") as f:
-    f.write(f"# {FLAGS.name}\n\ndevice: {dev}\n\ncommand: `{result['command']}`\n\n"
-            f"versions: {json.dumps(result['versions'])}\n\n{table}\n")
+  result = benchlib.write_result(
+      FLAGS.out, FLAGS.name, rows, table,
+      model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype, decode_steps=FLAGS.decode_steps,
+                 decode_sync_every=FLAGS.decode_sync_every, prefill_chunk=FLAGS.prefill_chunk,
+                 page_size=FLAGS.page_size, attention=FLAGS.attention))
   device_gib = None
   try:
-    device_gib = float(dev.split(",")[1].split()[0]) / 1024
+    device_gib = float(result["device"].split(",")[1].split()[0]) / 1024
   except (IndexError, ValueError):
     pass
-  plot(rows, stem, device_gib)
+  plot(rows, os.path.join(FLAGS.out, FLAGS.name), device_gib)
   return table
 
 

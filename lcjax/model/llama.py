@@ -134,7 +134,7 @@ class Block(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Step:
+class CallContext:
   """Per-call static and traced context shared by every layer."""
   positions: jax.Array            # [B, T]
   lengths: jax.Array              # [B] real tokens in this call
@@ -206,7 +206,7 @@ class Llama(nnx.Module):
     return self.sp_mode != "ring-plain"
 
   # -- attention of one layer -------------------------------------------------------------------
-  def _attend(self, q, k, v, step: _Step, cache_l):
+  def _attend(self, q, k, v, step: CallContext, cache_l):
     """q [B,T,N,H], k/v [B,T,K,H] -> o [B,T,N,H]; writes k/v into this layer's pages when caching."""
     be = self.attention
     start = step.positions[:, 0]
@@ -247,7 +247,7 @@ class Llama(nnx.Module):
                       k_scale=ks, v_scale=vs, page_offset=offset)
     return o, (k_all, v_all)
 
-  def _attend_mesh(self, q, k, v, step: _Step, cache_l):
+  def _attend_mesh(self, q, k, v, step: CallContext, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
     mesh, be = self.mesh, self.attention
     S = mesh.shape[SEQ]
@@ -312,7 +312,7 @@ class Llama(nnx.Module):
   def _constrain(self, x, axes):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
 
-  def _layer(self, block: Block, x, step: _Step, cache_l):
+  def _layer(self, block: Block, x, step: CallContext, cache_l):
     h = block.attn_norm(x)
     q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg))
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
@@ -321,7 +321,7 @@ class Llama(nnx.Module):
     return x, new_cache_l
 
   @staticmethod
-  def _x_axes(step: _Step):
+  def _x_axes(step: CallContext):
     return ("batch", "length" if step.split else None, "embed")
 
   # -- forward -----------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    step = _Step(positions, lengths, slots, page_table, prefix_len, kv_len, split)
+    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, split)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

@@ -328,19 +328,19 @@ class PallasBackend:
     B, T, N, H = q.shape
     S = k.shape[1]
     kvl = None if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
-    run = functools.partial(flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
+    kernel = functools.partial(flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
     if not causal:
-      return run(causal=False)
+      return kernel(causal=False)
     if q_pos is None and k_start is None:
       if S < T:
         # Rows before the first key would need a lower mask bound the kernel does not have.
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
-      return run(causal=True)
+      return kernel(causal=True)
     q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
     d = q_pos[:, 0] - k_start
     # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
     return lax.cond(ref.contiguous_rows(q_pos) & jnp.all(d >= 0),
-                    lambda: run(d, causal=True),
+                    lambda: kernel(d, causal=True),
                     lambda: ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True))
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):

@@ -217,8 +217,8 @@ def test_a_mismatched_restore_is_refused(tmp_path, change, names):
   _idle(other)
 
 
-@pytest.mark.parametrize("save_at, load_at", [((2, 1), (1, 1)), ((1, 1), (2, 2)), ((1, 4), (2, 1))],
-                         ids=["seq2-to-1", "1-to-seq2-tensor2", "tensor4-to-seq2"])
+@pytest.mark.parametrize("save_at, load_at", [((2, 1), (1, 1)), ((1, 4), (2, 2))],
+                         ids=["seq2-to-1", "tensor4-to-seq2-tensor2"])
 def test_restore_across_meshes(tmp_path, oracle, save_at, load_at):
   """Pages saved from one mesh restore onto another (tensor=4 repeats the 2 KV heads: saved once each)."""
   (s1, t1), (s2, t2) = save_at, load_at

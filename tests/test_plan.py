@@ -67,7 +67,7 @@ PRESET_MESHES = [(name, t, s) for name in sorted(PRESETS) for t, s in [(1, 1), (
 @pytest.mark.parametrize("name,tensor,seq", PRESET_MESHES)
 def test_plan_equals_eval_shape_of_presets(name, tensor, seq):
   cfg = preset(name)
-  run = RunConfig(tensor=tensor, seq=seq, max_batch=2, page_size=256, max_context=32768)
+  run = RunConfig(dtype="bfloat16", tensor=tensor, seq=seq, max_batch=2, page_size=256, max_context=32768)
   mesh = sh.make_mesh(tensor=tensor, seq=seq)
   p = planlib.plan(cfg, run)
   _, shardings = serving_shardings(cfg, run, mesh)
@@ -85,10 +85,10 @@ def test_plan_equals_eval_shape_of_presets(name, tensor, seq):
 def test_plan_kv_replication_and_comm_model():
   cfg = preset("llama3.1-70b")
   # 8 KV heads on 16 tensor devices: each repeated twice, one per device; the weights count the repeats.
-  p16 = planlib.plan(cfg, RunConfig(tensor=16, max_context=8192, max_batch=1))
+  p16 = planlib.plan(cfg, RunConfig(dtype="bfloat16", tensor=16, max_context=8192, max_batch=1))
   assert p16.kv_replication == 2 and p16.kv_heads_per_device == 1
   assert "KV heads replicated x2" in p16.table()
-  p8 = planlib.plan(cfg, RunConfig(tensor=8, max_context=8192, max_batch=1))
+  p8 = planlib.plan(cfg, RunConfig(dtype="bfloat16", tensor=8, max_context=8192, max_batch=1))
   assert p8.kv_replication == 1
   # Per device, both hold one KV head's key and value per layer in wqkv (16 repeated heads / 16, 8 / 8) and the
   # replicated norms; everything else halves from tensor=8 to tensor=16.
@@ -96,7 +96,7 @@ def test_plan_kv_replication_and_comm_model():
   norms, kv = (2 * L * D + D) * 2, L * 2 * D * H * 2
   assert p16.weights == (p8.weights - norms - kv) // 2 + norms + kv
   # Ring: a block of chunk/seq tokens, K and V of the local KV heads per step.
-  run = RunConfig(tensor=4, seq=2, prefill_chunk=16384, max_context=524288, max_batch=1)
+  run = RunConfig(dtype="bfloat16", tensor=4, seq=2, prefill_chunk=16384, max_context=524288, max_batch=1)
   c = planlib.plan(cfg, run).comm
   assert c.block_tokens == 8192 and c.ring_steps == 1
   assert c.ring_step_bytes == 2 * 8192 * 2 * 128 * 2
@@ -115,7 +115,7 @@ def _golden_data() -> dict:
     cfg = preset(name)
     per = {}
     for t, s in meshes:
-      run = RunConfig(tensor=t, seq=s)
+      run = RunConfig(dtype="bfloat16", tensor=t, seq=s)
       key = f"tensor={t} seq={s}"
       try:
         net, rep = serving_config(cfg, run)

@@ -76,6 +76,7 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None) -> Llama:
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
   serving, _ = serving_config(model_cfg, run)
+  run = run.for_platform(jax.default_backend())
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
                rngs=rngs or nnx.Rngs(0))
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -275,20 +273,12 @@ def orchestrate():
     argv += ["--contexts=" + ",".join(FLAGS.contexts), "--limits=" + ",".join(FLAGS.limits)]
     print(f"== {impl}: {' '.join(argv[2:])}", flush=True)
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    seen = set()
-    for line in proc.stdout:
-      if line.startswith("ROW "):
-        row = json.loads(line[4:])
-        rows.append(row)
-        seen.add(row["S"])
-        print(json.dumps(row), flush=True)
-      elif "Traceback" in line or "Error" in line:
-        print(f"  [{impl}] {line.rstrip()}", flush=True)
-    proc.wait()
+    got, status = benchlib.run_worker(argv, impl, env=env)
+    rows += got
+    seen = {r["S"] for r in got}
     for S in map(int, FLAGS.contexts):
       if S not in seen:   # the worker died (e.g. killed by an OOM outside Python)
-        rows.append(dict(impl=impl, S=S, oom=None, error=f"worker exited with {proc.returncode}"))
+        rows.append(dict(impl=impl, S=S, oom=None, error=f"worker exited with {status}"))
     table = write_results(rows)   # after every implementation, so a run stopped later still leaves results
   print(table)
 

@@ -29,10 +29,8 @@ measured bytes/s. Both assume perfect parallel efficiency; the scaling rows meas
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -252,27 +250,19 @@ def write_results(rows) -> str:
   rows = sorted(rows, key=lambda r: (r.get("predicted", False), r.get("kind", ""), r["gpus"], r["tensor"],
                                      r["S"], r["batch"]))
   versions = benchlib.versions(("jax", "jaxlib", "flax"))
-  command = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]))] + sys.argv[1:])
   device = benchlib.device_name(FLAGS.cpu_devices or 1)
   if FLAGS.measured:
     with open(FLAGS.measured) as f:
       src = json.load(f)
     device = f"measured on {src['device']} ({os.path.basename(FLAGS.measured)}); extrapolated on {device}"
     versions = dict(measured=src.get("versions"), extrapolated=versions)
-  result = dict(device=device, versions=versions, command=command,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
-                           cache_dtype=FLAGS.cache_dtype, prefill_chunk=FLAGS.prefill_chunk,
-                           page_size=FLAGS.page_size, attention=FLAGS.attention, sp_mode=FLAGS.sp_mode,
-                           decode_steps=FLAGS.decode_steps), rows=rows)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  stem = os.path.join(FLAGS.out, FLAGS.name)
-  with open(stem + ".json", "w") as f:
-    json.dump(result, f, indent=1)
   table = markdown(rows)
-  with open(stem + ".md", "w") as f:
-    f.write(f"# {FLAGS.name}\n\ndevice: {result['device']}\n\ncommand: `{command}`\n\nversions: "
-            f"{json.dumps(versions)}\n\nRows marked PREDICTED are extrapolations, not measurements.\n\n{table}\n")
+  benchlib.write_result(FLAGS.out, FLAGS.name, rows, table, device=device, versions_=versions,
+                        note="Rows marked PREDICTED are extrapolations, not measurements.",
+                        model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype,
+                                   cache_dtype=FLAGS.cache_dtype, prefill_chunk=FLAGS.prefill_chunk,
+                                   page_size=FLAGS.page_size, attention=FLAGS.attention, sp_mode=FLAGS.sp_mode,
+                                   decode_steps=FLAGS.decode_steps))
   return table
 
 
@@ -311,19 +301,11 @@ def orchestrate():
     argv = [sys.executable, os.path.abspath(__file__), f"--worker={spec}"] + [
         a for a in sys.argv[1:] if not a.startswith("--worker")]
     print(f"== {spec}", flush=True)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    got = False
-    for line in proc.stdout:
-      if line.startswith("ROW "):
-        rows.append(json.loads(line[4:]))
-        got = True
-        print(line[4:].rstrip(), flush=True)
-      elif "Traceback" in line or "Error" in line:
-        print(f"  [{spec}] {line.rstrip()}", flush=True)
-    proc.wait()
+    got, status = benchlib.run_worker(argv, spec)
+    rows += got
     if not got:   # the worker died outside Python (e.g. killed for memory)
       rows.append(dict(impl="lcjax", S=S, tensor=tensor, seq=seq, gpus=tensor * seq, batch=batch, predicted=False,
-                       oom=None, error=f"worker exited with {proc.returncode}"))
+                       oom=None, error=f"worker exited with {status}"))
     scaling_efficiency(rows)
     write_results(rows)          # after every row, so a run stopped later still leaves results
   rows += predict(rows)

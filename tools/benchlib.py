@@ -1,5 +1,6 @@
-"""What every benchmark shares: the device and versions it records beside its rows, and how a worker process
-reports a row or an out-of-memory failure."""
+"""What every benchmark shares: the device and versions it records beside its rows, the worker subprocess that
+measures rows in a process of its own (so its peak memory is its own) and how it reports them, and the writer of
+the JSON + markdown result files."""
 from __future__ import annotations
 
 import json
@@ -53,13 +54,28 @@ def is_oom(e: BaseException) -> bool:
   return any(m in s for m in ("RESOURCE_EXHAUSTED", "Out of memory", "OutOfMemory", "out of memory"))
 
 
-def write_result(out_dir: str, name: str, rows: list[dict], table: str, **meta) -> dict:
-  """Write `name`.json (device, versions, command, date, `meta`, rows) and `name`.md (the same header and the
-  markdown `table`) under out_dir. Returns the JSON object."""
+def run_worker(argv: list[str], label: str, env=None) -> tuple[list[dict], int]:
+  """Run a worker process (`argv`), echoing its errors; returns (the rows it emitted with `emit_row`, its exit
+  status). A worker killed outside Python (e.g. for memory) returns the rows it had sent."""
+  rows = []
+  proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  for line in proc.stdout:
+    if line.startswith("ROW "):
+      rows.append(json.loads(line[4:]))
+      print(line[4:].rstrip(), flush=True)
+    elif "Traceback" in line or "Error" in line:
+      print(f"  [{label}] {line.rstrip()}", flush=True)
+  return rows, proc.wait()
+
+
+def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, device: str | None = None,
+                 versions_: dict | None = None, note: str = "", **meta) -> dict:
+  """Write `name`.json (device, versions, command, date, `meta`, rows) and `name`.md (the same header, `note`
+  and the markdown `table`) under out_dir. Returns the JSON object."""
   import datetime
   import os
   import sys
-  result = dict(device=device_name(), versions=versions(),
+  result = dict(device=device or device_name(), versions=versions_ or versions(),
                 command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta, rows=rows)
   os.makedirs(out_dir, exist_ok=True)
@@ -68,5 +84,5 @@ def write_result(out_dir: str, name: str, rows: list[dict], table: str, **meta) 
     json.dump(result, f, indent=1)
   with open(stem + ".md", "w") as f:
     f.write(f"# {name}\n\ndevice: {result['device']}\n\ncommand: `{result['command']}`\n\n"
-            f"versions: {json.dumps(result['versions'])}\n\n{table}\n")
+            f"versions: {json.dumps(result['versions'])}\n\n{note + chr(10) * 2 if note else ''}{table}\n")
   return result

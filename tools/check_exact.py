@@ -19,9 +19,7 @@ bundled SmolLM2). Prompts: random ids, or `--prompt=text`: Python's own document
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
-import json
 import os
 import sys
 import time
@@ -186,23 +184,7 @@ def main(argv):
       if cache != first:
         row["vs_" + first] = metrics(got[cache, S], got[first, S])
       rows.append(row)
-  result = dict(device=benchlib.device_name(), versions=benchlib.versions(),
-                command=" ".join(["tools/check_exact.py"] + sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                model=dict(name=cfg.name, layers=cfg.n_layers, dtype=FLAGS.dtype,
-                           weights=FLAGS.checkpoint or f"random (seed {FLAGS.seed})", prompt=FLAGS.prompt,
-                           prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size),
-                oracle=("HF transformers LlamaForCausalLM, float32, TF32 off, torch fused float32 SDPA "
-                        "(memory-efficient kernel on CUDA), one forward without cache"),
-                seconds=time.time() - t0, rows=rows)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  stem = os.path.join(FLAGS.out, FLAGS.name)
-  with open(stem + ".json", "w") as f:
-    json.dump(result, f, indent=1)
-  lines = [f"# {FLAGS.name}: lcjax vs a float32 HF transformers oracle on the same weights", "",
-           f"device: {result['device']}; model: {cfg.name}, {cfg.n_layers} layers, {FLAGS.dtype}, "
-           f"{result['model']['weights']}, {FLAGS.prompt} prompt", "", f"command: `{result['command']}`", "",
-           "| S | KV cache | vs | max abs diff / logit scale | RMS diff / RMS | KL (nats) | top-1 | top-10 |",
+  lines = ["| S | KV cache | vs | max abs diff / logit scale | RMS diff / RMS | KL (nats) | top-1 | top-10 |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     for key in [k for k in r if k.startswith("vs_")]:
@@ -211,8 +193,15 @@ def main(argv):
                    f"{m['rel_max']:.2e} | {m['rel_rms']:.2e} | {m['kl']:.2e} | {'same' if m['top1'] else 'DIFF'} "
                    f"| {m['top10']:.1f} |")
   table = "\n".join(lines)
-  with open(stem + ".md", "w") as f:
-    f.write(table + "\n")
+  oracle = ("HF transformers LlamaForCausalLM, float32, TF32 off, torch fused float32 SDPA (memory-efficient kernel "
+            "on CUDA), one forward without cache")
+  weights = FLAGS.checkpoint or f"random (seed {FLAGS.seed})"
+  benchlib.write_result(
+      FLAGS.out, FLAGS.name, rows, table, oracle=oracle, seconds=time.time() - t0,
+      note=f"lcjax against a float32 oracle ({oracle}) on the same weights: {cfg.name}, {cfg.n_layers} layers, "
+           f"{FLAGS.dtype}, {weights}, {FLAGS.prompt} prompt",
+      model=dict(name=cfg.name, layers=cfg.n_layers, dtype=FLAGS.dtype, weights=weights, prompt=FLAGS.prompt,
+                 prefill_chunk=FLAGS.prefill_chunk, page_size=FLAGS.page_size))
   print(table)
 
 

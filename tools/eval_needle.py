@@ -7,7 +7,6 @@ The default model is the bundled SmolLM2-135M-Instruct (trained context 8K): kee
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import benchlib  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "lcjax checkpoint (default: the bundled SmolLM2, converted on first use)")
@@ -62,13 +62,6 @@ def main(argv):
                          found=code in res.text, answer=res.text.strip()[:80]))
         print(json.dumps(rows[-1]), flush=True)
       print(f"{words} words: {time.time() - t0:.1f} s", flush=True)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  stem = os.path.join(FLAGS.out, "needle-smollm2")
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(checkpoint=os.path.basename(os.path.normpath(ckpt)), dtype=FLAGS.dtype,
-                   command=" ".join(["tools/eval_needle.py"] + sys.argv[1:]),
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows),
-              f, indent=1)
   lines = ["| cache | words | tokens | " + " | ".join(f"depth {d}" for d in FLAGS.depths) + " | accuracy |",
            "|---|---|---|" + "---|" * len(FLAGS.depths) + "---|"]
   for cache_dtype in FLAGS.cache_dtypes:
@@ -78,9 +71,9 @@ def main(argv):
                    + " | ".join("found" if r["found"] else "missed" for r in rs)
                    + f" | {sum(r['found'] for r in rs)}/{len(rs)} |")
   table = "\n".join(lines)
-  with open(stem + ".md", "w") as f:
-    f.write(f"# Needle retrieval, SmolLM2-135M-Instruct ({FLAGS.dtype})\n\ncommand: "
-            f"`tools/eval_needle.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+  benchlib.write_result(FLAGS.out, "needle-smollm2", rows, table,
+                        note=f"Needle retrieval, SmolLM2-135M-Instruct ({FLAGS.dtype})",
+                        checkpoint=os.path.basename(os.path.normpath(ckpt)), dtype=FLAGS.dtype)
   print(table)
 
 

@@ -1,6 +1,6 @@
 """Check and time lcjax's attention backends beside the peers, on the shapes of the long-context workloads, in one GPU run.
 
-  PYTHONPATH=. python3 tools/bench_attention.py --out=$OUT
+  python3 tools/bench_attention.py --out=$OUT
 
 Prefill: causal, B=1, 32 query heads, 8 kv heads, head dim 128, bf16, S in --prefill (TFLOP/s with causal flops
 2 * S^2 * H * N). Decode: batch 8, one query token, same heads, pages of --pages tokens shuffled in a pool, S in
@@ -16,7 +16,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch peers share the GPU in this process
 
-import datetime
 import functools
 import json
 import math
@@ -32,10 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcjax.ops import attention as ref
-from lcjax.ops import cudnn, cudnn_calls
-from lcjax.ops import pallas_flash
-from lcjax.ops import pallas_paged
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lcjax.ops import attention as ref  # noqa: E402
+from lcjax.ops import cudnn, cudnn_calls  # noqa: E402
+from lcjax.ops import pallas_flash  # noqa: E402
+from lcjax.ops import pallas_paged  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "directory for the json/md results")
 _PREFILL = flags.DEFINE_list("prefill", ["8192", "32768", "131072"], "prefill lengths")
@@ -54,30 +55,30 @@ DT = jnp.bfloat16
 
 
 class Results:
-  def __init__(self, out_dir, stem, command):
+  """Rows written after every measurement (benchlib.write_result), so a run cut short leaves what it measured."""
+
+  def __init__(self, out_dir, stem):
+    self.out_dir, self.stem = out_dir, stem
     self.path = os.path.join(out_dir, stem)
-    self.doc = dict(device=str(jax.devices()[0].device_kind), versions=_versions(), command=command,
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=[],
-                    errors=[])
+    self.rows, self.errors = [], []
+    self.versions = _versions()
 
   def add(self, **row):
-    self.doc["rows"].append(row)
+    self.rows.append(row)
     print(json.dumps(row), flush=True)
     self.flush()
 
   def error(self, what, e):
     msg = f"{what}: {type(e).__name__}: {str(e)[:1500]}"
-    self.doc["errors"].append(msg)
+    self.errors.append(msg)
     print("ERROR", msg, flush=True)
     traceback.print_exc()
     self.flush()
 
   def flush(self):
-    _ratios(self.doc["rows"])
-    with open(self.path + ".json", "w") as f:
-      json.dump(self.doc, f, indent=1)
-    with open(self.path + ".md", "w") as f:
-      f.write(_markdown(self.doc))
+    _ratios(self.rows)
+    benchlib.write_result(self.out_dir, self.stem, self.rows, _markdown(self.rows, self.errors),
+                          versions_=self.versions, errors=self.errors)
 
 
 def _versions():
@@ -109,21 +110,19 @@ def _ratios(rows):
       r["ratio_to_best_peer"] = round(r["metric"] / best[key], 3)
 
 
-def _markdown(doc):
-  lines = [f"# Attention on {doc['device']} ({doc['date']})", "", f"versions: `{json.dumps(doc['versions'])}`", "",
-           f"command: `{doc['command']}`", "",
-           "| op | S | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | lse_err |",
+def _markdown(rows, errors):
+  lines = ["| op | S | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | lse_err |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in sorted(doc["rows"], key=lambda r: (r["op"], r["S"], r.get("page") or 0, not r["lcjax"], r["impl"])):
+  for r in sorted(rows, key=lambda r: (r["op"], r["S"], r.get("page") or 0, not r["lcjax"], r["impl"])):
     metric = r.get("tflops", r.get("tbps"))
     unit = "TF" if "tflops" in r else "TB/s"
     fmt = lambda x, f: "-" if x is None else format(x, f)
     lines.append(f"| {r['op']} | {r['S']} | {r.get('page') or '-'} | {r['impl']} | {r['lcjax']} | {r['dtype']} | "
                  f"{fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | {fmt(r.get('ratio_to_best_peer'), '.3f')}"
                  f" | {fmt(r.get('rel_err'), '.1e')} | {fmt(r.get('lse_err'), '.1e')} |")
-  if doc["errors"]:
-    lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in doc["errors"]]
-  return "\n".join(lines) + "\n"
+  if errors:
+    lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in errors]
+  return "\n".join(lines)
 
 
 class Watchdog:
@@ -143,7 +142,7 @@ class Watchdog:
     while True:
       time.sleep(2)
       if self.deadline is not None and time.monotonic() > self.deadline:
-        self.results.doc["errors"].append(f"watchdog: {self.what} stalled > {self.seconds}s; process ended")
+        self.results.errors.append(f"watchdog: {self.what} stalled > {self.seconds}s; process ended")
         self.results.flush()
         print(f"WATCHDOG: {self.what} stalled", flush=True)
         os._exit(3)
@@ -463,9 +462,9 @@ def probe_cudnn_any_pool(res, dog):
 def main(argv):
   del argv
   os.makedirs(FLAGS.value, exist_ok=True)
-  res = Results(FLAGS.value, _NAME.value, " ".join(["python3"] + sys.argv))
+  res = Results(FLAGS.value, _NAME.value)
   dog = Watchdog(_STALL.value, res)
-  print(json.dumps(res.doc["versions"]), jax.devices(), flush=True)
+  print(json.dumps(res.versions), jax.devices(), flush=True)
   if selected("probe"):
     probe_cudnn_any_pool(res, dog)
   if _PREFILL.value:

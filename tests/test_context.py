@@ -374,3 +374,33 @@ def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path):
   restored, err2 = cli(f"--load_context={tmp_path / 'ctx'}")
   assert "prefilled" in err1 and "saved to" in err1 and "restored from" in err2
   assert fresh == restored and fresh.strip()
+
+
+def test_chat_prompts_go_through_the_template(eng):
+  """chat=True: text or messages rendered by the checkpoint's template (its own BOS, none added)."""
+  import tempfile
+  from lcjax.tokenizer import Tokenizer
+  from tests import fixtures_ckpt as fx
+  with tempfile.TemporaryDirectory() as d:
+    fx.byte_level_tokenizer_json(os.path.join(d, "tokenizer.json"))
+    tok = Tokenizer(d, bos_id=1, eos_ids=[2], add_bos=True)
+  tok.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}[assistant] {% endif %}")
+  limits = eng.limits
+  eng.tokenizer, eng.limits = tok, dataclasses.replace(limits, vocab_size=300)
+  try:
+    want = tok.encode("[user] hi\n[assistant] ", add_bos=True)
+    assert eng._make_requests(["hi"], 1, None, chat=True)[0].prompt == want
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    reqs, single, _ = eng._requests(msgs, 1, None, None, None, chat=True)
+    assert single and reqs[0].prompt == tok.encode("[system] be brief\n[user] hi\n[assistant] ", add_bos=True)
+    assert reqs[0].prompt.count(1) == 1
+    with pytest.raises(RequestError, match="no prefix= or context="):
+      eng._requests(["hi"], 1, None, [5, 6], None, chat=True)
+    with pytest.raises(RequestError, match="messages"):
+      eng._make_requests([[{"role": "user"}]], 1, None, chat=True)
+    tok.chat_template = None
+    with pytest.raises(RequestError, match="chat template"):
+      eng._make_requests(["hi"], 1, None, chat=True)
+  finally:
+    eng.tokenizer, eng.limits = None, limits

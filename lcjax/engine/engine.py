@@ -243,7 +243,19 @@ class Engine:
     self.limits.check_ids(ids)
     return ids
 
-  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = ()) -> list[Request]:
+  def _chat_ids(self, prompt) -> list[int]:
+    """A text prompt as the user turn of a chat, or a list of {"role", "content"} messages, through the
+    checkpoint's chat template (which writes its own BOS)."""
+    if self.tokenizer is None or not self.tokenizer.chat_template:
+      raise RequestError("chat=True needs a checkpoint with a chat template")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+      raise RequestError(f"a chat prompt is text or a non-empty list of {{'role', 'content'}} messages, not "
+                         f"{str(prompt)[:60]!r}")
+    return self.encode(self.tokenizer.encode_chat(messages))
+
+  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False
+                     ) -> list[Request]:
     """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS)."""
     Limits.check_max_new(max_new_tokens)
     try:
@@ -251,18 +263,21 @@ class Engine:
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
     head = list(head)
+    if chat and head:
+      raise RequestError("chat=True renders whole conversations: give it no prefix= or context=")
     reqs = []
     for i, p in enumerate(prompts):
-      ids = head + self.encode(p, add_bos=False if head else None)
+      ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
       self.limits.check(i, ids, max_new_tokens, prefix_len=len(head))
       reqs.append(Request(i, ids, int(max_new_tokens), sp, prefix_len=len(head)))
     return reqs
 
   @staticmethod
   def _as_list(prompts) -> tuple[list, bool]:
-    """A str or a flat sequence of ints is one prompt; anything else is a list of prompts."""
+    """A str, a flat sequence of ints or a list of chat messages (dicts) is one prompt; anything else is a list
+    of prompts."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
+                                    and all(isinstance(t, (int, np.integer, dict)) for t in prompts)):
       return [prompts], True
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
       return [prompts.tolist()], True
@@ -271,11 +286,15 @@ class Engine:
       raise RequestError("no prompts given")
     return prompts, False
 
-  def _requests(self, prompts, max_new_tokens, sampling, prefix, context):
+  def _requests(self, prompts, max_new_tokens, sampling, prefix, context, chat=False):
     """(requests, single prompt?, prefix ids to pin for the call or None)."""
     if prefix is not None and context is not None:
       raise RequestError("give prefix= or context=, not both")
+    if chat and (prefix is not None or context is not None):
+      raise RequestError("chat=True renders whole conversations: give it no prefix= or context=")
     plist, single = self._as_list(prompts)
+    if chat:
+      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
     if context is not None:
       context._check_usable(self)
       reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids)
@@ -286,16 +305,17 @@ class Engine:
     return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
 
   def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-               context: Context | None = None, on_progress=None):
+               context: Context | None = None, chat: bool = False, on_progress=None):
     """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
 
     `context` (from `prefill` or `load_context`) continues a pinned context: each prompt follows its tokens
     (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call.
     Either way the context's pages are shared by all requests (copy-on-write of the last, partly filled page).
-    sampling: None or "greedy", a SamplingParams, or a dict of its fields. on_progress(prompt index, tokens
-    prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
+    sampling: None or "greedy", a SamplingParams, or a dict of its fields. chat=True: each prompt (text, or a
+    list of {"role", "content"} messages) goes through the checkpoint's chat template. on_progress(prompt index,
+    tokens prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
     """
-    reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context)
+    reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     with self._progress(on_progress):
       for _ in self.scheduler.serve(reqs, prefix=prefix_ids):
         pass
@@ -303,9 +323,10 @@ class Engine:
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-                      context: Context | None = None, on_progress=None) -> Iterator[tuple[int, str]]:
+                      context: Context | None = None, chat: bool = False,
+                      on_progress=None) -> Iterator[tuple[int, str]]:
     """Yield (prompt index, text delta) as tokens come back from the device (one decode call at a time)."""
-    reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context)
+    reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     sent = {r.index: "" for r in reqs}
     for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids), on_progress):
       text = self._text(r.out)

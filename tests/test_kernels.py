@@ -199,9 +199,32 @@ def test_cudnn_decomposition_emulated(name, T, S, N, K, causal, positions, kv_le
 
 
 @slow
-def test_cudnn_decomposition_noncontiguous_rows_go_to_reference():
+def _poison(monkeypatch, *names):
+  """Make the jnp reference functions `names` return NaN: a result that is finite never ran them (both branches
+  of a lax.cond are traced, so only the values tell which one ran)."""
+  for name in names:
+    real = getattr(ref, name)
+
+    def nan(*a, _real=real, **kw):
+      out, lse = _real(*a, **kw)
+      return jnp.full_like(out, jnp.nan), jnp.full_like(lse, jnp.nan)
+    monkeypatch.setattr(ref, name, nan)
+
+
+def test_cudnn_decomposition_noncontiguous_rows_go_to_reference(monkeypatch):
   q, k, v = rand_qkv(3, 2, 8, 24, 4, 2, 16)
   q_pos = jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [20, 3, 7, 1, 0, 5, 9, 23]], jnp.int32)
+  got = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
+  check(got, oracle(q, k, v, visibility(q_pos, np.zeros(2, int), np.full(2, 24), 24, True)), tol_out=2e-2)
+  _poison(monkeypatch, "attention_reference")
+  routed = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
+  assert np.isnan(np.asarray(routed[0])).all()                 # the reference served them
+
+
+def test_cudnn_decomposition_contiguous_rows_never_touch_the_reference(monkeypatch):
+  q, k, v = rand_qkv(4, 2, 8, 24, 4, 2, 16)
+  q_pos = jnp.array([[5, 6, 7, 8, 9, 10, 11, 12], [16, 17, 18, 19, 20, 21, 22, 23]], jnp.int32)
+  _poison(monkeypatch, "attention_reference", "paged_attention_reference")
   got = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
   check(got, oracle(q, k, v, visibility(q_pos, np.zeros(2, int), np.full(2, 24), 24, True)), tol_out=2e-2)
 
@@ -284,11 +307,12 @@ def test_backend_registry_and_reasons():
     backends.get_backend("nope")
 
 
-def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn():
+def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   B, T, N, K, H, Z, M, P = 2, 20, 8, 2, 16, 8, 6, 12          # T * G = 80 rows > max_rows
   q, kp, vp, table, _, _, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P)
   kv_len = jnp.array([47, 30], jnp.int32)
   q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  _poison(monkeypatch, "attention_reference", "paged_attention_reference")    # cuDNN (emulated) must serve it
   got = pallas_flash.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 

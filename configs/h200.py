@@ -7,8 +7,9 @@ H200 that is, for example,
   --config.max_context=524288  --config.max_batch=1      64 GiB (bf16); one 512K context
   --config.max_context=1048576 --config.max_batch=1 --config.cache_dtype=float8_e4m3fn     64 GiB (fp8)
 The memory plan is printed (and checked against the device) before any weights are read. max_context=0 means
-the checkpoint's trained context (8K for Llama-3-8B, 128K for Llama-3.1-8B); positions past it need a model
-trained or rope-scaled for them.
+the checkpoint's trained context (8K for Llama-3-8B, 128K for Llama-3.1-8B); a longer one is refused unless
+--config.allow_beyond_trained_context=true (then a warning names both numbers): positions past it were never
+trained, so a model needs rope scaling or fine-tuning for them to mean anything.
 """
 import dataclasses
 

@@ -187,7 +187,8 @@ class RunConfig:
   cache_dtype: str = "auto"          # "auto" (= dtype), "bfloat16", "float32", "float8_e4m3fn"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
-  max_context: int = 0               # 0: the model's max_position
+  max_context: int = 0               # 0: the model's trained context (max_position)
+  allow_beyond_trained_context: bool = False   # max_context past the trained context: refused unless set
   max_batch: int = 4                 # sequences decoded together
   prefill_chunk: int = 2048          # tokens per prefill chunk (activation memory is bounded by this)
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)

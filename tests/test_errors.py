@@ -231,8 +231,11 @@ CLI_CASES = [
      # KV cache: 2 (K, V) x 2 layers x 1e8 pages x 16 tokens x 2 heads x 8 x 4 bytes = 381.47 GiB
      ["num_pages=100000000 does not fit", "GiB per device (KV cache 381.47 GiB", "GiB: lower"]),
     ("context larger than memory", ["--preset=llama3.1-8b", "--prompt_ids=1", "--config={default_cfg}",
-                                    "--config.max_context=1048576"],
+                                    "--config.max_context=1048576", "--config.allow_beyond_trained_context=true"],
      ["max_context=1048576 x max_batch=4 does not fit", "GiB per device (KV cache 1024.02 GiB"]),
+    ("context past the trained one", ["--preset=llama3-8b", "--prompt_ids=1", "--config={default_cfg}",
+                                      "--config.max_context=16384"],
+     ["max_context=16384", "trained context of 8192", "no rope scaling", "allow_beyond_trained_context"]),
     ("text prompt for a preset", ["--preset=tiny", "--prompt=hi"], ["--preset=tiny has no tokenizer", "--prompt_ids"]),
     # contexts
     ("saving a context without one", ["--prompt=hi", "--save_context={root}/ctx"],

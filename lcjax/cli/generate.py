@@ -218,11 +218,12 @@ def _generate() -> None:
   from lcjax.engine import placement
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
-  from lcjax.engine.requests import Limits, RequestError
+  from lcjax.engine.requests import Limits, RequestError, check_context_length
   from lcjax.tokenizer import find_tokenizer
   run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
+  check_context_length(model_cfg, run)
   plan = planlib.plan(model_cfg, run)
   print(plan.table(), file=sys.stderr)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))

@@ -29,7 +29,7 @@ from lcjax.config import ModelConfig, RunConfig
 from lcjax.engine import placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
-from lcjax.engine.requests import Limits, RequestError
+from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler
 from lcjax.engine.steps import Steps
@@ -187,6 +187,7 @@ class Engine:
     run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
     mesh = placement.mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
+    check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
     planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *placement.device_memory(mesh))
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)

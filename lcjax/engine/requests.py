@@ -7,13 +7,28 @@ vocabulary, prompt + max_new_tokens inside the context, and pages that a pool of
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 
-from lcjax.config import ModelConfig, RunConfig
+from lcjax.config import ConfigError, ModelConfig, RunConfig
 
 
 class RequestError(ValueError):
   """A request lcjax refuses (bad prompt, limits); the engine stays usable."""
+
+
+def check_context_length(model_cfg: ModelConfig, run: RunConfig) -> None:
+  """Refuse a max_context past the model's trained context (max_position, rope scaling included) unless
+  run.allow_beyond_trained_context; when allowed, warn with both numbers."""
+  ctx, trained = run.context_for(model_cfg), model_cfg.max_position
+  if ctx <= trained:
+    return
+  what = (f"max_context={ctx} is past {model_cfg.name}'s trained context of {trained} tokens"
+          + ("" if model_cfg.rope_scaling else " and it has no rope scaling"))
+  if not run.allow_beyond_trained_context:
+    raise ConfigError(f"{what}: positions past {trained} were never trained; set "
+                      "allow_beyond_trained_context=True to run anyway")
+  logging.warning("%s: positions past %d were never trained (allow_beyond_trained_context=True)", what, trained)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +41,7 @@ class Limits:
 
   @classmethod
   def of(cls, model_cfg: ModelConfig, run: RunConfig, num_pages: int) -> "Limits":
+    check_context_length(model_cfg, run)
     return cls(model_cfg.vocab_size, run.context_for(model_cfg), run.page_size, run.seq, num_pages // run.seq)
 
   def check_ids(self, ids) -> None:

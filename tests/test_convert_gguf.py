@@ -189,3 +189,19 @@ def test_refuses_other_architecture_and_bad_files(tmp_path):
   with pytest.raises(CheckpointError, match="pre.gguf: tokenizer.ggml.pre='mystery' is not"):
     convert_gguf(pre, dst, progress=False)
   assert not os.path.exists(dst)
+
+
+@pytest.mark.parametrize("pre, key, want", [("llama-bpe", None, True), ("smollm", None, False),
+                                            ("llama-bpe", False, False)])
+def test_bpe_vocabularies_add_bos_as_llama_cpp_does(tmp_path, pre, key, want):
+  """Without tokenizer.ggml.add_bos_token, llama.cpp adds BOS for the Llama-3 pre-tokenizer, not for other BPE
+  vocabularies; the key, when present, wins."""
+  from lcjax.checkpoint.gguf import GGUFFile, gguf_model_config
+  tok = {"model": "gpt2", "pre": pre, "tokens": ["a", "b", "c"], "token_type": [1, 1, 1], "merges": ["a b"],
+         "bos": 0, "eos": 1}
+  if key is not None:
+    tok["add_bos"] = key
+  path = str(tmp_path / "v.gguf")
+  fx.write_gguf(path, cfg=preset("tiny"), tokenizer=tok)
+  cfg = gguf_model_config(GGUFFile(path))
+  assert (cfg.bos_id, cfg.add_bos) == (0, want)

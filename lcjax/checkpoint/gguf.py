@@ -98,6 +98,9 @@ def _f32(x) -> float:
   return float(str(np.float32(x)))
 
 
+LLAMA3_PRE_TOKENIZERS = ("llama3", "llama-v3", "llama-bpe")
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
   arch = g.architecture
   if arch != "llama":
@@ -124,7 +127,9 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
   tokens = g.get("tokenizer.ggml.tokens")
   vocab = int(k("vocab_size", len(tokens) if tokens else g.tensors["token_embd.weight"].shape[-1]))
   tt = g.get("tokenizer.ggml.model")
-  add_bos = g.get("tokenizer.ggml.add_bos_token", tt == "llama")
+  # Without the key, llama.cpp adds BOS for SentencePiece vocabularies and for the Llama-3 BPE pre-tokenizer.
+  add_bos = g.get("tokenizer.ggml.add_bos_token",
+                  tt == "llama" or (tt == "gpt2" and g.get("tokenizer.ggml.pre") in LLAMA3_PRE_TOKENIZERS))
   eos = [g.get(f"tokenizer.ggml.{x}_token_id") for x in ("eos", "eot", "eom")]
   eos_ids = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
   bos = g.get("tokenizer.ggml.bos_token_id")

@@ -199,6 +199,7 @@ class RunConfig:
   attention: str = "auto"            # auto | reference | cudnn | pallas | dense (baseline)
   prefix_cache: bool = True          # keep full KV pages after their requests end; reuse them for prompts
                                      # that start with the same tokens (lcjax.cache.prefix)
+  host_cache_gib: float = 0.0        # host memory for cached pages evicted from the device (0: they are dropped)
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
   sp_mode: str = "ring"              # ring (zigzag layout) | ring-plain (contiguous blocks) | ulysses
@@ -212,6 +213,8 @@ class RunConfig:
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    if not self.host_cache_gib >= 0:
+      raise ConfigError(f"host_cache_gib={self.host_cache_gib} must be >= 0")
     if self.prefill_chunk % self.page_size:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be a multiple of page_size={self.page_size}")
     if self.attention not in ("auto", "reference", "cudnn", "pallas", "dense"):

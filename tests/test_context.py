@@ -404,3 +404,27 @@ def test_chat_prompts_go_through_the_template(eng):
       eng._make_requests(["hi"], 1, None, chat=True)
   finally:
     eng.tokenizer, eng.limits = None, limits
+
+
+def test_evicted_pages_come_back_from_the_host_tier(oracle):
+  """With host_cache_gib, cached pages evicted under pressure go to host memory and a later prompt with the same
+  start takes them back instead of prefilling them; a tier too small for them drops them (least recent first)."""
+  eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01)
+  a = DOC + QS[0]
+  want_a = oracle.generate(a, max_new_tokens=6).token_ids
+  assert eng.generate(a, max_new_tokens=6).token_ids == want_a
+  b = RNG.integers(3, TINY.vocab_size, 80).tolist()
+  assert eng.generate(b, max_new_tokens=10).token_ids == oracle.generate(b, max_new_tokens=10).token_ids
+  assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6      # a's pages went to the host
+  again = eng.generate(a, max_new_tokens=6)
+  assert again.stats["cached_tokens"] == again.stats["host_cached_tokens"] == 48
+  assert again.token_ids == want_a
+  _idle(eng)
+  page = 2 * TINY.n_layers * 8 * TINY.n_kv_heads * TINY.head_dim * 4                  # one float32 page, K and V
+  small = _engine(num_pages=13, max_batch=2, host_cache_gib=3.5 * page / 2**30)       # room for 3 pages
+  small.generate(a, max_new_tokens=6)
+  small.generate(b, max_new_tokens=10)
+  assert len(small.scheduler.host_tier) == 3 and small.scheduler.host_tier.bytes <= 3.5 * page
+  again = small.generate(a, max_new_tokens=6)
+  # evictions go tail first, so the tier kept the chain's head: 3 pages come back, the rest is prefilled
+  assert again.token_ids == want_a and again.stats["host_cached_tokens"] == 24

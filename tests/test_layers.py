@@ -11,7 +11,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "lcjax"
 
 LAYERS = {
-    "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.cache.prefix": 0, "lcjax.tokenizer": 0,
+    "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.cache.prefix": 0, "lcjax.cache.host": 0, "lcjax.tokenizer": 0,
     "lcjax.sharding": 1,
     "lcjax.ops": 2,
     "lcjax.model": 3, "lcjax.cache.kv": 3, "lcjax.cache": 3,

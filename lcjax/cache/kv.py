@@ -113,6 +113,17 @@ def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
                              v=cache.v.at[:, dst].set(cache.v[:, src]))
 
 
+def gather_pages(cache: PagedKV, pages):
+  """K, V of `pages` [n] in every layer: [L, n, Z, K, H] each (pages evicted to the host tier)."""
+  return cache.k[:, pages], cache.v[:, pages]
+
+
+def scatter_pages(cache: PagedKV, pages, k, v) -> PagedKV:
+  """Write K, V [L, n, Z, K, H] into `pages` [n] of every layer (pages back from the host tier)."""
+  return dataclasses.replace(cache, k=cache.k.at[:, pages].set(k.astype(cache.k.dtype)),
+                             v=cache.v.at[:, pages].set(v.astype(cache.v.dtype)))
+
+
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
 
 def shard_table(page_table, shard, n_shards: int, pages_per_shard: int):

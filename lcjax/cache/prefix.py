@@ -44,6 +44,9 @@ class PrefixCache:
   def __init__(self, pool: PagePool, salt: bytes = b""):
     self.pool = pool
     self.salt = salt
+    # Called with [(key, page)] just before those pages are evicted (while they still hold their K/V): the
+    # scheduler copies them to the host tier (lcjax.cache.host).
+    self.on_evict = None
     self._page_of: dict[bytes, int] = {}
     self._key_of: dict[int, bytes] = {}
     self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()   # oldest first
@@ -104,6 +107,8 @@ class PrefixCache:
         break
       if self.pool.shard_of(page) == shard and self._only_cached(page):
         victims.append(page)
+    if victims and self.on_evict is not None:
+      self.on_evict([(self._key_of[p], p) for p in victims])
     for page in victims:
       self._drop(page)
     return len(victims)

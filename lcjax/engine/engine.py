@@ -366,6 +366,7 @@ class Engine:
     n_dec = max(len(r.out) - 1, 0)
     stats = dict(attention=self.attention.name, dtype=self.run.dtype, cache_dtype=self.run.resolved_cache_dtype,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
+                 host_cached_tokens=r.from_host,
                  prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())

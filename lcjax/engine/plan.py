@@ -77,6 +77,8 @@ class MemoryPlan:
   pages_per_device: int = 0
   kv_heads_per_device: int = 0
   comm: CommPlan | None = None
+  host_cache: int = 0         # host memory (whole process) for cached pages evicted from the devices
+  host_cache_tokens: int = 0  # tokens of KV that fit in it
 
   @property
   def total(self) -> int:
@@ -99,6 +101,9 @@ class MemoryPlan:
       lines.append(f"  {name:<12} {b / GiB:9.3f} GiB")
     if measured_peak is not None:
       lines.append(f"  {'measured':<12} {measured_peak / GiB:9.3f} GiB (peak)")
+    if self.host_cache:
+      lines.append(f"  {'host tier':<12} {self.host_cache / GiB:9.3f} GiB of host memory for evicted cached pages "
+                   f"({self.host_cache_tokens:,} tokens of KV)")
     c = self.comm
     if c is not None and self.devices > 1:
       lines.append(f"  per layer of a chunk: ring {c.ring_steps} x {c.ring_step_bytes / 2**20:.2f} MiB "
@@ -211,7 +216,16 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,
-                    K_l, comm_plan(model, run, hw, batch=batch))
+                    K_l, comm_plan(model, run, hw, batch=batch),
+                    *_host_tier(model, run, rep, c_item))
+
+
+def _host_tier(model: ModelConfig, run: RunConfig, rep: int, item: int) -> tuple[int, int]:
+  """(bytes, tokens) of the host tier: whole pages of every layer and (repeated) KV head."""
+  if not run.prefix_cache or not run.host_cache_gib:
+    return 0, 0
+  nbytes = int(run.host_cache_gib * GiB)
+  return nbytes, nbytes // (2 * model.n_layers * model.n_kv_heads * rep * model.head_dim * item)
 
 
 def require_fit(p: MemoryPlan, model: ModelConfig, run: RunConfig, device_bytes: int, device: str) -> None:

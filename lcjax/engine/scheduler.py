@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcjax.cache import kv as kvc
+from lcjax.cache.host import HostTier
 from lcjax.cache.pages import PagePool, PagePoolExhausted
 from lcjax.cache.prefix import PrefixCache
 from lcjax.config import RunConfig
@@ -44,6 +45,7 @@ class Request:
   prefix_seq: int | None = None
   seq: int | None = None           # the request's own sequence in the pool, once admitted
   cached: int = 0                  # leading prompt tokens already in the cache at admission (not prefilled)
+  from_host: int = 0               # of those, tokens brought back from the host tier
   written: int = 0                 # tokens whose K/V are in the cache
   epoch: int = -1                  # the scheduler's epoch at admission (its pages are void in a later one)
   out: list[int] = dataclasses.field(default_factory=list)
@@ -70,6 +72,10 @@ class Scheduler:
     self._new_cache = new_cache
     self.pool = PagePool(num_pages, run.page_size, shards=run.seq)
     self.prefix_cache = PrefixCache(self.pool, salt) if run.prefix_cache else None
+    self.host_tier = None
+    if self.prefix_cache is not None and run.host_cache_gib > 0:
+      self.host_tier = HostTier(int(run.host_cache_gib * 2**30))
+      self.prefix_cache.on_evict = self._spill
     self.cache = new_cache()
     self.eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     self.epoch = 0                   # advances whenever the device cache is lost and made afresh
@@ -97,6 +103,8 @@ class Scheduler:
     longest match of at most `cached_limit` tokens (default: all but the last prompt token, whose logits are
     needed). False, holding nothing, when the pool cannot supply the pages."""
     n = len(r.prompt)
+    Z = self.run.page_size
+    host = []
     if r.prefix_seq is not None:
       if r.prefix_seq not in self.pinned:
         raise RequestError(f"request {r.index}'s context was closed or offloaded while its generation ran")
@@ -107,20 +115,64 @@ class Scheduler:
     else:
       limit = n - 1 if cached_limit is None else cached_limit
       pages = self.prefix_cache.match(r.prompt, limit) if self.prefix_cache is not None else []
+      host = self._host_hits(r.prompt, limit, len(pages))
       r.seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
-      r.cached = len(pages) * self.run.page_size
-    r.written, r.epoch = r.cached, self.epoch
+      r.cached = (len(pages) + len(host)) * Z
+    r.written, r.epoch, r.from_host = r.cached, self.epoch, len(host) * Z
     try:
-      copies = self.pool.extend(r.seq, n - r.cached + r.max_new)
+      copies = self.pool.extend(r.seq, n - r.cached + len(host) * Z + r.max_new)
     except PagePoolExhausted:
+      for key, value in host:                      # back where they were
+        self.host_tier.put(key, value, self._page_bytes(value))
       self.pool.free(r.seq)
       r.seq = None
       return False
+    if host:
+      self._unspill(r, host)
     if copies:
       src, dst = (jnp.asarray(c, jnp.int32) for c in zip(*copies))
       self.cache = self.steps.copy_pages(self.cache, src, dst)
     self.peak_pages_used = max(self.peak_pages_used, self.pool.pages_used)
     return True
+
+  # -- the host tier ---------------------------------------------------------------------------------------------
+  @staticmethod
+  def _page_bytes(value) -> int:
+    return sum(x.nbytes for x in value)
+
+  def _spill(self, victims: list[tuple[bytes, int]]) -> None:
+    """Copy pages about to be evicted to the host tier (PrefixCache.on_evict)."""
+    keys, pages = zip(*victims)
+    idx = np.zeros(_bucket(len(pages), 1), np.int32)   # padded with the null page: one compile per power of two
+    idx[:len(pages)] = pages
+    k, v = (np.asarray(x) for x in self.steps.gather_pages(self.cache, jnp.asarray(idx)))   # [L, n, Z, K, H]
+    for i, key in enumerate(keys):
+      value = (np.ascontiguousarray(k[:, i]), np.ascontiguousarray(v[:, i]))
+      self.host_tier.put(key, value, self._page_bytes(value))
+
+  def _host_hits(self, prompt: list[int], limit: int, on_device: int) -> list[tuple[bytes, tuple]]:
+    """The host tier's pages that continue the device's cached run of `prompt` (taken out of the tier)."""
+    if self.host_tier is None or not len(self.host_tier):
+      return []
+    hits = []
+    for key in self.prefix_cache.keys(prompt, limit // self.run.page_size)[on_device:]:
+      if key not in self.host_tier:
+        break
+      hits.append((key, self.host_tier.take(key)))
+    return hits
+
+  def _unspill(self, r: Request, host: list[tuple[bytes, tuple]]) -> None:
+    """Write pages back from the host tier into the request's table slots after its device-cached ones."""
+    table = self.pool.page_table(r.seq)
+    first = r.cached // self.run.page_size - len(host)
+    n = _bucket(len(host), 1)
+    idx = np.zeros(n, np.int32)
+    idx[:len(host)] = table[first:first + len(host)]
+    k, v = (np.stack([value[i] for _, value in host], 1) for i in (0, 1))           # [L, h, Z, K, H]
+    if n > len(host):
+      k, v = (np.concatenate([x, np.zeros((x.shape[0], n - len(host), *x.shape[2:]), x.dtype)], 1) for x in (k, v))
+    self.cache = self.steps.scatter_pages(self.cache, jnp.asarray(idx), jnp.asarray(k), jnp.asarray(v))
+    self._keep_written(r)
 
   def _keep_written(self, r: Request) -> None:
     """Hand the request's written full pages to the prefix cache."""
@@ -140,6 +192,8 @@ class Scheduler:
     if self.cache.k.is_deleted() and not self.closed:
       if self.prefix_cache is not None:
         self.prefix_cache.clear()
+      if self.host_tier is not None:
+        self.host_tier.clear()         # spilled under this epoch's keys too, from pages now gone with it
       self.cache = self._new_cache()
       self.epoch += 1
 
@@ -190,7 +244,10 @@ class Scheduler:
       for seq in list(self.pinned):
         self.unpin(seq)
       if self.prefix_cache is not None:
+        self.prefix_cache.on_evict = None
         self.prefix_cache.clear()
+      if self.host_tier is not None:
+        self.host_tier.clear()
       self.closed = True
       for x in (self.cache.k, self.cache.v):
         if not x.is_deleted():

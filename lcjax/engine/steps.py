@@ -67,6 +67,9 @@ class Steps:
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
                               **({} if mesh is None else dict(out_shardings=cache_shardings)))
+    self.gather_pages = jax.jit(kvc.gather_pages, **({} if mesh is None else dict(out_shardings=(rep, rep))))
+    self.scatter_pages = jax.jit(kvc.scatter_pages, donate_argnums=0,
+                                 **({} if mesh is None else dict(out_shardings=cache_shardings)))
 
   def _model(self, params):
     return nnx.merge(self.graphdef, params)

@@ -2,8 +2,9 @@
 
 Each cache slot of the simulated device holds the identity of the K/V a real model would write there: the token
 ids of the whole prefix up to and including that position (a position's K/V depend on every token before it).
-Requests start from the cache's longest match, prefill (write) the rest, hand their pages to the cache and end;
-the cache evicts under pressure and on demand. After every step, reading any live sequence back gives exactly the
+Requests start from the cache's longest match (then the host tier's pages that continue it, written back into
+fresh pages), prefill (write) the rest, hand their pages to the cache and end; the cache evicts under pressure and
+on demand, spilling each evicted page's contents to the host tier. After every step, reading any live sequence back gives exactly the
 identities of its own prefixes (a wrong hit, or a page evicted and handed out while in use, would not), every
 cached page still holds what its key names, and the pool's and cache's bookkeeping hold.
 """
@@ -20,7 +21,7 @@ from lcjax.cache.pages import PagePool, PagePoolExhausted
 from lcjax.cache.prefix import PrefixCache, page_keys
 
 _DOCS = [[(7 * i + d) % 3 for i in range(12)] for d in range(3)] + [[]]
-_STEPS = {"rules": 0, "hit_pages": 0, "evicted": 0, "refused": 0}
+_STEPS = {"rules": 0, "hit_pages": 0, "host_pages": 0, "evicted": 0, "refused": 0}
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -33,6 +34,12 @@ class CacheMachine(RuleBasedStateMachine):
     self.device: dict[int, tuple] = {}         # cache slot -> prefix identity
     self.live: dict[int, list[int]] = {}       # seq -> tokens written
     self.key_tokens: dict[bytes, tuple] = {}   # every key ever made -> the tokens it names
+    self.host: dict[bytes, list] = {}          # the host tier: evicted pages' slot contents by key
+    self.cache.on_evict = self._spill
+
+  def _spill(self, victims):
+    for key, page in victims:
+      self.host[key] = [self.device[page * self.Z + j] for j in range(self.Z)]
 
   def _write(self, seq, tokens, start):
     slots = self.pool.slot_mapping(seq, start, len(tokens) - start)
@@ -52,15 +59,25 @@ class CacheMachine(RuleBasedStateMachine):
     pages = self.cache.match(tokens, len(tokens) - 1)
     for key, page in zip(self.cache.keys(tokens), pages):
       assert self.key_tokens[key] == tuple(tokens[:len(self.key_tokens[key])])
+    host = []
+    for key in self.cache.keys(tokens, (len(tokens) - 1) // self.Z)[len(pages):]:
+      if key not in self.host:
+        break
+      host.append(key)
     seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
-    cached = len(pages) * self.Z
     try:
-      self.pool.extend(seq, len(tokens) - cached + extra)
+      self.pool.extend(seq, len(tokens) - len(pages) * self.Z + extra)
     except PagePoolExhausted:
       _STEPS["refused"] += 1
       self.pool.free(seq)
       return
     _STEPS["hit_pages"] += len(pages)
+    _STEPS["host_pages"] += len(host)
+    table = self.pool.page_table(seq)
+    for m, key in enumerate(host, start=len(pages)):        # back from the host tier, then kept again
+      for j, content in enumerate(self.host.pop(key)):
+        self.device[table[m] * self.Z + j] = content
+    cached = (len(pages) + len(host)) * self.Z
     self._write(seq, tokens, cached)
     self.live[seq] = list(tokens)
 
@@ -147,6 +164,7 @@ def test_cache_state_machine():
       suppress_health_check=[HealthCheck.too_slow]))
   print(f"cache state machine: {_STEPS} in {time.perf_counter() - t0:.1f}s")
   assert _STEPS["rules"] >= 10_000 and _STEPS["hit_pages"] and _STEPS["evicted"] and _STEPS["refused"]
+  assert _STEPS["host_pages"]
 
 
 def test_keys_chain_and_salt():

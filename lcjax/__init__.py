@@ -1,7 +1,7 @@
 """lcjax: long-context LLaMA inference in JAX.
 
     import lcjax
-    engine = lcjax.Engine.load("checkpoints/smollm2-135m-instruct")
+    engine = lcjax.Engine.load("path/to/hf-folder-or-model.gguf-or-lcjax-checkpoint")
     out = engine.generate("The capital of France is", max_new_tokens=16)
     print(out.text, out.stats)
 

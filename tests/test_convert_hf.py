@@ -442,3 +442,29 @@ def test_export_hf_loads_into_transformers(tied):
   last = eng.prompt_logits(tokens[0].tolist())          # 75 tokens: 3 chunks of 32 through the paged cache
   np.testing.assert_allclose(last, ref[0, -1], atol=1e-4 * scale, rtol=0)
   assert eng.pool.pages_used == 0
+
+
+def test_engine_load_takes_an_hf_folder_converted_once(hf_dirs, tmp_path, monkeypatch):
+  """Engine.load(HF folder) converts it into the user cache once and loads the conversion afterwards; a changed
+  source converts again."""
+  from lcjax.checkpoint import sources
+  from lcjax.config import RunConfig
+  from lcjax.engine.engine import Engine
+  monkeypatch.setenv("LCJAX_CACHE_DIR", str(tmp_path / "cache"))
+  run = RunConfig(dtype="float32", max_context=64, page_size=8, prefill_chunk=32)
+  a = Engine.load(hf_dirs[1], run=run)
+  converted = os.listdir(tmp_path / "cache" / "converted")
+  assert len(converted) == 1
+  stamp = os.path.getmtime(tmp_path / "cache" / "converted" / converted[0])
+  b = Engine.load(hf_dirs[1], run=run)                        # no second conversion
+  assert os.path.getmtime(tmp_path / "cache" / "converted" / converted[0]) == stamp
+  assert a.generate([3, 4, 5], max_new_tokens=4).token_ids == b.generate([3, 4, 5], max_new_tokens=4).token_ids
+  assert sources.resolve_checkpoint(hf_dirs[1]) == str(tmp_path / "cache" / "converted" / converted[0])
+  cfg_json = os.path.join(hf_dirs[1], "config.json")
+  st = os.stat(cfg_json)
+  os.utime(cfg_json, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+  try:
+    assert sources.resolve_checkpoint(hf_dirs[1], progress=False) != str(tmp_path / "cache" / "converted" / converted[0])
+    assert len(os.listdir(tmp_path / "cache" / "converted")) == 2
+  finally:
+    os.utime(cfg_json, ns=(st.st_atime_ns, st.st_mtime_ns))

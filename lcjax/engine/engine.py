@@ -175,14 +175,17 @@ class Engine:
   @classmethod
   def load(cls, ckpt_dir, *, tensor: int | None = None, seq: int | None = None, dtype: str | None = None,
            run: RunConfig | None = None, mesh: jax.sharding.Mesh | None = None, **overrides):
-    """Restore a converted checkpoint (tools/convert_hf.py, tools/convert_gguf.py) ready to generate.
+    """Restore a checkpoint ready to generate: an lcjax checkpoint directory, or an HF model folder
+    (config.json + safetensors) or a GGUF file, converted once into the user cache (~/.cache/lcjax).
 
     tensor, seq, dtype override the run config's fields (default: its own). Every parameter is read straight
     into its shards on the mesh: a process reads only what its devices hold (multi-host included).
     """
     from lcjax.checkpoint import load_config
     from lcjax.checkpoint.restore import restore_params
+    from lcjax.checkpoint.sources import resolve_checkpoint
     from lcjax.tokenizer import find_tokenizer
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
     mesh = placement.mesh_for(run, mesh)

@@ -384,3 +384,20 @@ def test_paged_gpu_fp8_blocks(past):
   got = jax.jit(be.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2,
         tol_lse=6e-3)
+
+
+def test_static_routes_to_the_reference_are_announced_on_a_gpu(monkeypatch, caplog):
+  """A route to the jnp reference decided by shapes or dtypes logs one line with its reason when the call is
+  traced on a GPU (here: a decode row over fp8 pages through the cuDNN backend); on a CPU it stays quiet."""
+  B, T, N, K, H, Z, M, P = 1, 1, 4, 2, 16, 8, 4, 8
+  q, kp8, vp8, table, ks, vs, _, _ = rand_pages(5, B, T, N, K, H, Z, M, P, fp8=True)
+  call = lambda: EMU.paged(q, kp8, vp8, table, q_pos=jnp.array([[10]], jnp.int32),
+                           kv_len=jnp.array([11], jnp.int32), k_scale=ks, v_scale=vs)
+  with caplog.at_level("WARNING"):
+    call()
+  assert "jnp reference" not in caplog.text
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with caplog.at_level("WARNING"):
+    call()
+  assert "attention backend cudnn runs this call through the jnp reference (slow): a decode row over fp8 pages" \
+      in caplog.text

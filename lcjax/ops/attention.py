@@ -15,6 +15,7 @@ M page-table slots per sequence.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -188,3 +189,11 @@ def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None
   p = jnp.where(vis[:, :, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
   out = jnp.einsum("btkgs,bskh->btkgh", p.reshape(B, T, K, N // K, S), v.astype(jnp.float32))
   return out.reshape(B, T, N, H).astype(q.dtype), lse
+
+
+def routed_to_reference(backend: str, reason: str) -> None:
+  """Say, when a call is traced (once per compiled step), that a fast backend sends it to the jnp reference on a
+  GPU, and why. Routes decided by values inside the graph (a lax.cond on positions) cannot be seen here; each
+  backend's docstring lists them."""
+  if jax.default_backend() == "gpu":
+    logging.warning("attention backend %s runs this call through the jnp reference (slow): %s", backend, reason)

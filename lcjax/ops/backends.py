@@ -12,7 +12,6 @@ import dataclasses
 import logging
 
 import jax
-import jax.numpy as jnp
 
 from lcjax.ops import attention as ref
 

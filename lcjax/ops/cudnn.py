@@ -231,6 +231,9 @@ class CudnnBackend:
     if (not self.emulate and not calls.has_private_paged()) or not readable or (fp8 and T == 1):
       # The exact jnp path: older jax has no cuDNN paged entry; cuDNN reads no float32 pages; and a decode row
       # over fp8 pages reads each page once, so dequantizing a copy of them first would double its bytes.
+      ref.routed_to_reference("cudnn", "a decode row over fp8 pages" if fp8 and T == 1 else
+                              f"cuDNN reads no {jnp.dtype(k_pages.dtype).name} pages" if not readable else
+                              "this jax has no cuDNN paged attention entry")
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
     if T == 1:

@@ -334,6 +334,7 @@ class PallasBackend:
     if q_pos is None and k_start is None:
       if S < T:
         # Rows before the first key would need a lower mask bound the kernel does not have.
+        ref.routed_to_reference("pallas", f"a causal block of {T} queries over {S} keys (rows before the first key)")
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
       return kernel(causal=True)
     q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)

@@ -1,7 +1,8 @@
 """Writing a checkpoint (the format of lcjax.checkpoint.layout), atomically.
 
-Everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written, so an interrupted
-conversion leaves nothing that looks like a checkpoint; leftovers of dead processes are removed by the next run.
+Everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written
+(lcjax.checkpoint.atomic), so an interrupted conversion leaves nothing that looks like a checkpoint; leftovers of
+dead processes are removed by the next run.
 """
 from __future__ import annotations
 
@@ -14,28 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lcjax.checkpoint import layout
+from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.checkpoint.layout import (CONFIG_FILE, FORMAT, MANIFEST_FILE, PARAMS_DIR, CheckpointError, item_dir,
                                      param_shapes, part_rows)
 from lcjax.config import ModelConfig
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def _remove_checkpoint(path: str) -> None:
-  """Delete a checkpoint directory manifest first, so that one half removed never looks complete."""
-  try:
-    os.remove(os.path.join(path, MANIFEST_FILE))
-  except FileNotFoundError:
-    pass
-  shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointWriter:
@@ -52,24 +35,14 @@ class CheckpointWriter:
     self.cfg = cfg
     self.overwrite = overwrite
     self.source = source
-    self.tmp = f"{self.dst}.tmp-{os.getpid()}"
+    self.tmp = f"{self.dst}.tmp-{os.getpid()}"     # AtomicDirectory's, named here for the writes below
     self.expected = param_shapes(cfg)
     self.written: dict[str, dict[str, Any]] = {}
     self._ckptr = None
 
   def __enter__(self) -> "CheckpointWriter":
-    if os.path.exists(self.dst) and not self.overwrite:
-      raise CheckpointError(f"{self.dst} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(self.dst)
-    os.makedirs(parent, exist_ok=True)
-    for entry in os.listdir(parent):
-      # A dead process's partial output (.tmp-<pid>), or the checkpoint an interrupted overwrite was replacing
-      # (.old-<pid>); a live process's (another conversion running now) is left alone.
-      for suffix in (".tmp-", ".old-"):
-        base = os.path.basename(self.dst) + suffix
-        if entry.startswith(base) and entry[len(base):].isdigit() and not _pid_alive(int(entry[len(base):])):
-          _remove_checkpoint(os.path.join(parent, entry))
-    shutil.rmtree(self.tmp, ignore_errors=True)
+    self._dir = AtomicDirectory(self.dst, MANIFEST_FILE, overwrite=self.overwrite, exists_error=CheckpointError(
+        f"{self.dst} already exists; pass --overwrite to replace it")).__enter__()
     os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
     self._ckptr = ocp.PyTreeCheckpointer()
     return self
@@ -116,18 +89,11 @@ class CheckpointWriter:
     self.write_text(CONFIG_FILE, json.dumps(self.cfg.to_dict(), indent=2))
     self.write_text(MANIFEST_FILE, json.dumps({"format": FORMAT, "source": self.source, "tensors": tensors},
                                               indent=2))
-    old = None
-    if os.path.exists(self.dst):
-      old = f"{self.dst}.old-{os.getpid()}"
-      os.rename(self.dst, old)
-    os.rename(self.tmp, self.dst)
-    if old:
-      _remove_checkpoint(old)
+    self._dir.commit()
 
   def __exit__(self, exc_type, exc, tb) -> None:
     try:
       if exc_type is None:
         self._finish()
     finally:
-      if os.path.exists(self.tmp):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+      self._dir.__exit__(exc_type, exc, tb)

@@ -7,8 +7,8 @@ heads are dropped), so a context saved at one mesh restores at another: restorin
 target pool (each on the shard of its table slot) and writes them, after first sharing whatever full pages the
 prefix cache still holds.
 
-On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (a killed save leaves
-nothing that loads):
+On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (lcjax.checkpoint.atomic:
+a killed save leaves nothing that loads, and the next save to DST removes what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
                  count, layout and fp8 scales; written last
   tokens.npy     int32 token ids
@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import weakref
@@ -34,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
+from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.engine.requests import RequestError
 
 FORMAT = "lcjax-context-v1"
@@ -312,17 +312,13 @@ class Context:
     self._check_usable()
     eng = self.engine
     dst = os.path.abspath(path)
-    if os.path.exists(dst) and not overwrite:
-      raise ContextError(f"{dst} already exists: pass overwrite=True to replace it")
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     t0 = time.perf_counter()
-    try:
+    with AtomicDirectory(dst, META_FILE, overwrite=overwrite, exists_error=ContextError(
+        f"{dst} already exists: pass overwrite=True to replace it")) as out:
       with eng.scheduler.lock:
         pages = self.pages()
-        np.save(os.path.join(tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
-        with open(os.path.join(tmp, "kv.bin"), "wb") as f:
+        np.save(os.path.join(out.tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
+        with open(os.path.join(out.tmp, "kv.bin"), "wb") as f:
           layer = []                                 # one layer's blocks: its K pages are written before its V
           for l, _, k, v in _blocks_out(eng, pages):
             layer.append((k, v))
@@ -338,17 +334,9 @@ class Context:
         if cache.quantized:
           meta.update(k_scale=np.asarray(cache.k_scale)[:, ::eng.kv_rep].tolist(),
                       v_scale=np.asarray(cache.v_scale)[:, ::eng.kv_rep].tolist())
-      with open(os.path.join(tmp, META_FILE), "w") as f:
+      with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
-      old = None
-      if os.path.exists(dst):
-        old = f"{dst}.old-{os.getpid()}"
-        os.rename(dst, old)
-      os.rename(tmp, dst)
-      if old:
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-      shutil.rmtree(tmp, ignore_errors=True)
+      out.commit()
     return time.perf_counter() - t0
 
 

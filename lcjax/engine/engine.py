@@ -62,16 +62,20 @@ def _peak_host_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@jax.jit
+def _weight_probe(state):
+  """16 evenly spaced values of every parameter, float32."""
+  out = []
+  for leaf in jax.tree.leaves(state):
+    flat = leaf.reshape(-1)
+    out.append(flat[::max(1, flat.size // 16)][:16].astype(jnp.float32))
+  return out
+
+
 def _weights_digest(params) -> str:
   """A digest of 16 evenly spaced values of every parameter (exact values, so any mesh gives the same)."""
-  def probe(state):
-    out = []
-    for leaf in jax.tree.leaves(state):
-      flat = leaf.reshape(-1)
-      out.append(flat[::max(1, flat.size // 16)][:16].astype(jnp.float32))
-    return out
   h = hashlib.blake2b(digest_size=16)
-  for x in jax.jit(probe)(params):
+  for x in _weight_probe(params):
     h.update(np.asarray(x).tobytes())
   return h.hexdigest()
 
@@ -267,8 +271,6 @@ class Engine:
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
     head = list(head)
-    if chat and head:
-      raise RequestError("chat=True renders whole conversations: give it no prefix= or context=")
     reqs = []
     for i, p in enumerate(prompts):
       ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)

@@ -79,8 +79,7 @@ class Scheduler:
     self.cache = new_cache()
     self.eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     self.epoch = 0                   # advances whenever the device cache is lost and made afresh
-    self.pinned: dict[int, int] = {}  # pinned sequence -> its token count
-    self.pinned_epoch: dict[int, int] = {}
+    self.pinned: dict[int, int] = {}  # pinned sequence -> the epoch it was pinned in
     self.orphans: list[int] = []     # pinned sequences whose Context was dropped unclosed (unpinned under the lock)
     self.closed = False
     self.peak_pages_used = 0
@@ -108,7 +107,7 @@ class Scheduler:
     if r.prefix_seq is not None:
       if r.prefix_seq not in self.pinned:
         raise RequestError(f"request {r.index}'s context was closed or offloaded while its generation ran")
-      if self.pinned_epoch[r.prefix_seq] != self.epoch:
+      if self.pinned[r.prefix_seq] != self.epoch:
         raise RequestError(f"request {r.index}'s context lost its pages when a device step was interrupted: "
                            "prefill it again")
       r.seq, r.cached = self.pool.fork(r.prefix_seq), r.prefix_len
@@ -119,8 +118,9 @@ class Scheduler:
       r.seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
       r.cached = (len(pages) + len(host)) * Z
     r.written, r.epoch, r.from_host = r.cached, self.epoch, len(host) * Z
+    in_table = r.cached - r.from_host                # tokens the sequence's table already holds
     try:
-      copies = self.pool.extend(r.seq, n - r.cached + len(host) * Z + r.max_new)
+      copies = self.pool.extend(r.seq, n - in_table + r.max_new)
     except PagePoolExhausted:
       for key, value in host:                      # back where they were
         self.host_tier.put(key, value, self._page_bytes(value))
@@ -221,14 +221,12 @@ class Scheduler:
         self.release(r)
         self.recover_cache()
         raise
-      self.pinned[r.seq] = len(ids)
-      self.pinned_epoch[r.seq] = self.epoch
+      self.pinned[r.seq] = self.epoch
       return r.seq, r.cached
 
   def unpin(self, seq: int) -> None:
     with self.lock:
       if self.pinned.pop(seq, None) is not None:
-        self.pinned_epoch.pop(seq)
         self.pool.free(seq)
 
   def check_open(self) -> None:
@@ -244,7 +242,6 @@ class Scheduler:
       for seq in list(self.pinned):
         self.unpin(seq)
       if self.prefix_cache is not None:
-        self.prefix_cache.on_evict = None
         self.prefix_cache.clear()
       if self.host_tier is not None:
         self.host_tier.clear()
@@ -351,8 +348,7 @@ class Scheduler:
       r.finish = "eos"
     elif r.max_new <= 1:
       r.finish = "length"
-    if self.prefix_cache is not None:        # the prompt's full pages serve requests admitted from now on
-      self._keep_written(r)
+    self._keep_written(r)                    # the prompt's full pages serve requests admitted from now on
 
   def decode_call(self, live: list[Request | None]) -> list[Request]:
     B = len(live)

@@ -197,6 +197,8 @@ class RunConfig:
                                      # last live request ends; for long fixed-length generation (benchmarks).
                                      # Groups are the largest divisor of decode_steps up to N (1 if none)
   attention: str = "auto"            # auto | reference | cudnn | pallas | dense (baseline)
+  attention_dtype: str = "auto"      # "auto" (attention computes in `dtype`) | "float8_e4m3fn": FP8 attention for
+                                     # prefill (the pallas backend's FP8 kernel; independent of cache_dtype)
   prefix_cache: bool = True          # keep full KV pages after their requests end; reuse them for prompts
                                      # that start with the same tokens (lcjax.cache.prefix)
   host_cache_gib: float = 0.0        # host memory for cached pages evicted from the device (0: they are dropped)
@@ -220,6 +222,10 @@ class RunConfig:
     if self.attention not in ("auto", "reference", "cudnn", "pallas", "dense"):
       raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas or dense "
                         "(the unoptimised baseline)")
+    if self.attention_dtype not in ("auto", "float8_e4m3fn"):
+      raise ConfigError(f"attention_dtype={self.attention_dtype!r} must be auto or float8_e4m3fn")
+    if self.attention_dtype == "float8_e4m3fn" and self.attention not in ("auto", "pallas"):
+      raise ConfigError(f"attention_dtype=float8_e4m3fn runs on the pallas backend, not attention={self.attention!r}")
     if self.sp_mode not in ("ring", "ring-plain", "ulysses"):
       raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring, ring-plain (no zigzag: the load-imbalanced "
                         "baseline) or ulysses")

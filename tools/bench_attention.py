@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lcjax.ops import attention as ref  # noqa: E402
 from lcjax.ops import cudnn, cudnn_calls  # noqa: E402
+from lcjax.ops import fp8 as fp8_ops  # noqa: E402
 from lcjax.ops import pallas_flash  # noqa: E402
 from lcjax.ops import pallas_paged  # noqa: E402
 from tools import benchlib  # noqa: E402
@@ -98,14 +99,14 @@ def _versions():
 
 
 def _ratios(rows):
-  """ratio_to_best_peer on lcjax rows: metric / best peer metric of the same (op, S, page)."""
+  """ratio_to_best_peer on lcjax rows: metric / best peer metric of the same (op, S, page, dtype)."""
   best = {}
   for r in rows:
     if not r["lcjax"] and r.get("metric") is not None:
-      key = (r["op"], r["S"], r.get("page"))
+      key = (r["op"], r["S"], r.get("page"), r["dtype"])
       best[key] = max(best.get(key, 0.0), r["metric"])
   for r in rows:
-    key = (r["op"], r["S"], r.get("page"))
+    key = (r["op"], r["S"], r.get("page"), r["dtype"])
     if r["lcjax"] and r.get("metric") is not None and key in best:
       r["ratio_to_best_peer"] = round(r["metric"] / best[key], 3)
 
@@ -200,7 +201,7 @@ def selected(name):
 
 # ------------------------------------------------------------------------------------------------ prefill
 def prefill_impls():
-  """name -> (lcjax?, fn(q, k, v) -> out or (out, lse [B, T, N]))."""
+  """name -> (lcjax?, fn(*operands) -> out or (out, lse [B, T, N]), prep, dtype)."""
   scale = 1.0 / math.sqrt(H)
   impls = {
       "lcjax-cudnn": (True, lambda q, k, v: cudnn.CudnnBackend().attend(q, k, v, causal=True)),
@@ -217,6 +218,17 @@ def prefill_impls():
                          ("fwd-order", pallas_flash.FlashTuning(reverse_q=False)),
                          ("regs240", pallas_flash.FlashTuning(compute_regs=240, memory_regs=24))):
       impls["lcjax-pallas-" + name] = (True, functools.partial(_flash, tuning=tuning))
+  fp8_tunings = {"": pallas_flash.FP8_TUNING}
+  if _EXPLORE.value:
+    fp8_tunings.update(mcs2=pallas_flash.FlashTuning(max_concurrent_steps=2),
+                       mcs3=pallas_flash.FlashTuning(max_concurrent_steps=3))
+  for suffix, tuning in fp8_tunings.items():
+    tag = "-" + suffix if suffix else ""
+    impls["lcjax-pallas-fp8" + tag] = (True, functools.partial(_fp8_attend, tuning=tuning), None, FP8)
+    impls["lcjax-pallas-fp8-kernel" + tag] = (True, functools.partial(_fp8_kernel, tuning=tuning),
+                                              functools.partial(_fp8_operands, tuning=tuning), FP8)
+  impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
+  impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
     import flash_attn3_jax as fa3
     from flash_attn3_jax import flash as fa3_flash
@@ -224,11 +236,47 @@ def prefill_impls():
     impls["fa3-lse"] = (False, lambda q, k, v: _fa3_lse(fa3_flash, q, k, v, scale))
   except Exception as e:  # noqa: BLE001 - an optional peer
     print("no flash_attn3_jax:", e, flush=True)
-  return impls
+  # name -> (lcjax?, fn, prep (untimed: makes fn's operands from q, k, v) or None, operand dtype)
+  return {name: (*v, None, "bfloat16") if len(v) == 2 else v for name, v in impls.items()}
 
 
 def _flash(q, k, v, *, tuning):
   return pallas_flash.flash_attention(q, k, v, causal=True, tuning=tuning)
+
+
+FP8 = "float8_e4m3fn"
+
+
+def _fp8_attend(q, k, v, *, tuning=pallas_flash.FP8_TUNING, incoherent=True):
+  """Quantization (and the incoherence rotation) included: what the engine pays per call."""
+  return pallas_flash.flash_attention_fp8(q, k, v, causal=True, tuning=tuning, incoherent=incoherent)
+
+
+def _fp8_operands(q, k, v, *, tuning):
+  (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
+                                                            block_kv=tuning.block_kv, incoherent=True)
+  B, S = k.shape[:2]
+  d, kvl = jnp.zeros((B,), jnp.int32) + (S - q.shape[1]), jnp.full((B,), S, jnp.int32)
+  return q8, qs, k8, ks, v8t, vs, d, kvl
+
+
+def _fp8_kernel(*ops, tuning):
+  """The kernel alone on quantized operands: the comparison with cuDNN's fp8 attention, which takes fp8 inputs."""
+  return pallas_flash.flash_fp8_kernel(*ops, causal=True, tuning=tuning)
+
+
+def _cudnn_fp8_operands(q, k, v):
+  # N(0, 1) inputs fit e4m3 with unit scales.
+  return tuple(x.astype(jnp.float8_e4m3fn) for x in (q, k, v))
+
+
+def _cudnn_fp8(q8, k8, v8):
+  """cuDNN's fp8 flash attention (JAX's private entry): per-tensor scales, fp8 output, no LSE."""
+  from jax._src.cudnn import fused_attention_stablehlo as fas
+  params = {name: jnp.ones((1, 1, 1, 1), jnp.float32) for name in fas.fp8_params_keys}
+  out, _, _ = fas.dot_product_attention(q8, k8, v8, fp8_params=params, scale=1.0 / math.sqrt(H),
+                                        mask_type=fas.MaskType.CAUSAL, use_fp8=True)
+  return out
 
 
 def _fa3_lse(fa3_flash, q, k, v, scale):
@@ -248,10 +296,10 @@ def bench_prefill(res, dog, sizes, reps):
   q, k, v = qkv(jax.random.key(101), 2048)
   want_o, want_l = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, causal=True))(q, k, v)
   checks = {}
-  for name, (_, fn) in impls.items():
+  for name, (_, fn, prep, _) in impls.items():
     try:
       dog.arm(f"check {name}")
-      got = _sync(jax.jit(fn)(q, k, v))
+      got = _sync(jax.jit(fn)(*(jax.jit(prep)(q, k, v) if prep else (q, k, v))))
       o, l = got if isinstance(got, tuple) else (got, None)
       checks[name] = (rel_err(o, want_o), None if l is None else lse_err(l, want_l))
     except Exception as e:  # noqa: BLE001 - one impl failing must not end the run
@@ -262,21 +310,23 @@ def bench_prefill(res, dog, sizes, reps):
     sets = [qkv(jax.random.key(S + i), S) for i in range(2 if S <= 8192 else 1)]
     flops = 4.0 * S * S * H * N * B_PF / 2
     first = None
-    for name, (mine, fn) in impls.items():
+    for name, (mine, fn, prep, dtype) in impls.items():
       if name not in checks:
         continue
       try:
         dog.arm(f"prefill {name} S={S}")
         f = jax.jit(fn)
-        t = time_jax(f, sets, reps if S < 131072 else max(3, reps // 2), inner=8 if S <= 8192 else 1)
-        o = f(*sets[0])
+        args = [jax.jit(prep)(*x) for x in sets] if prep else sets
+        t = time_jax(f, args, reps if S < 131072 else max(3, reps // 2), inner=8 if S <= 8192 else 1)
+        o = f(*args[0])
+        del args
         o = o[0] if isinstance(o, tuple) else o
         agree = None
         if first is None:
           first = o
         else:
           agree = rel_err(o, first)
-        res.add(op="prefill", impl=name, lcjax=mine, S=S, batch=B_PF, dtype="bfloat16", ms=t * 1e3,
+        res.add(op="prefill", impl=name, lcjax=mine, S=S, batch=B_PF, dtype=dtype, ms=t * 1e3,
                 tflops=flops / t / 1e12, metric=flops / t / 1e12, rel_err=checks[name][0], lse_err=checks[name][1],
                 rel_err_vs_first_impl=agree)
       except Exception as e:  # noqa: BLE001
@@ -346,6 +396,17 @@ def decode_impls():
       "lcjax-cudnn": (True, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn.CudnnBackend().paged(
           q, kp, vp, t, q_pos=qp, kv_len=kl)),
   }
+  fp8_tunings = {"": pallas_flash.FP8_TUNING}
+  if _EXPLORE.value:
+    fp8_tunings.update(mcs2=pallas_flash.FlashTuning(max_concurrent_steps=2),
+                       mcs3=pallas_flash.FlashTuning(max_concurrent_steps=3))
+  for suffix, tuning in fp8_tunings.items():
+    tag = "-" + suffix if suffix else ""
+    impls["lcjax-pallas-fp8" + tag] = (True, functools.partial(_fp8_attend, tuning=tuning), None, FP8)
+    impls["lcjax-pallas-fp8-kernel" + tag] = (True, functools.partial(_fp8_kernel, tuning=tuning),
+                                              functools.partial(_fp8_operands, tuning=tuning), FP8)
+  impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
+  impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
     import flash_attn3_jax as fa3
     for splits in (1, 8):

@@ -12,6 +12,8 @@ context needs more than the one before). Writes JSON, a markdown table and PNG p
 Implementations:
   lcjax        chunked paged prefill + on-device decode, the `auto` attention backend
   lcjax-fp8kv  the same with a float8_e4m3fn KV cache
+  lcjax-fp8attn  FP8 attention (attention_dtype=float8_e4m3fn), bf16 KV cache
+  lcjax-fp8    FP8 attention and an fp8 KV cache
   dense        the unoptimised path: one-shot prefill with XLA attention that materialises the scores
   hf           HF transformers LlamaForCausalLM (sdpa), prefill with logits_to_keep=1, DynamicCache decode
 """
@@ -33,7 +35,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
 flags.DEFINE_integer("layers", 0, "use only this many layers (0: all): per-layer validation of big presets")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "context lengths (prompt tokens)")
-flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: lcjax, lcjax-fp8kv, dense, hf")
+IMPLS = ("lcjax", "lcjax-fp8kv", "lcjax-fp8attn", "lcjax-fp8", "dense", "hf")
+flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: " + ", ".join(IMPLS))
 flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill")
 flags.DEFINE_integer("decode_sync_every", 8, "lcjax decode steps between host checks for EOS (RunConfig field; "
                      "random weights have no EOS, so no step is wasted; the session-4 calls ran with 8)")
@@ -66,11 +69,13 @@ def _model_cfg():
 def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_chunk: int,
                dtype: str = "bfloat16", attention: str = "auto", sync_every: int = 1):
   """The RunConfig an implementation's row of context S runs with: room for S + decode_steps tokens, one
-  sequence, chunks of prefill_chunk (dense: the whole prompt at once), fp8 pages for lcjax-fp8kv."""
+  sequence, chunks of prefill_chunk (dense: the whole prompt at once), fp8 pages for lcjax-fp8kv and lcjax-fp8,
+  FP8 attention for lcjax-fp8 and lcjax-fp8attn."""
   from lcjax.config import RunConfig
   chunk = S if impl == "dense" else min(prefill_chunk, S)
   ctx = -(-(S + decode_steps + 1) // page_size) * page_size
-  return RunConfig(dtype=dtype, cache_dtype="float8_e4m3fn" if impl == "lcjax-fp8kv" else "auto",
+  return RunConfig(dtype=dtype, cache_dtype="float8_e4m3fn" if impl in ("lcjax-fp8kv", "lcjax-fp8") else "auto",
+                   attention_dtype="float8_e4m3fn" if impl in ("lcjax-fp8", "lcjax-fp8attn") else "auto",
                    page_size=page_size, max_context=ctx, max_batch=1,
                    prefill_chunk=-(-chunk // page_size) * page_size, decode_steps=decode_steps,
                    decode_sync_every=sync_every, attention="dense" if impl == "dense" else attention)
@@ -264,8 +269,8 @@ def orchestrate():
   os.makedirs(FLAGS.out, exist_ok=True)
   rows = []
   for impl in FLAGS.impls:
-    if impl not in ("lcjax", "lcjax-fp8kv", "dense", "hf"):
-      raise app.UsageError(f"unknown impl {impl!r}; choose from lcjax, lcjax-fp8kv, dense, hf")
+    if impl not in IMPLS:
+      raise app.UsageError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
     remaining = FLAGS.time_budget_s - (time.time() - start)
     argv = [sys.executable, os.path.abspath(__file__), f"--worker={impl}", f"--deadline={time.time() + remaining}"]
     argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "decode_sync_every",

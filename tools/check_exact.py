@@ -37,7 +37,8 @@ flags.DEFINE_string("preset", "llama3-8b", "model preset for random weights (ign
 flags.DEFINE_integer("layers", 0, "random weights: use only this many layers (0: all)")
 flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint instead of random weights; 'bundled': SmolLM2")
 flags.DEFINE_list("contexts", ["4096", "131072"], "prompt lengths (tokens)")
-flags.DEFINE_list("caches", ["bfloat16", "float8_e4m3fn"], "KV cache dtypes to check (the first is the base)")
+flags.DEFINE_list("caches", ["bfloat16", "float8_e4m3fn"], "KV cache dtypes to check (the first is the base); "
+                  "a '+fp8attn' suffix adds FP8 attention (attention_dtype=float8_e4m3fn), e.g. bfloat16+fp8attn")
 flags.DEFINE_string("dtype", "bfloat16", "lcjax parameter / activation dtype")
 flags.DEFINE_string("attention", "auto", "lcjax attention backend")
 flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")
@@ -46,6 +47,14 @@ flags.DEFINE_enum("prompt", "random", ["random", "text"], "random ids, or tokeni
 flags.DEFINE_integer("seed", 0, "weights and prompt seed")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "exact", "output file stem")
+
+
+def variant(entry: str) -> dict:
+  """'float8_e4m3fn' -> RunConfig fields; 'bfloat16+fp8attn' adds attention_dtype=float8_e4m3fn."""
+  cache, _, extra = entry.partition("+")
+  if extra not in ("", "fp8attn"):
+    raise app.UsageError(f"--caches entry {entry!r}: the only suffix is +fp8attn")
+  return dict(cache_dtype=cache, attention_dtype="float8_e4m3fn" if extra else "auto")
 
 
 def metrics(got, ref) -> dict:
@@ -89,19 +98,19 @@ def lcjax_side(contexts):
   if FLAGS.checkpoint:
     from lcjax.checkpoint.bundled import bundled_checkpoint
     ckpt = bundled_checkpoint() if FLAGS.checkpoint == "bundled" else FLAGS.checkpoint
-    eng = Engine.load(ckpt, run=RunConfig(**base, cache_dtype=FLAGS.caches[0]))
+    eng = Engine.load(ckpt, run=RunConfig(**base, **variant(FLAGS.caches[0])))
     cfg = eng.cfg
   else:
     cfg = preset(FLAGS.preset)
     cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, ctx),
                               n_layers=FLAGS.layers or cfg.n_layers)
-    eng = Engine.random(cfg, run=RunConfig(**base, cache_dtype=FLAGS.caches[0]), seed=FLAGS.seed)
+    eng = Engine.random(cfg, run=RunConfig(**base, **variant(FLAGS.caches[0])), seed=FLAGS.seed)
   ids = prompts(cfg, eng.tokenizer, contexts)
   got, info = {}, {}
   params, tokenizer = eng.params, eng.tokenizer
   for i, cache in enumerate(FLAGS.caches):
     if i:
-      eng = Engine(cfg, params, run=RunConfig(**base, cache_dtype=cache), tokenizer=tokenizer)
+      eng = Engine(cfg, params, run=RunConfig(**base, **variant(cache)), tokenizer=tokenizer)
     info[cache] = dict(attention=eng.attention.name)
     for S in contexts:
       t = time.perf_counter()

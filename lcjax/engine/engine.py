@@ -90,13 +90,17 @@ class Engine:
     self.run = (run or RunConfig()).for_platform(jax.default_backend())
     self.tokenizer = tokenizer
     self.max_context = self.run.context_for(model_cfg)
-    self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype)
+    self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype,
+                                 attention_dtype=self.run.attention_dtype)
     self.mesh = placement.mesh_for(self.run, mesh)
     self.serving_cfg, self.kv_rep = placement.serving_config(model_cfg, self.run)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
                             cache_dtype=self.run.resolved_cache_dtype, page_size=self.run.page_size)
+    if self.run.attention_dtype != "auto":
+      # FP8 attention changes every layer's output, hence the K/V cached from it.
+      self.fingerprint["attention_dtype"] = self.run.attention_dtype
     self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings)
     self.plan = planlib.plan(model_cfg, self.run)
     self.limits = Limits.of(model_cfg, self.run, self.plan.num_pages)
@@ -369,7 +373,7 @@ class Engine:
 
   def _result(self, r: Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)
-    stats = dict(attention=self.attention.name, dtype=self.run.dtype, cache_dtype=self.run.resolved_cache_dtype,
+    stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype, cache_dtype=self.run.resolved_cache_dtype,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
                  host_cached_tokens=r.from_host,
                  prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import attention as ref
+from lcjax.ops import fp8 as fp8_ops
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -75,27 +76,34 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
   return full, total
 
 
-def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True):
+def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True, scales=None,
+                out_dtype=None):
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
 
+  FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S],
+  scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
   save_lse=False drops the LSE output (only to measure what returning it costs).
   """
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
+  fp8 = scales is not None
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
   dtype = q.dtype
+  out_dtype = out_dtype or dtype
   bq, bkv = tuning.block_q, tuning.block_kv
   mcs = min(tuning.max_concurrent_steps, S // bkv)
   n_tiles = T // (_COMPUTE_WGS * bq)
   c = _LOG2E / math.sqrt(H)
+  p_shift = float(fp8_ops.P_SHIFT) if fp8 else 0.0
 
-  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref, scratch):
-    (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
+  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch):
+    (q_smem2, k_smem, v_smem, lse_smem2, o_smem2, p_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
     b = lax.axis_index("batch")
     head = lax.axis_index("heads")
+    kv_head = lax.div(head, jnp.array(G, head.dtype))
     tile = lax.axis_index("q_seq")
     if tuning.reverse_q:
       tile = n_tiles - 1 - tile
@@ -113,12 +121,16 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     @pl.when(wg < _COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(tuning.compute_regs, action="increase")
-      qo_smem = qo_smem2.at[wg]
+      q_smem = q_smem2.at[wg]
+      o_smem = o_smem2.at[wg] if fp8 else q_smem
       lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
       full, total = _steps(q_base, bq, bkv, db, kb, causal)
+      if fp8:
+        qs_ref, ks_ref, vs_ref = scale_refs
+        c_q = c * qs_ref[b, head, lax.div(q_base, jnp.array(bq, q_base.dtype))]
 
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), head], qo_smem, q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), head], q_smem, q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
 
       m = plgpu.layout_cast(jnp.full((bq,), _M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -134,9 +146,10 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       def step(i, carry, masked: bool):
         acc, m, l = carry
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        c_i = c_q * ks_ref[b, kv_head, i] if fp8 else c
 
         def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
           sched_sync()
           return acc_ref[...]
 
@@ -149,36 +162,57 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           if causal:
             vis = vis & (cols <= rows + db)
           s = jnp.where(vis, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        m_new = jnp.maximum(m, s.max(axis=1) * c_i)
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = jnp.exp2(s * c_i - lax.broadcast_in_dim(m_new - p_shift, s.shape, [0]))
         l = l * alpha
-        p16 = p.astype(dtype)
+        if not fp8:
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p_mma = p.astype(fp8_ops.E4M3 if fp8 else dtype)
 
         def release_tensor_cores():
           plgpu.barrier_arrive(sched)
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_wait(sched)
 
-        if H <= 128:
+        if fp8:
+          # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
+          # float32 accumulator layout to wgmma's 8-bit A layout.
+          l = l + p.sum(axis=1)
+          p_smem = p_smem2.at[wg]
+          p_smem[...] = p_mma
+          plgpu.commit_smem()
+          release_tensor_cores()
+          p_mma = p_smem
+        elif H <= 128:
           # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
           l = l + p.sum(axis=1)
-          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+          acc, l, m_new, p_mma = lax.optimization_barrier((acc, l, m_new, p_mma))
           release_tensor_cores()
         else:
           release_tensor_cores()
           l = l + p.sum(axis=1)
 
+        v_op = v_smem.at[slot].transpose((1, 0)) if fp8 else v_smem.at[slot]
+
         def pv_scope(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_mma, v_op)
           nxt = i + 1
 
           @pl.when(nxt < total)
           def _():
             plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(mcs, nxt.dtype))])
 
-        acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+        if fp8:
+          # Each block's fp8 product starts from zero and is promoted into the float32 accumulator.
+          def pv_fresh(acc_ref):
+            pv_scope(acc_ref)
+            return acc_ref[...]
+
+          pv = pl.run_scoped(pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+        else:
+          acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -197,12 +231,15 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
       seen = l > 0
       l_safe = jnp.where(seen, l, 1.0)
-      acc = acc / lax.broadcast_in_dim(l_safe, (bq, H), [0])
-      qo_smem[...] = acc.astype(dtype)
+      norm = 1.0 / l_safe
+      if fp8:
+        norm = norm * vs_ref[b, kv_head]
+      acc = acc * lax.broadcast_in_dim(norm, (bq, H), [0])
+      o_smem[...] = acc.astype(out_dtype)
       if lse_smem is not None:
-        lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe) - p_shift) * _LN2, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_base, bq), head])
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, pl.ds(q_base, bq), head])
       if lse_smem is not None:
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
@@ -210,12 +247,12 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     @pl.when(wg == _COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(tuning.memory_regs, action="decrease")
-      kv_head = lax.div(head, jnp.array(G, head.dtype))
 
       def issue(i, slot):
-        src = (b, pl.ds(i * bkv, bkv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+        keys = pl.ds(i * bkv, bkv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_bar.at[slot])
+        v_src = v_ref.at[b, kv_head, pl.ds(0, H), keys] if fp8 else v_ref.at[b, keys, kv_head]
+        plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
       for i in range(mcs):
         pl.when(i < max_steps)(functools.partial(issue, i, i))
@@ -227,19 +264,30 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         plgpu.barrier_wait(v_free.at[slot])
         issue(i, slot)
 
-  def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref=None):
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = (plgpu.SMEM((_COMPUTE_WGS, bq, H), dtype, transforms=tiled),
-            plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled),
-            plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled),
-            plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None)
+  def tiled(dt, cols):
+    # Rows of `cols` elements in swizzled chunks of up to 128 bytes (a wgmma's operands share one swizzle).
+    swizzle = min(128, cols * jnp.dtype(dt).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  n_scales = 3 if fp8 else 0
+
+  def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, *refs):
+    scale_refs, (out_ref, *lse) = refs[:n_scales], refs[n_scales:]
+    lse_ref = lse[0] if lse else None
+    v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
+    smem = (plgpu.SMEM((_COMPUTE_WGS, bq, H), dtype, transforms=tiled(dtype, H)),
+            plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled(dtype, H)),
+            plgpu.SMEM(v_tile, dtype, transforms=tiled(dtype, v_tile[-1])),
+            plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
+            plgpu.SMEM((_COMPUTE_WGS, bq, H), out_dtype, transforms=tiled(out_dtype, H)) if fp8 else None,
+            plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=tiled(dtype, bkv)) if fp8 else None)
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
               plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
-    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, out_ref, lse_ref, scratch),
+    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch),
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
-  out_type = [jax.ShapeDtypeStruct((B, T, N, H), dtype)]
+  out_type = [jax.ShapeDtypeStruct((B, T, N, H), out_dtype)]
   if save_lse:
     out_type.append(jax.ShapeDtypeStruct((B, N, T), jnp.float32))
   res = plgpu.kernel(
@@ -250,8 +298,27 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, d, kvl)
+  )(q, k, v, d, kvl, *(scales or ()))
   return tuple(res) if save_lse else (res[0], None)
+
+
+def _padded(q, k, v, d, kv_len, tuning: FlashTuning):
+  """(q, k, v padded to the tile sizes, d [B], kv_len [B]) with the defaults d = S - T, kv_len = S."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if N % K:
+    raise ValueError(f"query heads {N=} are not divisible by kv heads {K=}")
+  d = jnp.full((B,), S - T, jnp.int32) if d is None else jnp.broadcast_to(d, (B,)).astype(jnp.int32)
+  kvl = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, S)
+  rows = _COMPUTE_WGS * tuning.block_q
+  Tp = -(-T // rows) * rows
+  Sp = -(-max(S, 1) // tuning.block_kv) * tuning.block_kv
+  if Tp != T:
+    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  if Sp != S:
+    k = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
+  return q, k, v, d, kvl.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse"))
@@ -262,26 +329,59 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
   d, kv_len: [B] int32 (d defaults to S - T, kv_len to S); requires d >= 0. Ragged T and S are padded to the
   tile sizes (a copy; prefill blocks of 8K+ tokens need none). save_lse=False returns lse None (benchmarks).
   """
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  if N % K:
-    raise ValueError(f"query heads {N=} are not divisible by kv heads {K=}")
+  T, H = q.shape[1], q.shape[3]
   reason = why_not(head_dim=H, dtype=q.dtype)
   if reason:
     raise ValueError(reason)
-  d = jnp.full((B,), S - T, jnp.int32) if d is None else jnp.broadcast_to(d, (B,)).astype(jnp.int32)
-  kvl = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, S)
-  kvl = kvl.astype(jnp.int32)
-  rows = _COMPUTE_WGS * tuning.block_q
-  Tp = -(-T // rows) * rows
-  Sp = -(-max(S, 1) // tuning.block_kv) * tuning.block_kv
-  if Tp != T:
-    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
-  if Sp != S:
-    k = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
+  q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
   out, lse = _flash_call(q, k, v, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse)
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
+
+
+# The FP8 kernel's P @ V operand waits on shared memory: a deeper K/V ring measured 732 -> 754 TFLOP/s at 128K.
+FP8_TUNING = FlashTuning(max_concurrent_steps=4)
+
+
+def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
+  if head_dim not in (64, 128):
+    return f"the FP8 flash kernel is built for head_dim 64 or 128, got {head_dim=}"
+  if tuning.block_kv % 128:
+    return f"the FP8 flash kernel needs block_kv a multiple of 128, got {tuning.block_kv}"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "save_lse", "interpret"))
+def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
+                        incoherent: bool = True, save_lse: bool = True, interpret: bool = False):
+  """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
+  block scales (lcjax.ops.fp8), optionally after the incoherence rotation of q and k; the output has q's dtype and
+  the lse is float32. interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead
+  of running the kernel."""
+  T, H = q.shape[1], q.shape[3]
+  reason = why_not_fp8(head_dim=H, tuning=tuning)
+  if reason:
+    raise ValueError(reason)
+  out_dtype = q.dtype
+  q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
+  (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
+                                                            block_kv=tuning.block_kv, incoherent=incoherent)
+  if interpret:
+    out, lse = fp8_ops.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, block_q=tuning.block_q,
+                                           block_kv=tuning.block_kv)
+    return out[:, :T].astype(out_dtype), lse[:, :T]
+  out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
+                              out_dtype=out_dtype)
+  return out[:, :T], (None if lse is None else lse[:, :T])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse", "out_dtype"))
+def flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
+                     save_lse: bool = True, out_dtype=jnp.bfloat16):
+  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S):
+  (out [B, T, N, H] out_dtype, lse [B, T, N] float32)."""
+  out, lse = _flash_call(q8, k8, v8t, d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
+                         scales=(qs, ks, vs), out_dtype=out_dtype)
+  return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
 
 
 def flash_attention_reference(q, k, v, d=None, kv_len=None, *, causal: bool = True):
@@ -324,11 +424,15 @@ class PallasBackend:
       return reason
     return _on_hopper()
 
+  def _kernel(self, q, k, v, kvl):
+    """kernel(d=None, *, causal): the flash kernel on these operands."""
+    return functools.partial(flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
+
   def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
     B, T, N, H = q.shape
     S = k.shape[1]
     kvl = None if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
-    kernel = functools.partial(flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
+    kernel = self._kernel(q, k, v, kvl)
     if not causal:
       return kernel(causal=False)
     if q_pos is None and k_start is None:
@@ -358,3 +462,38 @@ class PallasBackend:
     from lcjax.ops.cudnn import CudnnBackend
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasFp8Backend(PallasBackend):
+  """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 Q, K, V and P; float32 softmax, accumulators and
+  lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
+  pages) and PallasBackend's decode kernel for decode rows. `incoherent` rotates Q and K before quantization.
+  interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
+  name: str = "pallas-fp8"
+  flash: FlashTuning = FP8_TUNING
+  incoherent: bool = True
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)
+    if reason or self.interpret:
+      return reason
+    return _on_hopper()
+
+  def _kernel(self, q, k, v, kvl):
+    return functools.partial(flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash, incoherent=self.incoherent,
+                             interpret=self.interpret)
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+    B, T, N, H = q.shape
+    K = k_pages.shape[2]
+    if T * (N // K) <= self._decode_tuning().max_rows:
+      return super().paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
+                           v_scale=v_scale, page_offset=page_offset)
+    # A prefill chunk against cached keys: the table's pages gathered into one contiguous block (in the query
+    # dtype) for the FP8 kernel. Slot m * Z + z of the table holds position m * Z + z.
+    M, Z = page_table.shape[1], k_pages.shape[1]
+    table = page_table + page_offset
+    k = ref.gather_pages(k_pages, k_scale, table, q.dtype).reshape(B, M * Z, K, H)
+    v = ref.gather_pages(v_pages, v_scale, table, q.dtype).reshape(B, M * Z, K, H)
+    return self.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros((B,), jnp.int32), kv_len=kv_len, causal=True)

@@ -1,0 +1,145 @@
+"""FP8 (float8_e4m3fn) attention operands: block-scaled quantization, the incoherence rotation, and the exact jnp
+model of the FP8 flash kernel (`lcjax.ops.pallas_flash.flash_attention_fp8`).
+
+Quantization: x is stored as e4m3(x / scale) with scale = absmax / 448 over a block, so the block's largest value
+maps to e4m3's largest finite value. Q gets one scale per (batch, `block_q` rows, head), K one per (batch,
+`block_kv` keys, kv head), V one per (batch, kv head); V is stored transposed, [B, K, H, S], because Hopper's fp8
+tensor-core product wants both operands contiguous along the contracted axis (keys, for P @ V).
+
+Incoherent processing: Q and K are multiplied by the same orthogonal matrix R = D H / sqrt(H) (H a Sylvester
+Hadamard matrix, D a fixed random +-1 diagonal) before quantization. Q R (K R)^T = Q K^T in exact arithmetic; the
+rotation spreads an outlier channel over all channels, so a block's absmax, and with it the quantization step of
+every other value, shrinks.
+
+The kernel, per query block and key block i (m, l, acc start at -1e30, 0, 0):
+  s   = q8 k8_i^T (exact products, float32 sums)      c_i = log2(e) / sqrt(H) * qs * ks_i
+  m'  = max(m, max_j s * c_i)                         p   = exp2(s * c_i - (m' - 8))    (P scaled by 2^8)
+  l   = l * exp2(m - m') + sum_j p                    acc = acc * exp2(m - m') + e4m3(p) v8_i
+  out = acc / l * vs,  lse = (m + log2(l) - 8) * ln 2
+P * 2^8 <= 256 fits e4m3 (max 448) and keeps small probabilities out of its subnormal range. Each key block's
+P @ V product starts from a zero accumulator and is added to `acc` in float32 (the tensor cores' fp8 products
+accumulate with fewer bits than float32). `attention_fp8_model` computes exactly this, block by block.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+P_SHIFT = 8                  # P is quantized as p * 2^P_SHIFT
+_SCALE_FLOOR = 1e-12         # an all-zero block gets this absmax (its values quantize to 0 either way)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_FLOOR = -1e30
+
+
+def _scale(absmax):
+  return jnp.maximum(absmax, _SCALE_FLOOR) / E4M3_MAX
+
+
+def quantize_rows(x, block: int):
+  """x [B, T, N, H] (T % block == 0) -> (x8 [B, T, N, H] e4m3, scale [B, N, T // block] float32), one scale per
+  `block` rows of each head."""
+  B, T, N, H = x.shape
+  if T % block:
+    raise ValueError(f"rows T={T} must be a multiple of block={block}")
+  xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
+  scale = _scale(jnp.max(jnp.abs(xb), axis=(2, 4)))                     # [B, T/block, N]
+  x8 = jnp.clip(xb / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3).reshape(B, T, N, H)
+  return x8, jnp.transpose(scale, (0, 2, 1))
+
+
+def quantize_v_transposed(v):
+  """v [B, S, K, H] -> (v8 transposed [B, K, H, S] e4m3, scale [B, K] float32), one scale per kv head."""
+  vf = v.astype(jnp.float32)
+  scale = _scale(jnp.max(jnp.abs(vf), axis=(1, 3)))                     # [B, K]
+  v8 = jnp.clip(vf / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+  return jnp.transpose(v8, (0, 2, 3, 1)), scale
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_hadamard(head_dim: int, seed: int) -> np.ndarray:
+  if head_dim & (head_dim - 1):
+    raise ValueError(f"the incoherence rotation needs a power-of-two head_dim, got {head_dim}")
+  h = np.ones((1, 1))
+  while h.shape[0] < head_dim:
+    h = np.block([[h, h], [h, -h]])
+  signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=head_dim)
+  return (signs[:, None] * h).astype(np.float32)
+
+
+def rotation(head_dim: int, seed: int = 0) -> jax.Array:
+  """The orthogonal [H, H] matrix D Hadamard / sqrt(H) of incoherent processing (fixed by `seed`)."""
+  return jnp.asarray(_signed_hadamard(head_dim, seed) / math.sqrt(head_dim))
+
+
+def rotate(x, seed: int = 0):
+  """x [..., H] @ rotation(H) as float32. The +-1 matrix is exact in x's dtype, so a bf16 x is rotated on the
+  tensor cores with float32 sums, then scaled by 1 / sqrt(H)."""
+  H = x.shape[-1]
+  signed = jnp.asarray(_signed_hadamard(H, seed), x.dtype)
+  y = jnp.einsum("...h,hg->...g", x, signed, preferred_element_type=jnp.float32,
+                 precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+  return y * (1.0 / math.sqrt(H))
+
+
+def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool):
+  """bf16/float32 q [B, T, N, H], k/v [B, S, K, H] -> the FP8 kernel's operands
+  (q8, qs [B, N, T/block_q]), (k8, ks [B, K, S/block_kv]), (v8t [B, K, H, S], vs [B, K])."""
+  if incoherent:
+    q, k = rotate(q), rotate(k)
+  q8, qs = quantize_rows(q, block_q)
+  k8, ks = quantize_rows(k, block_kv)
+  v8t, vs = quantize_v_transposed(v)
+  return (q8, qs), (k8, ks), (v8t, vs)
+
+
+def attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool, block_q: int, block_kv: int):
+  """The FP8 kernel's arithmetic in jnp (see the module docstring): (out [B, T, N, H] float32, lse [B, T, N]).
+
+  Same masking as the bf16 flash kernel: key j is visible to row i iff j < kv_len[b] and (not causal or
+  j <= i + d[b]). Rows that see no key give out 0 and lse -inf."""
+  B, T, N, H = q8.shape
+  K, S = v8t.shape[1], v8t.shape[3]
+  G = N // K
+  nq, nk = T // block_q, S // block_kv
+  c = _LOG2E / math.sqrt(H)
+  qf = q8.astype(jnp.float32).reshape(B, nq, block_q, K, G, H)
+  cq = (c * qs).reshape(B, K, G, nq)
+  rows = jnp.arange(T, dtype=jnp.int32).reshape(nq, block_q)
+
+  def step(carry, i):
+    m, l, acc = carry                                                    # [B, K, G, nq, bq](, H)
+    kb = lax.dynamic_slice_in_dim(k8, i * block_kv, block_kv, axis=1).astype(jnp.float32)    # [B, bkv, K, H]
+    vb = lax.dynamic_slice_in_dim(v8t, i * block_kv, block_kv, axis=3).astype(jnp.float32)   # [B, K, H, bkv]
+    s = jnp.einsum("bqrkgh,bjkh->bkgqrj", qf, kb, precision=lax.Precision.HIGHEST)
+    ci = cq * lax.dynamic_index_in_dim(ks, i, axis=2, keepdims=False)[:, :, None, None]      # [B, K, G, nq]
+    cols = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    vis = cols[None, None, None, :] < kv_len[:, None, None, None]                           # [B, 1, 1, bkv]
+    if causal:
+      vis = vis & (cols[None, None, None, :] <= rows[None, :, :, None] + d[:, None, None, None])
+    x = jnp.where(vis[:, None, None], s * ci[..., None, None], -jnp.inf)
+    m_new = jnp.maximum(m, x.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(x - (m_new - P_SHIFT)[..., None])
+    l = l * alpha + p.sum(axis=-1)
+    pv = jnp.einsum("bkgqrj,bkhj->bkgqrh", p.astype(E4M3).astype(jnp.float32), vb,
+                    precision=lax.Precision.HIGHEST)
+    return (m_new, l, acc * alpha[..., None] + pv), None
+
+  init = (jnp.full((B, K, G, nq, block_q), _M_FLOOR, jnp.float32), jnp.zeros((B, K, G, nq, block_q), jnp.float32),
+          jnp.zeros((B, K, G, nq, block_q, H), jnp.float32))
+  (m, l, acc), _ = lax.scan(step, init, jnp.arange(nk))
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  out = acc / l_safe[..., None] * vs[:, :, None, None, None, None]
+  lse = jnp.where(seen, (m + jnp.log2(l_safe) - P_SHIFT) * _LN2, -jnp.inf)
+  out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(B, T, N, H)
+  lse = jnp.transpose(lse, (0, 3, 4, 1, 2)).reshape(B, T, N)
+  return out, lse

@@ -1,0 +1,249 @@
+"""FP8 attention: quantization, the kernel's jnp model against independent oracles, backend selection, the engine
+with attention_dtype=float8_e4m3fn against the bf16-path engine. GPU (`-m gpu`): the kernel against its model
+(tight) and against float64 (loose)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.engine.engine import Engine
+from lcjax.ops import attention as ref
+from lcjax.ops import backends
+from lcjax.ops import fp8
+from lcjax.ops import pallas_flash
+
+ON_GPU = jax.default_backend() == "gpu"
+E4M3_EPS = 2.0 ** -4        # half the spacing of e4m3's 3-bit mantissa, relative
+
+
+def _normal(seed, *shape):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def test_quantize_rows_scales_each_block_to_e4m3_range():
+  x = _normal(0, 2, 256, 3, 128) * jnp.arange(1, 3 * 128 + 1, dtype=jnp.float32).reshape(3, 128)
+  x = x.at[1, 70, 2, 5].set(1e4)                                     # an outlier: only its block's scale grows
+  x8, s = fp8.quantize_rows(x, 64)
+  assert x8.dtype == jnp.float8_e4m3fn and s.shape == (2, 3, 4)
+  back = x8.astype(jnp.float32).reshape(2, 4, 64, 3, 128) * jnp.transpose(s, (0, 2, 1))[:, :, None, :, None]
+  back = back.reshape(x.shape)
+  amax = np.abs(np.asarray(x)).reshape(2, 4, 64, 3, 128).max(axis=(2, 4))
+  np.testing.assert_allclose(np.asarray(s), np.transpose(amax, (0, 2, 1)) / 448.0, rtol=1e-6)
+  assert float(jnp.max(jnp.abs(x8.astype(jnp.float32)))) == 448.0
+  # Relative error of a normal e4m3 value, plus the subnormal floor (2^-9 of a scale) for tiny ones.
+  floor = np.repeat(np.asarray(s), 64, axis=2).transpose(0, 2, 1)[..., None] * 2.0 ** -9
+  assert np.all(np.abs(np.asarray(back - x)) <= E4M3_EPS * np.abs(np.asarray(x)) + floor)
+  assert float(s[1, 2, 1]) > 5 * float(s[1, 2, 0])
+
+
+def test_quantize_v_transposed():
+  v = _normal(1, 2, 300, 2, 64)
+  v8t, s = fp8.quantize_v_transposed(v)
+  assert v8t.shape == (2, 2, 64, 300) and s.shape == (2, 2)
+  back = jnp.transpose(v8t.astype(jnp.float32), (0, 3, 1, 2)) * s[:, None, :, None]
+  assert float(jnp.max(jnp.abs(back - v) / (jnp.abs(v) + s[:, None, :, None] * 2.0 ** -6))) <= E4M3_EPS
+
+
+def test_rotation_is_orthogonal_and_keeps_scores():
+  r = np.asarray(fp8.rotation(128))
+  np.testing.assert_allclose(r @ r.T, np.eye(128), atol=1e-6)
+  q, k = _normal(2, 5, 128), _normal(3, 7, 128)
+  np.testing.assert_allclose(fp8.rotate(q) @ fp8.rotate(k).T, q @ k.T, rtol=1e-4, atol=1e-4)
+  qb = q.astype(jnp.bfloat16)
+  np.testing.assert_allclose(fp8.rotate(qb), qb.astype(jnp.float32) @ fp8.rotation(128), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="power-of-two"):
+    fp8.rotation(96)
+
+
+def test_model_single_block_equals_direct_formula():
+  """With one key block the running max is the row max: the model must equal the closed form of its arithmetic
+  (e4m3(p * 2^8) @ v8 / l * vs), computed here without any blockwise loop."""
+  B, T, S, N, K, H = 1, 64, 128, 4, 2, 128
+  q, k, v = _normal(4, B, T, N, H), _normal(5, B, S, K, H), _normal(6, B, S, K, H)
+  (q8, qs), (k8, ks), (v8t, vs) = fp8.quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False)
+  d, kvl = jnp.array([S - T]), jnp.array([S])
+  out, lse = fp8.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=True, block_q=64, block_kv=128)
+
+  qf = np.asarray(q8.astype(jnp.float32), np.float64) * np.asarray(qs)[0, None, :, 0, None]   # [B, T, N, H]
+  kf = np.asarray(k8.astype(jnp.float32), np.float64) * np.asarray(ks)[0, None, :, 0, None]
+  x = np.einsum("btnh,bsnh->bnts", qf, np.repeat(kf, N // K, axis=2)) * math.log2(math.e) / math.sqrt(H)
+  vis = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+  x = np.where(vis, x, -np.inf)
+  m = x.max(-1, keepdims=True)
+  p = np.exp2(x - m + fp8.P_SHIFT)
+  p8 = np.asarray(jnp.asarray(p, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+  v8 = np.repeat(np.transpose(np.asarray(v8t.astype(jnp.float32), np.float64), (0, 3, 1, 2)), N // K, axis=2)
+  want = np.einsum("bnts,bsnh->btnh", p8, v8) / p.sum(-1).transpose(0, 2, 1)[..., None]
+  want = want * np.repeat(np.asarray(vs), N // K, axis=1)[:, None, :, None]
+  np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6)
+  want_lse = (m[..., 0] + np.log2(p.sum(-1)) - fp8.P_SHIFT) * math.log(2)
+  np.testing.assert_allclose(np.asarray(lse), want_lse.transpose(0, 2, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("incoherent", [False, True])
+def test_fp8_attention_close_to_float32(incoherent):
+  """Blockwise with masks: offsets, a short kv_len, GQA, ragged T and S (padded), against the float32 reference;
+  a row that sees no key gives out 0 and lse -inf as the bf16 kernel does."""
+  B, T, S, N, K, H = 2, 200, 330, 4, 2, 128
+  q, k, v = _normal(7, B, T, N, H), _normal(8, B, S, K, H), _normal(9, B, S, K, H)
+  d, kvl = jnp.array([S - T, -3]), jnp.array([S, 250])
+  out, lse = pallas_flash.flash_attention_fp8(q, k, v, d, kvl, incoherent=incoherent, interpret=True)
+  rows = np.arange(T)
+  q_pos = jnp.asarray(np.stack([rows + S - T, rows - 3]), jnp.int32)
+  want_o, want_l = ref.attention_reference(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
+  seen = np.isfinite(np.asarray(want_l))
+  assert not seen[1, :3].any() and seen[1, 3:].all()
+  np.testing.assert_array_equal(np.asarray(out)[1, :3], 0.0)
+  assert np.all(np.asarray(lse)[~seen] == -np.inf)
+  rmse = float(jnp.sqrt(jnp.mean((out - want_o) ** 2)))
+  rms = float(jnp.sqrt(jnp.mean(want_o ** 2)))
+  assert rmse < 0.06 * rms, (rmse, rms)
+  assert float(np.max(np.abs(np.asarray(lse)[seen] - np.asarray(want_l)[seen]))) < 0.08
+
+
+def test_incoherence_rotation_lowers_error_on_outliers():
+  """FA3's outlier inputs (N(0,1) + N(0,100) * Bernoulli(0.001)): rotating Q and K spreads each outlier over the
+  head dim, which shrinks the quantization step of the other values in its block."""
+  B, T, N, K, H = 1, 512, 2, 1, 128
+  keys = jax.random.split(jax.random.key(10), 3)
+
+  def outliers(key, shape):
+    kn, ko, kb = jax.random.split(key, 3)
+    return (jax.random.normal(kn, shape) + 10.0 * jax.random.normal(ko, shape)
+            * jax.random.bernoulli(kb, 0.001, shape))
+
+  q = outliers(keys[0], (B, T, N, H))
+  k = outliers(keys[1], (B, T, K, H))
+  v = outliers(keys[2], (B, T, K, H))
+  want, _ = ref.attention_reference(q, k, v, causal=True)
+  err = {}
+  for inc in (False, True):
+    out, _ = pallas_flash.flash_attention_fp8(q, k, v, incoherent=inc, interpret=True)
+    err[inc] = float(jnp.sqrt(jnp.mean((out - want) ** 2)))
+  assert err[True] < err[False], err
+
+
+# ---------------------------------------------------------------- selection
+def test_fp8_backend_selection(caplog):
+  with caplog.at_level(logging.WARNING):
+    be = backends.get_backend("auto", head_dim=128, attention_dtype="float8_e4m3fn")
+  if not ON_GPU:
+    assert be.name == "pallas-fp8-model" and be.interpret
+    assert "jnp model" in caplog.text
+  assert isinstance(be, pallas_flash.PallasFp8Backend)
+  with pytest.raises(ValueError, match="runs on the pallas backend, not attention='cudnn'"):
+    backends.get_backend("cudnn", attention_dtype="float8_e4m3fn")
+  with pytest.raises(ValueError, match="head_dim=96"):
+    backends.get_backend("pallas", head_dim=96, attention_dtype="float8_e4m3fn")
+  with pytest.raises(ValueError, match="attention_dtype='int8'"):
+    backends.get_backend("auto", attention_dtype="int8")
+  with pytest.raises(ConfigError, match="attention_dtype='bf8'"):
+    RunConfig(attention_dtype="bf8")
+  with pytest.raises(ConfigError, match="not attention='reference'"):
+    RunConfig(attention="reference", attention_dtype="float8_e4m3fn")
+
+
+def test_fp8_backend_runs_the_fp8_path_not_the_reference(monkeypatch):
+  """attend() of an unmasked-position causal block must reach the FP8 model (kernel path), never the jnp reference."""
+  calls = []
+  model = fp8.attention_fp8_model
+  monkeypatch.setattr(fp8, "attention_fp8_model", lambda *a, **kw: calls.append(1) or model(*a, **kw))
+
+  def boom(*a, **kw):
+    raise AssertionError("the FP8 backend fell back to the reference")
+
+  monkeypatch.setattr(ref, "attention_reference", boom)
+  be = pallas_flash.PallasFp8Backend(interpret=True)
+  q, k, v = _normal(11, 1, 128, 2, 128), _normal(12, 1, 128, 1, 128), _normal(13, 1, 128, 1, 128)
+  out, lse = be.attend(q, k, v, causal=True)
+  assert calls and out.shape == q.shape and lse.shape == (1, 128, 2)
+
+
+# ---------------------------------------------------------------- engine
+TINY128 = ModelConfig("tiny128", vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128,
+                      ffn_dim=256, rope_theta=10000.0, max_position=512, eos_ids=())
+
+
+def test_engine_fp8_attention_matches_bf16_path_greedy():
+  """40 greedy tokens after a 300-token prompt prefilled in chunks (the chunk's self-attention is FP8; the cached
+  prefix goes through the paged path): the same tokens as the engine without FP8 attention."""
+  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
+  prompt = [int(t) for t in np.random.default_rng(1).integers(3, 256, 300)]
+  base = Engine.random(TINY128, run=run, seed=5)
+  eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5)
+  assert eng.attention.name == "pallas-fp8-model"
+  want = base.generate([prompt], max_new_tokens=40)[0]
+  got = eng.generate([prompt], max_new_tokens=40)[0]
+  assert got.stats["attention"] == "pallas-fp8-model" and got.stats["attention_dtype"] == "float8_e4m3fn"
+  assert got.token_ids == want.token_ids
+  assert eng.fingerprint != base.fingerprint
+
+
+@pytest.mark.parametrize("H", [128, 64])
+def test_fp8_kernel_lowers_for_cuda(H):
+  """The FP8 Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (wgmma operand checks,
+  layouts and shared-memory transfers are all decided here)."""
+  sd = lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  f = jax.jit(functools.partial(pallas_flash.flash_attention_fp8, causal=True))
+  lowered = f.trace(sd((1, 256, 8, H)), sd((1, 384, 2, H)), sd((1, 384, 2, H))).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---------------------------------------------------------------- GPU
+GPU_CASES = [  # T, S, N, K, H, causal, d, kv_len
+    (1024, 1024, 4, 2, 128, True, None, None),
+    (384, 1920, 8, 2, 128, True, (1536, 700), (1920, 1700)),
+    (512, 700, 4, 4, 128, False, None, (700, 300)),
+    (1024, 1024, 4, 1, 64, True, None, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("T,S,N,K,H,causal,d,kv_len", GPU_CASES)
+def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len):
+  B = 2
+  q, k, v = (x.astype(jnp.bfloat16) for x in (_normal(20, B, T, N, H), _normal(21, B, S, K, H),
+                                               _normal(22, B, S, K, H)))
+  d = None if d is None else jnp.array(d, jnp.int32)
+  kvl = None if kv_len is None else jnp.array(kv_len, jnp.int32)
+  run = functools.partial(pallas_flash.flash_attention_fp8, q, k, v, d, kvl, causal=causal)
+  out, lse = run()
+  m_out, m_lse = run(interpret=True)
+  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  seen = np.isfinite(np.asarray(m_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+  # Against its model: bf16 output rounding plus rare one-step e4m3 flips of P (exp2 approximations differ).
+  diff = np.abs(np.asarray(out, np.float32) - np.asarray(m_out, np.float32))
+  assert diff.max() < 0.03 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+  np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], atol=2e-3)
+  # Against float32 attention: the quantization error (reported by tools/bench_attention.py).
+  dd = jnp.full((B,), S - T, jnp.int32) if d is None else d
+  q_pos = dd[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  want, _ = ref.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                    q_pos=q_pos, kv_len=kvl, causal=causal)
+  rel = float(jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+  assert rel < 0.06, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+def test_fp8_engine_gpu():
+  """The GPU engine with FP8 attention picks the kernel, not the model, and agrees with bf16 attention."""
+  run = RunConfig(page_size=64, prefill_chunk=1024, max_context=4096, max_batch=1, decode_steps=8)
+  prompt = [int(t) for t in np.random.default_rng(2).integers(3, 256, 2500)]
+  cfg = dataclasses.replace(TINY128, max_position=4096)
+  base = Engine.random(cfg, run=run, seed=5)
+  eng = Engine.random(cfg, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5)
+  assert eng.attention.name == "pallas-fp8" and not eng.attention.interpret
+  want = base.generate([prompt], max_new_tokens=20)[0]
+  got = eng.generate([prompt], max_new_tokens=20)[0]
+  assert got.token_ids[:5] == want.token_ids[:5]

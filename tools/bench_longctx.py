@@ -59,8 +59,10 @@ GiB = 1024 ** 3
 def _model_cfg():
   from lcjax.config import preset
   cfg = preset(FLAGS.preset)
-  # Random weights: no token is special, so every run decodes exactly decode_steps tokens.
-  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, max(map(int, FLAGS.contexts))))
+  # Random weights: no token is special, so every run decodes exactly decode_steps tokens; and no context was
+  # trained, so the longest run (prompt, decode steps, a page of rounding) sets max_position.
+  longest = max(map(int, FLAGS.contexts)) + FLAGS.decode_steps + 1 + FLAGS.page_size
+  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, longest))
   if FLAGS.layers:
     cfg = dataclasses.replace(cfg, n_layers=FLAGS.layers)
   return cfg

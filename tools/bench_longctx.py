@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import os
 import sys
 import time
@@ -218,7 +219,7 @@ def markdown(rows) -> str:
 
 
 def orchestrate():
-  from lcjax import plot   # noqa: F401 - needs matplotlib: refuse before any worker runs, not after
+  importlib.import_module("lcjax.plot")   # needs matplotlib: refuse before any worker runs, not after
   start = time.time()
   os.makedirs(FLAGS.out, exist_ok=True)
   rows = []

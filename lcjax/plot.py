@@ -1,7 +1,7 @@
 """Figures of memory, prefill time and decode time against context length.
 
     from lcjax import plot
-    plot.overview("benchmarks/results/longctx-h200.json")          # the three figures side by side
+    plot.overview("benchmarks/results/longctx-h200.json")          # memory, prefill and decode side by side
     fig = plot.memory_figure("benchmarks/results/longctx-h200.json")
     plot.prefill_figure([engine.generate(p, max_new_tokens=8) for p in prompts], label="my run")
     plot.save_figures(result, "out/longctx")                       # out/longctx-memory.png, -prefill.png
@@ -149,11 +149,12 @@ def _draw(res: Results, kind: str, ax, device_gib_: float | None) -> None:
     cpu = (" (GenerationResults on a CPU have no device memory counter)"
            if key == "peak_gib" and all("peak_gib" in r and r["peak_gib"] is None for r in rows) else "")
     raise ValueError(f"{res.source}: no row has {what}: nothing to draw the {kind} figure from{cpu}")
-  series = sorted({_series(r) for r in rows})
-  for name in series:
+  ys = [y for _, y in planned]
+  for name in sorted({_series(r) for r in rows}):
     mine = sorted((r for r in rows if _series(r) == name), key=lambda r: r["S"])
     pts = [(r["S"], _value(r, key)) for r in mine if not r.get("oom") and _value(r, key) is not None]
     color = "gray"
+    ys += [y for _, y in pts]
     if pts:
       hollow = all(r.get("predicted") for r in mine)
       line, = ax.plot(*zip(*pts), marker="o", label=name,
@@ -170,8 +171,11 @@ def _draw(res: Results, kind: str, ax, device_gib_: float | None) -> None:
     ax.axhline(device_gib_, color="red", linewidth=1, label=f"device memory {device_gib_:.0f} GiB")
   ax.set_xscale("log", base=2)
   ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
-  if kind != "memory":
+  if kind != "memory" and min(ys) > 0 and max(ys) / min(ys) > 20:   # times over decades: a log scale
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _pos: f"{y:g}"))
+  else:
+    ax.set_ylim(bottom=0)
   ax.set_xlabel("context length (tokens)")
   ax.set_ylabel(ylabel)
   if res.title:
@@ -205,22 +209,31 @@ def decode_figure(source, *, ax=None, label: str = "lcjax"):
   return _figure(source, "decode", ax=ax, label=label)
 
 
+def _has(res: Results, kind: str) -> bool:
+  key = KINDS[kind][0]
+  return any(_value(r, key) is not None or (kind == "memory" and _number(r.get("planned_gib")) is not None)
+             for r in res.rows)
+
+
 def overview(source, *, label: str = "lcjax", device_gib: float | None = None):
-  """Memory, prefill and decode side by side (decode only where the rows have it). Returns the Figure."""
+  """Memory, prefill and decode side by side, each where the rows have it (GenerationResults on a CPU have no
+  device memory). Returns the Figure."""
   import matplotlib.pyplot as plt
   res = load(source, label=label)
-  kinds = ["memory", "prefill"] + (["decode"] if any(_value(r, "decode_ms_per_token") is not None
-                                                     for r in res.rows) else [])
-  fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), layout="tight")
-  for kind, ax in zip(kinds, axes):
+  kinds = [k for k in KINDS if _has(res, k)]
+  if not kinds:
+    raise ValueError(f"{res.source}: no row has 'peak_gib', 'planned_gib', 'prefill_s' or 'decode_ms_per_token': "
+                     "nothing to draw")
+  fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), layout="tight", squeeze=False)
+  for kind, ax in zip(kinds, axes[0]):
     _draw(res, kind, ax, device_gib if device_gib is not None else res.device_gib)
   return fig
 
 
 def save_figures(source, path_stem: str, *, kinds=("memory", "prefill"), device_gib: float | None = None,
                  dpi: int = 110) -> list[str]:
-  """Write `path_stem`-{memory,prefill,decode}.png for `kinds`, without pyplot (no display needed); returns the
-  paths. Every figure is drawn before any file is written, so bad input writes nothing."""
+  """Write `path_stem`-{memory,prefill,decode}.png for `kinds` (making the folder), without pyplot (no display
+  needed); returns the paths. Every figure is drawn before any file is written, so bad input writes nothing."""
   unknown = sorted(set(kinds) - set(KINDS))
   if unknown:
     raise ValueError(f"unknown figure kind(s) {unknown}; choose from {sorted(KINDS)}")
@@ -230,6 +243,7 @@ def save_figures(source, path_stem: str, *, kinds=("memory", "prefill"), device_
     fig = matplotlib.figure.Figure(figsize=(7, 4.5), layout="tight")
     _draw(res, kind, fig.add_subplot(), device_gib if device_gib is not None else res.device_gib)
     figs.append((fig, f"{path_stem}-{KINDS[kind][2]}.png"))
+  os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
   for fig, path in figs:
     fig.savefig(path, dpi=dpi)
   return [p for _, p in figs]

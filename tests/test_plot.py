@@ -60,6 +60,8 @@ def test_figures_plot_the_committed_h200_rows(kind, key):
   assert all(s != 32768 for s, _ in lines["dense"])
   ax = fig.axes[0]
   assert ax.get_xscale() == "log" and ax.get_title() == "llama3-8b, NVIDIA H200"
+  # Times spanning decades (0.22 s to 537 s of prefill) get a log scale; memory stays linear.
+  assert ax.get_yscale() == ("linear" if kind == "memory" else "log")
   if kind == "memory":
     assert lines["lcjax planned"] == [(r["S"], r["planned_gib"]) for r in res["rows"] if r["impl"] == "lcjax"]
     (dev,) = [v for k, v in lines.items() if k.startswith("device memory")]
@@ -74,10 +76,10 @@ def test_figures_plot_the_committed_h200_rows(kind, key):
 def test_rows_of_several_meshes_are_separate_lines():
   res = json.load(open(MULTI))
   lines = _lines(plot.prefill_figure(MULTI, ax=_new_ax()))
+  mesh = lambda t, s: sorted((r["S"], r["prefill_s"]) for r in res["rows"] if (r["tensor"], r["seq"]) == (t, s))
   for t, s in ((2, 4), (4, 2), (8, 1)):
-    want = sorted((r["S"], r["prefill_s"]) for r in res["rows"] if (r["tensor"], r["seq"]) == (t, s))
-    assert lines[f"lcjax (tensor={t}, seq={s})"] == want
-  assert lines["lcjax"] == sorted((r["S"], r["prefill_s"]) for r in res["rows"] if (r["tensor"], r["seq"]) == (1, 1))
+    assert lines[f"lcjax (tensor={t}, seq={s})"] == mesh(t, s)
+  assert lines["lcjax"] == mesh(1, 1)
 
 
 def _result(prompt_tokens, prefill_s, decode_ms, peak):
@@ -90,8 +92,9 @@ def test_figures_from_generation_results():
   gib = 1024 ** 3
   results = [_result(4096, 2.0, 11.0, 3 * gib), _result(1024, 0.5, 10.0, 2 * gib),
              _result(2048, 1.0, float("nan"), int(2.5 * gib))]
-  assert _lines(plot.prefill_figure(results, ax=_new_ax(), label="mine"))["mine"] == [
-      (1024, 0.5), (2048, 1.0), (4096, 2.0)]
+  fig = plot.prefill_figure(results, ax=_new_ax(), label="mine")
+  assert _lines(fig)["mine"] == [(1024, 0.5), (2048, 1.0), (4096, 2.0)]
+  assert fig.axes[0].get_yscale() == "linear"      # within a decade
   assert _lines(plot.memory_figure(results, ax=_new_ax()))["lcjax"] == [(1024, 2.0), (2048, 2.5), (4096, 3.0)]
   # A result with one new token has no decode time (NaN): no point for it.
   assert _lines(plot.decode_figure(results, ax=_new_ax()))["lcjax"] == [(1024, 10.0), (4096, 11.0)]
@@ -112,15 +115,19 @@ def test_overview_and_pyplot_figures():
   fig = plot.memory_figure(LONGCTX)
   assert isinstance(fig, matplotlib.figure.Figure) and len(fig.axes) == 1
   plt.close(fig)
-  # Rows without decode times give two panels.
-  rows = [dict(impl="a", S=1024, prefill_s=1.0, peak_gib=2.0)]
-  fig = plot.overview(rows)
-  assert len(fig.axes) == 2
+  # Panels for what the rows have: no decode times here, no device memory on a CPU.
+  fig = plot.overview([dict(impl="a", S=1024, prefill_s=1.0, peak_gib=2.0)])
+  assert [ax.get_ylabel() for ax in fig.axes] == ["peak device memory (GiB)", "prefill time (s)"]
   plt.close(fig)
+  fig = plot.overview([_result(1024, 0.5, 10.0, None)])
+  assert [ax.get_ylabel() for ax in fig.axes] == ["prefill time (s)", "decode time (ms/token)"]
+  plt.close(fig)
+  with pytest.raises(ValueError, match="nothing to draw"):
+    plot.overview([dict(impl="a", S=1024)])
 
 
 def test_save_figures_writes_pngs(tmp_path):
-  paths = plot.save_figures(LONGCTX, str(tmp_path / "lc"), kinds=("memory", "prefill", "decode"))
+  paths = plot.save_figures(LONGCTX, str(tmp_path / "new" / "lc"), kinds=("memory", "prefill", "decode"))
   assert [os.path.basename(p) for p in paths] == ["lc-memory.png", "lc-prefill.png", "lc-decode.png"]
   assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
 

@@ -6,10 +6,8 @@ import json
 import os
 import sys
 
-import pytest
-
-nbclient = pytest.importorskip("nbclient")
-nbformat = pytest.importorskip("nbformat")
+import nbclient
+import nbformat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
@@ -36,7 +34,6 @@ def _kernel_spec(path) -> None:
 
 
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-  pytest.importorskip("ipykernel")
   _kernel_spec(tmp_path / "jupyter")
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   # The kernel imports this checkout's lcjax on one CPU device, as the other tools' tests run.

@@ -9,10 +9,11 @@
 A source is a benchmark result (a JSON file written by tools/bench_longctx.py or benchmarks/merge_longctx.py, or
 the same object as a dict: {"device": ..., "rows": [...]}), a list of its rows ({"impl", "S", "prefill_s",
 "decode_ms_per_token", "peak_gib", ...}), or a list of `GenerationResult`s (or their `stats` dicts as a
-`{"stats": ...}` mapping), whose context is the prompt's tokens, cached ones included, and whose memory is the
-peak device memory (none on a CPU). One line per implementation (`impl`, with the mesh when a row ran on several
-devices); a row marked `predicted` is drawn with hollow markers and, without a measured peak, at its planned
-memory; the first context an implementation ran out of memory at is a dotted vertical line.
+`{"stats": ...}` mapping), whose context is the prompt's tokens, cached ones included (its prefill time covers
+the tokens it prefilled: `stats["prefill_tokens"]`), and whose memory is the peak device memory (none on a CPU).
+One line per implementation (`impl`, with the mesh when a row ran on several devices); a row marked `predicted` is
+drawn with hollow markers and, without a measured peak, at its planned memory; the first context an
+implementation ran out of memory at is a dotted vertical line.
 
 Needs matplotlib: `pip install 'lcjax[plot]'`.
 """
@@ -85,6 +86,8 @@ def _as_row(item, i: int, label: str, source: str) -> dict:
   if missing:
     raise ValueError(f"{where} has no {' and no '.join(map(repr, missing))} (a benchmark row names its "
                      f"implementation 'impl' and context length 'S'; it has {sorted(item)[:8]})")
+  if isinstance(item["S"], bool) or not isinstance(item["S"], (int, float)):
+    raise ValueError(f"{where}: 'S' (the context length) is {item['S']!r}, not a number")
   return item
 
 

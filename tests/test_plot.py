@@ -152,6 +152,7 @@ def test_bad_input_is_one_line_naming_what_is_missing(tmp_path):
   no_s.write_text(json.dumps(dict(rows=[dict(impl="lcjax", S=8, prefill_s=1.0), dict(impl="lcjax", ctx=16)])))
   assert "row 1 has no 'S'" in _one_line_error(str(no_s), "no 'S'", "prefill")
   _one_line_error([dict(S=8, prefill_s=1.0)], "row 0 has no 'impl'", "prefill")
+  _one_line_error([dict(impl="a", S="8K", prefill_s=1.0)], r"row 0: 'S' \(the context length\) is '8K'", "prefill")
   # A committed file of another benchmark (kernel timings: no prefill seconds, no peak memory).
   attention = os.path.join(REPO, "benchmarks", "results", "attention-h200.json")
   _one_line_error(attention, r"no row has 'prefill_s': nothing to draw the prefill figure", "prefill")

@@ -18,7 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from lcjax.config import preset  # noqa: E402
 from lcjax.engine import plan as planlib  # noqa: E402
-from tools.bench_longctx import IMPLIED_OOM, markdown, plot, run_config  # noqa: E402
+from lcjax import plot  # noqa: E402
+from tools.bench_longctx import IMPLIED_OOM, markdown, run_config  # noqa: E402
 
 RES = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "benchmarks", "results")
 GiB = 1024 ** 3
@@ -146,8 +147,7 @@ def main():
   lines += ["", "Predicted row: " + next(r for r in rows if r.get("predicted"))["method"] + "."]
   with open(os.path.join(RES, "longctx-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  device_gib = float(first["device"].split(",")[1].split()[0]) / 1024
-  plot(rows, os.path.join(RES, "longctx-h200"), device_gib)
+  plot.save_figures(result, os.path.join(RES, "longctx-h200"))
   print("\n".join(lines))
 
 

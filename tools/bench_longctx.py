@@ -7,7 +7,8 @@ Rows (one per implementation and context): prefill seconds and effective TFLOP/s
 memory (lcjax: `memory_stats()["peak_bytes_in_use"]`; hf: `torch.cuda.max_memory_allocated`), the memory
 planner's estimate (lcjax rows), and `oom` where the implementation ran out of memory. Contexts run in
 increasing order in one process per implementation, so the process-wide peak of a context is its own (each
-context needs more than the one before). Writes JSON, a markdown table and PNG plots.
+context needs more than the one before). Writes JSON, a markdown table and PNG plots
+(lcjax.plot: memory and prefill time against context).
 
 Implementations:
   lcjax        chunked paged prefill + on-device decode, the `auto` attention backend
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import os
 import sys
 import time
@@ -223,50 +225,8 @@ def markdown(rows) -> str:
   return "\n".join(lines)
 
 
-def plot(rows, path_stem, device_gib=None):
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib missing: no plots", file=sys.stderr)
-    return []
-  impls = sorted({r["impl"] for r in rows})
-  paths = []
-  for key, ylabel, fname in (("peak_gib", "peak device memory (GiB)", "memory"),
-                             ("prefill_s", "prefill time (s)", "prefill")):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl in impls:
-      # A predicted row (a planner extrapolation) shows its planned memory, with a hollow marker.
-      val = lambda r: r.get(key) if r.get(key) is not None or not r.get("predicted") else r.get("planned_gib")
-      pts = [(r["S"], val(r)) for r in rows if r["impl"] == impl and val(r) is not None]
-      if pts:
-        hollow = all(r.get("predicted") for r in rows if r["impl"] == impl)
-        ax.plot(*zip(*pts), marker="o", label=impl, **(dict(markerfacecolor="none", markersize=9) if hollow else {}))
-      ooms = [r["S"] for r in rows if r["impl"] == impl and r.get("oom")]
-      if ooms:
-        ax.axvline(min(ooms), linestyle=":", alpha=0.6)
-        ax.annotate(f"{impl} OOM", (min(ooms), ax.get_ylim()[1] * 0.9), rotation=90, fontsize=8)
-    if key == "peak_gib":
-      planned = [(r["S"], r["planned_gib"]) for r in rows if r["impl"] == "lcjax" and r.get("planned_gib")]
-      if planned:
-        ax.plot(*zip(*planned), linestyle="--", color="gray", label="lcjax planned")
-      if device_gib:
-        ax.axhline(device_gib, color="red", linewidth=1, label=f"device memory {device_gib:.0f} GiB")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = f"{path_stem}-{fname}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
-  return paths
-
-
 def orchestrate():
+  importlib.import_module("lcjax.plot")   # needs matplotlib: refuse before any worker runs, not after
   start = time.time()
   os.makedirs(FLAGS.out, exist_ok=True)
   rows = []
@@ -298,12 +258,8 @@ def write_results(rows):
       model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype, decode_steps=FLAGS.decode_steps,
                  decode_sync_every=FLAGS.decode_sync_every, prefill_chunk=FLAGS.prefill_chunk,
                  page_size=FLAGS.page_size, attention=FLAGS.attention))
-  device_gib = None
-  try:
-    device_gib = float(result["device"].split(",")[1].split()[0]) / 1024
-  except (IndexError, ValueError):
-    pass
-  plot(rows, os.path.join(FLAGS.out, FLAGS.name), device_gib)
+  from lcjax import plot
+  plot.save_figures(result, os.path.join(FLAGS.out, FLAGS.name))
   return table
 
 

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~45 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~58 min in all)
 #
-# Steps (each fits one 10-minute GPU session; the wall time it took on the H200 is noted):
+# Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
 #   longctx     benchmarks/results/longctx-h200-{w,v,q,o-8layers,j}.* and their merge longctx-h200.*, lcjax
 #               beside HF and the dense baseline                                                    ~5+5+8+5+4 min
 #   exact       benchmarks/results/exact-llama3-8b-h200.*           vs a float32 HF oracle           ~6 min
 #   l70b        benchmarks/results/l70b-8layers-h200.*              70B shape, 8 of 80 layers        ~2 min
 #   context     benchmarks/results/context-h200-128k.*, -512k-fp8.* the context cache                ~3 + 5 min
+#   fp8         benchmarks/results/attention-fp8-h200.*, fp8-quality.*, exact-fp8-llama3-8b-h200.*,
+#               longctx-fp8-{128k,512k}-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF  ~2 + 1 + 2.5 + 4 + 3 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
 # FA3 is optional in the attention step).
 set -euo pipefail
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -46,7 +48,17 @@ for step in "${steps[@]}"; do
       python3 tools/bench_context.py --contexts=131072 --out="$OUT" --name=context-h200-128k
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \
         --cache_dtype=float8_e4m3fn --check_cold=false --out="$OUT" --name=context-h200-512k-fp8 ;;
+    fp8)
+      python3 tools/bench_attention.py --prefill=8192,32768,131072 --decode= --only=fp8,lcjax-pallas,cudnn-public,fa3 \
+        --skip=nolse,lse --reps=3 --stall_s=60 --out="$OUT" --name=attention-fp8-h200
+      python3 tools/check_fp8.py --contexts=8192,32768 --out="$OUT"
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 \
+        --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --out="$OUT" --name=exact-fp8-llama3-8b-h200
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8attn,lcjax-fp8,hf --contexts=131072 --decode_steps=32 \
+        --time_budget_s=200 --out="$OUT" --name=longctx-fp8-128k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
+        --decode_steps=32 --time_budget_s=280 --out="$OUT" --name=longctx-fp8-512k-h200 ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8" >&2; exit 2 ;;
   esac
 done

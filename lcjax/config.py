@@ -192,6 +192,8 @@ class RunConfig:
   max_batch: int = 4                 # sequences decoded together
   prefill_chunk: int = 2048          # tokens per prefill chunk (activation memory is bounded by this)
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
+  stream_decode_steps: int = 0       # decode tokens per device call of generate_stream, i.e. the most tokens one
+                                     # yield carries (0: decode_steps; 1: every token as soon as it is sampled)
   decode_sync_every: int = 1         # decode steps between host checks for EOS: N > 1 saves a device-to-host
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).
@@ -205,6 +207,10 @@ class RunConfig:
   tensor: int = 1                    # mesh axis sizes
   seq: int = 1
   sp_mode: str = "ring"              # ring (zigzag layout) | ring-plain (contiguous blocks) | ulysses
+  compile_cache: str = "auto"        # JAX's persistent compilation cache, so a second start does not compile
+                                     # again: "auto" (JAX's own JAX_COMPILATION_CACHE_DIR or
+                                     # JAX_ENABLE_COMPILATION_CACHE=false where set, else
+                                     # <user cache>/jax-compile), "off", or a directory
 
   def __post_init__(self):
     if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
@@ -215,6 +221,10 @@ class RunConfig:
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    if self.stream_decode_steps < 0:
+      raise ConfigError(f"stream_decode_steps={self.stream_decode_steps} must be >= 0 (0: decode_steps)")
+    if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
+      raise ConfigError(f"compile_cache={self.compile_cache!r} must be 'auto', 'off' or a directory")
     if not self.host_cache_gib >= 0:
       raise ConfigError(f"host_cache_gib={self.host_cache_gib} must be >= 0")
     if self.prefill_chunk % self.page_size:
@@ -241,6 +251,11 @@ class RunConfig:
     if self.dtype == "auto" and self.cache_dtype == "auto":
       raise ConfigError("dtype='auto' is not resolved yet: call RunConfig.for_platform first")
     return self.dtype if self.cache_dtype == "auto" else self.cache_dtype
+
+  @property
+  def stream_steps(self) -> int:
+    """Decode tokens per device call of a stream."""
+    return self.stream_decode_steps or self.decode_steps
 
   def context_for(self, model: ModelConfig) -> int:
     return self.max_context or model.max_position

@@ -50,9 +50,9 @@ def _watch(eng, monkeypatch):
   seen = {"live": [], "pages": []}
   decode, admit = eng.scheduler.decode_call, eng.scheduler.admit
 
-  def decode_call(live):
+  def decode_call(live, **kw):
     seen["live"].append(sum(r is not None for r in live))
-    return decode(live)
+    return decode(live, **kw)
 
   def admit_one(r):
     ok = admit(r)

@@ -141,7 +141,7 @@ def test_interrupted_generation_frees_pages(eng, monkeypatch):
   calls = {"n": 0}
   real = eng.scheduler.decode_call
 
-  def interrupt(live):
+  def interrupt(live, **kw):
     calls["n"] += 1
     raise KeyboardInterrupt
   monkeypatch.setattr(eng.scheduler, "decode_call", interrupt)

@@ -84,3 +84,30 @@ def test_bench_longctx_rows_and_plots(tmp_path):
   assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
   assert rows["lcjax"]["planned_gib"] > 0 and rows["dense"]["planned_gib"] is None
   assert (tmp_path / "lc-memory.png").stat().st_size > 0 and (tmp_path / "lc-prefill.png").stat().st_size > 0
+
+
+def test_bench_startup_cold_then_warm_cache(tmp_path):
+  """Two fresh CLI starts on one cache directory: the first compiles every program and writes it, the second
+  reads every one back (the CLI's own count, parsed from its stats table)."""
+  # A named directory is used although the suite's processes run with JAX_ENABLE_COMPILATION_CACHE=false.
+  _run("bench_startup.py", "--preset=tiny", "--modes=on", "--prompt_tokens=40", "--max_new_tokens=2",
+       f"--cache_dir={tmp_path / 'cache'}", f"--out={tmp_path}", "--name=st")
+  rows = {r["mode"]: r for r in json.load(open(tmp_path / "st.json"))["rows"]}
+  cold, warm = rows["on, cold"], rows["on, warm"]
+  n = cold["programs_compiled_through_cache"]
+  assert n > 0 and cold["programs_read"] == 0 and cold["cache_files"] >= n
+  assert warm["programs_read"] == warm["programs_compiled_through_cache"] == n
+  assert all(r["wall_s"] > 0 and r["warmup_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
+  assert "| on, warm |" in (tmp_path / "st.md").read_text()
+
+
+def test_bench_stream_rows(tmp_path):
+  """Per-token decode cost of each number of decode steps per call, on a pinned context (every token generated:
+  random weights have no EOS)."""
+  _run("bench_stream.py", "--preset=tiny", "--contexts=100", "--tokens=9", "--steps=4,1", "--repeats=1",
+       "--prefill_chunk=64", "--page_size=16", f"--out={tmp_path}", "--name=bs")
+  rows = json.load(open(tmp_path / "bs.json"))["rows"]
+  assert [(r["S"], r["steps"], r["tokens"]) for r in rows] == [(100, 1, 9), (100, 4, 9)]
+  assert all(r["wall_ms_per_token"] > 0 and r["calls_ms_per_token"] > 0 for r in rows)
+  assert rows[1]["vs_largest"] == 1.0 and rows[0]["stream_ms_per_token"] is None
+  assert "| 100 | 1 |" in (tmp_path / "bs.md").read_text()

@@ -41,7 +41,8 @@ flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top_k", 0, "0 = off")
 flags.DEFINE_float("top_p", 1.0, "1 = off")
 flags.DEFINE_integer("seed", 0, "sampling seed")
-flags.DEFINE_bool("stream", True, "print text as it is generated")
+flags.DEFINE_bool("stream", True, "print text as it is generated, up to --config.stream_decode_steps tokens at a "
+                  "time")
 flags.DEFINE_bool("warmup", True, "compile with an untimed pass over short prompts of the same chunk shapes first, "
                   "so the stats are steady-state")
 flags.DEFINE_string("context_file", None, "a UTF-8 document to prefill once as a pinned context; --prompt (or each "
@@ -78,6 +79,7 @@ def _stats_table(engine, res, warmup_s) -> str:
           ("new tokens", f"{s['new_tokens']:,}"),
           ("warm-up", "off (prefill and decode include XLA compilation)" if warmup_s is None
            else f"{warmup_s:.2f} s (XLA compilation over short prompts of the same shapes)"),
+          ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token"),
@@ -86,6 +88,14 @@ def _stats_table(engine, res, warmup_s) -> str:
           ("peak host memory", f"{s['peak_host_bytes'] / gib:.2f} GiB")]
   w = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _compile_cache_row() -> str:
+  from lcjax.engine import compile_cache
+  c = compile_cache.stats()
+  if c["dir"] is None:
+    return "off (every start compiles)"
+  return f"{c['dir']} ({c['hits']} of {c['requests']} programs read from it, the rest compiled and written)"
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------
@@ -209,12 +219,13 @@ def _generate() -> None:
   model_cfg, ckpt = _model(run)
 
   import jax
-  from lcjax.engine import placement
+  from lcjax.engine import compile_cache, placement
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
   from lcjax.tokenizer import find_tokenizer
   run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
+  compile_cache.enable(run.compile_cache)         # before anything compiles
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   check_context_length(model_cfg, run)
@@ -238,7 +249,7 @@ def _generate() -> None:
   if FLAGS.warmup:
     t0 = time.perf_counter()
     prefilled = ctx_ids if ctx_ids is not None and not FLAGS.load_context else ids
-    _warm_up(engine, len(prefilled or [1]), sampling)
+    _warm_up(engine, len(prefilled or [1]), sampling, _decode_steps(engine, tokenizer))
     warmup_s = time.perf_counter() - t0
   ctx = None
   if ctx_ids is not None:
@@ -327,11 +338,20 @@ def _open_context(engine, ids, question_tail):
   return ctx
 
 
+def _streams(tokenizer) -> bool:
+  return FLAGS.stream and tokenizer is not None
+
+
+def _decode_steps(engine, tokenizer) -> int:
+  """Decode tokens per device call of an answer: RunConfig.stream_decode_steps when it is streamed."""
+  return engine.run.stream_steps if _streams(tokenizer) else engine.run.decode_steps
+
+
 def _answer(engine, ids, max_new, sampling, ctx, tokenizer):
   """Generate and print one answer; returns its result with the wall time to the first token in its stats."""
   t0 = time.perf_counter()
   first = None
-  if FLAGS.stream and tokenizer is not None:
+  if _streams(tokenizer):
     with _progress_bar(len(ids), engine.run.prefill_chunk, "prefill") as bar:
       for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling, context=ctx,
                                              on_progress=bar):
@@ -395,14 +415,16 @@ def _interactive(engine, ctx, tail, tokenizer, limits, max_new, sampling):
           f"context, {s['prefill_tokens']:,} prefilled; {s['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
 
 
-def _warm_up(engine, n_tokens: int, sampling) -> None:
+def _warm_up(engine, n_tokens: int, sampling, decode_steps: int) -> None:
   """Compile every step a prompt of n_tokens uses with a short prompt of the same chunk shapes: a full chunk and
   the last, partly filled one (whose bucket depends only on n_tokens mod prefill_chunk), then two decode steps
-  with the same sampling (greedy and sampled batches decode in two differently compiled loops)."""
+  with the same sampling and decode_steps (greedy and sampled batches, and each number of steps per call, decode
+  in differently compiled loops)."""
   C = engine.run.prefill_chunk
   n = min(n_tokens, C + (n_tokens % C or C)) if n_tokens > C else n_tokens
   filler = [engine.cfg.bos_id or 0] * n
-  engine.generate(filler, max_new_tokens=2 if n + 2 <= engine.max_context else 1, sampling=sampling)
+  engine.generate(filler, max_new_tokens=2 if n + 2 <= engine.max_context else 1, sampling=sampling,
+                  decode_steps=decode_steps)
 
 
 def main(argv):

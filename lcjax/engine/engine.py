@@ -26,7 +26,7 @@ from flax import nnx
 from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePoolExhausted
 from lcjax.config import ModelConfig, RunConfig
-from lcjax.engine import placement
+from lcjax.engine import compile_cache, placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
 from lcjax.engine.requests import Limits, RequestError, check_context_length
@@ -88,6 +88,7 @@ class Engine:
     (or `mesh`) and repeats KV heads when `tensor` needs it."""
     self.cfg = model_cfg
     self.run = (run or RunConfig()).for_platform(jax.default_backend())
+    compile_cache.enable(self.run.compile_cache)      # before the first compile (a no-op after the first engine)
     self.tokenizer = tokenizer
     self.max_context = self.run.context_for(model_cfg)
     self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype,
@@ -170,6 +171,7 @@ class Engine:
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
     The weights depend on `seed` only, never on the mesh."""
     run = (run or RunConfig()).for_platform(jax.default_backend())
+    compile_cache.enable(run.compile_cache)
     mesh = placement.mesh_for(run, mesh)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)
@@ -193,9 +195,10 @@ class Engine:
     from lcjax.checkpoint.restore import restore_params
     from lcjax.checkpoint.sources import resolve_checkpoint
     from lcjax.tokenizer import find_tokenizer
-    ckpt_dir = resolve_checkpoint(ckpt_dir)
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
+    compile_cache.enable(run.compile_cache)
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     mesh = placement.mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
@@ -315,7 +318,8 @@ class Engine:
     return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
 
   def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-               context: Context | None = None, chat: bool = False, on_progress=None):
+               context: Context | None = None, chat: bool = False, on_progress=None,
+               decode_steps: int | None = None):
     """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
 
     `context` (from `prefill` or `load_context`) continues a pinned context: each prompt follows its tokens
@@ -324,21 +328,28 @@ class Engine:
     sampling: None or "greedy", a SamplingParams, or a dict of its fields. chat=True: each prompt (text, or a
     list of {"role", "content"} messages) goes through the checkpoint's chat template. on_progress(prompt index,
     tokens prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
+    decode_steps: tokens per decode call of the device loop (default: run.decode_steps); it never changes the
+    tokens, only how often the host sees them.
     """
+    steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     with self._progress(on_progress):
-      for _ in self.scheduler.serve(reqs, prefix=prefix_ids):
+      for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps):
         pass
     self.last_results = [self._result(r) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
-                      context: Context | None = None, chat: bool = False,
-                      on_progress=None) -> Iterator[tuple[int, str]]:
-    """Yield (prompt index, text delta) as tokens come back from the device (one decode call at a time)."""
+                      context: Context | None = None, chat: bool = False, on_progress=None,
+                      decode_steps: int | None = None) -> Iterator[tuple[int, str]]:
+    """Yield (prompt index, text delta) as tokens come back from the device: one decode call, of up to
+    `decode_steps` tokens (default: run.stream_decode_steps, else run.decode_steps), at a time; decode_steps=1
+    yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
+    The other arguments are generate()'s."""
+    steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     sent = {r.index: "" for r in reqs}
-    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids), on_progress):
+    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps), on_progress):
       text = self._text(r.out)
       if text != sent[r.index]:
         # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
@@ -347,6 +358,14 @@ class Engine:
           yield r.index, stable[len(sent[r.index]):]
           sent[r.index] = stable
     self.last_results = [self._result(r) for r in reqs]
+
+  @staticmethod
+  def _decode_steps(given, default: int) -> int:
+    if given is None:
+      return default
+    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
+      raise RequestError(f"decode_steps={given!r} must be an integer >= 1")
+    return int(given)
 
   @contextlib.contextmanager
   def _progress(self, on_progress):

@@ -4,9 +4,9 @@ Admission: a request is admitted when the pool can hold its whole prompt + max_n
 never runs out of pages), first taking the longest cached run of its prompt's full pages from the prefix cache
 (lcjax.cache.prefix) or forking a pinned context / shared prefix, and evicting cached pages nobody uses when a
 shard runs short. Prompts are prefilled chunk by chunk from the first token not already cached; then every live
-request decodes together in one on-device loop of up to `run.decode_steps` tokens per call. A request releases
-its pages the moment it finishes (at prefill too), its written full pages staying in the prefix cache, and
-waiting requests are admitted as long as any wait.
+request decodes together in one on-device loop of up to `run.decode_steps` tokens per call (or the call's own
+`decode_steps`). A request releases its pages the moment it finishes (at prefill too), its written full pages
+staying in the prefix cache, and waiting requests are admitted as long as any wait.
 
 The device cache is donated through every step: a step interrupted midway leaves no cache, so the scheduler
 makes a fresh one, forgets every cached page and advances `epoch`. Pages of an earlier epoch hold nothing: a
@@ -265,11 +265,13 @@ class Scheduler:
             "context or finish the stream")
 
   # -- driving ------------------------------------------------------------------------------------------------
-  def serve(self, reqs: list[Request], prefix: list[int] | None = None) -> Iterator[Request]:
+  def serve(self, reqs: list[Request], prefix: list[int] | None = None,
+            decode_steps: int | None = None) -> Iterator[Request]:
     """Drive requests to completion, yielding a request each time it gains tokens. One run at a time per
     scheduler: the cache is donated through every step, so another thread's run waits here (a run of this
     thread, e.g. a second stream, interleaves: its pages are its own). `prefix`: token ids every request's
-    prompt starts with, prefilled once into a sequence they fork."""
+    prompt starts with, prefilled once into a sequence they fork. decode_steps: tokens per decode call (None:
+    run.decode_steps)."""
     with self.lock:
       self.check_open()
       base = None
@@ -278,7 +280,7 @@ class Scheduler:
           base, _ = self.pin(prefix, what="the shared prefix")
           for r in reqs:
             r.prefix_seq, r.prefix_len = base, len(prefix)
-        yield from self._drive(reqs)
+        yield from self._drive(reqs, decode_steps or self.run.decode_steps)
       finally:
         for r in reqs:
           self.release(r)
@@ -286,7 +288,7 @@ class Scheduler:
           self.unpin(base)
         self.recover_cache()
 
-  def _drive(self, reqs: list[Request]) -> Iterator[Request]:
+  def _drive(self, reqs: list[Request], decode_steps: int) -> Iterator[Request]:
     waiting = collections.deque(reqs)
     live: list[Request | None] = [None] * self.run.max_batch
     while waiting or any(live):
@@ -306,7 +308,7 @@ class Scheduler:
       if lost:          # another run of this thread was interrupted inside a step: these pages hold nothing
         raise RequestError(f"request(s) {lost} lost their cache when another generation's device step was "
                            "interrupted: run them again")
-      yield from self.decode_call(live)
+      yield from self.decode_call(live, steps=decode_steps)
       for b, r in enumerate(live):
         if r is not None and r.finish:
           self.release(r)
@@ -350,7 +352,9 @@ class Scheduler:
       r.finish = "length"
     self._keep_written(r)                    # the prompt's full pages serve requests admitted from now on
 
-  def decode_call(self, live: list[Request | None]) -> list[Request]:
+  def decode_call(self, live: list[Request | None], steps: int | None = None) -> list[Request]:
+    """One call of the on-device decode loop over the batch slots `live`: up to `steps` tokens each (None:
+    run.decode_steps). Returns the requests that took part."""
     B = len(live)
     alive = [r for r in live if r is not None]
     tokens = np.zeros(B, np.int32)
@@ -367,7 +371,7 @@ class Scheduler:
     state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
     t0 = time.perf_counter()
     out, state, self.cache = self.steps.decode(self.params, self.cache, state, stack_sampling(sampling),
-                                               jnp.asarray(table), self.eos, steps=self.run.decode_steps,
+                                               jnp.asarray(table), self.eos, steps=steps or self.run.decode_steps,
                                                greedy=all_greedy(sampling))
     out = np.asarray(out)
     dt = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~58 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~60 min in all)
 #
 # Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
@@ -12,6 +12,8 @@
 #   context     benchmarks/results/context-h200-128k.*, -512k-fp8.* the context cache                ~3 + 5 min
 #   fp8         benchmarks/results/attention-fp8-h200.*, fp8-quality.*, exact-fp8-llama3-8b-h200.*,
 #               longctx-fp8-{128k,512k}-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF  ~2 + 1 + 2.5 + 4 + 3 min
+#   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
+#               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
 # FA3 is optional in the attention step).
 set -euo pipefail
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 startup)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -58,7 +60,12 @@ for step in "${steps[@]}"; do
         --time_budget_s=200 --out="$OUT" --name=longctx-fp8-128k-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
         --decode_steps=32 --time_budget_s=280 --out="$OUT" --name=longctx-fp8-512k-h200 ;;
+    startup)
+      python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
+        --out="$OUT" --name=startup-h200
+      python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
+        --out="$OUT" --name=stream-h200 ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context fp8" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8 startup" >&2; exit 2 ;;
   esac
 done

@@ -396,17 +396,6 @@ def decode_impls():
       "lcjax-cudnn": (True, False, lambda q, kp, vp, t, qp, kl, ks, vs: cudnn.CudnnBackend().paged(
           q, kp, vp, t, q_pos=qp, kv_len=kl)),
   }
-  fp8_tunings = {"": pallas_flash.FP8_TUNING}
-  if _EXPLORE.value:
-    fp8_tunings.update(mcs2=pallas_flash.FlashTuning(max_concurrent_steps=2),
-                       mcs3=pallas_flash.FlashTuning(max_concurrent_steps=3))
-  for suffix, tuning in fp8_tunings.items():
-    tag = "-" + suffix if suffix else ""
-    impls["lcjax-pallas-fp8" + tag] = (True, functools.partial(_fp8_attend, tuning=tuning), None, FP8)
-    impls["lcjax-pallas-fp8-kernel" + tag] = (True, functools.partial(_fp8_kernel, tuning=tuning),
-                                              functools.partial(_fp8_operands, tuning=tuning), FP8)
-  impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
-  impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
     import flash_attn3_jax as fa3
     for splits in (1, 8):

@@ -187,6 +187,24 @@ def test_engine_fp8_attention_matches_bf16_path_greedy():
   assert eng.fingerprint != base.fingerprint
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
+def test_fp8_attention_on_a_seq_mesh_matches_one_device(seq=2):
+  """Ring attention over `seq` shards calls the FP8 backend per block pair, and each shard's cached prefix goes
+  through its paged path: the logits of a chunked prefill must match one device with FP8 attention to within
+  FP8's own error (the shards quantize other blocks), and both must be close to float32 attention."""
+  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
+  prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 300)]
+  exact = Engine.random(TINY128, run=run, seed=5).prompt_logits(prompt)
+  one = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5).prompt_logits(prompt)
+  mesh = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", seq=seq), seed=5)
+  assert mesh.attention.name == "pallas-fp8-model"
+  got = mesh.prompt_logits(prompt)
+  rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  assert rel(one, exact) < 0.03 and rel(got, exact) < 0.03, (rel(one, exact), rel(got, exact))
+  assert rel(got, one) < 0.03
+  assert int(np.argmax(got)) == int(np.argmax(exact))
+
+
 @pytest.mark.parametrize("H", [128, 64])
 def test_fp8_kernel_lowers_for_cuda(H):
   """The FP8 Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (wgmma operand checks,

@@ -51,11 +51,11 @@ for step in "${steps[@]}"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \
         --cache_dtype=float8_e4m3fn --check_cold=false --out="$OUT" --name=context-h200-512k-fp8 ;;
     fp8)
-      python3 tools/bench_attention.py --prefill=8192,32768,131072 --decode= --only=fp8,lcjax-pallas,cudnn-public,fa3 \
-        --skip=nolse,lse --reps=3 --stall_s=60 --out="$OUT" --name=attention-fp8-h200
+      python3 tools/bench_attention.py --prefill=8192,32768,131072 --decode= --skip=nolse,lse --reps=3 --stall_s=60 \
+        --only=fp8,lcjax-pallas,cudnn-public,fa3,torch-sdpa-cudnn --out="$OUT" --name=attention-fp8-h200
       python3 tools/check_fp8.py --contexts=8192,32768 --out="$OUT"
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 \
-        --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --out="$OUT" --name=exact-fp8-llama3-8b-h200
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 --out="$OUT" \
+        --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --name=exact-fp8-llama3-8b-h200
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8attn,lcjax-fp8,hf --contexts=131072 --decode_steps=32 \
         --time_budget_s=200 --out="$OUT" --name=longctx-fp8-128k-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \

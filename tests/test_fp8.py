@@ -58,7 +58,10 @@ def test_rotation_is_orthogonal_and_keeps_scores():
   q, k = _normal(2, 5, 128), _normal(3, 7, 128)
   np.testing.assert_allclose(fp8.rotate(q) @ fp8.rotate(k).T, q @ k.T, rtol=1e-4, atol=1e-4)
   qb = q.astype(jnp.bfloat16)
-  np.testing.assert_allclose(fp8.rotate(qb), qb.astype(jnp.float32) @ fp8.rotation(128), rtol=1e-5, atol=1e-5)
+  got = fp8.rotate(qb)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), qb.astype(jnp.float32) @ fp8.rotation(128), rtol=2 ** -7,
+                             atol=2 ** -7)
   with pytest.raises(ValueError, match="power-of-two"):
     fp8.rotation(96)
 
@@ -143,6 +146,9 @@ def test_fp8_backend_selection(caplog):
     backends.get_backend("cudnn", attention_dtype="float8_e4m3fn")
   with pytest.raises(ValueError, match="head_dim=96"):
     backends.get_backend("pallas", head_dim=96, attention_dtype="float8_e4m3fn")
+  if not ON_GPU:
+    with pytest.raises(ValueError, match="cannot run here \\(attention='pallas'\\): needs a CUDA GPU"):
+      backends.get_backend("pallas", attention_dtype="float8_e4m3fn")
   with pytest.raises(ValueError, match="attention_dtype='int8'"):
     backends.get_backend("auto", attention_dtype="int8")
   with pytest.raises(ConfigError, match="attention_dtype='bf8'"):
@@ -167,12 +173,46 @@ def test_fp8_backend_runs_the_fp8_path_not_the_reference(monkeypatch):
   assert calls and out.shape == q.shape and lse.shape == (1, 128, 2)
 
 
+def _poison_references(monkeypatch):
+  """The jnp references return NaN: a run that reaches them at run time (a lax.cond traces both branches, so a
+  raising patch cannot tell) ends with NaN logits."""
+  nan = lambda q, *a, **kw: (jnp.full(q.shape, jnp.nan, q.dtype), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
+  monkeypatch.setattr(ref, "attention_reference", nan)
+  monkeypatch.setattr(ref, "paged_attention_reference", nan)
+
+
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order):
+  """A chunk against its cached prefix through the FP8 backend's paged path: fp8 pages with per-page scales, a
+  layer offset into the pool, lengths shorter than the table, three table blocks (one past every length,
+  skipped), rows in zigzag order as a seq mesh gathers them; against the float64 oracle of the dequantized pages,
+  never through a jnp reference."""
+  from tests.test_kernels import oracle, rand_pages, visibility
+  B, T, N, K, H, Z, M, P = 2, 96, 4, 2, 128, 16, 24, 60
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(30, B, T, N, K, H, Z, M, P, fp8=True, dtype=jnp.float32)
+  kv_len = jnp.array([200, 77], jnp.int32)
+  rows = np.arange(T) if order == "contiguous" else np.concatenate([np.arange(T // 2), np.arange(T // 2)[::-1]])
+  q_pos = jnp.asarray(np.stack([300 + rows, 90 + rows]), jnp.int32)
+  off = 7                                                  # the pool holds other pages below this layer's
+  pad = lambda x: jnp.concatenate([jnp.zeros((off, *x.shape[1:]), x.dtype), x])
+  _poison_references(monkeypatch)
+  monkeypatch.setattr(pallas_flash, "PREFIX_BLOCK_TOKENS", 128)               # 8 pages per block: 3 blocks
+  be = pallas_flash.PallasFp8Backend(interpret=True)
+  got = be.paged(q, pad(kp), pad(vp), table, q_pos=q_pos, kv_len=kv_len, k_scale=pad(ks), v_scale=pad(vs),
+                 page_offset=off)
+  want_o, want_l = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
+  out, lse = (np.asarray(x, np.float64) for x in got)
+  assert np.isfinite(out).all()
+  assert np.linalg.norm(out - want_o) / np.linalg.norm(want_o) < 0.06
+  assert np.abs(lse - want_l).max() < 0.1
+
+
 # ---------------------------------------------------------------- engine
 TINY128 = ModelConfig("tiny128", vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128,
                       ffn_dim=256, rope_theta=10000.0, max_position=512, eos_ids=())
 
 
-def test_engine_fp8_attention_matches_bf16_path_greedy():
+def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch):
   """40 greedy tokens after a 300-token prompt prefilled in chunks (the chunk's self-attention is FP8; the cached
   prefix goes through the paged path): the same tokens as the engine without FP8 attention."""
   run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
@@ -181,6 +221,7 @@ def test_engine_fp8_attention_matches_bf16_path_greedy():
   eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5)
   assert eng.attention.name == "pallas-fp8-model"
   want = base.generate([prompt], max_new_tokens=40)[0]
+  _poison_references(monkeypatch)                        # the FP8 engine must not reach a jnp reference
   got = eng.generate([prompt], max_new_tokens=40)[0]
   assert got.stats["attention"] == "pallas-fp8-model" and got.stats["attention_dtype"] == "float8_e4m3fn"
   assert got.token_ids == want.token_ids
@@ -188,19 +229,22 @@ def test_engine_fp8_attention_matches_bf16_path_greedy():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
-def test_fp8_attention_on_a_seq_mesh_matches_one_device(seq=2):
-  """Ring attention over `seq` shards calls the FP8 backend per block pair, and each shard's cached prefix goes
-  through its paged path: the logits of a chunked prefill must match one device with FP8 attention to within
-  FP8's own error (the shards quantize other blocks), and both must be close to float32 attention."""
+def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
+  """Ring attention over `seq` shards calls the FP8 backend per block pair, and each shard's cached prefix (rows
+  gathered in zigzag order) goes through its paged path: the logits of a chunked prefill must match one device
+  with FP8 attention to within FP8's own error (the shards quantize other blocks), both close to float32
+  attention, and no jnp reference may run."""
   run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 300)]
   exact = Engine.random(TINY128, run=run, seed=5).prompt_logits(prompt)
+  _poison_references(monkeypatch)           # from here on, a route to a jnp reference shows as NaN logits
   one = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5).prompt_logits(prompt)
   mesh = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", seq=seq), seed=5)
   assert mesh.attention.name == "pallas-fp8-model"
   got = mesh.prompt_logits(prompt)
   rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
   assert rel(one, exact) < 0.03 and rel(got, exact) < 0.03, (rel(one, exact), rel(got, exact))
+  assert np.isfinite(got).all() and np.isfinite(one).all()
   assert rel(got, one) < 0.03
   assert int(np.argmax(got)) == int(np.argmax(exact))
 

@@ -337,7 +337,7 @@ def bench_prefill(res, dog, sizes, reps):
 
 
 def bench_torch_prefill(res, dog, sizes, reps):
-  if not selected("torch"):
+  if not any(selected("torch-sdpa-" + be) for be in ("cudnn", "flash")):
     return
   try:
     import torch

@@ -392,7 +392,8 @@ class Engine:
 
   def _result(self, r: Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)
-    stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype, cache_dtype=self.run.resolved_cache_dtype,
+    stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
+                 cache_dtype=self.run.resolved_cache_dtype,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
                  host_cached_tokens=r.from_host,
                  prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,

@@ -23,6 +23,7 @@ import math
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig
 from lcjax.ops.cudnn import FP8_BLOCK_TOKENS
+from lcjax.ops.pallas_flash import PREFIX_BLOCK_TOKENS
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -212,6 +213,15 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     local = -(-run.context_for(model) // S)
     dequant = 2 * min(local, FP8_BLOCK_TOKENS) * K_l * H * w_item
     if local > FP8_BLOCK_TOKENS:
+      dequant += C * N_l * (H + 1) * 4
+  if run.attention_dtype == "float8_e4m3fn":
+    # FP8 attention reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
+    # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K rotated, both quantized to
+    # e4m3; the chunk's queries rotated and quantized; a longer prefix adds the blocks' float32 merge.
+    local = -(-run.context_for(model) // S)
+    W = min(local, PREFIX_BLOCK_TOKENS)
+    dequant = W * K_l * H * (3 * w_item + 2) + C * N_l * H * (w_item + 1)
+    if local > W:
       dequant += C * N_l * (H + 1) * 4
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4
   workspace = 256 * 1024 ** 2

@@ -78,20 +78,21 @@ def _pallas():
 _FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cudnn, "pallas": _pallas}
 
 
-def _fp8_backend(name: str, head_dim: int):
-  """attention_dtype=float8_e4m3fn: the FP8 flash kernel, or its jnp model where no GPU runs it."""
+def _fp8_backend(name: str, head_dim: int, dtype):
+  """attention_dtype=float8_e4m3fn: the FP8 flash kernel; with attention='auto' on a machine without a GPU, its
+  jnp model (announced)."""
   from lcjax.ops.pallas_flash import PallasFp8Backend
   if name not in ("auto", "pallas"):
     raise ValueError(f"attention_dtype=float8_e4m3fn runs on the pallas backend, not attention={name!r}")
-  if jax.default_backend() != "gpu":
+  if name == "auto" and jax.default_backend() != "gpu":
     be = PallasFp8Backend(name="pallas-fp8-model", interpret=True)
     logging.warning("attention_dtype=float8_e4m3fn on %s runs the FP8 kernel's jnp model (its arithmetic, none of "
                     "its speed)", jax.default_backend())
   else:
     be = PallasFp8Backend()
-  reason = be.why_not(head_dim=head_dim, dtype="bfloat16")
+  reason = be.why_not(head_dim=head_dim, dtype=dtype)
   if reason:
-    raise ValueError(f"attention_dtype=float8_e4m3fn cannot serve head_dim={head_dim}: {reason}")
+    raise ValueError(f"attention_dtype=float8_e4m3fn cannot run here (attention={name!r}): {reason}")
   return be
 
 
@@ -99,7 +100,7 @@ def get_backend(name: str = "auto", *, head_dim: int = 128, dtype="bfloat16", at
   """Return the backend called `name`; `auto` takes the fastest one that can serve this shape here.
   attention_dtype="float8_e4m3fn" asks for FP8 attention (the pallas backend's FP8 kernel)."""
   if attention_dtype == "float8_e4m3fn":
-    return _fp8_backend(name, head_dim)
+    return _fp8_backend(name, head_dim, dtype)
   if attention_dtype != "auto":
     raise ValueError(f"attention_dtype={attention_dtype!r} must be auto or float8_e4m3fn")
   if name == "auto":

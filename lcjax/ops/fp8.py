@@ -80,13 +80,14 @@ def rotation(head_dim: int, seed: int = 0) -> jax.Array:
 
 
 def rotate(x, seed: int = 0):
-  """x [..., H] @ rotation(H) as float32. The +-1 matrix is exact in x's dtype, so a bf16 x is rotated on the
-  tensor cores with float32 sums, then scaled by 1 / sqrt(H)."""
+  """x [..., H] @ rotation(H) in x's dtype. The +-1 matrix is exact in any float dtype, so a bf16 x is rotated on
+  the tensor cores with float32 sums (one bf16 rounding of the result, far below e4m3's), then scaled by
+  1 / sqrt(H)."""
   H = x.shape[-1]
   signed = jnp.asarray(_signed_hadamard(H, seed), x.dtype)
-  y = jnp.einsum("...h,hg->...g", x, signed, preferred_element_type=jnp.float32,
+  y = jnp.einsum("...h,hg->...g", x, signed, preferred_element_type=x.dtype,
                  precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
-  return y * (1.0 / math.sqrt(H))
+  return y * jnp.asarray(1.0 / math.sqrt(H), x.dtype)
 
 
 def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool):

@@ -340,6 +340,8 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
 
 # The FP8 kernel's P @ V operand waits on shared memory: a deeper K/V ring measured 732 -> 754 TFLOP/s at 128K.
 FP8_TUNING = FlashTuning(max_concurrent_steps=4)
+# Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
+PREFIX_BLOCK_TOKENS = 131072
 
 
 def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
@@ -478,22 +480,54 @@ class PallasFp8Backend(PallasBackend):
     reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)
     if reason or self.interpret:
       return reason
-    return _on_hopper()
+    # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
+    return why_not(head_dim=head_dim, dtype=dtype) or _on_hopper()
 
   def _kernel(self, q, k, v, kvl):
     return functools.partial(flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash, incoherent=self.incoherent,
                              interpret=self.interpret)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+    from lcjax.ops.cudnn import PAGED_PAST, paged_case
     B, T, N, H = q.shape
     K = k_pages.shape[2]
-    if T * (N // K) <= self._decode_tuning().max_rows:
-      return super().paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
-                           v_scale=v_scale, page_offset=page_offset)
-    # A prefill chunk against cached keys: the table's pages gathered into one contiguous block (in the query
-    # dtype) for the FP8 kernel. Slot m * Z + z of the table holds position m * Z + z.
     M, Z = page_table.shape[1], k_pages.shape[1]
-    table = page_table + page_offset
-    k = ref.gather_pages(k_pages, k_scale, table, q.dtype).reshape(B, M * Z, K, H)
-    v = ref.gather_pages(v_pages, v_scale, table, q.dtype).reshape(B, M * Z, K, H)
-    return self.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros((B,), jnp.int32), kv_len=kv_len, causal=True)
+    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
+    q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
+    bf16_path = functools.partial(super().paged, q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
+                                  k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+    if T * (N // K) <= self._decode_tuning().max_rows:
+      return bf16_path()                           # decode rows: the split-K paged kernel
+    # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
+    # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
+    # many rows (rows that see part of the pages causally) take PallasBackend's path.
+    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST,
+                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale),
+                    lambda: bf16_path())
+
+  def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale):
+    """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse). The table's pages are
+    gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
+    merged by their LSE in float32; blocks past every sequence's length are skipped."""
+    B, T, N, H = q.shape
+    M, Z, K = table.shape[1], k_pages.shape[1], k_pages.shape[2]
+    Mb = max(1, min(M, PREFIX_BLOCK_TOKENS // Z))                        # pages per block
+    nb = -(-M // Mb)
+    table = jnp.pad(table, ((0, 0), (0, nb * Mb - M)))                  # page 0 past the end: masked by lengths
+
+    def block(i):
+      ids = lax.dynamic_slice_in_dim(table, i * Mb, Mb, axis=1)
+      k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, Mb * Z, K, H)
+      v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, Mb * Z, K, H)
+      n = jnp.clip(lengths - i * Mb * Z, 0, Mb * Z)
+      return self._kernel(q, k, v, n)(causal=False)
+
+    if nb == 1:
+      return block(0)
+
+    def body(i, acc):
+      return lax.cond(jnp.any(lengths > i * Mb * Z), lambda: ref.merge(*acc, *block(i)), lambda: acc)
+
+    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), ref.NEG_INF, jnp.float32))
+    out, lse = lax.fori_loop(0, nb, body, init)
+    return out.astype(q.dtype), lse

@@ -179,7 +179,8 @@ def test_fp8_cache_close_to_float32_cache():
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
   ref = _prefill_logits(_engine(prefill_chunk=32), prompt)
   fp8 = _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
-  assert fp8.cache.k.dtype == jnp.float8_e4m3fn and fp8.cache.k_scale.shape == (TINY.n_layers, TINY.n_kv_heads)
+  assert fp8.cache.k.dtype == jnp.float8_e4m3fn
+  assert fp8.cache.k_scale.shape == fp8.cache.v_scale.shape == (TINY.n_layers, fp8.plan.num_pages, TINY.n_kv_heads)
   got = _prefill_logits(fp8, prompt)
   rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
   assert 0 < rel < 0.03, rel

@@ -204,6 +204,9 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   monkeypatch.setattr(llama.Attention, "qkv", qkv)
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
   f32, fp8 = _engine(prefill_chunk=32), _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
+  # Prompt logits first: a later prompt would read its chunks' keys from the prefix cache's fp8 pages, where a
+  # first one attends to its own chunk's keys in float.
+  ref, out = _prefill_logits(f32, prompt), _prefill_logits(fp8, prompt)
   with f32.prefill(prompt) as ref_ctx, fp8.prefill(prompt) as ctx:
     want = [np.asarray(x)[:, ref_ctx.pages()] for x in (f32.cache.k, f32.cache.v)]            # [L, n, Z, K, H]
     scales = [np.asarray(s)[:, ctx.pages()][:, :, None, :, None] for s in (fp8.cache.k_scale, fp8.cache.v_scale)]
@@ -211,7 +214,6 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   for w, g, s in zip(want, got, scales):
     assert np.all(np.abs(w[0, 1:]).max(axis=(0, 1, 3)) > 2 * np.abs(w[0, 0]).max(axis=(0, 2)))
     assert np.all(np.abs(g[0] - w[0]) <= 2.0 ** -4 * np.abs(w[0]) + 2.0 ** -9 * s[0])
-  ref, out = _prefill_logits(f32, prompt), _prefill_logits(fp8, prompt)
 
   def rounded(scale_of):
     """A float32 engine whose K, V writes are rounded to e4m3 at scale_of(x [B, T, K, H], layer, is_v)."""

@@ -483,3 +483,25 @@ def test_evicted_pages_come_back_from_the_host_tier(oracle):
   again = small.generate(a, max_new_tokens=6)
   # evictions go tail first, so the tier kept the chain's head: 3 pages come back, the rest is prefilled
   assert again.token_ids == want_a and again.stats["host_cached_tokens"] == 24
+
+
+def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
+  """fp8 pages evicted to the host tier and taken back hold the same bits and scales, so the prompt answers as
+  it does from pages that never left the device."""
+  a, b = DOC + QS[0], RNG.integers(3, TINY.vocab_size, 80).tolist()
+  kept = _engine(cache_dtype="float8_e4m3fn")
+  kept.generate(a, max_new_tokens=6)
+  want = kept.generate(a, max_new_tokens=6)
+  assert want.stats["cached_tokens"] == 48
+  eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01, cache_dtype="float8_e4m3fn")
+  eng.generate(a, max_new_tokens=6)
+  before = [np.asarray(x)[:, eng.prefix_cache.match(a)] for x in eng.cache.parts()]
+  eng.generate(b, max_new_tokens=10)
+  assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6
+  again = eng.generate(a, max_new_tokens=6)
+  assert again.stats["host_cached_tokens"] == 48 and again.token_ids == want.token_ids
+  after = [np.asarray(x)[:, eng.prefix_cache.match(a)] for x in eng.cache.parts()]
+  assert len(after) == 4 and after[2].shape == (TINY.n_layers, 6, TINY.n_kv_heads)
+  for x, y in zip(after, before):
+    np.testing.assert_array_equal(x, y)
+  _idle(eng)

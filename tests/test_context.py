@@ -254,20 +254,28 @@ def test_offload_and_restore(oracle):
 
 @pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "auto"), ("bfloat16", "float8_e4m3fn")])
 def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
-  """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged."""
+  """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged, fp8
+  pages with their scales."""
   eng = _engine(dtype=dtype, cache_dtype=cache_dtype)
   ctx = eng.prefill(DOC)
-  before = np.asarray(eng.cache.k)[:, ctx.pages()]
+
+  def pages(ctx):
+    return [np.asarray(x)[:, ctx.pages()] for x in eng.cache.parts()]
+
+  before = pages(ctx)
+  assert len(before) == (4 if cache_dtype == "float8_e4m3fn" else 2)
   want = eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids
   ctx.offload()
   eng.prefix_cache.clear()
   ctx.restore()
-  np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, ctx.pages()], before)
+  for a, b in zip(pages(ctx), before):
+    np.testing.assert_array_equal(a, b)
   ctx.save(tmp_path / "c")
   ctx.close()
   eng.prefix_cache.clear()
   with eng.load_context(tmp_path / "c") as ctx:
-    np.testing.assert_array_equal(np.asarray(eng.cache.k)[:, ctx.pages()], before)
+    for a, b in zip(pages(ctx), before):
+      np.testing.assert_array_equal(a, b)
     assert eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == want
 
 
@@ -338,18 +346,65 @@ def test_closing_a_context_under_a_running_stream_is_a_clear_error():
   _idle(eng)
 
 
+def _fp8_pages(eng, ctx, rep=1):
+  """A context's fp8 pages and scales, the model's own KV heads: K, V [L, n, Z, K, H] and scales [L, n, K]."""
+  k, v, ks, vs = (np.asarray(x)[:, ctx.pages()] for x in eng.cache.parts())
+  return k[..., ::rep, :], v[..., ::rep, :], ks[..., ::rep], vs[..., ::rep]
+
+
 def test_an_fp8_context_restores_on_another_mesh(tmp_path):
-  """Calibrated fp8 scales differ in their last bits between meshes: the restore requantizes."""
-  a = _engine(seq=2, cache_dtype="float8_e4m3fn")
+  """fp8 pages saved from (seq, tensor) = (2, 2) (KV heads repeated 2x there) load on one device with their scales,
+  bit for bit."""
+  a = _engine(seq=2, tensor=2, cache_dtype="float8_e4m3fn")
   with a.prefill(DOC) as ctx:
+    saved = _fp8_pages(a, ctx, a.kv_rep)
     ctx.save(tmp_path / "doc")
   b = _engine(cache_dtype="float8_e4m3fn")
   want = b.generate(DOC + QS[0], max_new_tokens=8).token_ids
   b.prefix_cache.clear()
   with b.load_context(tmp_path / "doc") as ctx:
     assert ctx.stats["cached_tokens"] == 0
+    for x, y in zip(_fp8_pages(b, ctx), saved):
+      np.testing.assert_array_equal(x, y)
     assert b.generate(QS[0], max_new_tokens=8, context=ctx).token_ids == want
   _idle(b)
+
+
+def test_a_v1_fp8_context_loads_with_its_per_layer_scales(tmp_path):
+  """Format v1 stored fp8 pages at one scale per (layer, kv head): they load with that scale on every page. The
+  v1 context here is a v2 save rewritten to the largest page scale of each layer (powers of two: the values
+  shift exponents), so it dequantizes to the same values wherever they stay e4m3 normals."""
+  import json
+  eng = _engine(cache_dtype="float8_e4m3fn")
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "doc")
+  d = tmp_path / "doc"
+  meta = json.loads((d / "context.json").read_text())
+  scales = np.load(d / "scales.npy")                                     # [L, 2, n, K]
+  L, n, K, Z, H = meta["layers"], meta["pages"], meta["kv_heads"], meta["page_size"], meta["head_dim"]
+  kv = np.fromfile(d / "kv.bin", np.dtype("float8_e4m3fn")).reshape(L, 2, n, Z, K, H)
+  values = kv.astype(np.float32) * scales[:, :, :, None, :, None]
+  per_layer = scales.max(axis=2)                                          # [L, 2, K]
+  old = (values / per_layer[:, :, None, None, :, None]).astype(kv.dtype)
+  old.tofile(d / "kv.bin")
+  os.remove(d / "scales.npy")
+  meta.update(format="lcjax-context-v1", k_scale=per_layer[:, 0].tolist(), v_scale=per_layer[:, 1].tolist())
+  (d / "context.json").write_text(json.dumps(meta))
+  eng.prefix_cache.clear()
+  with eng.load_context(d) as ctx:
+    k, v, ks, vs = _fp8_pages(eng, ctx)
+    for x, s, part in ((k, ks, 0), (v, vs, 1)):
+      np.testing.assert_array_equal(s, np.broadcast_to(per_layer[:, part, None], s.shape))
+      np.testing.assert_array_equal(x.astype(np.float32), old[:, part].astype(np.float32))
+      deq = x.astype(np.float32) * s[:, :, None, :, None]
+      normal = np.abs(x.astype(np.float32)) >= 2.0 ** -6
+      np.testing.assert_array_equal(deq[normal], values[:, part][normal])
+  meta["format"] = "lcjax-context-v0"
+  (d / "context.json").write_text(json.dumps(meta))
+  with pytest.raises(ContextError, match="has format 'lcjax-context-v0', this lcjax reads lcjax-context-v1 and "
+                                         "lcjax-context-v2"):
+    eng.load_context(d)
+  _idle(eng)
 
 
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path):
@@ -428,3 +483,25 @@ def test_evicted_pages_come_back_from_the_host_tier(oracle):
   again = small.generate(a, max_new_tokens=6)
   # evictions go tail first, so the tier kept the chain's head: 3 pages come back, the rest is prefilled
   assert again.token_ids == want_a and again.stats["host_cached_tokens"] == 24
+
+
+def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
+  """fp8 pages evicted to the host tier and taken back hold the same bits and scales, so the prompt answers as
+  it does from pages that never left the device."""
+  a, b = DOC + QS[0], RNG.integers(3, TINY.vocab_size, 80).tolist()
+  kept = _engine(cache_dtype="float8_e4m3fn")
+  kept.generate(a, max_new_tokens=6)
+  want = kept.generate(a, max_new_tokens=6)
+  assert want.stats["cached_tokens"] == 48
+  eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01, cache_dtype="float8_e4m3fn")
+  eng.generate(a, max_new_tokens=6)
+  before = [np.asarray(x)[:, eng.prefix_cache.match(a)] for x in eng.cache.parts()]
+  eng.generate(b, max_new_tokens=10)
+  assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6
+  again = eng.generate(a, max_new_tokens=6)
+  assert again.stats["host_cached_tokens"] == 48 and again.token_ids == want.token_ids
+  after = [np.asarray(x)[:, eng.prefix_cache.match(a)] for x in eng.cache.parts()]
+  assert len(after) == 4 and after[2].shape == (TINY.n_layers, 6, TINY.n_kv_heads)
+  for x, y in zip(after, before):
+    np.testing.assert_array_equal(x, y)
+  _idle(eng)

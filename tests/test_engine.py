@@ -179,10 +179,66 @@ def test_fp8_cache_close_to_float32_cache():
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
   ref = _prefill_logits(_engine(prefill_chunk=32), prompt)
   fp8 = _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
-  assert fp8.cache.k.dtype == jnp.float8_e4m3fn and fp8.cache.k_scale.shape == (TINY.n_layers, TINY.n_kv_heads)
+  assert fp8.cache.k.dtype == jnp.float8_e4m3fn
+  assert fp8.cache.k_scale.shape == fp8.cache.v_scale.shape == (TINY.n_layers, fp8.plan.num_pages, TINY.n_kv_heads)
   got = _prefill_logits(fp8, prompt)
   rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
   assert 0 < rel < 0.03, rel
+
+
+def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch):
+  """K and V of every token after the first page scaled 4x: past twice the first page's largest |k|, |v|, where
+  per-(layer, kv head) scales calibrated on outlier-free text with 2x headroom would clip them. Each page's own
+  scale holds them: layer 0's fp8 pages (the same float K/V in every engine) dequantize within e4m3's rounding,
+  and the chunked-prefill logits equal a float32 engine's whose writes round each page to e4m3 at its page's
+  scale (chunks are whole pages). Their error against the float32 cache is e4m3's alone: a float32 engine
+  writing with clipped per-layer scales errs far more."""
+  from lcjax.cache import kv as kvc
+  from lcjax.model import llama
+  real_qkv, real_write = llama.Attention.qkv, kvc.write_layer
+
+  def qkv(self, x, positions, inv_freq):
+    q, k, v = real_qkv(self, x, positions, inv_freq)
+    f = jnp.where(positions >= 8, 4.0, 1.0)[:, :, None, None].astype(k.dtype)
+    return q, k * f, v * f
+  monkeypatch.setattr(llama.Attention, "qkv", qkv)
+  prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
+  f32, fp8 = _engine(prefill_chunk=32), _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
+  # Prompt logits first: a later prompt would read its chunks' keys from the prefix cache's fp8 pages, where a
+  # first one attends to its own chunk's keys in float.
+  ref, out = _prefill_logits(f32, prompt), _prefill_logits(fp8, prompt)
+  with f32.prefill(prompt) as ref_ctx, fp8.prefill(prompt) as ctx:
+    want = [np.asarray(x)[:, ref_ctx.pages()] for x in (f32.cache.k, f32.cache.v)]            # [L, n, Z, K, H]
+    scales = [np.asarray(s)[:, ctx.pages()][:, :, None, :, None] for s in (fp8.cache.k_scale, fp8.cache.v_scale)]
+    got = [np.asarray(x)[:, ctx.pages()].astype(np.float32) * s for x, s in zip((fp8.cache.k, fp8.cache.v), scales)]
+  for w, g, s in zip(want, got, scales):
+    assert np.all(np.abs(w[0, 1:]).max(axis=(0, 1, 3)) > 2 * np.abs(w[0, 0]).max(axis=(0, 2)))
+    assert np.all(np.abs(g[0] - w[0]) <= 2.0 ** -4 * np.abs(w[0]) + 2.0 ** -9 * s[0])
+
+  def rounded(scale_of):
+    """A float32 engine whose K, V writes are rounded to e4m3 at scale_of(x [B, T, K, H], layer, is_v)."""
+    calls = []
+
+    def write(pool, scale, new, slots, pages, layer):
+      s = scale_of(new, layer, len(calls) % 2)      # the model writes K, then V
+      calls.append(1)
+      x = (jnp.clip(new / s, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s).astype(new.dtype)
+      return real_write(pool, scale, x, slots, pages, layer)
+    monkeypatch.setattr(kvc, "write_layer", write)
+    try:
+      return _prefill_logits(_engine(prefill_chunk=32), prompt)
+    finally:
+      monkeypatch.setattr(kvc, "write_layer", real_write)
+
+  def per_page(x, layer, is_v):
+    B, T, K, H = x.shape
+    return jnp.repeat(kvc.scale_for(jnp.abs(x.reshape(B, T // 8, 8, K, H)).max(axis=(2, 4))), 8, axis=1)[..., None]
+
+  calibrated = jnp.asarray([np.abs(w[:, 0]).max(axis=(1, 3)) * 2 / 448 for w in want])         # [2, L, K]
+  clipped = rounded(lambda x, layer, is_v: calibrated[is_v, layer][:, None])
+  np.testing.assert_allclose(out, rounded(per_page), rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  rel = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)
+  assert 0 < rel(out) < 0.5 * rel(clipped), (rel(out), rel(clipped))
 
 
 def test_decode_groups_match_one_step_per_check():

@@ -121,11 +121,25 @@ def test_prefix_sharing_on_a_mesh():
 
 
 def test_fp8_cache_on_a_mesh():
-  """fp8 pages on (tensor, seq) = (4, 2): the calibrated scales are the one-device scales, each repeated with its
-  KV head, and the prefill logits match the one-device fp8 engine's."""
+  """fp8 pages on (tensor, seq) = (4, 2), each page on its own seq shard: a context's pages carry the one-device
+  pages' scales (each repeated with its KV head) and values, and the prefill logits match the one-device fp8
+  engine's."""
   one, mesh = engine(cache_dtype="float8_e4m3fn"), engine(4, 2, cache_dtype="float8_e4m3fn")
-  for a, b in ((mesh.cache.k_scale, one.cache.k_scale), (mesh.cache.v_scale, one.cache.v_scale)):
-    np.testing.assert_allclose(np.asarray(a), np.repeat(np.asarray(b), 2, axis=1), rtol=1e-6)
+
+  def pages(eng):
+    with eng.prefill(PROMPTS[0]) as ctx:
+      table = ctx.pages()
+      c = eng.cache
+      ks, vs = (np.asarray(s)[:, table] for s in (c.k_scale, c.v_scale))                # [L, n, K]
+      k, v = (np.asarray(x)[:, table].astype(np.float32) * s[:, :, None, :, None]
+              for x, s in ((c.k, ks), (c.v, vs)))                                       # [L, n, Z, K, H]
+    return ks, vs, k, v
+
+  got, want = pages(mesh), pages(one)
+  np.testing.assert_array_equal(got[0], np.repeat(want[0], 2, axis=2))
+  np.testing.assert_array_equal(got[1], np.repeat(want[1], 2, axis=2))
+  for g, w in zip(got[2:], want[2:]):
+    np.testing.assert_allclose(g, np.repeat(w, 2, axis=3), rtol=2 ** -3, atol=1e-6)
   assert rel(prefill(mesh, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 1e-3
 
 

@@ -5,15 +5,19 @@ null page: unused page-table slots and padded tokens point at it, and it is neve
 cache slot is `page * Z + offset`; the host allocator (`lcjax.cache.pages`) computes slots and page tables, the
 device only scatters into them. Pools are donated through every jitted step, so writes happen in place.
 
-FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, kv head): values are stored as x / scale. The
-scales are fixed when the cache is made (from the model's expected K/V range), so a page written token by token
-never needs re-quantizing.
+FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, page, kv head), `[L, P, K]`: values are stored as
+x / scale. A page's scale is set by the tokens written into it: the smallest power of two that keeps every one of
+them within e4m3's range (|x| / scale <= 448), so nothing is clipped. A write that brings a larger token into a
+partly filled page raises its scale and requantizes the values already there. Scales are powers of two, so that
+requantization only shifts exponents: a page written token by token holds the same e4m3 values as one written in
+one call (a value that drops into e4m3's subnormal range is rounded again). A write that starts a page (a token at
+offset 0) drops the scale of the page's previous owner.
 
-On a mesh the pools shard pages on `seq` and kv heads on `tensor` (`POOL_AXES`). Shard d of S holds the global
-pages [d * P/S, (d+1) * P/S) as its local pages 0 .. P/S - 1, local page 0 being its null page, and by the host
-allocator's placement policy (lcjax.cache.pages) page-table slot m of every sequence lives on shard m % S. Inside
-shard_map, `shard_table`, `shard_lengths` and `write_shard` turn the global page table, lengths and slots into
-this shard's view, so the attention kernels see an ordinary (smaller) paged cache.
+On a mesh the pools shard pages on `seq` and kv heads on `tensor` (`POOL_AXES`, scales `SCALE_AXES`). Shard d of
+S holds the global pages [d * P/S, (d+1) * P/S) as its local pages 0 .. P/S - 1, local page 0 being its null page,
+and by the host allocator's placement policy (lcjax.cache.pages) page-table slot m of every sequence lives on
+shard m % S. Inside shard_map, `shard_table`, `shard_lengths` and `write_shard` turn the global page table,
+lengths and slots into this shard's view, so the attention kernels see an ordinary (smaller) paged cache.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ import jax.numpy as jnp
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 2.0 ** -32    # the smallest page scale (an all-zero page's)
 POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")    # [L, P, Z, K, H]
-SCALE_AXES = ("layers", "kv_heads")                              # [L, K]
+SCALE_AXES = ("layers", "pages", "kv_heads")                     # [L, P, K]
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +39,7 @@ SCALE_AXES = ("layers", "kv_heads")                              # [L, K]
 class PagedKV:
   k: jax.Array                        # [L, P, Z, K, H]
   v: jax.Array                        # [L, P, Z, K, H]
-  k_scale: jax.Array | None = None    # [L, K] float32, fp8 pools only
+  k_scale: jax.Array | None = None    # [L, P, K] float32, fp8 pools only
   v_scale: jax.Array | None = None
 
   @property
@@ -48,6 +53,10 @@ class PagedKV:
   @property
   def quantized(self) -> bool:
     return self.k_scale is not None
+
+  def parts(self) -> tuple:
+    """The arrays that hold a page, each [L, P, ...]: (k, v), then (k_scale, v_scale) for fp8 pools."""
+    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
 
   def nbytes(self) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self))
@@ -64,64 +73,108 @@ def cache_shardings(mesh, quantized: bool) -> PagedKV:
   return PagedKV(pool, pool, scale, scale)
 
 
-def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, fp8_scale=None,
-               mesh=None) -> PagedKV:
-  """A zeroed pool, sharded on `mesh` when one is given (made in place on each device, never gathered).
-
-  For fp8, `fp8_scale` [L, 2, K] (or a scalar) is the largest |k| and |v| per layer and kv head that the pool
-  must represent; scale = absmax / 448."""
+def init_cache(n_layers, num_pages, page_size, n_kv_heads, head_dim, dtype, *, mesh=None) -> PagedKV:
+  """A zeroed pool (scales too: no page holds anything yet), sharded on `mesh` when one is given (made in place
+  on each device, never gathered)."""
   shape = cache_shape(n_layers, num_pages, page_size, n_kv_heads, head_dim)
   dtype = jnp.dtype(dtype)
   fp8 = dtype == jnp.float8_e4m3fn
-  absmax = jnp.broadcast_to(jnp.asarray(16.0 if fp8_scale is None else fp8_scale, jnp.float32),
-                            (n_layers, 2, n_kv_heads))
 
-  def make(absmax):
-    # Two distinct buffers: the cache is donated, and one buffer cannot be donated twice.
+  def make():
+    # Distinct buffers: the cache is donated, and one buffer cannot be donated twice.
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if not fp8:
       return PagedKV(k, v)
-    return PagedKV(k, v, absmax[:, 0] / FP8_MAX, absmax[:, 1] / FP8_MAX)
+    scale = (n_layers, num_pages, n_kv_heads)
+    return PagedKV(k, v, jnp.zeros(scale, jnp.float32), jnp.zeros(scale, jnp.float32))
 
   out = cache_shardings(mesh, fp8) if mesh is not None else None
-  return jax.jit(make, out_shardings=out)(absmax)
+  return jax.jit(make, out_shardings=out)()
 
 
-def quantize(x, scale):
-  """x [..., K, H] -> pool dtype; scale [K] float32 (fp8 pools) or None."""
-  if scale is None:
-    return x
-  y = x.astype(jnp.float32) / scale[:, None]
-  return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+def scale_for(absmax):
+  """The page scale that holds values up to `absmax` (any shape): the smallest power of two >= absmax / 448, at
+  least SCALE_FLOOR. A power of two, so x / scale and a change of scale only shift exponents."""
+  a = jnp.maximum(jnp.asarray(absmax, jnp.float32) / FP8_MAX, SCALE_FLOOR)
+  m, e = jnp.frexp(a)                                   # a = m * 2^e, m in [0.5, 1)
+  return jnp.ldexp(jnp.ones_like(a), jnp.where(m == 0.5, e - 1, e))
 
 
-def write_layer(pool, new, slots, layer):
-  """Scatter new [B, T, K, H] (already in pool dtype) into layer `layer` of the whole pool [L, P, Z, K, H] at
-  flat slots [B, T] (page * Z + offset).
+def written_pages(slots, page_size: int):
+  """The global pages a call's tokens land in: slots [B, T] -> [B, J], J = (T - 2) // Z + 2 (the most pages T
+  consecutive tokens can span). A row's tokens fill consecutive positions, so its j-th page starts at token
+  j * Z - (offset of its first token); indices clipped into the row repeat a page (harmless: the writes are
+  identical), and padded tokens (slot 0) give the null page. Computed in the call's token order, before any
+  layout permutation."""
+  B, T = slots.shape
+  Z = page_size
+  J = (T - 2) // Z + 2
+  idx = jnp.clip(jnp.arange(J, dtype=jnp.int32)[None, :] * Z - slots[:, :1] % Z, 0, T - 1)
+  return jnp.take_along_axis(slots, idx, axis=1) // Z
+
+
+def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
+  """Write new [B, T, K, H] at global slots [B, T] into layer `layer` of a pool [L, Pl, Z, K, H] holding the
+  global pages first .. first + Pl - 1 (tokens of other pages are dropped). Returns (pool, scale).
 
   The scatter indexes (layer, page, offset) of the 5-d pool, in place: a scatter into a reshaped view
   ([L*P*Z, K, H]) makes XLA copy the whole pool on every call when K is 1 (it relayouts the unit dimension),
-  and K is 1 per device for Llama-3-70B on 8 tensor devices."""
-  Z = pool.shape[2]
+  and K is 1 per device for Llama-3-70B on 8 tensor devices.
+
+  fp8 (scale [L, Pl, K], pages [B, J] = written_pages(slots)):
+    1. a page written at offset 0 is new to its sequence: its scale (a previous owner's) is dropped; every page's
+       scale becomes the max of what it had and scale_for(max_H |x|) of each of its new tokens (a scatter-max);
+    2. the written pages whose scale grew are requantized: stored values times old / new scale, a power of two
+       (0 for a new page: a previous owner's values are never read);
+    3. the new tokens are quantized with their page's new scale and scattered."""
+  Pl, Z = pool.shape[1:3]
   s = slots.reshape(-1)
-  return pool.at[layer, s // Z, s % Z].set(new.reshape(-1, *pool.shape[3:]).astype(pool.dtype))
+  page = s // Z - first
+  page = jnp.where((page >= 0) & (page < Pl), page, Pl)            # out of bounds: dropped
+  x = new.reshape(-1, *pool.shape[3:])                              # [N, K, H]
+  if scale is None:
+    return pool.at[layer, page, s % Z].set(x.astype(pool.dtype), mode="drop"), None
+  x = x.astype(jnp.float32)
+  starts = jnp.where(s % Z == 0, page, Pl)
+  scale = scale.at[layer, starts].set(0.0, mode="drop")
+  wp = pages.reshape(-1) - first                                    # [M] written pages, local
+  wp = jnp.where((wp >= 0) & (wp < Pl), wp, Pl)
+  wpc = jnp.minimum(wp, Pl - 1)
+  old = scale[layer, wpc]                                           # [M, K]
+  scale = scale.at[layer, page].max(scale_for(jnp.abs(x).max(axis=-1)), mode="drop")
+  ratio = old / scale[layer, wpc]
+  grew = jnp.any(ratio != 1.0, axis=-1)
+  stored = (pool[layer, wpc].astype(jnp.float32) * ratio[:, None, :, None]).astype(pool.dtype)
+  pool = pool.at[layer, jnp.where(grew, wp, Pl)].set(stored, mode="drop")
+  y = x / scale[layer, jnp.minimum(page, Pl - 1)][:, :, None]
+  y = jnp.clip(y, -FP8_MAX, FP8_MAX).astype(pool.dtype)
+  return pool.at[layer, page, s % Z].set(y, mode="drop"), scale
+
+
+def write_layer(pool, scale, new, slots, pages, layer):
+  """Write new [B, T, K, H] (activation dtype) into layer `layer` of the whole pool [L, P, Z, K, H] at flat slots
+  [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
+  otherwise). Returns (pool, scale)."""
+  return _write(pool, scale, new, slots, pages, layer)
 
 
 def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
-  """Copy-on-write: pages src [C] -> dst [C] in every layer (for a shared, partly filled last page)."""
-  return dataclasses.replace(cache, k=cache.k.at[:, dst].set(cache.k[:, src]),
-                             v=cache.v.at[:, dst].set(cache.v[:, src]))
+  """Copy-on-write: pages src [C] -> dst [C] in every layer (for a shared, partly filled last page), scales too."""
+  return PagedKV(*(x.at[:, dst].set(x[:, src]) for x in cache.parts()))
 
 
-def gather_pages(cache: PagedKV, pages):
-  """K, V of `pages` [n] in every layer: [L, n, Z, K, H] each (pages evicted to the host tier)."""
-  return cache.k[:, pages], cache.v[:, pages]
+def gather_pages(cache: PagedKV, pages) -> tuple:
+  """`cache.parts()` of `pages` [n] in every layer (pages evicted to the host tier): K, V [L, n, Z, K, H] and, for
+  fp8 pools, their scales [L, n, K]."""
+  return tuple(x[:, pages] for x in cache.parts())
 
 
-def scatter_pages(cache: PagedKV, pages, k, v) -> PagedKV:
-  """Write K, V [L, n, Z, K, H] into `pages` [n] of every layer (pages back from the host tier)."""
-  return dataclasses.replace(cache, k=cache.k.at[:, pages].set(k.astype(cache.k.dtype)),
-                             v=cache.v.at[:, pages].set(v.astype(cache.v.dtype)))
+def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
+  """Write what gather_pages returned (K, V [L, n, Z, K, H], then the scales [L, n, K] of fp8 pools) into `pages`
+  [n] of every layer (pages back from the host tier)."""
+  if len(parts) != len(cache.parts()):
+    raise ValueError(f"{len(parts)} arrays for a cache of {len(cache.parts())} (K, V and, for fp8, their scales)")
+  return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype)) for x, y in zip(cache.parts(), parts)))
 
 
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
@@ -147,12 +200,8 @@ def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):
   return jnp.clip(kv_len[:, None] - m[None, :] * page_size, 0, page_size).sum(axis=1).astype(jnp.int32)
 
 
-def write_shard(pool, new, slots, shard, layer):
-  """Scatter the tokens whose global slot lies on this shard into layer `layer` of its local pool
-  [L, P/S, Z, K, H] (in place, as `write_layer`); new [B, T, K, H] (pool dtype), slots [B, T] global. Other
-  shards' tokens are dropped here (they write them)."""
-  Pl, Z = pool.shape[1:3]
-  s = slots.reshape(-1)
-  page = s // Z - shard * Pl
-  page = jnp.where((page >= 0) & (page < Pl), page, Pl)            # out of bounds: dropped
-  return pool.at[layer, page, s % Z].set(new.reshape(-1, *pool.shape[3:]).astype(pool.dtype), mode="drop")
+def write_shard(pool, scale, new, slots, pages, shard, layer):
+  """`write_layer` on this shard's local pool [L, P/S, Z, K, H] (and scales [L, P/S, K]): the tokens and written
+  pages whose global page lies on this shard; other shards' are dropped here (they write them). new [B, T, K, H],
+  slots [B, T] and pages [B, J] global. Returns (pool, scale)."""
+  return _write(pool, scale, new, slots, pages, layer, shard * pool.shape[1])

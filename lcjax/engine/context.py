@@ -7,13 +7,18 @@ heads are dropped), so a context saved at one mesh restores at another: restorin
 target pool (each on the shard of its table slot) and writes them, after first sharing whatever full pages the
 prefix cache still holds.
 
+fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
+
 On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (lcjax.checkpoint.atomic:
 a killed save leaves nothing that loads, and the next save to DST removes what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
-                 count, layout and fp8 scales; written last
+                 count and layout; written last
   tokens.npy     int32 token ids
   kv.bin         for each layer, K then V pages [n_pages, Z, K, H] in the cache dtype, raw (streamed in and out
                  at disk speed; one layer in host memory at a time)
+  scales.npy     fp8 caches: the pages' K and V scales [L, 2, n_pages, K] float32
+Format lcjax-context-v1 (before per-page scales) is read too: its fp8 pages were stored with one scale per
+(layer, kv head), context.json's k_scale / v_scale [L, K], which every page of the layer takes.
 
 Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
 """
@@ -36,8 +41,10 @@ from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.engine.requests import RequestError
 
-FORMAT = "lcjax-context-v1"
+FORMAT = "lcjax-context-v2"
+FORMATS = ("lcjax-context-v1", FORMAT)      # read
 META_FILE = "context.json"
+SCALES_FILE = "scales.npy"
 
 
 class ContextError(ValueError):
@@ -54,21 +61,18 @@ def _block(n: int) -> int:
   return BLOCK_PAGES if n > BLOCK_PAGES // 4 else 1 << max(0, n - 1).bit_length()
 
 
-def _gather(cache, layer, pages, rep: int):
-  """K, V of `pages` of one layer, the model's own KV heads: [b, Z, K, H] each."""
-  return cache.k[layer, pages][..., ::rep, :], cache.v[layer, pages][..., ::rep, :]
+def _gather(cache, layer, pages, rep: int) -> tuple:
+  """`cache.parts()` of `pages` of one layer, the model's own KV heads: K, V [b, Z, K, H] (and fp8 scales
+  [b, K])."""
+  k, v, *scales = (x[layer, pages] for x in cache.parts())
+  return (k[..., ::rep, :], v[..., ::rep, :], *(s[..., ::rep] for s in scales))
 
 
-def _scatter(cache, layer, pages, k, v, rep: int, ratio=None):
-  """Write K, V [b, Z, K, H] (the model's KV heads) into `pages` of one layer. ratio: [2, K] factors (saved scale /
-  this pool's scale) that requantize fp8 values stored with other scales."""
-  def put(x, r):
-    if r is not None:
-      x = jnp.clip(x.astype(jnp.float32) * r[:, None], -kvc.FP8_MAX, kvc.FP8_MAX)
-    return jnp.repeat(x, rep, axis=-2).astype(cache.k.dtype)
-  k, v = put(k, None if ratio is None else ratio[0]), put(v, None if ratio is None else ratio[1])
-  return type(cache)(cache.k.at[layer, pages].set(k), cache.v.at[layer, pages].set(v), cache.k_scale,
-                     cache.v_scale)
+def _scatter(cache, layer, pages, parts, rep: int):
+  """Write what _gather returned (the model's KV heads) into `pages` of one layer."""
+  k, v, *scales = parts
+  parts = (jnp.repeat(k, rep, axis=-2), jnp.repeat(v, rep, axis=-2), *(jnp.repeat(s, rep, axis=-1) for s in scales))
+  return kvc.PagedKV(*(x.at[layer, pages].set(y.astype(x.dtype)) for x, y in zip(cache.parts(), parts)))
 
 
 class _Mover:
@@ -81,16 +85,14 @@ class _Mover:
     replicated = NamedSharding(mesh, PartitionSpec())
     self.replicated = replicated
     gather = lambda c, l, p: _gather(c, l, p, rep)
-    self.gather = jax.jit(gather, out_shardings=(replicated, replicated))
+    self.gather = jax.jit(gather, out_shardings=replicated)
     out = kvc.cache_shardings(mesh, engine.fp8_cache)
-    self.scatter = jax.jit(lambda c, l, p, k, v: _scatter(c, l, p, k, v, rep), donate_argnums=0,
+    self.scatter = jax.jit(lambda c, l, p, parts: _scatter(c, l, p, parts, rep), donate_argnums=0,
                            out_shardings=out)
-    self.requantize = jax.jit(lambda c, l, p, k, v, r: _scatter(c, l, p, k, v, rep, r), donate_argnums=0,
-                              out_shardings=out)
     self.pinned = None
     if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
       host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
-      self.pinned = jax.jit(gather, out_shardings=(host, host))
+      self.pinned = jax.jit(gather, out_shardings=host)
 
 
 def _mover(engine) -> _Mover:
@@ -109,23 +111,24 @@ def _gather_jobs(engine, pages: list[int]):
 
 
 def _blocks_out(engine, pages: list[int]):
-  """Yield (layer, first page index, K, V): numpy arrays [b, Z, K, H] of consecutive pages, layer by layer, in
-  page order; the next block's device-to-host copy is under way while the current one is handed over."""
+  """Yield (layer, first page index, parts): numpy K, V [b, Z, K, H] (and fp8 scales [b, K]) of consecutive pages,
+  layer by layer, in page order; the next block's device-to-host copy is under way while the current one is
+  handed over."""
   mover, sched = _mover(engine), engine.scheduler
   B, idx, jobs = _gather_jobs(engine, pages)
 
   def start(job):
     l, j = job
-    k, v = mover.gather(sched.cache, jnp.int32(l), idx[j])
-    k.copy_to_host_async()
-    v.copy_to_host_async()
-    return k, v
+    parts = mover.gather(sched.cache, jnp.int32(l), idx[j])
+    for x in parts:
+      x.copy_to_host_async()
+    return parts
 
   nxt = start(jobs[0])
   for i, (l, j) in enumerate(jobs):
     cur, nxt = nxt, (start(jobs[i + 1]) if i + 1 < len(jobs) else None)
     b = min(B, len(pages) - j * B)
-    yield l, j * B, np.asarray(cur[0])[:b], np.asarray(cur[1])[:b]
+    yield l, j * B, tuple(np.asarray(x)[:b] for x in cur)
 
 
 def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
@@ -137,9 +140,9 @@ def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
       B, idx, jobs = _gather_jobs(engine, pages)
       out = []
       for i, (l, j) in enumerate(jobs):
-        out.append((l, j * B, *mover.pinned(sched.cache, jnp.int32(l), idx[j])))
+        out.append((l, j * B, mover.pinned(sched.cache, jnp.int32(l), idx[j])))
         if i >= _IN_FLIGHT:     # each call holds its block on the device until its copy lands: bound them
-          jax.block_until_ready(out[i - _IN_FLIGHT][2:])
+          jax.block_until_ready(out[i - _IN_FLIGHT][2])
       jax.block_until_ready(out)
       return out, "pinned_host"
     except Exception as e:  # noqa: BLE001 - a backend that lists pinned memory but cannot place outputs there
@@ -148,15 +151,15 @@ def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
   return list(_blocks_out(engine, pages)), "numpy"
 
 
-def _write_blocks(engine, pages: list[int], blocks, first: int = 0, ratio=None) -> None:
-  """Write host blocks (layer, first page index s, K, V [b, Z, K, H]) into the context's pages[s:s + b]. Blocks
-  wholly before page index `first` (shared from the prefix cache) are skipped; rows before it in a block, and rows
-  past the context, go to the null page, which is never read. ratio: [L, 2, K] fp8 requantization factors."""
+def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
+  """Write host blocks (layer, first page index s, parts: K, V [b, Z, K, H] and fp8 scales [b, K]) into the
+  context's pages[s:s + b]. Blocks wholly before page index `first` (shared from the prefix cache) are skipped;
+  rows before it in a block, and rows past the context, go to the null page, which is never read."""
   mover, sched = _mover(engine), engine.scheduler
   n = len(pages)
   sent = 0
-  for l, s, k, v in blocks:
-    b = len(k)
+  for l, s, parts in blocks:
+    b = len(parts[0])
     if s + b <= first:
       continue
     B = _block(b)
@@ -164,12 +167,9 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0, ratio=None) 
     for i in range(max(0, first - s), min(b, n - s)):
       target[i] = pages[s + i]
     if B != b:
-      k, v = (np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in (k, v))
-    k, v = (jax.device_put(x, mover.replicated) for x in (k, v))
-    if ratio is None:
-      sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), k, v)
-    else:
-      sched.cache = mover.requantize(sched.cache, jnp.int32(l), jnp.asarray(target), k, v, ratio[l])
+      parts = [np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in parts]
+    parts = tuple(jax.device_put(x, mover.replicated) for x in parts)
+    sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), parts)
     sent += 1
     if sent % _IN_FLIGHT == 0:    # each block waits on the device until its scatter runs: bound them
       jax.block_until_ready(sched.cache.k)
@@ -223,7 +223,7 @@ class Context:
     self.seq: int | None = None
     self._finalizer = None
     self._hold(seq)
-    self._host = None             # [(layer, first page index, K, V)] host blocks while offloaded
+    self._host = None             # [(layer, first page index, parts)] host blocks while offloaded
     self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
     self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
 
@@ -318,22 +318,24 @@ class Context:
       with eng.scheduler.lock:
         pages = self.pages()
         np.save(os.path.join(out.tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
+        cache = eng.scheduler.cache
+        scales = np.zeros((eng.cfg.n_layers, 2, len(pages), eng.cfg.n_kv_heads), np.float32)
         with open(os.path.join(out.tmp, "kv.bin"), "wb") as f:
           layer = []                                 # one layer's blocks: its K pages are written before its V
-          for l, _, k, v in _blocks_out(eng, pages):
-            layer.append((k, v))
+          for l, s, parts in _blocks_out(eng, pages):
+            layer.append(parts)
+            if cache.quantized:
+              scales[l, :, s:s + len(parts[0])] = parts[2:]
             if len(layer) * _block(len(pages)) >= len(pages):
               for part in (0, 1):
                 for kv in layer:
                   f.write(np.ascontiguousarray(kv[part]).view(np.uint8))
               layer = []
-        cache = eng.scheduler.cache
+        if cache.quantized:
+          np.save(os.path.join(out.tmp, SCALES_FILE), scales)
         meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
                     page_size=eng.run.page_size, layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads,
                     head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta)
-        if cache.quantized:
-          meta.update(k_scale=np.asarray(cache.k_scale)[:, ::eng.kv_rep].tolist(),
-                      v_scale=np.asarray(cache.v_scale)[:, ::eng.kv_rep].tolist())
       with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
       out.commit()
@@ -364,9 +366,27 @@ def read_meta(path: str) -> dict:
       meta = json.load(f)
   except json.JSONDecodeError as e:
     raise ContextError(f"{meta_path} is corrupt ({e.msg} at line {e.lineno}): save the context again") from None
-  if meta.get("format") != FORMAT:
-    raise ContextError(f"{path} has format {meta.get('format')!r}, this lcjax reads {FORMAT!r}")
+  if meta.get("format") not in FORMATS:
+    raise ContextError(f"{path} has format {meta.get('format')!r}, this lcjax reads {' and '.join(FORMATS)}")
   return meta
+
+
+def _saved_scales(path: str, meta: dict) -> np.ndarray:
+  """The fp8 scales of a saved context's pages, [L, 2, n, K] float32 (v1: its per-layer scales on every page)."""
+  L, n, K = meta["layers"], meta["pages"], meta["kv_heads"]
+  if meta["format"] == "lcjax-context-v1":
+    per_layer = np.stack([np.asarray(meta["k_scale"]), np.asarray(meta["v_scale"])], 1).astype(np.float32)
+    if per_layer.shape != (L, 2, K):
+      raise ContextError(f"{path}: fp8 scales of shape {per_layer.shape}, expected {(L, 2, K)}: save it again")
+    return np.broadcast_to(per_layer[:, :, None], (L, 2, n, K))
+  scales_path = os.path.join(path, SCALES_FILE)
+  if not os.path.isfile(scales_path):
+    raise ContextError(f"{path} holds fp8 pages but no {SCALES_FILE}: save the context again")
+  scales = np.load(scales_path)
+  if scales.shape != (L, 2, n, K) or scales.dtype != np.float32:
+    raise ContextError(f"{scales_path} holds {scales.dtype} {scales.shape}, {n} pages need float32 "
+                       f"{(L, 2, n, K)}: save the context again")
+  return scales
 
 
 def load_context(engine, path) -> Context:
@@ -376,22 +396,12 @@ def load_context(engine, path) -> Context:
   if diff:
     raise ContextError(f"the context at {path} was saved by another model or run config ({diff})")
   cache = engine.scheduler.cache
-  ratio = None
-  if cache.quantized:
-    # Calibrated scales differ in their last bits between meshes: values stored with other scales are
-    # requantized to this pool's (bit-identical when the scales are equal).
-    rep = engine.kv_rep
-    mine = np.stack([np.asarray(cache.k_scale)[:, ::rep], np.asarray(cache.v_scale)[:, ::rep]], 1)   # [L, 2, K]
-    saved = np.stack([np.asarray(meta["k_scale"]), np.asarray(meta["v_scale"])], 1).astype(np.float32)
-    if saved.shape != mine.shape:
-      raise ContextError(f"{path}: fp8 scales of shape {saved.shape}, this engine's are {mine.shape}")
-    if not np.array_equal(saved, mine):
-      ratio = jnp.asarray(saved / mine, jnp.float32)
   ids = np.load(os.path.join(path, "tokens.npy")).tolist()
   n, Z, K, H = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"]
   if len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
     raise ContextError(f"{path}: tokens.npy holds {len(ids)} tokens, context.json says {meta['tokens']} in {n} "
                        "pages: save the context again")
+  scales = _saved_scales(path, meta) if cache.quantized else None        # [L, 2, n, K]
   engine.limits.check(0, ids, 1)
   dtype = np.dtype(cache.k.dtype)
   layer_bytes = n * Z * K * H * dtype.itemsize
@@ -410,16 +420,17 @@ def load_context(engine, path) -> Context:
         for l in range(meta["layers"]):
           for s in range(first, n, B):
             b = min(B, n - s)
-            kv = []
+            parts = []
             for part in range(2):
               f.seek((2 * l + part) * layer_bytes + s * page_bytes)
-              kv.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
-            yield l, s, kv[0], kv[1]
-    _write_blocks(engine, pages, _prefetch(blocks()), first, ratio)
+              parts.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
+            if scales is not None:
+              parts += [scales[l, 0, s:s + b], scales[l, 1, s:s + b]]
+            yield l, s, tuple(parts)
+    _write_blocks(engine, pages, _prefetch(blocks()), first)
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)
   ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
-  ctx.stats["requantized"] = ratio is not None
   ctx.meta = dict(meta.get("meta") or {})
   return ctx

@@ -188,7 +188,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   c_item = _ITEMSIZE[run.resolved_cache_dtype]
   kv = 2 * model.n_layers * Pl * run.page_size * K_l * model.head_dim * c_item
   if run.resolved_cache_dtype == "float8_e4m3fn":
-    kv += 2 * model.n_layers * K_l * 4              # per (layer, kv head) float32 scales
+    kv += 2 * model.n_layers * Pl * K_l * 4         # per (layer, page, kv head) float32 scales
   # One prefill chunk of one layer, counted in elements per chunk token of this device's block:
   #   attention  x, h (2D); q, o (2 N_l H); k, v (2 K_l H); the float32 chunk-vs-itself and chunk-vs-prefix
   #              partials and their float32 merge (6 N_l H in w_item units)
@@ -227,15 +227,18 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,
                     K_l, comm_plan(model, run, hw, batch=batch),
-                    *_host_tier(model, run, rep, c_item))
+                    *_host_tier(model, run, rep, c_item, run.resolved_cache_dtype == "float8_e4m3fn"))
 
 
-def _host_tier(model: ModelConfig, run: RunConfig, rep: int, item: int) -> tuple[int, int]:
-  """(bytes, tokens) of the host tier: whole pages of every layer and (repeated) KV head."""
+def _host_tier(model: ModelConfig, run: RunConfig, rep: int, item: int, fp8: bool) -> tuple[int, int]:
+  """(bytes, tokens) of the host tier: whole pages of every layer and (repeated) KV head, fp8 pages with their
+  float32 scales."""
   if not run.prefix_cache or not run.host_cache_gib:
     return 0, 0
   nbytes = int(run.host_cache_gib * GiB)
-  return nbytes, nbytes // (2 * model.n_layers * model.n_kv_heads * rep * model.head_dim * item)
+  Z = run.page_size
+  page = 2 * model.n_layers * model.n_kv_heads * rep * (Z * model.head_dim * item + (4 if fp8 else 0))
+  return nbytes, nbytes // page * Z
 
 
 def require_fit(p: MemoryPlan, model: ModelConfig, run: RunConfig, device_bytes: int, device: str) -> None:

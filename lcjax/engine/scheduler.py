@@ -145,9 +145,10 @@ class Scheduler:
     keys, pages = zip(*victims)
     idx = np.zeros(_bucket(len(pages), 1), np.int32)   # padded with the null page: one compile per power of two
     idx[:len(pages)] = pages
-    k, v = (np.asarray(x) for x in self.steps.gather_pages(self.cache, jnp.asarray(idx)))   # [L, n, Z, K, H]
+    # K, V [L, n, Z, K, H] (and fp8 scales [L, n, K])
+    parts = [np.asarray(x) for x in self.steps.gather_pages(self.cache, jnp.asarray(idx))]
     for i, key in enumerate(keys):
-      value = (np.ascontiguousarray(k[:, i]), np.ascontiguousarray(v[:, i]))
+      value = tuple(np.ascontiguousarray(x[:, i]) for x in parts)
       self.host_tier.put(key, value, self._page_bytes(value))
 
   def _host_hits(self, prompt: list[int], limit: int, on_device: int) -> list[tuple[bytes, tuple]]:
@@ -168,10 +169,11 @@ class Scheduler:
     n = _bucket(len(host), 1)
     idx = np.zeros(n, np.int32)
     idx[:len(host)] = table[first:first + len(host)]
-    k, v = (np.stack([value[i] for _, value in host], 1) for i in (0, 1))           # [L, h, Z, K, H]
+    # K, V [L, h, Z, K, H] (and fp8 scales [L, h, K])
+    parts = [np.stack([value[i] for _, value in host], 1) for i in range(len(host[0][1]))]
     if n > len(host):
-      k, v = (np.concatenate([x, np.zeros((x.shape[0], n - len(host), *x.shape[2:]), x.dtype)], 1) for x in (k, v))
-    self.cache = self.steps.scatter_pages(self.cache, jnp.asarray(idx), jnp.asarray(k), jnp.asarray(v))
+      parts = [np.concatenate([x, np.zeros((x.shape[0], n - len(host), *x.shape[2:]), x.dtype)], 1) for x in parts]
+    self.cache = self.steps.scatter_pages(self.cache, jnp.asarray(idx), *(jnp.asarray(x) for x in parts))
     self._keep_written(r)
 
   def _keep_written(self, r: Request) -> None:

@@ -58,7 +58,6 @@ class Steps:
     rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     host = {} if mesh is None else dict(out_shardings=rep)
     self.forward = jax.jit(self._forward, **host)
-    self.kv_absmax = jax.jit(lambda params, tokens: self._model(params)(tokens, return_kv_absmax=True), **host)
     self.prefill = jax.jit(self._prefill, donate_argnames=("cache",),
                            **({} if mesh is None else dict(out_shardings=(rep, cache_shardings))))
     self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps", "greedy"),
@@ -67,7 +66,7 @@ class Steps:
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
                               **({} if mesh is None else dict(out_shardings=cache_shardings)))
-    self.gather_pages = jax.jit(kvc.gather_pages, **({} if mesh is None else dict(out_shardings=(rep, rep))))
+    self.gather_pages = jax.jit(kvc.gather_pages, **({} if mesh is None else dict(out_shardings=rep)))
     self.scatter_pages = jax.jit(kvc.scatter_pages, donate_argnums=0,
                                  **({} if mesh is None else dict(out_shardings=cache_shardings)))
 

@@ -13,8 +13,8 @@ Call forms (B batch, T tokens in this call):
   logits, cache = model(tokens, positions, cache=..., slots=..., page_table=..., kv_len=...)
       decode: K/V written first, then the queries attend to `kv_len` cached tokens through the page table.
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
-logits of one position per sequence (prefill needs just the last one). `return_kv_absmax=True` (no cache)
-returns the per-layer, per-kv-head max |k| and |v| [L, 2, K] instead of logits: fp8 cache calibration.
+logits of one position per sequence (prefill needs just the last one). An fp8 cache's pages get their scales
+from the tokens written into them (lcjax.cache.kv).
 
 On a mesh (`mesh=`, axes "seq" x "tensor"; lcjax.sharding) the same call forms hold, inputs and outputs in
 natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP);
@@ -142,6 +142,7 @@ class CallContext:
   page_table: jax.Array | None    # [B, M]
   prefix_len: jax.Array | None    # [B] cached tokens before this chunk (prefill)
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
+  pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
 
 
@@ -215,25 +216,20 @@ class Llama(nnx.Module):
         o, _ = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths, causal=True)
       else:
         o = self._attend_mesh(q, k, v, step, None)
-      # Per kv head |k| and |v| maxima over the real tokens: what an fp8 cache's scales are calibrated from.
-      real = ((step.positions - start[:, None]) < step.lengths[:, None])[:, :, None, None]
-      absmax = jnp.stack([jnp.abs(jnp.where(real, k, 0)).max(axis=(0, 1, 3)),
-                          jnp.abs(jnp.where(real, v, 0)).max(axis=(0, 1, 3))]).astype(jnp.float32)
-      return o, absmax
+      return o, None
     if self.mesh is not None:
       return self._attend_mesh(q, k, v, step, cache_l)
     # The whole pools [L, P, Z, K, H] come in with the layer index: written in place at (layer, page, offset),
     # read as L*P pages (a free reshape) where layer `layer`'s page p is page layer*P + p. Slicing pool[layer]
-    # instead makes XLA copy the layer's pool (GiBs at long context) for every kernel call.
+    # instead makes XLA copy the layer's pool (GiBs at long context) for every kernel call. fp8 scales
+    # [L, P, K] are read the same way, as [L*P, K].
     k_all, v_all, layer, k_scale, v_scale = cache_l
     L, P = k_all.shape[:2]
-    k_all = kvc.write_layer(k_all, kvc.quantize(k, k_scale), step.slots, layer)
-    v_all = kvc.write_layer(v_all, kvc.quantize(v, v_scale), step.slots, layer)
+    k_all, k_scale = kvc.write_layer(k_all, k_scale, k, step.slots, step.pages, layer)
+    v_all, v_scale = kvc.write_layer(v_all, v_scale, v, step.slots, step.pages, layer)
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
     offset = layer * P                      # layer `layer`'s page p is pool page offset + p
-    # Only this layer's pages are read, so its scale can stand for every page.
-    ks = None if k_scale is None else jnp.broadcast_to(k_scale, (L * P, k_scale.shape[-1]))
-    vs = None if v_scale is None else jnp.broadcast_to(v_scale, (L * P, v_scale.shape[-1]))
+    ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
@@ -245,7 +241,7 @@ class Llama(nnx.Module):
     else:
       o, _ = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions, kv_len=step.kv_len,
                       k_scale=ks, v_scale=vs, page_offset=offset)
-    return o, (k_all, v_all)
+    return o, (k_all, v_all, k_scale, v_scale)
 
   def _attend_mesh(self, q, k, v, step: CallContext, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
@@ -270,27 +266,25 @@ class Llama(nnx.Module):
       return fn(q, k, v, step.positions, start, step.lengths)
 
     # Whole pools [L, P, Z, K, H] with the layer index, as without a mesh: locally [L, P/S, Z, K/T, H] viewed
-    # as L * P/S pages, layer `layer`'s local page p being page layer * P/S + p.
+    # as L * P/S pages, layer `layer`'s local page p being page layer * P/S + p; fp8 scales [L, P/S, K/T] alike.
     k_all, v_all, layer, k_scale, v_scale = cache_l
     decode = step.prefix_len is None
     cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
     L, Pl, Z = k_all.shape[0], k_all.shape[1] // S, k_all.shape[2]
     pool = P(None, SEQ, None, TENSOR, None)
-    scales = () if k_scale is None else (k_scale, v_scale)
+    fp8 = () if k_scale is None else (step.pages, k_scale, v_scale)
 
-    def body(q, k, v, pos, slots, start, lengths, cached, table, layer, k_all, v_all, *scales):
+    def body(q, k, v, pos, slots, start, lengths, cached, table, layer, k_all, v_all, *fp8):
       d = lax.axis_index(SEQ)
       gather = (lambda x: lax.all_gather(x, SEQ, axis=1, tiled=True)) if split else (lambda x: x)
-      ks, vs = scales if scales else (None, None)
+      pages, ks, vs = fp8 if fp8 else (None, None, None)
       slots_all = gather(slots)
-      k_all = kvc.write_shard(k_all, kvc.quantize(gather(k), ks), slots_all, d, layer)
-      v_all = kvc.write_shard(v_all, kvc.quantize(gather(v), vs), slots_all, d, layer)
+      k_all, ks = kvc.write_shard(k_all, ks, gather(k), slots_all, pages, d, layer)
+      v_all, vs = kvc.write_shard(v_all, vs, gather(v), slots_all, pages, d, layer)
       kp, vp = (a.reshape(L * Pl, *a.shape[2:]) for a in (k_all, v_all))
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
-      # Only this layer's pages are read, so its scale can stand for every page.
-      kb = None if ks is None else jnp.broadcast_to(ks, (L * Pl, ks.shape[-1]))
-      vb = None if vs is None else jnp.broadcast_to(vs, (L * Pl, vs.shape[-1]))
+      kb, vb = (None if s is None else s.reshape(L * Pl, s.shape[-1]) for s in (ks, vs))
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
       o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb,
@@ -299,15 +293,16 @@ class Llama(nnx.Module):
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if not decode:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
-      return o, k_all, v_all
+      return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
 
+    scale = P(None, SEQ, TENSOR)
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(heads, heads, heads, rows, rows, rep, rep, rep, rep, rep, pool, pool,
-                                 *(P(TENSOR),) * len(scales)),
-                       out_specs=(heads, pool, pool), check_vma=False)
-    o, k_all, v_all = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached, step.page_table,
-                         layer, k_all, v_all, *scales)
-    return o, (k_all, v_all)
+                                 *((rep, scale, scale) if fp8 else ())),
+                       out_specs=(heads, pool, pool) + ((scale, scale) if fp8 else ()), check_vma=False)
+    o, k_all, v_all, *scales = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached,
+                                  step.page_table, layer, k_all, v_all, *fp8)
+    return o, (k_all, v_all, *(scales or (None, None)))
 
   def _constrain(self, x, axes):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
@@ -326,8 +321,7 @@ class Llama(nnx.Module):
 
   # -- forward -----------------------------------------------------------------------------------
   def __call__(self, tokens, positions=None, *, cache: kvc.PagedKV | None = None, slots=None,
-               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None,
-               return_kv_absmax=False):
+               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None):
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -335,6 +329,8 @@ class Llama(nnx.Module):
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
     seq = 1 if self.mesh is None else self.mesh.shape[SEQ]
     split = seq > 1 and kv_len is None
+    # The pages an fp8 cache's writes requantize, found in the call's own token order (before any permutation).
+    pages = None if cache is None or not cache.quantized else kvc.written_pages(slots, cache.page_size)
     if split:
       # Pad to whole zigzag chunks (padding: token 0 at the following positions, written to the null page,
       # masked by `lengths`) and permute into the layout; `inv` maps a natural index to its layout slot.
@@ -348,7 +344,7 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, split)
+    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, pages, split)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 
@@ -356,22 +352,21 @@ class Llama(nnx.Module):
 
     if cache is None:
       def body(x, layer_params):
-        x, kv_absmax = self._layer(nnx.merge(graphdef, layer_params), x, step, None)
-        return x, kv_absmax
-      x, kv_absmax = jax.lax.scan(body, x, layer_state)
-      if return_kv_absmax:
-        return kv_absmax
+        x, _ = self._layer(nnx.merge(graphdef, layer_params), x, step, None)
+        return x, None
+      x, _ = jax.lax.scan(body, x, layer_state)
     else:
       def body(carry, xs):
-        x, k_all, v_all = carry
+        x, parts = carry
         layer_params, i = xs
-        scales = (None, None) if cache.k_scale is None else (cache.k_scale[i], cache.v_scale[i])
-        x, (k_all, v_all) = self._layer(nnx.merge(graphdef, layer_params), x, step, (k_all, v_all, i, *scales))
-        return (x, k_all, v_all), None
-      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v),
-                                          (layer_state, jnp.arange(self.cfg.n_layers)))
-      k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in (k_all, v_all))
-      cache = dataclasses.replace(cache, k=k_all, v=v_all)
+        k_all, v_all, k_scale, v_scale = parts
+        x, parts = self._layer(nnx.merge(graphdef, layer_params), x, step, (k_all, v_all, i, k_scale, v_scale))
+        return (x, parts), None
+      (x, parts), _ = jax.lax.scan(body, (x, (cache.k, cache.v, cache.k_scale, cache.v_scale)),
+                                   (layer_state, jnp.arange(self.cfg.n_layers)))
+      k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in parts[:2])
+      k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in parts[2:])
+      cache = kvc.PagedKV(k_all, v_all, k_scale, v_scale)
 
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)   # [B, 1, D]

@@ -1,0 +1,186 @@
+"""fp8 page scales set by the writes (lcjax.cache.kv) against a numpy oracle.
+
+Oracle: after any sequence of writes, a page's scale is the smallest power of two >= (max |x| over the tokens its
+sequence wrote into it) / 448, and every stored token dequantizes to its float value within e4m3's rounding (no
+clipping). Whatever the split of a sequence into calls (token by token as decode writes, chunks as prefill writes,
+or both), the stored values are the same wherever they are e4m3 normals.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.cache import kv as kvc
+
+L, P, Z, K, H = 2, 10, 4, 2, 8
+LAYER = 1
+RNG = np.random.default_rng(0)
+
+
+def _tokens(n, rng, big=()):
+  x = rng.normal(size=(n, K, H)).astype(np.float32)
+  for t, f in big:
+    x[t] *= f
+  return x
+
+
+# Two sequences written side by side: (page table, K or V values).
+SEQS = [([3, 6, 1], _tokens(11, RNG, big=[(6, 10.0), (9, 0.01)])),     # token 6 in page 6 is 10x the others
+        ([2, 5, 7], _tokens(9, RNG, big=[(1, 30.0)]))]
+SCHEDULES = {"one-call": [11], "decode": [1] * 11, "chunks": [4, 4, 3], "unaligned": [3, 5, 3],
+             "mixed": [5, 1, 1, 4], "chunk-then-decode": [6] + [1] * 5}
+
+
+def _empty():
+  return kvc.init_cache(L, P, Z, K, H, "float8_e4m3fn")
+
+
+@jax.jit
+def _write(cache, x, slots):
+  """Write x [B, T, K, H] at slots [B, T] into layer LAYER of K (and -x into V)."""
+  pages = kvc.written_pages(slots, Z)
+  k, ks = kvc.write_layer(cache.k, cache.k_scale, x, slots, pages, LAYER)
+  v, vs = kvc.write_layer(cache.v, cache.v_scale, -x, slots, pages, LAYER)
+  return kvc.PagedKV(k, v, ks, vs)
+
+
+def _call(seqs, start: list[int], count: list[int], T: int, pad_value=100.0):
+  """One call's x [B, T, K, H] and slots [B, T]: row b holds tokens start[b] .. start[b] + count[b] - 1 of its
+  sequence, padded (slot 0: the null page) with large values."""
+  x = np.full((len(seqs), T, K, H), pad_value, np.float32)
+  slots = np.zeros((len(seqs), T), np.int32)
+  for b, ((table, vals), s, c) in enumerate(zip(seqs, start, count)):
+    pos = np.arange(s, s + c)
+    x[b, :c] = vals[pos]
+    slots[b, :c] = np.asarray(table)[pos // Z] * Z + pos % Z
+  return jnp.asarray(x), jnp.asarray(slots)
+
+
+def _run(cache, seqs, schedule):
+  """Write every sequence by the chunk sizes of `schedule` (a row past its sequence's end is all padding)."""
+  pos = 0
+  for c in schedule:
+    T = max(4, 1 << (c - 1).bit_length()) if c > 1 else 1      # chunk calls padded like the engine's buckets
+    counts = [max(0, min(c, len(vals) - pos)) for _, vals in seqs]
+    cache = _write(cache, *_call(seqs, [pos] * len(seqs), counts, T))
+    pos += c
+  return cache
+
+
+def _oracle_scale(x):
+  """The smallest power of two >= max |x| / 448 over tokens x [n, K, H]: [K]."""
+  return 2.0 ** np.ceil(np.log2(np.abs(x).max(axis=(0, 2)).astype(np.float64) / 448.0))
+
+
+def _check_against_oracle(cache, seqs, sign=1.0, pool="k"):
+  arr, scales = (np.asarray(getattr(cache, pool)), np.asarray(getattr(cache, pool + "_scale")))
+  for table, vals in seqs:
+    vals = sign * vals
+    for j, page in enumerate(table):
+      tok = vals[j * Z:(j + 1) * Z]
+      want = _oracle_scale(tok)
+      np.testing.assert_array_equal(scales[LAYER, page], want)
+      deq = arr[LAYER, page, :len(tok)].astype(np.float32) * scales[LAYER, page][None, :, None]
+      s = want[None, :, None]
+      # e4m3: half an ulp (2^-4 relative) for normals; subnormals step 2^-9 * scale.
+      assert np.all(np.abs(deq - tok) <= 2.0 ** -4 * np.abs(tok) + 2.0 ** -9 * s), (page, deq, tok)
+  assert not np.any(np.asarray(arr[1 - LAYER], np.float32)) and not np.any(scales[1 - LAYER])
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_scales_follow_the_tokens_whatever_the_write_pattern(schedule):
+  cache = _run(_empty(), SEQS, SCHEDULES[schedule])
+  _check_against_oracle(cache, SEQS)
+  _check_against_oracle(cache, SEQS, -1.0, "v")
+  # The 10x token (page 6) would be clipped at the scale of the page's earlier tokens: the oracle check above
+  # shows it was not (the scale rose and the earlier tokens were requantized to it).
+  vals = SEQS[0][1]
+  assert np.all(np.abs(vals[6]).max(axis=-1) > 448 * _oracle_scale(vals[4:6]))
+  # Page 0 took the padding: a finite scale and finite values, never read unmasked.
+  assert np.all(np.isfinite(np.asarray(cache.k_scale))) and np.all(np.isfinite(np.asarray(cache.k, np.float32)))
+  # Normal e4m3 values are stored bit for bit as one call stores them: power-of-two scales requantize exactly.
+  one = _run(_empty(), SEQS, SCHEDULES["one-call"])
+  for (table, vals) in SEQS:
+    got, want = (np.asarray(c.k)[LAYER, table].astype(np.float32) for c in (cache, one))
+    normal = np.abs(want) >= 2.0 ** -6
+    np.testing.assert_array_equal(got[normal], want[normal])
+    np.testing.assert_array_equal(np.asarray(cache.k_scale)[LAYER, table], np.asarray(one.k_scale)[LAYER, table])
+
+
+def test_a_reused_page_starts_from_its_new_tokens_scale():
+  """A page freed by one sequence and handed to another: the first write at offset 0 drops the old owner's much
+  larger scale (kept, it would push the new tokens into e4m3's subnormals)."""
+  rng = np.random.default_rng(1)
+  old = [([1, 2], _tokens(6, rng) * 1000.0)]
+  cache = _run(_empty(), old, [6])
+  assert np.asarray(cache.k_scale)[LAYER, 2].min() > 1.0
+  new = [([2, 4], _tokens(7, rng))]
+  for schedule in ([7], [1] * 7, [2, 5]):
+    got = _run(cache, new, schedule)
+    _check_against_oracle(got, new)
+  # Copy-on-write of the new sequence's partly filled last page (4: 3 tokens), then the copy grows on its own.
+  cache = kvc.copy_pages(got, jnp.asarray([4]), jnp.asarray([5]))
+  for part in cache.parts():
+    np.testing.assert_array_equal(np.asarray(part)[:, 5], np.asarray(part)[:, 4])
+  tail = _tokens(8, rng, big=[(7, 20.0)])
+  tail[:7] = new[0][1]
+  fork = [([2, 5], tail)]
+  cache = _write(cache, *_call(fork, [7], [1], 1))
+  _check_against_oracle(cache, fork)
+  _check_against_oracle(cache, [([4], new[0][1][4:])])          # the original page is untouched
+
+
+def test_a_seq_shard_writes_its_own_pages_as_one_pool_does():
+  """write_shard on each of 2 shards (pages split in halves) == write_layer on the whole pool."""
+  S, Pl = 2, P // 2
+  whole = _run(_empty(), SEQS, SCHEDULES["unaligned"])
+
+  @jax.jit
+  def write(parts, x, slots):
+    pages = kvc.written_pages(slots, Z)
+    out = []
+    for d in range(S):
+      k, ks = (p[:, d * Pl:(d + 1) * Pl] for p in parts)
+      out.append(kvc.write_shard(k, ks, x, slots, pages, d, LAYER))
+    return tuple(jnp.concatenate(a, axis=1) for a in zip(*out))
+
+  parts = (_empty().k, _empty().k_scale)
+  pos = 0
+  for c in SCHEDULES["unaligned"]:
+    counts = [max(0, min(c, len(vals) - pos)) for _, vals in SEQS]
+    parts = write(parts, *_call(SEQS, [pos] * 2, counts, max(4, 1 << (c - 1).bit_length())))
+    pos += c
+  np.testing.assert_array_equal(np.asarray(parts[1]), np.asarray(whole.k_scale))
+  np.testing.assert_array_equal(np.asarray(parts[0], np.float32), np.asarray(whole.k, np.float32))
+
+
+def test_pages_move_with_their_scales():
+  """gather_pages / scatter_pages (the host tier) carry the scales; a float pool has none to carry."""
+  cache = _run(_empty(), SEQS, [11])
+  idx = jnp.asarray([3, 6, 1])
+  parts = kvc.gather_pages(cache, idx)
+  assert [p.shape for p in parts] == [(L, 3, Z, K, H)] * 2 + [(L, 3, K)] * 2
+  back = kvc.scatter_pages(_empty(), idx, *parts)
+  for a, b in zip(back.parts(), cache.parts()):
+    np.testing.assert_array_equal(np.asarray(a, np.float32)[:, idx], np.asarray(b, np.float32)[:, idx])
+  with pytest.raises(ValueError, match="2 arrays for a cache of 4"):
+    kvc.scatter_pages(cache, idx, *parts[:2])
+  plain = kvc.init_cache(L, P, Z, K, H, "float32")
+  assert len(kvc.gather_pages(plain, idx)) == 2 and plain.k_scale is None
+
+
+def test_written_pages_cover_every_page_a_row_writes():
+  """Rows starting at any offset, of any length up to T, padded with slot 0: every page holding one of the row's
+  tokens is listed (the null page may be too), and nothing else."""
+  T = 9
+  for start in range(Z):
+    for n in range(1, T + 1):
+      table = np.asarray([7, 3, 9, 2, 5])
+      pos = start + np.arange(n)
+      slots = np.zeros((1, T), np.int32)
+      slots[0, :n] = table[pos // Z] * Z + pos % Z
+      got = set(np.asarray(kvc.written_pages(jnp.asarray(slots), Z)).ravel().tolist())
+      want = set(table[pos // Z].tolist())
+      assert want <= got <= want | {0}, (start, n, got, want)

@@ -228,6 +228,18 @@ def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch):
   assert eng.fingerprint != base.fingerprint
 
 
+def test_engine_fp8_attention_over_an_fp8_cache():
+  """FP8 attention reading a prefix from fp8 pages (per-page scales, dequantized per block): logits of a chunked
+  prefill within FP8's error of float32 attention over a float32 cache, the same top-1."""
+  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
+  prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 300)]
+  exact = Engine.random(TINY128, run=run, seed=6).prompt_logits(prompt)
+  got = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"),
+                      seed=6).prompt_logits(prompt)
+  assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.04
+  assert int(np.argmax(got)) == int(np.argmax(exact))
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
 def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
   """Ring attention over `seq` shards calls the FP8 backend per block pair, and each shard's cached prefix (rows

@@ -4,7 +4,7 @@
 Layer L0: stdlib, numpy, sentencepiece, tokenizers (jinja2 only when a chat template is rendered).
 
     tok = Tokenizer(ckpt_dir)                 # BOS/EOS/add_bos from lcjax_config.json when present
-    ids = tok.encode("Hello")                 # BOS prepended iff the model adds one
+    ids = tok.encode("Hello")                 # BOS prepended iff the model adds one (never a second)
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
     dec = IncrementalDecoder(tok); text = dec.push([id]) ... + dec.flush()
 """
@@ -195,9 +195,12 @@ class Tokenizer:
     return self._b.id_to_token(i)
 
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-    """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their ids."""
+    """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their ids. BOS is
+    prepended when the model adds one (or add_bos says so) and the text does not already start with it (a
+    rendered chat template writes its own)."""
     ids = self._b.encode(text)
-    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+    if ((self.add_bos if add_bos is None else add_bos) and self.bos_id is not None
+        and ids[:1] != [self.bos_id]):
       ids = [self.bos_id] + ids
     return ids
 

@@ -401,3 +401,70 @@ def test_static_routes_to_the_reference_are_announced_on_a_gpu(monkeypatch, capl
     call()
   assert "attention backend cudnn runs this call through the jnp reference (slow): a decode row over fp8 pages" \
       in caplog.text
+
+
+def _flash_in_jnp(q, k, v, d, kv_len=None, *, causal=True, tuning=None, _reference=ref.attention_dense):
+  """The Mosaic GPU flash kernel's contract in jnp (no CPU interpreter runs the kernel): its stand-in here, through
+  the dense baseline so that a poisoned blockwise reference does not reach it."""
+  q_pos = d[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+  return _reference(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "pallas"])
+def test_routes_to_the_reference_decided_at_run_time_are_announced(backend, monkeypatch, caplog):
+  """Blocks sent to the reference by a lax.cond on their positions log one line with the reason when that branch
+  runs on a GPU (the reference poisoned to NaN tells which branch ran), once per reason per process; blocks the
+  kernel serves log nothing, and a CPU adds no callback at all."""
+  B, T, S, N, K, H = 2, 8, 24, 4, 2, 16
+  q, k, v = rand_qkv(6, B, T, S, N, K, H)
+  k_start = jnp.zeros(B, jnp.int32)
+  rows = {"contiguous": jnp.array([[5 + t for t in range(T)], [16 + t for t in range(T)]], jnp.int32),
+          "noncontiguous": jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [16 + t for t in range(T)]], jnp.int32),
+          "before-first-key": jnp.array([[t - 3 for t in range(T)], [16 + t for t in range(T)]], jnp.int32)}
+  monkeypatch.setattr(pallas_flash, "flash_attention", _flash_in_jnp)
+  be = EMU if backend == "cudnn" else pallas_flash.PallasBackend(interpret=True)
+  _poison(monkeypatch, "attention_reference")
+
+  def run(name):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      out = f(q, k, v, q_pos=rows[name], k_start=k_start)
+      jax.block_until_ready(out)
+      jax.effects_barrier()
+    lines = [r.getMessage() for r in caplog.records if "jnp reference" in r.getMessage()]
+    return bool(np.isnan(np.asarray(out[0])).any()), lines
+
+  f = jax.jit(functools.partial(be.attend, causal=True))
+  assert run("noncontiguous") == (True, [])                     # CPU: the reference runs, nothing to announce
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(ref, "_announced", set())
+  f = jax.jit(functools.partial(be.attend, causal=True))        # traced again, "on a GPU"
+  assert run("contiguous") == (False, [])
+  head = f"attention backend {backend} ran a call through the jnp reference (slow), decided by the positions at " \
+         "run time: "
+  assert run("noncontiguous") == (True, [head + ref.NONCONTIGUOUS_ROWS])
+  assert run("noncontiguous") == (True, [])                     # once per reason per process
+  assert run("before-first-key") == (True, [head + ref.ROWS_BEFORE_FIRST_KEY])
+  assert run("contiguous") == (False, [])
+
+
+def test_paged_routes_to_the_reference_decided_at_run_time_are_announced(monkeypatch, caplog):
+  """cuDNN's paged chunk: non-contiguous rows that see part of the pages run the reference and say why."""
+  B, T, N, K, H, Z, M, P = 2, 4, 4, 2, 16, 8, 4, 10
+  q, kp, vp, table, _, _, _, _ = rand_pages(8, B, T, N, K, H, Z, M, P)
+  kv_len = jnp.array([20, 12], jnp.int32)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(ref, "_announced", set())
+  f = jax.jit(EMU.paged)
+
+  def lines(q_pos):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      jax.block_until_ready(f(q, kp, vp, table, q_pos=jnp.array(q_pos, jnp.int32), kv_len=kv_len))
+      jax.effects_barrier()
+    return [r.getMessage() for r in caplog.records if "jnp reference" in r.getMessage()]
+
+  assert lines([[16, 17, 18, 19], [8, 9, 10, 11]]) == []
+  assert lines([[16, 19, 17, 18], [8, 9, 10, 11]]) == [
+      "attention backend cudnn ran a call through the jnp reference (slow), decided by the positions at run time: "
+      + ref.NONCONTIGUOUS_ROWS]

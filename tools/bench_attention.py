@@ -9,6 +9,9 @@ against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse -
 size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near the
 L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
 cut short still leaves what it measured. A watchdog ends the process if one measurement stalls (a hung kernel).
+Prefill rows `-positions` pass q_pos and k_start as the engine does (the backend picks its kernel with a lax.cond
+on them); `-positions-quiet` is the same graph without the reference branch's run-time announcement, so the pair
+shows what that callback costs when the kernel runs.
 """
 from __future__ import annotations
 
@@ -208,6 +211,12 @@ def prefill_impls():
       "lcjax-pallas": (True, lambda q, k, v: pallas_flash.PallasBackend().attend(q, k, v, causal=True)),
       "lcjax-pallas-nolse": (True, lambda q, k, v: pallas_flash.flash_attention(q, k, v, causal=True,
                                                                                save_lse=False)[0]),
+      # The engine's call: explicit positions, so the backend picks its kernel with a lax.cond on them (whose
+      # reference branch holds the run-time announcement); "-quiet" is the same graph without that callback.
+      "lcjax-cudnn-positions": (True, _positioned(cudnn.CudnnBackend())),
+      "lcjax-cudnn-positions-quiet": (True, _quiet(_positioned(cudnn.CudnnBackend()))),
+      "lcjax-pallas-positions": (True, _positioned(pallas_flash.PallasBackend())),
+      "lcjax-pallas-positions-quiet": (True, _quiet(_positioned(pallas_flash.PallasBackend()))),
       "cudnn-public": (False, lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                            implementation="cudnn")),
       "cudnn-public-lse": (False, lambda q, k, v: jax.nn.dot_product_attention(
@@ -238,6 +247,27 @@ def prefill_impls():
     print("no flash_attn3_jax:", e, flush=True)
   # name -> (lcjax?, fn, prep (untimed: makes fn's operands from q, k, v) or None, operand dtype)
   return {name: (*v, None, "bfloat16") if len(v) == 2 else v for name, v in impls.items()}
+
+
+def _positioned(backend):
+  """attend with q_pos = 0 .. S-1 and k_start = 0 given as arrays, as the model's prefill passes them."""
+  def fn(q, k, v):
+    B, S = q.shape[:2]
+    q_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    return backend.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros((B,), jnp.int32), causal=True)
+  return fn
+
+
+def _quiet(fn):
+  """fn traced with the reference branch's run-time announcement left out (its cost is the difference)."""
+  def quiet(*args):
+    announce = ref.reference_branch_ran
+    ref.reference_branch_ran = lambda *a, **kw: None
+    try:
+      return fn(*args)
+    finally:
+      ref.reference_branch_ran = announce
+  return quiet
 
 
 def _flash(q, k, v, *, tuning):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = float("-inf")
 # Masked scores use a large finite value so that exp(masked - max) is exactly 0 without inf - inf = nan.
@@ -193,7 +195,40 @@ def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None
 
 def routed_to_reference(backend: str, reason: str) -> None:
   """Say, when a call is traced (once per compiled step), that a fast backend sends it to the jnp reference on a
-  GPU, and why. Routes decided by values inside the graph (a lax.cond on positions) cannot be seen here; each
-  backend's docstring lists them."""
+  GPU, and why. Routes decided by values inside the graph say so when they run: `reference_branch_ran`."""
   if jax.default_backend() == "gpu":
     logging.warning("attention backend %s runs this call through the jnp reference (slow): %s", backend, reason)
+
+
+# Reasons a kernel masking by one diagonal offset per sequence cannot serve a block, known only from the positions'
+# values: the backends' lax.cond / lax.switch send such blocks to the reference.
+NONCONTIGUOUS_ROWS = "query rows at non-contiguous positions"
+ROWS_BEFORE_FIRST_KEY = "query rows before the block's first key (negative q_pos - k_start)"
+NEGATIVE_POSITIONS = "negative query positions"
+
+_announced: set[str] = set()
+_announced_lock = threading.Lock()
+
+
+def _warn_once(line: str) -> None:
+  with _announced_lock:
+    if line in _announced:
+      return
+    _announced.add(line)
+  logging.warning("%s", line)
+
+
+def reference_branch_ran(backend: str, reasons: dict[str, jax.Array]) -> None:
+  """Call inside the branch of a lax.cond / lax.switch that runs the jnp reference: on a GPU, when the branch
+  runs, log one line naming the backend and the reasons whose flag (a bool array, any element) holds; each
+  distinct line once per process. Nothing is added to the graph elsewhere (a CPU runs the reference anyway)."""
+  if jax.default_backend() != "gpu":
+    return
+  texts = tuple(reasons)
+
+  def report(*flags):
+    why = [t for t, f in zip(texts, flags) if np.any(f)] or ["positions the kernel cannot mask"]
+    _warn_once(f"attention backend {backend} ran a call through the jnp reference (slow), decided by the "
+               f"positions at run time: {'; '.join(why)}")
+
+  jax.debug.callback(report, *(jnp.asarray(f) for f in reasons.values()))

@@ -12,7 +12,8 @@ the contract is therefore cut into pieces cuDNN can do and joined with `merge`:
     T-key window starting at d is a top-left causal block (kv_seqlen = kv_len - d), merged by LSE.
 
 Rows whose positions are not contiguous, or d < 0 (rows before the first key), go to the jnp reference: cuDNN
-cannot express them. Rows that see no key get out = 0, lse = -inf here, whatever cuDNN wrote for them.
+cannot express them; on a GPU that branch logs why when it runs (`attention.reference_branch_ran`). Rows that see
+no key get out = 0, lse = -inf here, whatever cuDNN wrote for them.
 
 The calls themselves, with float32 LSE, and their jnp model live in lcjax.ops.cudnn_calls.
 
@@ -187,6 +188,7 @@ class CudnnBackend:
       d = S - T                                       # the contract's default: the last T keys are the queries
       if d < 0:
         # Rows before the first key: cuDNN's top-left mask cannot express them.
+        ref.routed_to_reference("cudnn", f"a causal block of {T} queries over {S} keys (rows before the first key)")
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
       if d == 0:
         return _sanitize(*self._dense(q, k, v, None if full else kvl, True, scale), kvl <= 0)
@@ -210,11 +212,14 @@ class CudnnBackend:
       return self._split(q, (k, v), prefix_len, (_window(k, d, W), _window(v, d, W)),
                          jnp.clip(kvl - d, 0, W), scale)
 
+    contiguous = ref.contiguous_rows(q_pos)
+
     def reference():
       # Non-contiguous rows or rows before the first key: not expressible with cuDNN's masks.
+      ref.reference_branch_ran("cudnn", {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
       return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
 
-    ok = ref.contiguous_rows(q_pos) & jnp.all(d >= 0)
+    ok = contiguous & jnp.all(d >= 0)
     case = jnp.where(~ok, 0, jnp.where(jnp.all(d == 0), 1, jnp.where(jnp.all(d >= S - 1), 2, 3)))
     return lax.switch(case, (reference, diagonal, past, split))
 
@@ -258,6 +263,8 @@ class CudnnBackend:
 
     def reference():
       # Non-contiguous rows that see part of the pages, or negative positions: not expressible with cuDNN's masks.
+      ref.reference_branch_ran("cudnn", {ref.NONCONTIGUOUS_ROWS: ~ref.contiguous_rows(q_pos),
+                                         ref.NEGATIVE_POSITIONS: q_pos[:, 0] < 0})
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
 

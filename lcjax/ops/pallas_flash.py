@@ -410,6 +410,9 @@ class PallasBackend:
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
   no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
+
+  `attend` with positions sends blocks whose rows are not contiguous or start before the first key to the jnp
+  reference (a lax.cond on the positions), which on a GPU logs why when it runs.
   """
   name: str = "pallas"
   flash: FlashTuning = FlashTuning()
@@ -445,10 +448,14 @@ class PallasBackend:
       return kernel(causal=True)
     q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
     d = q_pos[:, 0] - k_start
-    # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
-    return lax.cond(ref.contiguous_rows(q_pos) & jnp.all(d >= 0),
-                    lambda: kernel(d, causal=True),
-                    lambda: ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True))
+    contiguous = ref.contiguous_rows(q_pos)
+
+    def reference():
+      # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
+      ref.reference_branch_ran("pallas", {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
+      return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
+
+    return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops import pallas_paged

@@ -443,7 +443,7 @@ class PallasBackend:
     if q_pos is None and k_start is None:
       if S < T:
         # Rows before the first key would need a lower mask bound the kernel does not have.
-        ref.routed_to_reference("pallas", f"a causal block of {T} queries over {S} keys (rows before the first key)")
+        ref.routed_to_reference(self.name, f"a causal block of {T} queries over {S} keys (rows before the first key)")
         return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
       return kernel(causal=True)
     q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
@@ -452,7 +452,7 @@ class PallasBackend:
 
     def reference():
       # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
-      ref.reference_branch_ran("pallas", {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
+      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
       return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
 
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)

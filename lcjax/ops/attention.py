@@ -58,6 +58,29 @@ def gather_pages(pages, scale, ids, dtype):
   return dequantize(pages[ids], None if scale is None else scale[ids][:, :, None, :], dtype)
 
 
+def over_table_blocks(block, table, lengths, page_size: int, block_tokens: int, out_shape, out_dtype):
+  """Attention of rows over the first lengths[b] keys of their page table [B, M], read `block_tokens` keys at a
+  time: block(ids [B, Mb], n [B]) -> (out, lse) of the rows over the first n[b] keys of the pages ids; blocks
+  wholly past every length are skipped, the rest merged by their LSE in float32. out_shape: [B, T, N, H]."""
+  M, Z = table.shape[1], page_size
+  Mb = max(1, min(M, block_tokens // Z))                            # pages per block
+  nb = -(-M // Mb)
+  table = jnp.pad(table, ((0, 0), (0, nb * Mb - M)))               # page 0 past the end: masked by the lengths
+
+  def one(i):
+    return block(jax.lax.dynamic_slice_in_dim(table, i * Mb, Mb, axis=1), jnp.clip(lengths - i * Mb * Z, 0, Mb * Z))
+
+  if nb == 1:
+    return one(0)
+
+  def body(i, acc):
+    return jax.lax.cond(jnp.any(lengths > i * Mb * Z), lambda: merge(*acc, *one(i)), lambda: acc)
+
+  init = (jnp.zeros(out_shape, jnp.float32), jnp.full(out_shape[:3], NEG_INF, jnp.float32))
+  out, lse = jax.lax.fori_loop(0, nb, body, init)
+  return out.astype(out_dtype), lse
+
+
 def merge(o_a, lse_a, o_b, lse_b):
   """Combine two attention partials over disjoint key sets. o [..., H], lse [...] float32."""
   lse = jnp.logaddexp(lse_a, lse_b)

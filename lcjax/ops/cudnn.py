@@ -140,28 +140,12 @@ class CudnnBackend:
     the prefix's. Blocks wholly past every sequence's length are skipped."""
     if k_scale is None:
       return _sanitize(*self._paged_call(q, k_pages, v_pages, page_table, lengths, scale), lengths <= 0)
-    B, T, N, H = q.shape
-    M = page_table.shape[1]
-    Z = k_pages.shape[1]
-    Mb = max(1, min(M, self.fp8_block_tokens // Z))                  # pages per block
-    nb = -(-M // Mb)
-    table = jnp.pad(page_table, ((0, 0), (0, nb * Mb - M)))          # page 0 past the end: masked by the lengths
-
-    def block(i):
-      n = jnp.clip(lengths - i * Mb * Z, 0, Mb * Z)
-      kb, vb, tb = dequantize_pages(k_pages, v_pages, lax.dynamic_slice_in_dim(table, i * Mb, Mb, axis=1),
-                                    k_scale, v_scale, q.dtype)
+    def block(ids, n):
+      kb, vb, tb = dequantize_pages(k_pages, v_pages, ids, k_scale, v_scale, q.dtype)
       return _sanitize(*self._paged_call(q, kb, vb, tb, n, scale), n <= 0)
 
-    if nb == 1:
-      return block(0)
-
-    def body(i, acc):
-      return lax.cond(jnp.any(lengths > i * Mb * Z), lambda: ref.merge(*acc, *block(i)), lambda: acc)
-
-    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), ref.NEG_INF, jnp.float32))
-    out, lse = lax.fori_loop(0, nb, body, init)
-    return out.astype(q.dtype), lse
+    return ref.over_table_blocks(block, page_table, lengths, k_pages.shape[1], self.fp8_block_tokens, q.shape,
+                                 q.dtype)
 
   def _split(self, q, prefix_kv, prefix_len, diag_kv, diag_len, scale):
     """Merge a padding-only part (every row sees prefix_len keys) with a top-left causal diagonal part.

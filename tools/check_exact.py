@@ -49,14 +49,6 @@ flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output 
 flags.DEFINE_string("name", "exact", "output file stem")
 
 
-def variant(entry: str) -> dict:
-  """'float8_e4m3fn' -> RunConfig fields; 'bfloat16+fp8attn' adds attention_dtype=float8_e4m3fn."""
-  cache, _, extra = entry.partition("+")
-  if extra not in ("", "fp8attn"):
-    raise app.UsageError(f"--caches entry {entry!r}: the only suffix is +fp8attn")
-  return dict(cache_dtype=cache, attention_dtype="float8_e4m3fn" if extra else "auto")
-
-
 def metrics(got, ref) -> dict:
   """got, ref: float logits [V]."""
   import numpy as np
@@ -98,19 +90,19 @@ def lcjax_side(contexts):
   if FLAGS.checkpoint:
     from lcjax.checkpoint.bundled import bundled_checkpoint
     ckpt = bundled_checkpoint() if FLAGS.checkpoint == "bundled" else FLAGS.checkpoint
-    eng = Engine.load(ckpt, run=RunConfig(**base, **variant(FLAGS.caches[0])))
+    eng = Engine.load(ckpt, run=RunConfig(**base, **benchlib.variant(FLAGS.caches[0])))
     cfg = eng.cfg
   else:
     cfg = preset(FLAGS.preset)
     cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, ctx),
                               n_layers=FLAGS.layers or cfg.n_layers)
-    eng = Engine.random(cfg, run=RunConfig(**base, **variant(FLAGS.caches[0])), seed=FLAGS.seed)
+    eng = Engine.random(cfg, run=RunConfig(**base, **benchlib.variant(FLAGS.caches[0])), seed=FLAGS.seed)
   ids = prompts(cfg, eng.tokenizer, contexts)
   got, info = {}, {}
   params, tokenizer = eng.params, eng.tokenizer
   for i, cache in enumerate(FLAGS.caches):
     if i:
-      eng = Engine(cfg, params, run=RunConfig(**base, **variant(cache)), tokenizer=tokenizer)
+      eng = Engine(cfg, params, run=RunConfig(**base, **benchlib.variant(cache)), tokenizer=tokenizer)
     info[cache] = dict(attention=eng.attention.name)
     for S in contexts:
       t = time.perf_counter()

@@ -21,9 +21,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "lcjax checkpoint (default: the bundled SmolLM2, converted on first use)")
 flags.DEFINE_list("words", ["1000", "2000", "4000"], "filler words per document (~1.2 tokens per word)")
 flags.DEFINE_list("depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "needle positions as fractions of the document")
-flags.DEFINE_list("cache_dtypes", ["auto"], "KV cache dtypes to compare (auto, float8_e4m3fn)")
+flags.DEFINE_list("cache_dtypes", ["auto"], "KV cache dtypes to compare (auto, bfloat16, float8_e4m3fn); a '+fp8attn' "
+                  "suffix adds FP8 attention (needs a Hopper GPU), e.g. bfloat16,bfloat16+fp8attn")
 flags.DEFINE_string("dtype", "float32", "model dtype")
 flags.DEFINE_string("out", "benchmarks/results", "output folder")
+flags.DEFINE_string("name", "needle-smollm2", "output file stem")
 
 _FILLER = ("The river town kept its ledgers in a stone house by the mill. Merchants came on market days with "
            "barrels of salt, bolts of wool and crates of apples. The ferry ran twice an hour while the weather "
@@ -45,8 +47,8 @@ def main(argv):
   ckpt = FLAGS.checkpoint or bundled_checkpoint()
   rows = []
   for cache_dtype in FLAGS.cache_dtypes:
-    run = RunConfig(dtype=FLAGS.dtype, cache_dtype=cache_dtype, max_context=8192, max_batch=len(FLAGS.depths),
-                    prefill_chunk=2048, decode_steps=16)
+    run = RunConfig(dtype=FLAGS.dtype, max_context=8192, max_batch=len(FLAGS.depths), prefill_chunk=2048,
+                    decode_steps=16, **benchlib.variant(cache_dtype))
     engine = Engine.load(ckpt, run=run, dtype=FLAGS.dtype)
     for words in map(int, FLAGS.words):
       prompts, codes = [], []
@@ -59,7 +61,8 @@ def main(argv):
       results = engine.generate(prompts, max_new_tokens=16)
       for depth, code, res in zip(map(float, FLAGS.depths), codes, results):
         rows.append(dict(cache_dtype=cache_dtype, words=words, tokens=res.prompt_tokens, depth=depth,
-                         found=code in res.text, answer=res.text.strip()[:80]))
+                         found=code in res.text, answer=res.text.strip()[:80],
+                         attention=res.stats["attention"], attention_dtype=res.stats["attention_dtype"]))
         print(json.dumps(rows[-1]), flush=True)
       print(f"{words} words: {time.time() - t0:.1f} s", flush=True)
   lines = ["| cache | words | tokens | " + " | ".join(f"depth {d}" for d in FLAGS.depths) + " | accuracy |",
@@ -71,7 +74,7 @@ def main(argv):
                    + " | ".join("found" if r["found"] else "missed" for r in rs)
                    + f" | {sum(r['found'] for r in rs)}/{len(rs)} |")
   table = "\n".join(lines)
-  benchlib.write_result(FLAGS.out, "needle-smollm2", rows, table,
+  benchlib.write_result(FLAGS.out, FLAGS.name, rows, table,
                         note=f"Needle retrieval, SmolLM2-135M-Instruct ({FLAGS.dtype})",
                         checkpoint=os.path.basename(os.path.normpath(ckpt)), dtype=FLAGS.dtype)
   print(table)

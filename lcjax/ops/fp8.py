@@ -19,6 +19,11 @@ The kernel, per query block and key block i (m, l, acc start at -1e30, 0, 0):
 P * 2^8 <= 256 fits e4m3 (max 448) and keeps small probabilities out of its subnormal range. Each key block's
 P @ V product starts from a zero accumulator and is added to `acc` in float32 (the tensor cores' fp8 products
 accumulate with fewer bits than float32). `attention_fp8_model` computes exactly this, block by block.
+
+P is scaled against the running row maximum, not each block's own: on SmolLM2 (2,048 tokens of text, KL of the
+last logits against float32) the per-block form measured 1.2e-2 against 5.1e-3 (both with smoothed keys). Keys
+whose p * 2^8 falls below e4m3's subnormals drop out of P @ V; their scores carry the largest relative error of
+the e4m3 Q K^T product, whose noise inflates a row's many small probabilities (E[exp(x + noise)] > exp(x)).
 """
 from __future__ import annotations
 
@@ -88,6 +93,26 @@ def rotate(x, seed: int = 0):
   y = jnp.einsum("...h,hg->...g", x, signed, preferred_element_type=x.dtype,
                  precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
   return y * jnp.asarray(1.0 / math.sqrt(H), x.dtype)
+
+
+def smooth_keys(q, k, kv_len):
+  """(k - kbar, lse shift [B, T, N] float32) with kbar [B, K, H] the mean of each kv head's first kv_len[b] keys.
+
+  Softmax is unchanged when every score of a row moves by the same amount, and q . kbar / sqrt(H) is such an
+  amount, so attention over k - kbar has the same output and an lse lower by exactly that shift, added back in
+  float32. Trained models' keys share a large per-channel bias; without it each key's e4m3 rounding error (relative
+  to its magnitude) is far smaller, and the score errors that would inflate the many small probabilities of a row
+  (E[exp(x + noise)] > exp(x)) shrink with it. q, k: [B, T, N, H], [B, S, K, H]; kv_len [B]."""
+  B, S, K, H = k.shape
+  N = q.shape[2]
+  kf = k.astype(jnp.float32)
+  valid = (jnp.arange(S, dtype=jnp.int32)[None, :] < kv_len[:, None])[:, :, None, None]
+  kbar = jnp.sum(jnp.where(valid, kf, 0.0), axis=1) / jnp.maximum(kv_len, 1).astype(jnp.float32)[:, None, None]
+  shift = jnp.einsum("btkgh,bkh->btkg", q.astype(jnp.float32).reshape(B, -1, K, N // K, H), kbar,
+                     precision=lax.Precision.HIGHEST).reshape(B, -1, N) / math.sqrt(H)
+  # The residual keeps k's dtype: a bf16 rounding of it is far below e4m3's, and a float32 k would make the
+  # rotation (lcjax.ops.fp8.rotate, in its input's dtype) a float32 matmul.
+  return (kf - kbar[:, None]).astype(k.dtype), shift
 
 
 def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool):

@@ -352,27 +352,34 @@ def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "save_lse", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "smooth_k", "save_lse", "interpret"))
 def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
-                        incoherent: bool = True, save_lse: bool = True, interpret: bool = False):
+                        incoherent: bool = True, smooth_k: bool = True, save_lse: bool = True,
+                        interpret: bool = False):
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
-  block scales (lcjax.ops.fp8), optionally after the incoherence rotation of q and k; the output has q's dtype and
-  the lse is float32. interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead
-  of running the kernel."""
+  block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
+  and k; the output has q's dtype and the lse is float32. interpret=True computes `fp8.attention_fp8_model` (the
+  kernel's arithmetic in jnp) instead of running the kernel."""
   T, H = q.shape[1], q.shape[3]
   reason = why_not_fp8(head_dim=H, tuning=tuning)
   if reason:
     raise ValueError(reason)
   out_dtype = q.dtype
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
+  lse_shift = None
+  if smooth_k:
+    k, lse_shift = fp8_ops.smooth_keys(q, k, kvl)
   (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
                                                             block_kv=tuning.block_kv, incoherent=incoherent)
   if interpret:
     out, lse = fp8_ops.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, block_q=tuning.block_q,
                                            block_kv=tuning.block_kv)
-    return out[:, :T].astype(out_dtype), lse[:, :T]
-  out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
-                              out_dtype=out_dtype)
+    out = out.astype(out_dtype)
+  else:
+    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
+                                out_dtype=out_dtype)
+  if lse is not None and lse_shift is not None:
+    lse = lse + lse_shift
   return out[:, :T], (None if lse is None else lse[:, :T])
 
 
@@ -477,11 +484,13 @@ class PallasBackend:
 class PallasFp8Backend(PallasBackend):
   """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 Q, K, V and P; float32 softmax, accumulators and
   lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
-  pages) and PallasBackend's decode kernel for decode rows. `incoherent` rotates Q and K before quantization.
+  pages) and PallasBackend's decode kernel for decode rows. `smooth_k` subtracts the keys' mean before quantization
+  (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"
   flash: FlashTuning = FP8_TUNING
   incoherent: bool = True
+  smooth_k: bool = True
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)
@@ -492,7 +501,7 @@ class PallasFp8Backend(PallasBackend):
 
   def _kernel(self, q, k, v, kvl):
     return functools.partial(flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash, incoherent=self.incoherent,
-                             interpret=self.interpret)
+                             smooth_k=self.smooth_k, interpret=self.interpret)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops.cudnn import PAGED_PAST, paged_case

@@ -237,6 +237,11 @@ def prefill_impls():
     impls["lcjax-pallas-fp8-kernel" + tag] = (True, functools.partial(_fp8_kernel, tuning=tuning),
                                               functools.partial(_fp8_operands, tuning=tuning), FP8)
   impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
+  # int8 Q K^T, e4m3 P and V (SageAttention's split): quantization included, and the kernel alone.
+  impls["lcjax-pallas-fp8-int8qk"] = (True, functools.partial(_fp8_attend, qk_dtype="int8"), None, FP8)
+  impls["lcjax-pallas-fp8-int8qk-kernel"] = (True, functools.partial(_fp8_kernel, tuning=pallas_flash.FP8_TUNING),
+                                             functools.partial(_fp8_operands, tuning=pallas_flash.FP8_TUNING,
+                                                               qk_dtype="int8"), FP8)
   impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
     import flash_attn3_jax as fa3
@@ -277,14 +282,16 @@ def _flash(q, k, v, *, tuning):
 FP8 = "float8_e4m3fn"
 
 
-def _fp8_attend(q, k, v, *, tuning=pallas_flash.FP8_TUNING, incoherent=True):
+def _fp8_attend(q, k, v, *, tuning=pallas_flash.FP8_TUNING, incoherent=True, qk_dtype="float8_e4m3fn"):
   """Quantization (and the incoherence rotation) included: what the engine pays per call."""
-  return pallas_flash.flash_attention_fp8(q, k, v, causal=True, tuning=tuning, incoherent=incoherent)
+  return pallas_flash.flash_attention_fp8(q, k, v, causal=True, tuning=tuning, incoherent=incoherent,
+                                          qk_dtype=qk_dtype)
 
 
-def _fp8_operands(q, k, v, *, tuning):
+def _fp8_operands(q, k, v, *, tuning, qk_dtype="float8_e4m3fn"):
   (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
-                                                            block_kv=tuning.block_kv, incoherent=True)
+                                                            block_kv=tuning.block_kv, incoherent=True,
+                                                            qk_dtype=qk_dtype)
   B, S = k.shape[:2]
   d, kvl = jnp.zeros((B,), jnp.int32) + (S - q.shape[1]), jnp.full((B,), S, jnp.int32)
   return q8, qs, k8, ks, v8t, vs, d, kvl

@@ -37,6 +37,7 @@ from jax import lax
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
+INT8_MAX = 127.0
 P_SHIFT = 8                  # P is quantized as p * 2^P_SHIFT
 _SCALE_FLOOR = 1e-12         # an all-zero block gets this absmax (its values quantize to 0 either way)
 _LOG2E = math.log2(math.e)
@@ -58,6 +59,19 @@ def quantize_rows(x, block: int):
   scale = _scale(jnp.max(jnp.abs(xb), axis=(2, 4)))                     # [B, T/block, N]
   x8 = jnp.clip(xb / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3).reshape(B, T, N, H)
   return x8, jnp.transpose(scale, (0, 2, 1))
+
+
+def quantize_rows_int8(x, block: int):
+  """quantize_rows with int8 values: x [B, T, N, H] -> (x8 [B, T, N, H] int8 = round(x / scale), scale [B, N,
+  T // block] float32 = absmax / 127 per `block` rows of each head). A uniform grid over the block: its largest
+  values keep 7 bits where e4m3 keeps 3."""
+  B, T, N, H = x.shape
+  if T % block:
+    raise ValueError(f"rows T={T} must be a multiple of block={block}")
+  xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
+  scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=(2, 4)), _SCALE_FLOOR) / INT8_MAX
+  x8 = jnp.clip(jnp.round(xb / scale[:, :, None, :, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+  return x8.reshape(B, T, N, H), jnp.transpose(scale, (0, 2, 1))
 
 
 def quantize_v_transposed(v):
@@ -115,13 +129,20 @@ def smooth_keys(q, k, kv_len):
   return (kf - kbar[:, None]).astype(k.dtype), shift
 
 
-def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool):
+QK_DTYPES = ("float8_e4m3fn", "int8")
+
+
+def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool, qk_dtype: str = "float8_e4m3fn"):
   """bf16/float32 q [B, T, N, H], k/v [B, S, K, H] -> the FP8 kernel's operands
-  (q8, qs [B, N, T/block_q]), (k8, ks [B, K, S/block_kv]), (v8t [B, K, H, S], vs [B, K])."""
+  (q8, qs [B, N, T/block_q]), (k8, ks [B, K, S/block_kv]), (v8t [B, K, H, S], vs [B, K]); q8 and k8 are e4m3 or,
+  with qk_dtype="int8", int8 (V is e4m3 either way)."""
+  if qk_dtype not in QK_DTYPES:
+    raise ValueError(f"qk_dtype={qk_dtype!r}: expected one of {QK_DTYPES}")
   if incoherent:
     q, k = rotate(q), rotate(k)
-  q8, qs = quantize_rows(q, block_q)
-  k8, ks = quantize_rows(k, block_kv)
+  rows = quantize_rows_int8 if qk_dtype == "int8" else quantize_rows
+  q8, qs = rows(q, block_q)
+  k8, ks = rows(k, block_kv)
   v8t, vs = quantize_v_transposed(v)
   return (q8, qs), (k8, ks), (v8t, vs)
 

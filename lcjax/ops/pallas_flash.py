@@ -92,6 +92,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   S, K = k.shape[1], k.shape[2]
   G = N // K
   dtype = q.dtype
+  int_qk = jnp.issubdtype(dtype, jnp.integer)       # int8 Q and K: an int32 Q K^T
+  v_dtype = v.dtype
   out_dtype = out_dtype or dtype
   bq, bkv = tuning.block_q, tuning.block_kv
   mcs = min(tuning.max_concurrent_steps, S // bkv)
@@ -153,7 +155,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           sched_sync()
           return acc_ref[...]
 
-        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.int32 if int_qk else jnp.float32))
+        if int_qk:
+          s = s.astype(jnp.float32)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + q_base
@@ -277,10 +281,10 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
     smem = (plgpu.SMEM((_COMPUTE_WGS, bq, H), dtype, transforms=tiled(dtype, H)),
             plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled(dtype, H)),
-            plgpu.SMEM(v_tile, dtype, transforms=tiled(dtype, v_tile[-1])),
+            plgpu.SMEM(v_tile, v_dtype, transforms=tiled(v_dtype, v_tile[-1])),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
             plgpu.SMEM((_COMPUTE_WGS, bq, H), out_dtype, transforms=tiled(out_dtype, H)) if fp8 else None,
-            plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=tiled(dtype, bkv)) if fp8 else None)
+            plgpu.SMEM((_COMPUTE_WGS, bq, bkv), fp8_ops.E4M3, transforms=tiled(fp8_ops.E4M3, bkv)) if fp8 else None)
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
               plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
@@ -352,14 +356,18 @@ def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "smooth_k", "save_lse", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "smooth_k", "qk_dtype", "save_lse",
+                                             "interpret"))
 def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
-                        incoherent: bool = True, smooth_k: bool = True, save_lse: bool = True,
-                        interpret: bool = False):
+                        incoherent: bool = True, smooth_k: bool | None = None, qk_dtype: str = "float8_e4m3fn",
+                        save_lse: bool = True, interpret: bool = False):
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
   block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
-  and k; the output has q's dtype and the lse is float32. interpret=True computes `fp8.attention_fp8_model` (the
-  kernel's arithmetic in jnp) instead of running the kernel."""
+  and k; the output has q's dtype and the lse is float32. qk_dtype="int8" quantizes Q and K to int8 instead (an
+  int32 Q K^T; V and P stay e4m3). smooth_k=None smooths e4m3 keys and not int8 ones (an int8 grid is uniform over
+  a block, so a shared bias costs it nothing, while a centered sink token would set its block's scale alone).
+  interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
+  kernel."""
   T, H = q.shape[1], q.shape[3]
   reason = why_not_fp8(head_dim=H, tuning=tuning)
   if reason:
@@ -367,10 +375,11 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
   out_dtype = q.dtype
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
   lse_shift = None
-  if smooth_k:
+  if smooth_k if smooth_k is not None else qk_dtype == "float8_e4m3fn":
     k, lse_shift = fp8_ops.smooth_keys(q, k, kvl)
   (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
-                                                            block_kv=tuning.block_kv, incoherent=incoherent)
+                                                            block_kv=tuning.block_kv, incoherent=incoherent,
+                                                            qk_dtype=qk_dtype)
   if interpret:
     out, lse = fp8_ops.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, block_q=tuning.block_q,
                                            block_kv=tuning.block_kv)
@@ -485,12 +494,13 @@ class PallasFp8Backend(PallasBackend):
   """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 Q, K, V and P; float32 softmax, accumulators and
   lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
   pages) and PallasBackend's decode kernel for decode rows. `smooth_k` subtracts the keys' mean before quantization
-  (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K.
+  (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or int8 for Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"
   flash: FlashTuning = FP8_TUNING
   incoherent: bool = True
-  smooth_k: bool = True
+  smooth_k: bool | None = None                   # None: for e4m3 Q K^T only (see flash_attention_fp8)
+  qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T (not yet measured on the GPU)
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)
@@ -501,7 +511,7 @@ class PallasFp8Backend(PallasBackend):
 
   def _kernel(self, q, k, v, kvl):
     return functools.partial(flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash, incoherent=self.incoherent,
-                             smooth_k=self.smooth_k, interpret=self.interpret)
+                             smooth_k=self.smooth_k, qk_dtype=self.qk_dtype, interpret=self.interpret)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops.cudnn import PAGED_PAST, paged_case

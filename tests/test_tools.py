@@ -32,6 +32,18 @@ def test_check_exact_against_the_float32_oracle(tmp_path):
   assert "| 300 | float8_e4m3fn | bfloat16 |" in (tmp_path / "ex.md").read_text()
 
 
+def test_check_exact_over_the_last_positions(tmp_path):
+  # float32 weights and cache: each of the last 3 positions, reached through the prefix cache's pages, matches the
+  # oracle's logits at the same position (a shift by one position would not).
+  _run("check_exact.py", "--preset=tiny", "--contexts=96,200", "--caches=float32", "--positions=3",
+       "--dtype=float32", "--prefill_chunk=64", "--page_size=16", f"--out={tmp_path}", "--name=ex")
+  res = json.load(open(tmp_path / "ex.json"))
+  for r in res["rows"]:
+    m = r["vs_oracle"]
+    assert m["positions"] == 3 and m["top1"] == 1.0 and m["rel_max"] < 1e-5 and m["kl_max"] < 1e-9, r
+  assert "| 200 | float32 | oracle |" in (tmp_path / "ex.md").read_text()
+
+
 def test_profile_step_reports(tmp_path):
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
            "--prefill_chunk=128", f"--out={tmp_path}", "--name=prof")

@@ -140,8 +140,8 @@ def test_smoothing_keys_keeps_attention_and_lowers_error():
 
 def test_int8_qk_beats_e4m3_on_biased_keys():
   """qk_dtype="int8" (Q and K rounded to integers of absmax / 127 per block, exact integer products; P and V e4m3)
-  on keys with a shared bias, the case trained models give (SmolLM2 in benchmarks/NOTES-fp8.md): its output is
-  closer to float32 attention than e4m3's with smoothing."""
+  on keys with a shared bias, the case trained models give (SmolLM2 in benchmarks/NOTES-fp8.md), both smoothed:
+  closer to float32 attention than e4m3."""
   N, K, H = 4, 2, 128
   B, T, S = 1, 256, 1024
   q = 2.0 * _normal(22, B, T, N, H)
@@ -153,9 +153,8 @@ def test_int8_qk_beats_e4m3_on_biased_keys():
     got, lse = pallas_flash.flash_attention_fp8(q, k, v, qk_dtype=qk, interpret=True)
     err[qk] = (float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2))),
                float(jnp.mean(jnp.abs(lse - want_lse))))
-  # Output error 0.056 vs 0.074 here: P's and V's e4m3 rounding, the same in both, is most of it. (The lse is
-  # closer with e4m3: smoothing shifts it back exactly, and int8 keys are not smoothed.)
-  assert err["int8"][0] < 0.85 * err["float8_e4m3fn"][0] and err["int8"][1] < 0.06, err
+  # P's and V's e4m3 rounding, the same in both, is most of the output error; the lse carries Q K^T's alone.
+  assert err["int8"][0] < 0.85 * err["float8_e4m3fn"][0] and err["int8"][1] < 0.5 * err["float8_e4m3fn"][1], err
   with pytest.raises(ValueError, match="qk_dtype='int4'"):
     fp8.quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False, qk_dtype="int4")
 

@@ -359,14 +359,12 @@ def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "smooth_k", "qk_dtype", "save_lse",
                                              "interpret"))
 def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
-                        incoherent: bool = True, smooth_k: bool | None = None, qk_dtype: str = "float8_e4m3fn",
+                        incoherent: bool = True, smooth_k: bool = True, qk_dtype: str = "float8_e4m3fn",
                         save_lse: bool = True, interpret: bool = False):
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
   block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
   and k; the output has q's dtype and the lse is float32. qk_dtype="int8" quantizes Q and K to int8 instead (an
-  int32 Q K^T; V and P stay e4m3). smooth_k=None smooths e4m3 keys and not int8 ones (an int8 grid is uniform over
-  a block, so a shared bias costs it nothing, while a centered sink token would set its block's scale alone).
-  interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
+  int32 Q K^T; V and P stay e4m3). interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
   kernel."""
   T, H = q.shape[1], q.shape[3]
   reason = why_not_fp8(head_dim=H, tuning=tuning)
@@ -375,7 +373,7 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
   out_dtype = q.dtype
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
   lse_shift = None
-  if smooth_k if smooth_k is not None else qk_dtype == "float8_e4m3fn":
+  if smooth_k:
     k, lse_shift = fp8_ops.smooth_keys(q, k, kvl)
   (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
                                                             block_kv=tuning.block_kv, incoherent=incoherent,
@@ -499,7 +497,7 @@ class PallasFp8Backend(PallasBackend):
   name: str = "pallas-fp8"
   flash: FlashTuning = FP8_TUNING
   incoherent: bool = True
-  smooth_k: bool | None = None                   # None: for e4m3 Q K^T only (see flash_attention_fp8)
+  smooth_k: bool = True
   qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T (not yet measured on the GPU)
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:

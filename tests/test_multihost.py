@@ -95,6 +95,11 @@ def test_two_processes_match_one(tmp_path):
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
+  # The two processes compile with JAX's persistent compilation cache off, not through the run's (tests/conftest.py).
+  for var in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+              "JAX_COMPILATION_CACHE_MAX_SIZE"):
+    env.pop(var, None)
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost", str(i), str(port), out, ckpt], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]

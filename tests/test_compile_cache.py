@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache (RunConfig.compile_cache, lcjax.engine.compile_cache): a second process
 with the same config reads the engine's compiled steps from the cache instead of compiling them (JAX's own
 cache-hit log and monitoring events, never timings); "off" writes nothing; the first setting of a process holds.
-Each case runs in a fresh process (the suite itself runs with the cache off, tests/conftest.py), with the user
-cache directory in a temporary folder."""
+Each case runs in a fresh process without the suite's own per-run cache (tests/conftest.py), with the user cache
+directory in a temporary folder."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,9 @@ print("RESULT " + json.dumps(dict(stats=compile_cache.stats(), again=again)))
 
 def _env(cache_home, **kw):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="", LCJAX_CACHE_DIR=str(cache_home), **kw)
-  env.pop("JAX_ENABLE_COMPILATION_CACHE", None)       # the suite's "off"; these processes use lcjax's default
+  for var in ("JAX_ENABLE_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_COMPILATION_CACHE_MAX_SIZE"):
+    env.pop(var, None)          # the suite's run cache (tests/conftest.py); these processes use lcjax's default
   return env
 
 

@@ -1,8 +1,9 @@
 """Bad inputs end in one clear line, before anything is allocated: a table of them through the CLI and a table
 through the Python API.
 
-CLI (`python -m lcjax.cli.generate` in a subprocess): exit status 2, the last stderr line is the only one that
-starts with `error: `, it names the offending value and the limit, and there is no traceback unless --verbose.
+CLI (its flag parser and `main`, run in this process by tests.cli_inprocess; a good run and --verbose go through
+`python -m lcjax.cli.generate` in a subprocess): exit status 2, the last stderr line is the only one that starts
+with `error: `, it names the offending value and the limit, and there is no traceback unless --verbose.
 Python API: the documented exception type (every lcjax refusal is a ValueError) with a one-line message naming
 the value and the limit; an engine that refused a request keeps no page and still answers as before.
 
@@ -14,7 +15,6 @@ tokenizer, its broken copies, an HF folder written with safetensors, and GGUF fi
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -33,6 +33,7 @@ from lcjax.checkpoint.hf import HF_NAMES, hf_shape
 from lcjax.config import ConfigError, ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.tokenizer import TokenizerError
+from tests import cli_inprocess
 from tests import fixtures_ckpt as fx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -268,17 +269,9 @@ def _run_cli(argv):
                         capture_output=True, text=True, errors="replace", timeout=300)
 
 
-@pytest.fixture(scope="module")
-def cli_results(paths):
-  """Every CLI case run once, two processes at a time (each pays a Python + JAX start-up)."""
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {case: pool.submit(_run_cli, _argv(args, paths)) for case, args, _ in CLI_CASES}
-    return {case: f.result() for case, f in futures.items()}
-
-
 @pytest.mark.parametrize("case, args, names", CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_cli_refuses_in_one_line(cli_results, paths, case, args, names):
-  p = cli_results[case]
+def test_cli_refuses_in_one_line(paths, case, args, names):
+  p = cli_inprocess.run(_argv(args, paths))
   lines = p.stderr.rstrip("\n").splitlines()
   assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
   assert "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -298,8 +291,9 @@ def test_cli_verbose_shows_the_traceback():
 
 
 def test_cli_generates_what_the_api_generates(api):
-  """The refusals do not refuse good input: the CLI prints the text that the Python API generates from the same
-  checkpoint and prompt (the oracle; the run configs differ only in decode_steps, which never changes tokens)."""
+  """The refusals do not refuse good input: the CLI, run as a script, prints the text that the Python API
+  generates from the same checkpoint and prompt (the oracle; the run configs differ only in decode_steps, which
+  never changes tokens)."""
   p = _run_cli(CLI_RUN + [f"--checkpoint={api['good']}", "--prompt_ids=5,6,7,8,9", "--max_new_tokens=6",
                           "--nostream"])
   assert p.returncode == 0, p.stderr[-3000:]

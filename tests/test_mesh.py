@@ -225,13 +225,35 @@ def smollm2_ckpt(tmp_path_factory):
     path = smollm2_gguf_path()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  dst = str(tmp_path_factory.mktemp("smollm2") / "ckpt")
+  root = tmp_path_factory.mktemp("smollm2")
   # The converter's default row slabs: the embedding's 128-row parts do not split over tensor=3, so this also
   # checks that such parts are read replicated and placed into the sharded array.
-  convert_gguf(path, dst, progress=False)
+  convert_gguf(path, str(root / "ckpt"), progress=False)
+  return _first_layers(str(root / "ckpt"), str(root / f"ckpt-{SMOL_LAYERS}"), SMOL_LAYERS)
+
+
+def _first_layers(src: str, dst: str, n: int) -> str:
+  """A checkpoint of src's first n layers (its real weights, embedding, norm and tokenizer): the stored items of
+  layers < n hard-linked, the config and manifest rewritten with n layers."""
+  import json
+  import os
+  import shutil
+  from lcjax.checkpoint.layout import CONFIG_FILE, MANIFEST_FILE
+  shutil.copytree(src, dst, copy_function=os.link, ignore=lambda d, names: [
+      x for x in names if len(x) == 5 and x.isdigit() and int(x) >= n] + [CONFIG_FILE, MANIFEST_FILE])
+  config, manifest = (json.load(open(os.path.join(src, f))) for f in (CONFIG_FILE, MANIFEST_FILE))
+  config["n_layers"] = n
+  for t in manifest["tensors"].values():
+    if t["layers"]:
+      t["layers"], t["shape"][0] = n, n
+  for f, d in ((CONFIG_FILE, config), (MANIFEST_FILE, manifest)):
+    with open(os.path.join(dst, f), "w") as out:
+      json.dump(d, out)
   return dst
 
 
+# The sharding of SmolLM2's 9 query and 3 KV heads is the same in every layer: 4 of its 30 layers are checked.
+SMOL_LAYERS = 4
 SMOL_RUN = RunConfig(dtype="float32", page_size=16, prefill_chunk=32, max_context=256, max_batch=1,
                      decode_steps=32, attention="reference")
 SMOL_PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a "
@@ -241,6 +263,7 @@ SMOL_PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time, i
 @pytest.mark.slow
 def test_smollm2_on_meshes_matches_one_device(smollm2_ckpt):
   base = Engine.load(smollm2_ckpt, run=SMOL_RUN)
+  assert base.cfg.n_layers == SMOL_LAYERS and (base.cfg.n_heads, base.cfg.n_kv_heads) == (9, 3)
   ids = base.encode(SMOL_PROMPT)
   assert len(ids) > SMOL_RUN.prefill_chunk           # two prefill chunks: the second reads a cached prefix
   want_logits, want_prefill = base.logits([ids]), prefill(base, ids)[0]

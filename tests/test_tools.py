@@ -101,7 +101,7 @@ def test_bench_longctx_rows_and_plots(tmp_path):
 def test_bench_startup_cold_then_warm_cache(tmp_path):
   """Two fresh CLI starts on one cache directory: the first compiles every program and writes it, the second
   reads every one back (the CLI's own count, parsed from its stats table)."""
-  # A named directory is used although the suite's processes run with JAX_ENABLE_COMPILATION_CACHE=false.
+  # A named directory is used although the suite's processes name the run's cache in JAX_COMPILATION_CACHE_DIR.
   _run("bench_startup.py", "--preset=tiny", "--modes=on", "--prompt_tokens=40", "--max_new_tokens=2",
        f"--cache_dir={tmp_path / 'cache'}", f"--out={tmp_path}", "--name=st")
   rows = {r["mode"]: r for r in json.load(open(tmp_path / "st.json"))["rows"]}

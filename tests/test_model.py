@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lcjax.config import PRESETS, ModelConfig, RopeScaling, preset
+from lcjax.config import ModelConfig, RopeScaling, preset
 from lcjax.model.llama import Llama
 from tests import hf_oracle
 

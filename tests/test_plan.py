@@ -14,7 +14,6 @@ import os
 import pathlib
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -407,7 +407,7 @@ def bench_torch_prefill(res, dog, sizes, reps):
       except Exception as e:  # noqa: BLE001
         res.error(f"{name} S={S}", e)
       dog.disarm()
-    del q, k, v
+    q = k = v = None                                   # free the inputs before the next size
     torch.cuda.empty_cache()
 
 

@@ -17,8 +17,7 @@ import tempfile
 
 import jax
 
-CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-             "JAX_COMPILATION_CACHE_MAX_SIZE")
+from tests.run_cache import CACHE_ENV
 _RUN_CACHE = "LCJAX_TEST_RUN_XLA_CACHE"      # set by the run's first process (xdist's controller), which removes it
 _OWN_CACHE = _RUN_CACHE not in os.environ
 if _OWN_CACHE:

@@ -15,6 +15,7 @@ import pytest
 
 from lcjax.config import ConfigError, RunConfig
 from lcjax.engine.compile_cache import resolve
+from tests.run_cache import without_run_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,10 +35,7 @@ print("RESULT " + json.dumps(dict(stats=compile_cache.stats(), again=again)))
 
 def _env(cache_home, **kw):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="", LCJAX_CACHE_DIR=str(cache_home), **kw)
-  for var in ("JAX_ENABLE_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
-              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_COMPILATION_CACHE_MAX_SIZE"):
-    env.pop(var, None)          # the suite's run cache (tests/conftest.py); these processes use lcjax's default
-  return env
+  return without_run_cache(env)       # the suite's run cache (tests/conftest.py); these use lcjax's default
 
 
 def _cli(cache_home, **env):

@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.run_cache import without_run_cache
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(2, 4), (4, 2)]        # (tensor, seq): each spans both processes on both axes' product
 
@@ -96,10 +98,7 @@ def test_two_processes_match_one(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
   # The two processes compile with JAX's persistent compilation cache off, not through the run's (tests/conftest.py).
-  for var in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-              "JAX_COMPILATION_CACHE_MAX_SIZE"):
-    env.pop(var, None)
-  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  without_run_cache(env)["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost", str(i), str(port), out, ckpt], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]

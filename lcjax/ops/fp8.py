@@ -49,29 +49,22 @@ def _scale(absmax):
   return jnp.maximum(absmax, _SCALE_FLOOR) / E4M3_MAX
 
 
-def quantize_rows(x, block: int):
-  """x [B, T, N, H] (T % block == 0) -> (x8 [B, T, N, H] e4m3, scale [B, N, T // block] float32), one scale per
-  `block` rows of each head."""
+def quantize_rows(x, block: int, dtype=E4M3):
+  """x [B, T, N, H] (T % block == 0) -> (x8 [B, T, N, H] of `dtype`, scale [B, N, T // block] float32), one scale
+  per `block` rows of each head: the block's absmax maps to the largest value of `dtype`. e4m3 rounds each value
+  to 3 mantissa bits; int8 (round(x / scale), absmax / 127) is a uniform grid over the block, whose largest
+  values keep 7 bits."""
   B, T, N, H = x.shape
   if T % block:
     raise ValueError(f"rows T={T} must be a multiple of block={block}")
+  top = INT8_MAX if jnp.dtype(dtype) == jnp.int8 else E4M3_MAX
   xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
-  scale = _scale(jnp.max(jnp.abs(xb), axis=(2, 4)))                     # [B, T/block, N]
-  x8 = jnp.clip(xb / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3).reshape(B, T, N, H)
+  scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=(2, 4)), _SCALE_FLOOR) / top             # [B, T/block, N]
+  y = xb / scale[:, :, None, :, None]
+  if top == INT8_MAX:
+    y = jnp.round(y)
+  x8 = jnp.clip(y, -top, top).astype(dtype).reshape(B, T, N, H)
   return x8, jnp.transpose(scale, (0, 2, 1))
-
-
-def quantize_rows_int8(x, block: int):
-  """quantize_rows with int8 values: x [B, T, N, H] -> (x8 [B, T, N, H] int8 = round(x / scale), scale [B, N,
-  T // block] float32 = absmax / 127 per `block` rows of each head). A uniform grid over the block: its largest
-  values keep 7 bits where e4m3 keeps 3."""
-  B, T, N, H = x.shape
-  if T % block:
-    raise ValueError(f"rows T={T} must be a multiple of block={block}")
-  xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
-  scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=(2, 4)), _SCALE_FLOOR) / INT8_MAX
-  x8 = jnp.clip(jnp.round(xb / scale[:, :, None, :, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-  return x8.reshape(B, T, N, H), jnp.transpose(scale, (0, 2, 1))
 
 
 def quantize_v_transposed(v):
@@ -140,9 +133,8 @@ def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool,
     raise ValueError(f"qk_dtype={qk_dtype!r}: expected one of {QK_DTYPES}")
   if incoherent:
     q, k = rotate(q), rotate(k)
-  rows = quantize_rows_int8 if qk_dtype == "int8" else quantize_rows
-  q8, qs = rows(q, block_q)
-  k8, ks = rows(k, block_kv)
+  q8, qs = quantize_rows(q, block_q, qk_dtype)
+  k8, ks = quantize_rows(k, block_kv, qk_dtype)
   v8t, vs = quantize_v_transposed(v)
   return (q8, qs), (k8, ks), (v8t, vs)
 

@@ -364,8 +364,8 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
   block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
   and k; the output has q's dtype and the lse is float32. qk_dtype="int8" quantizes Q and K to int8 instead (an
-  int32 Q K^T; V and P stay e4m3). interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
-  kernel."""
+  int32 Q K^T; V and P stay e4m3). interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in
+  jnp) instead of running the kernel."""
   T, H = q.shape[1], q.shape[3]
   reason = why_not_fp8(head_dim=H, tuning=tuning)
   if reason:

@@ -1,0 +1,15 @@
+"""The environment of a test run's JAX compilation cache (set up in tests/conftest.py), and its removal for the
+processes that must not use it."""
+from __future__ import annotations
+
+# Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, a size limit.
+CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_COMPILATION_CACHE_MAX_SIZE")
+
+
+def without_run_cache(env: dict) -> dict:
+  """env without the run's cache variables (and without JAX_ENABLE_COMPILATION_CACHE): a process started with it
+  uses lcjax's own default."""
+  for var in CACHE_ENV + ("JAX_ENABLE_COMPILATION_CACHE",):
+    env.pop(var, None)
+  return env

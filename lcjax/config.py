@@ -179,6 +179,11 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
   return ModelConfig.from_dict(d) if "n_layers" in d else ModelConfig.from_hf(d)
 
 
+# RunConfig.attention_dtype -> the dtype the FP8 kernel quantizes Q and K to (P and V are e4m3 in both): e4m3
+# throughout, or int8 Q K^T (exact integer products of absmax / 127 blocks) beside e4m3 P V.
+ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": "int8"}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """How lcjax runs a model. Every field can be overridden from the CLI (`--config.page_size=128`)."""
@@ -202,7 +207,8 @@ class RunConfig:
                                      # Groups are the largest divisor of decode_steps up to N (1 if none)
   attention: str = "auto"            # auto | reference | cudnn | pallas | dense (baseline)
   attention_dtype: str = "auto"      # "auto" (attention computes in `dtype`) | "float8_e4m3fn": FP8 attention for
-                                     # prefill (the pallas backend's FP8 kernel; independent of cache_dtype)
+                                     # prefill (the pallas backend's FP8 kernel; independent of cache_dtype) |
+                                     # "int8_fp8": the same kernel with int8 Q K^T and e4m3 P V
   prefix_cache: bool = True          # keep full KV pages after their requests end; reuse them for prompts
                                      # that start with the same tokens (lcjax.cache.prefix)
   host_cache_gib: float = 0.0        # host memory for cached pages evicted from the device (0: they are dropped)
@@ -234,10 +240,11 @@ class RunConfig:
     if self.attention not in ("auto", "reference", "cudnn", "pallas", "dense"):
       raise ConfigError(f"attention={self.attention!r} must be auto, reference, cudnn, pallas or dense "
                         "(the unoptimised baseline)")
-    if self.attention_dtype not in ("auto", "float8_e4m3fn"):
-      raise ConfigError(f"attention_dtype={self.attention_dtype!r} must be auto or float8_e4m3fn")
-    if self.attention_dtype == "float8_e4m3fn" and self.attention not in ("auto", "pallas"):
-      raise ConfigError(f"attention_dtype=float8_e4m3fn runs on the pallas backend, not attention={self.attention!r}")
+    if self.attention_dtype not in ATTENTION_DTYPES:
+      raise ConfigError(f"attention_dtype={self.attention_dtype!r} must be one of {', '.join(ATTENTION_DTYPES)}")
+    if self.attention_dtype != "auto" and self.attention not in ("auto", "pallas"):
+      raise ConfigError(f"attention_dtype={self.attention_dtype} runs on the pallas backend, "
+                        f"not attention={self.attention!r}")
     if self.sp_mode not in ("ring", "ring-plain", "ulysses"):
       raise ConfigError(f"sp_mode={self.sp_mode!r} must be ring, ring-plain (no zigzag: the load-imbalanced "
                         "baseline) or ulysses")

@@ -196,6 +196,10 @@ def test_fp8_backend_selection(caplog):
   if not ON_GPU:
     with pytest.raises(ValueError, match="cannot run here \\(attention='pallas'\\): needs a CUDA GPU"):
       backends.get_backend("pallas", attention_dtype="float8_e4m3fn")
+  be = backends.get_backend("auto", head_dim=128, attention_dtype="int8_fp8")
+  assert be.qk_dtype == "int8" and be.name == ("pallas-int8-fp8" if ON_GPU else "pallas-int8-fp8-model")
+  with pytest.raises(ValueError, match="attention_dtype=int8_fp8 runs on the pallas backend, not attention='cudnn'"):
+    backends.get_backend("cudnn", attention_dtype="int8_fp8")
   with pytest.raises(ValueError, match="attention_dtype='int8'"):
     backends.get_backend("auto", attention_dtype="int8")
   with pytest.raises(ConfigError, match="attention_dtype='bf8'"):
@@ -259,18 +263,21 @@ TINY128 = ModelConfig("tiny128", vocab_size=256, dim=128, n_layers=2, n_heads=2,
                       ffn_dim=256, rope_theta=10000.0, max_position=512, eos_ids=())
 
 
-def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch):
+@pytest.mark.parametrize("attention_dtype,name,qk", [("float8_e4m3fn", "pallas-fp8-model", "float8_e4m3fn"),
+                                                     ("int8_fp8", "pallas-int8-fp8-model", "int8")])
+def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch, attention_dtype, name, qk):
   """40 greedy tokens after a 300-token prompt prefilled in chunks (the chunk's self-attention is FP8; the cached
-  prefix goes through the paged path): the same tokens as the engine without FP8 attention."""
+  prefix goes through the paged path): the same tokens as the engine without FP8 attention. The stats name the
+  kernel that ran, and int8_fp8 quantizes Q and K to int8."""
   run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(1).integers(3, 256, 300)]
   base = Engine.random(TINY128, run=run, seed=5)
-  eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5)
-  assert eng.attention.name == "pallas-fp8-model"
+  eng = Engine.random(TINY128, run=run.replace(attention_dtype=attention_dtype), seed=5)
+  assert eng.attention.name == name and eng.attention.qk_dtype == qk
   want = base.generate([prompt], max_new_tokens=40)[0]
   _poison_references(monkeypatch)                        # the FP8 engine must not reach a jnp reference
   got = eng.generate([prompt], max_new_tokens=40)[0]
-  assert got.stats["attention"] == "pallas-fp8-model" and got.stats["attention_dtype"] == "float8_e4m3fn"
+  assert got.stats["attention"] == name and got.stats["attention_dtype"] == attention_dtype
   assert got.token_ids == want.token_ids
   assert eng.fingerprint != base.fingerprint
 
@@ -360,14 +367,15 @@ def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len, qk_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-def test_fp8_engine_gpu():
+@pytest.mark.parametrize("attention_dtype,name", [("float8_e4m3fn", "pallas-fp8"), ("int8_fp8", "pallas-int8-fp8")])
+def test_fp8_engine_gpu(attention_dtype, name):
   """The GPU engine with FP8 attention picks the kernel, not the model, and agrees with bf16 attention."""
   run = RunConfig(page_size=64, prefill_chunk=1024, max_context=4096, max_batch=1, decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(2).integers(3, 256, 2500)]
   cfg = dataclasses.replace(TINY128, max_position=4096)
   base = Engine.random(cfg, run=run, seed=5)
-  eng = Engine.random(cfg, run=run.replace(attention_dtype="float8_e4m3fn"), seed=5)
-  assert eng.attention.name == "pallas-fp8" and not eng.attention.interpret
+  eng = Engine.random(cfg, run=run.replace(attention_dtype=attention_dtype), seed=5)
+  assert eng.attention.name == name and not eng.attention.interpret
   want = base.generate([prompt], max_new_tokens=20)[0]
   got = eng.generate([prompt], max_new_tokens=20)[0]
   assert got.token_ids[:5] == want.token_ids[:5]

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -123,3 +125,15 @@ def test_bench_stream_rows(tmp_path):
   assert all(r["wall_ms_per_token"] > 0 and r["calls_ms_per_token"] > 0 for r in rows)
   assert rows[1]["vs_largest"] == 1.0 and rows[0]["stream_ms_per_token"] is None
   assert "| 100 | 1 |" in (tmp_path / "bs.md").read_text()
+
+
+def test_variant_entries_name_cache_and_attention_dtypes():
+  from lcjax.config import RunConfig
+  from tools import benchlib
+  assert benchlib.variant("float8_e4m3fn") == dict(cache_dtype="float8_e4m3fn", attention_dtype="auto")
+  assert benchlib.variant("bfloat16+fp8attn") == dict(cache_dtype="bfloat16", attention_dtype="float8_e4m3fn")
+  assert benchlib.variant("bfloat16+int8attn") == dict(cache_dtype="bfloat16", attention_dtype="int8_fp8")
+  for entry in ("bfloat16", "float8_e4m3fn+fp8attn", "float8_e4m3fn+int8attn"):
+    RunConfig(**benchlib.variant(entry))                       # each one a valid config
+  with pytest.raises(ValueError, match="'bfloat16\\+fp4attn'"):
+    benchlib.variant("bfloat16+fp4attn")

@@ -15,6 +15,8 @@ Implementations:
   lcjax-fp8kv  the same with a float8_e4m3fn KV cache
   lcjax-fp8attn  FP8 attention (attention_dtype=float8_e4m3fn), bf16 KV cache
   lcjax-fp8    FP8 attention and an fp8 KV cache
+  lcjax-int8attn  FP8 attention with int8 Q K^T (attention_dtype=int8_fp8), bf16 KV cache
+  lcjax-int8   int8_fp8 attention and an fp8 KV cache
   dense        the unoptimised path: one-shot prefill with XLA attention that materialises the scores
   hf           HF transformers LlamaForCausalLM (sdpa), prefill with logits_to_keep=1, DynamicCache decode
 """
@@ -37,7 +39,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
 flags.DEFINE_integer("layers", 0, "use only this many layers (0: all): per-layer validation of big presets")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "context lengths (prompt tokens)")
-IMPLS = ("lcjax", "lcjax-fp8kv", "lcjax-fp8attn", "lcjax-fp8", "dense", "hf")
+# lcjax's implementations (and dense, its baseline) -> (cache_dtype, attention_dtype)
+LCJAX_DTYPES = {"lcjax": ("auto", "auto"), "lcjax-fp8kv": ("float8_e4m3fn", "auto"),
+                "lcjax-fp8attn": ("auto", "float8_e4m3fn"), "lcjax-fp8": ("float8_e4m3fn", "float8_e4m3fn"),
+                "lcjax-int8attn": ("auto", "int8_fp8"), "lcjax-int8": ("float8_e4m3fn", "int8_fp8"),
+                "dense": ("auto", "auto")}
+IMPLS = (*LCJAX_DTYPES, "hf")
 flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: " + ", ".join(IMPLS))
 flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill")
 flags.DEFINE_integer("decode_sync_every", 8, "lcjax decode steps between host checks for EOS (RunConfig field; "
@@ -73,13 +80,13 @@ def _model_cfg():
 def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_chunk: int,
                dtype: str = "bfloat16", attention: str = "auto", sync_every: int = 1):
   """The RunConfig an implementation's row of context S runs with: room for S + decode_steps tokens, one
-  sequence, chunks of prefill_chunk (dense: the whole prompt at once), fp8 pages for lcjax-fp8kv and lcjax-fp8,
-  FP8 attention for lcjax-fp8 and lcjax-fp8attn."""
+  sequence, chunks of prefill_chunk (dense: the whole prompt at once), the cache and attention dtypes of
+  LCJAX_DTYPES."""
   from lcjax.config import RunConfig
   chunk = S if impl == "dense" else min(prefill_chunk, S)
   ctx = -(-(S + decode_steps + 1) // page_size) * page_size
-  return RunConfig(dtype=dtype, cache_dtype="float8_e4m3fn" if impl in ("lcjax-fp8kv", "lcjax-fp8") else "auto",
-                   attention_dtype="float8_e4m3fn" if impl in ("lcjax-fp8", "lcjax-fp8attn") else "auto",
+  cache_dtype, attention_dtype = LCJAX_DTYPES[impl]
+  return RunConfig(dtype=dtype, cache_dtype=cache_dtype, attention_dtype=attention_dtype,
                    page_size=page_size, max_context=ctx, max_batch=1,
                    prefill_chunk=-(-chunk // page_size) * page_size, decode_steps=decode_steps,
                    decode_sync_every=sync_every, attention="dense" if impl == "dense" else attention)

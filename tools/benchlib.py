@@ -88,10 +88,13 @@ def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, devic
   return result
 
 
+VARIANT_SUFFIXES = {"": "auto", "fp8attn": "float8_e4m3fn", "int8attn": "int8_fp8"}
+
+
 def variant(entry: str) -> dict:
-  """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; a '+fp8attn' suffix adds FP8 attention
-  ('bfloat16+fp8attn' -> cache_dtype bfloat16, attention_dtype float8_e4m3fn)."""
+  """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; a suffix picks low-precision attention:
+  '+fp8attn' (attention_dtype float8_e4m3fn) or '+int8attn' (int8_fp8), e.g. 'bfloat16+fp8attn'."""
   cache, _, extra = entry.partition("+")
-  if extra not in ("", "fp8attn"):
-    raise ValueError(f"cache entry {entry!r}: the only suffix is +fp8attn")
-  return dict(cache_dtype=cache, attention_dtype="float8_e4m3fn" if extra else "auto")
+  if extra not in VARIANT_SUFFIXES:
+    raise ValueError(f"cache entry {entry!r}: the suffixes are +fp8attn and +int8attn")
+  return dict(cache_dtype=cache, attention_dtype=VARIANT_SUFFIXES[extra])

@@ -41,7 +41,8 @@ flags.DEFINE_integer("layers", 0, "random weights: use only this many layers (0:
 flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint instead of random weights; 'bundled': SmolLM2")
 flags.DEFINE_list("contexts", ["4096", "131072"], "prompt lengths (tokens)")
 flags.DEFINE_list("caches", ["bfloat16", "float8_e4m3fn"], "KV cache dtypes to check (the first is the base); "
-                  "a '+fp8attn' suffix adds FP8 attention (attention_dtype=float8_e4m3fn), e.g. bfloat16+fp8attn")
+                  "a '+fp8attn' suffix adds FP8 attention (attention_dtype=float8_e4m3fn), '+int8attn' its int8 Q K^T "
+                  "form (int8_fp8), e.g. bfloat16+fp8attn")
 flags.DEFINE_string("dtype", "bfloat16", "lcjax parameter / activation dtype")
 flags.DEFINE_string("attention", "auto", "lcjax attention backend")
 flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")

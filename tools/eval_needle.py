@@ -22,7 +22,8 @@ flags.DEFINE_string("checkpoint", None, "lcjax checkpoint (default: the bundled 
 flags.DEFINE_list("words", ["1000", "2000", "4000"], "filler words per document (~1.2 tokens per word)")
 flags.DEFINE_list("depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "needle positions as fractions of the document")
 flags.DEFINE_list("cache_dtypes", ["auto"], "KV cache dtypes to compare (auto, bfloat16, float8_e4m3fn); a '+fp8attn' "
-                  "suffix adds FP8 attention (needs a Hopper GPU), e.g. bfloat16,bfloat16+fp8attn")
+                  "suffix adds FP8 attention, '+int8attn' its int8 Q K^T form (both need a Hopper GPU), e.g. "
+                  "bfloat16,bfloat16+fp8attn")
 flags.DEFINE_string("dtype", "float32", "model dtype")
 flags.DEFINE_string("out", "benchmarks/results", "output folder")
 flags.DEFINE_string("name", "needle-smollm2", "output file stem")

@@ -36,6 +36,7 @@ flags.DEFINE_integer("decode_sync_every", 8, "decode steps between host checks f
 flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "what to trace")
 flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
 flags.DEFINE_string("attention", "auto", "attention backend")
+flags.DEFINE_string("attention_dtype", "auto", "auto | float8_e4m3fn | int8_fp8 (RunConfig.attention_dtype)")
 flags.DEFINE_integer("prefill_chunk", 32768, "prefill chunk")
 flags.DEFINE_integer("page_size", 64, "page size")
 flags.DEFINE_integer("top", 25, "kernels printed (the JSON keeps every kernel)")
@@ -81,7 +82,7 @@ def main(argv):
   run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
                   decode_sync_every=FLAGS.decode_sync_every,
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
-                  cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention)
+                  cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype)
   eng = Engine.random(cfg, run=run, seed=0)
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.vocab_size, FLAGS.context).tolist()

@@ -214,8 +214,8 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     dequant = 2 * min(local, FP8_BLOCK_TOKENS) * K_l * H * w_item
     if local > FP8_BLOCK_TOKENS:
       dequant += C * N_l * (H + 1) * 4
-  if run.attention_dtype == "float8_e4m3fn":
-    # FP8 attention reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
+  if run.attention_dtype != "auto":
+    # FP8 attention (either Q K^T dtype: one byte an element) reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
     # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K rotated, both quantized to
     # e4m3; the chunk's queries rotated and quantized; a longer prefix adds the blocks' float32 merge.
     local = -(-run.context_for(model) // S)

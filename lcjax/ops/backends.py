@@ -13,6 +13,7 @@ import logging
 
 import jax
 
+from lcjax.config import ATTENTION_DTYPES
 from lcjax.ops import attention as ref
 
 
@@ -78,31 +79,33 @@ def _pallas():
 _FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cudnn, "pallas": _pallas}
 
 
-def _fp8_backend(name: str, head_dim: int, dtype):
-  """attention_dtype=float8_e4m3fn: the FP8 flash kernel; with attention='auto' on a machine without a GPU, its
-  jnp model (announced)."""
+def _fp8_backend(name: str, head_dim: int, dtype, attention_dtype: str):
+  """attention_dtype float8_e4m3fn or int8_fp8: the FP8 flash kernel (Q K^T in e4m3 or int8); with
+  attention='auto' on a machine without a GPU, its jnp model (announced)."""
   from lcjax.ops.pallas_flash import PallasFp8Backend
   if name not in ("auto", "pallas"):
-    raise ValueError(f"attention_dtype=float8_e4m3fn runs on the pallas backend, not attention={name!r}")
+    raise ValueError(f"attention_dtype={attention_dtype} runs on the pallas backend, not attention={name!r}")
+  qk = ATTENTION_DTYPES[attention_dtype]
+  kernel = "pallas-fp8" if qk == "float8_e4m3fn" else "pallas-int8-fp8"
   if name == "auto" and jax.default_backend() != "gpu":
-    be = PallasFp8Backend(name="pallas-fp8-model", interpret=True)
-    logging.warning("attention_dtype=float8_e4m3fn on %s runs the FP8 kernel's jnp model (its arithmetic, none of "
-                    "its speed)", jax.default_backend())
+    be = PallasFp8Backend(name=kernel + "-model", interpret=True, qk_dtype=qk)
+    logging.warning("attention_dtype=%s on %s runs the FP8 kernel's jnp model (its arithmetic, none of its speed)",
+                    attention_dtype, jax.default_backend())
   else:
-    be = PallasFp8Backend()
+    be = PallasFp8Backend(name=kernel, qk_dtype=qk)
   reason = be.why_not(head_dim=head_dim, dtype=dtype)
   if reason:
-    raise ValueError(f"attention_dtype=float8_e4m3fn cannot run here (attention={name!r}): {reason}")
+    raise ValueError(f"attention_dtype={attention_dtype} cannot run here (attention={name!r}): {reason}")
   return be
 
 
 def get_backend(name: str = "auto", *, head_dim: int = 128, dtype="bfloat16", attention_dtype: str = "auto"):
   """Return the backend called `name`; `auto` takes the fastest one that can serve this shape here.
-  attention_dtype="float8_e4m3fn" asks for FP8 attention (the pallas backend's FP8 kernel)."""
-  if attention_dtype == "float8_e4m3fn":
-    return _fp8_backend(name, head_dim, dtype)
+  attention_dtype float8_e4m3fn / int8_fp8 asks for low-precision attention (the pallas backend's FP8 kernel)."""
+  if attention_dtype not in ATTENTION_DTYPES:
+    raise ValueError(f"attention_dtype={attention_dtype!r} must be one of {', '.join(ATTENTION_DTYPES)}")
   if attention_dtype != "auto":
-    raise ValueError(f"attention_dtype={attention_dtype!r} must be auto or float8_e4m3fn")
+    return _fp8_backend(name, head_dim, dtype, attention_dtype)
   if name == "auto":
     if jax.default_backend() != "gpu":
       return ReferenceBackend()

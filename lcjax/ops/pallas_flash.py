@@ -498,7 +498,7 @@ class PallasFp8Backend(PallasBackend):
   flash: FlashTuning = FP8_TUNING
   incoherent: bool = True
   smooth_k: bool = True
-  qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T (not yet measured on the GPU)
+  qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)

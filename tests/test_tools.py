@@ -52,6 +52,10 @@ def test_profile_step_reports(tmp_path):
   rep = json.load(open(tmp_path / "prof.json"))
   assert rep["context"] == 200 and rep["wall_ms_per_token"] > 0 and rep["attention"] == "reference"
   assert "decode at 200" in p.stdout
+  p = _run("profile_step.py", "--preset=tiny", "--context=200", "--phase=prefill", "--page_size=16",
+           "--prefill_chunk=128", f"--out={tmp_path}", "--name=pre")
+  rep = json.load(open(tmp_path / "pre.json"))
+  assert rep["phase"] == "prefill" and rep["wall_ms_per_token"] > 0 and "prefill at 200" in p.stdout
 
 
 def test_bench_multigpu_extrapolates_measured_rows(tmp_path):

@@ -82,7 +82,9 @@ def main(argv):
   run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
                   decode_sync_every=FLAGS.decode_sync_every,
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
-                  cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype)
+                  cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype,
+                  # A traced prefill repeats the warm-up's prompt: with the prefix cache it would prefill nothing.
+                  prefix_cache=FLAGS.phase == "decode")
   eng = Engine.random(cfg, run=run, seed=0)
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.vocab_size, FLAGS.context).tolist()
@@ -113,6 +115,7 @@ def main(argv):
       res = eng.generate(prompt, max_new_tokens=1)
       traced_ms = 1e3 * (time.perf_counter() - t)
     wall_ms = 1e3 * res.stats["prefill_s"]
+    assert res.stats["cached_tokens"] == 0, res.stats
     per = 1
   p = planlib.plan(cfg, run)
   kv_bytes = p.kv_cache * FLAGS.context / max(p.tokens_capacity, 1)

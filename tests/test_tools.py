@@ -141,3 +141,13 @@ def test_variant_entries_name_cache_and_attention_dtypes():
     RunConfig(**benchlib.variant(entry))                       # each one a valid config
   with pytest.raises(ValueError, match="'bfloat16\\+fp4attn'"):
     benchlib.variant("bfloat16+fp4attn")
+
+
+def test_check_fp8_model_rows_on_the_outlier_test(tmp_path):
+  """FA3's outlier test through the FP8 kernel's jnp model: every 8-bit row measured against float32, the
+  rotation lowering e4m3's error and int8 Q K^T lowering it further (seeded inputs: deterministic)."""
+  _run("check_fp8.py", "--model", "--contexts=256", f"--out={tmp_path}", "--name=q")
+  rows = {r["impl"]: r["rmse"] for r in json.load(open(tmp_path / "q.json"))["rows"]}
+  e4m3, plain, int8 = (rows[f"lcjax-pallas-{n} [jnp model]"]
+                       for n in ("fp8 (rotation)", "fp8 (no rotation)", "int8-fp8 (rotation)"))
+  assert 1e-3 < int8 < e4m3 < plain < 0.05, rows

@@ -5,8 +5,12 @@
 Q, K, V ~ N(0, 1) + N(0, 100) * Bernoulli(0.001) (an outlier of std 10 in one element of a thousand), head dim
 128, causal, GQA 16:4, batch 1, rounded to bf16 once; every implementation gets the same bf16 inputs and the oracle
 is float32 blockwise attention (lcjax.ops.attention.attention_reference) of those inputs. Rows: lcjax's FP8 kernel
-with and without the incoherence rotation, lcjax's bf16 kernel, cuDNN's fp8 attention (JAX's private entry,
-per-tensor unit scales: these inputs fit e4m3 unscaled; with P scaled by 2^8 as lcjax does, and without).
+with and without the incoherence rotation, its int8 Q K^T form (attention_dtype=int8_fp8), lcjax's bf16 kernel,
+cuDNN's fp8 attention (JAX's private entry, per-tensor unit scales: these inputs fit e4m3 unscaled; with P scaled
+by 2^8 as lcjax does, and without).
+
+--model runs lcjax's 8-bit rows as the kernel's jnp model (`interpret=True`: its arithmetic, checked against the
+kernel on the GPU by tests/test_fp8.py) on any backend, and only those rows: a CPU can measure their error.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ flags.DEFINE_list("contexts", ["8192", "32768"], "sequence lengths")
 flags.DEFINE_integer("seed", 0, "input seed")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "fp8-quality", "output file stem")
+flags.DEFINE_bool("model", False, "only lcjax's 8-bit rows, through the kernel's jnp model (runs on a CPU)")
 
 N, K, H = 16, 4, 128
 
@@ -42,9 +47,23 @@ def outlier_inputs(key, S):
   return one(kq, N), one(kk, K), one(kv, K)
 
 
-def implementations():
+def implementations(model: bool = False):
+  import functools
+
   import jax.numpy as jnp
   from lcjax.ops import pallas_flash
+
+  def lcjax_8bit(**kw):
+    fn = functools.partial(pallas_flash.flash_attention_fp8, interpret=model, **kw)
+    return lambda q, k, v: fn(q, k, v)[0]
+
+  eight_bit = {
+      "lcjax-pallas-fp8 (rotation)": lcjax_8bit(incoherent=True),
+      "lcjax-pallas-fp8 (no rotation)": lcjax_8bit(incoherent=False),
+      "lcjax-pallas-int8-fp8 (rotation)": lcjax_8bit(incoherent=True, qk_dtype="int8"),
+  }
+  if model:
+    return {name + " [jnp model]": fn for name, fn in eight_bit.items()}
 
   def cudnn_fp8(p_scale):
     def run(q, k, v):
@@ -59,9 +78,7 @@ def implementations():
     return run
 
   return {
-      "lcjax-pallas-fp8 (rotation)": lambda q, k, v: pallas_flash.flash_attention_fp8(q, k, v, incoherent=True)[0],
-      "lcjax-pallas-fp8 (no rotation)": lambda q, k, v: pallas_flash.flash_attention_fp8(q, k, v,
-                                                                                          incoherent=False)[0],
+      **eight_bit,
       "lcjax-pallas bf16": lambda q, k, v: pallas_flash.flash_attention(q, k, v)[0],
       "cudnn-fp8 (unit scales)": cudnn_fp8(1.0),
       "cudnn-fp8 (P scaled 2^8)": cudnn_fp8(256.0),
@@ -80,7 +97,7 @@ def main(argv):
     want, _ = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, causal=True))(
         *(x.astype(jnp.float32) for x in (q, k, v)))
     rms = float(jnp.sqrt(jnp.mean(want ** 2)))
-    for name, fn in implementations().items():
+    for name, fn in implementations(FLAGS.model).items():
       try:
         out = jax.jit(fn)(q, k, v).astype(jnp.float32)
         err = out - want

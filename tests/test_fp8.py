@@ -1,5 +1,5 @@
 """FP8 attention: quantization, the kernel's jnp model against independent oracles, backend selection, the engine
-with attention_dtype=float8_e4m3fn against the bf16-path engine. GPU (`-m gpu`): the kernel against its model
+with attention_dtype=float8_e4m3fn and int8_fp8 (int8 Q K^T) against the bf16-path engine. GPU (`-m gpu`): the kernel against its model
 (tight) and against float64 (loose)."""
 from __future__ import annotations
 
@@ -136,6 +136,30 @@ def test_smoothing_keys_keeps_attention_and_lowers_error():
                    float(jnp.mean(jnp.abs(lse - want_lse))))
   assert err[True][0] < 0.6 * err[False][0] and err[True][1] < 0.3 * err[False][1], err
   assert err[True][0] < 0.1 and err[True][1] < 0.05, err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smoothed_scores_plus_shift_are_the_scores(dtype):
+  """smooth_keys in the engine's dtypes: q . (k - kbar) / sqrt(H) + shift == q . k / sqrt(H) for every row and key,
+  within the residual's rounding in k's dtype (the mean subtracted and the one in the shift must be the same
+  vector, or rows move by different amounts); kbar is the mean of the first kv_len keys only. The bias is large, so
+  a shift from a kbar rounded differently than the subtracted one (bf16: ~0.06 a channel) would show."""
+  B, T, S, N, K, H = 2, 8, 96, 4, 2, 64
+  q = (2.0 * _normal(31, B, T, N, H)).astype(dtype)
+  k = (_normal(32, B, S, K, H) + 30.0 * _normal(33, 1, 1, K, H)).astype(dtype)
+  kvl = jnp.array([S, 40])
+  res, shift = fp8.smooth_keys(q, k, kvl)
+  assert res.dtype == k.dtype and shift.dtype == jnp.float32
+  G = N // K
+  scores = lambda kk: jnp.einsum("btkgh,bskh->btkgs", q.astype(jnp.float32).reshape(B, T, K, G, H),
+                                 kk.astype(jnp.float32), precision="highest").reshape(B, T, N, S) / math.sqrt(H)
+  got = scores(res) + shift[..., None]
+  want = scores(k)
+  tol = 0.03 if dtype == "bfloat16" else 1e-3          # bf16 residuals of |k - kbar| ~ 1: 2^-9 relative
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol)
+  kbar = k[1, :40].astype(jnp.float32).mean(axis=0)
+  np.testing.assert_allclose(np.asarray(k[1].astype(jnp.float32) - res[1].astype(jnp.float32))[:40],
+                             np.broadcast_to(np.asarray(kbar), (40, K, H)), atol=0.3 if dtype == "bfloat16" else 1e-4)
 
 
 def test_int8_qk_beats_e4m3_on_biased_keys():
@@ -280,6 +304,9 @@ def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch, attention_dt
   assert got.stats["attention"] == name and got.stats["attention_dtype"] == attention_dtype
   assert got.token_ids == want.token_ids
   assert eng.fingerprint != base.fingerprint
+  # Each 8-bit mode caches different K/V: a context saved under one must not be served to the other.
+  other = "int8_fp8" if attention_dtype == "float8_e4m3fn" else "float8_e4m3fn"
+  assert eng.fingerprint != Engine.random(TINY128, run=run.replace(attention_dtype=other), seed=5).fingerprint
 
 
 def test_engine_fp8_attention_over_an_fp8_cache():

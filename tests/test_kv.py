@@ -132,10 +132,12 @@ def test_a_reused_page_starts_from_its_new_tokens_scale():
   _check_against_oracle(cache, [([4], new[0][1][4:])])          # the original page is untouched
 
 
-def test_a_seq_shard_writes_its_own_pages_as_one_pool_does():
-  """write_shard on each of 2 shards (pages split in halves) == write_layer on the whole pool."""
+@pytest.mark.parametrize("schedule", ["unaligned", "chunk-then-decode"])
+def test_a_seq_shard_writes_its_own_pages_as_one_pool_does(schedule):
+  """write_shard on each of 2 shards (pages split in halves) == write_layer on the whole pool, for chunks and for
+  decode's one token per row (its own write path)."""
   S, Pl = 2, P // 2
-  whole = _run(_empty(), SEQS, SCHEDULES["unaligned"])
+  whole = _run(_empty(), SEQS, SCHEDULES[schedule])
 
   @jax.jit
   def write(parts, x, slots):
@@ -148,9 +150,9 @@ def test_a_seq_shard_writes_its_own_pages_as_one_pool_does():
 
   parts = (_empty().k, _empty().k_scale)
   pos = 0
-  for c in SCHEDULES["unaligned"]:
+  for c in SCHEDULES[schedule]:
     counts = [max(0, min(c, len(vals) - pos)) for _, vals in SEQS]
-    parts = write(parts, *_call(SEQS, [pos] * 2, counts, max(4, 1 << (c - 1).bit_length())))
+    parts = write(parts, *_call(SEQS, [pos] * 2, counts, max(4, 1 << (c - 1).bit_length()) if c > 1 else 1))
     pos += c
   np.testing.assert_array_equal(np.asarray(parts[1]), np.asarray(whole.k_scale))
   np.testing.assert_array_equal(np.asarray(parts[0], np.float32), np.asarray(whole.k, np.float32))

@@ -238,10 +238,10 @@ def prefill_impls():
                                               functools.partial(_fp8_operands, tuning=tuning), FP8)
   impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
   # int8 Q K^T, e4m3 P and V (SageAttention's split): quantization included, and the kernel alone.
-  impls["lcjax-pallas-fp8-int8qk"] = (True, functools.partial(_fp8_attend, qk_dtype="int8"), None, FP8)
+  impls["lcjax-pallas-fp8-int8qk"] = (True, functools.partial(_fp8_attend, qk_dtype="int8"), None, INT8_FP8)
   impls["lcjax-pallas-fp8-int8qk-kernel"] = (True, functools.partial(_fp8_kernel, tuning=pallas_flash.FP8_TUNING),
                                              functools.partial(_fp8_operands, tuning=pallas_flash.FP8_TUNING,
-                                                               qk_dtype="int8"), FP8)
+                                                               qk_dtype="int8"), INT8_FP8)
   impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
     import flash_attn3_jax as fa3
@@ -280,6 +280,7 @@ def _flash(q, k, v, *, tuning):
 
 
 FP8 = "float8_e4m3fn"
+INT8_FP8 = "int8_fp8"            # int8 Q and K, e4m3 P and V (RunConfig.attention_dtype's name for it)
 
 
 def _fp8_attend(q, k, v, *, tuning=pallas_flash.FP8_TUNING, incoherent=True, qk_dtype="float8_e4m3fn"):

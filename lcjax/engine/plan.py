@@ -215,9 +215,10 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     if local > FP8_BLOCK_TOKENS:
       dequant += C * N_l * (H + 1) * 4
   if run.attention_dtype != "auto":
-    # FP8 attention (either Q K^T dtype: one byte an element) reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
-    # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K rotated, both quantized to
-    # e4m3; the chunk's queries rotated and quantized; a longer prefix adds the blocks' float32 merge.
+    # 8-bit attention reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
+    # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K smoothed and rotated, both
+    # quantized to one byte an element (e4m3, or int8 for K); the chunk's queries rotated and quantized; a longer
+    # prefix adds the blocks' float32 merge.
     local = -(-run.context_for(model) // S)
     W = min(local, PREFIX_BLOCK_TOKENS)
     dequant = W * K_l * H * (3 * w_item + 2) + C * N_l * H * (w_item + 1)

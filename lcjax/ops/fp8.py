@@ -109,7 +109,8 @@ def smooth_keys(q, k, kv_len):
   amount, so attention over k - kbar has the same output and an lse lower by exactly that shift, added back in
   float32. Trained models' keys share a large per-channel bias; without it each key's e4m3 rounding error (relative
   to its magnitude) is far smaller, and the score errors that would inflate the many small probabilities of a row
-  (E[exp(x + noise)] > exp(x)) shrink with it. q, k: [B, T, N, H], [B, S, K, H]; kv_len [B]."""
+  (E[exp(x + noise)] > exp(x)) shrink with it. q, k: [B, T, N, H], [B, S, K, H]; kv_len [B]. Keys past kv_len
+  weigh 0 in the mean and must be finite (cache pages always are: zeros or keys written earlier)."""
   B, S, K, H = k.shape
   N = q.shape[2]
   # The sum over keys as a [B, 1, S] x [B, S, K*H] product with float32 accumulation: one read of k at the
@@ -117,8 +118,8 @@ def smooth_keys(q, k, kv_len):
   valid = (jnp.arange(S, dtype=jnp.int32)[None, :] < kv_len[:, None]).astype(k.dtype)              # [B, S]
   ksum = jnp.einsum("bs,bskh->bkh", valid, k, preferred_element_type=jnp.float32,
                     precision=lax.Precision.HIGHEST if k.dtype == jnp.float32 else None)
-  # kbar in k's dtype, used as such by both the subtraction and the shift, so they cancel exactly. The residual
-  # keeps k's dtype too: its rounding is far below e4m3's, a float32 k would make the rotation
+  # kbar in k's dtype, used as such by both the subtraction and the shift, so they cancel up to the residual's
+  # rounding in k's dtype (far below e4m3's). The residual keeps k's dtype: a float32 k would make the rotation
   # (lcjax.ops.fp8.rotate, in its input's dtype) a float32 matmul, and a float32 copy of the gathered prefix
   # block measured 1 ms a call at 128K keys.
   kbar = (ksum / jnp.maximum(kv_len, 1).astype(jnp.float32)[:, None, None]).astype(k.dtype)

@@ -489,8 +489,8 @@ class PallasBackend:
 
 @dataclasses.dataclass(frozen=True)
 class PallasFp8Backend(PallasBackend):
-  """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 Q, K, V and P; float32 softmax, accumulators and
-  lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
+  """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
+  accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
   pages) and PallasBackend's decode kernel for decode rows. `smooth_k` subtracts the keys' mean before quantization
   (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or int8 for Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""

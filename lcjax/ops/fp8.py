@@ -1,8 +1,10 @@
-"""FP8 (float8_e4m3fn) attention operands: block-scaled quantization, the incoherence rotation, and the exact jnp
-model of the FP8 flash kernel (`lcjax.ops.pallas_flash.flash_attention_fp8`).
+"""FP8 (float8_e4m3fn) attention operands: block-scaled quantization, key smoothing, the incoherence rotation, and
+the exact jnp model of the FP8 flash kernel (`lcjax.ops.pallas_flash.flash_attention_fp8`).
 
 Quantization: x is stored as e4m3(x / scale) with scale = absmax / 448 over a block, so the block's largest value
-maps to e4m3's largest finite value. Q gets one scale per (batch, `block_q` rows, head), K one per (batch,
+maps to e4m3's largest finite value. With qk_dtype="int8" (RunConfig attention_dtype="int8_fp8") Q and K are
+int8 instead, round(x / scale) with scale = absmax / 127, and the kernel's Q K^T is an exact int32 product; V and
+P stay e4m3. Q gets one scale per (batch, `block_q` rows, head), K one per (batch,
 `block_kv` keys, kv head), V one per (batch, kv head); V is stored transposed, [B, K, H, S], because Hopper's fp8
 tensor-core product wants both operands contiguous along the contracted axis (keys, for P @ V).
 
@@ -12,7 +14,7 @@ rotation spreads an outlier channel over all channels, so a block's absmax, and 
 every other value, shrinks.
 
 The kernel, per query block and key block i (m, l, acc start at -1e30, 0, 0):
-  s   = q8 k8_i^T (exact products, float32 sums)      c_i = log2(e) / sqrt(H) * qs * ks_i
+  s   = q8 k8_i^T (exact products, float32 sums; int32 for int8)      c_i = log2(e) / sqrt(H) * qs * ks_i
   m'  = max(m, max_j s * c_i)                         p   = exp2(s * c_i - (m' - 8))    (P scaled by 2^8)
   l   = l * exp2(m - m') + sum_j p                    acc = acc * exp2(m - m') + e4m3(p) v8_i
   out = acc / l * vs,  lse = (m + log2(l) - 8) * ln 2

@@ -60,6 +60,10 @@ def test_resolve():
   assert resolve("auto", jax_dir="/j", jax_enabled=False, user_cache=home) is None       # JAX's own "off"
   assert resolve("/d", jax_dir="/j", jax_enabled=False, user_cache=home) == "/d"         # named: always used
   assert resolve("~/c", jax_dir=None, jax_enabled=True, user_cache=home) == os.path.expanduser("~/c")
+  # Several processes: auto is off (a warm cache hangs them, lcjax.engine.compile_cache); a named one is used.
+  assert resolve("auto", jax_dir="/j", jax_enabled=True, user_cache=home, processes=2) is None
+  assert resolve("auto", jax_dir=None, jax_enabled=True, user_cache=home, processes=2) is None
+  assert resolve("/d", jax_dir=None, jax_enabled=True, user_cache=home, processes=2) == "/d"
   with pytest.raises(ConfigError, match="compile_cache=''"):
     RunConfig(compile_cache="")
 

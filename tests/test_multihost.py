@@ -49,10 +49,13 @@ def _worker(process_id: int, port: int, out: str, ckpt: str) -> None:
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   from lcjax.engine.engine import Engine
   assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+  from lcjax.engine import compile_cache
   cfg, run, prompts = _setup()
   res = {}
   for tensor, seq in MESHES:
     eng = Engine.random(cfg, run=run.replace(tensor=tensor, seq=seq), seed=1)
+    # auto: off for several processes
+    assert compile_cache.stats()["dir"] is None and not jax.config.jax_enable_compilation_cache
     # Each process holds only its devices' shards of the parameters and of the page pool.
     assert not eng.params["layers"]["attn"]["wqkv"].get_value().is_fully_addressable
     assert not eng.cache.k.is_fully_addressable
@@ -97,8 +100,11 @@ def test_two_processes_match_one(tmp_path):
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
-  # The two processes compile with JAX's persistent compilation cache off, not through the run's (tests/conftest.py).
-  without_run_cache(env)["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  # The two processes run with lcjax's default compile_cache="auto", not the run's cache (tests/conftest.py), under
+  # a cache directory of their own: auto must turn the cache off for several processes (the worker checks it).
+  # With it on, the second run of this test hung (process 0 read every program from the cache, process 1 compiled
+  # them afresh).
+  without_run_cache(env)["LCJAX_CACHE_DIR"] = str(tmp_path / "user-cache")
   procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost", str(i), str(port), out, ckpt], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]

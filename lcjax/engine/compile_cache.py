@@ -7,6 +7,12 @@ second, while reading one back takes milliseconds. Where the user set JAX's own 
 (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES) they are kept.
 
 The cache is trusted code: a directory others can write to lets them run code in this process (JAX's warning).
+
+Several processes (jax.distributed): "auto" turns the cache off. JAX writes entries from process 0 only, and the
+other processes' cache keys differ from process 0's (checked on CPUs with gloo collectives: 25 of 25 programs
+missed on process 1 while process 0 read all of its own), so with a warm cache process 0 runs executables read
+from disk and the others freshly compiled ones, and their first collective hung (tests/test_multihost.py's engines,
+second run). A directory given by name is used anyway, with a warning.
 """
 from __future__ import annotations
 
@@ -27,15 +33,17 @@ _warned: set = set()
 SUBDIR = "jax-compile"
 
 
-def resolve(setting: str, *, jax_dir: str | None, jax_enabled: bool, user_cache: str) -> str | None:
+def resolve(setting: str, *, jax_dir: str | None, jax_enabled: bool, user_cache: str,
+            processes: int = 1) -> str | None:
   """The cache directory of a RunConfig.compile_cache value, None for off. "auto" defers to JAX's own settings
-  (JAX_COMPILATION_CACHE_DIR, JAX_ENABLE_COMPILATION_CACHE=false) where they are set, else <user_cache>/jax-compile;
-  a directory given by name is used whatever JAX's settings say."""
+  (JAX_COMPILATION_CACHE_DIR, JAX_ENABLE_COMPILATION_CACHE=false) where they are set, else <user_cache>/jax-compile,
+  and is off when `processes` > 1 (module docstring); a directory given by name is used whatever JAX's settings
+  say."""
   if setting == "off":
     return None
   if setting != "auto":
     return os.path.abspath(os.path.expanduser(setting))
-  if not jax_enabled:
+  if not jax_enabled or processes > 1:
     return None
   return jax_dir or os.path.join(user_cache, SUBDIR)
 
@@ -54,8 +62,17 @@ def enable(setting: str) -> str | None:
   global _applied
   from lcjax.checkpoint.sources import user_cache_dir
   with _lock:
+    processes = jax.process_count()
     path = resolve(setting, jax_dir=jax.config.jax_compilation_cache_dir,
-                   jax_enabled=jax.config.jax_enable_compilation_cache, user_cache=user_cache_dir())
+                   jax_enabled=jax.config.jax_enable_compilation_cache, user_cache=user_cache_dir(),
+                   processes=processes)
+    if processes > 1 and _applied is None:
+      if setting == "auto":
+        _log.warning("the JAX compilation cache is off: %d processes (a warm cache hangs them: process 0 reads "
+                     "programs the others compile afresh); --config.compile_cache=DIR uses one anyway", processes)
+      elif path is not None:
+        _log.warning("compile_cache=%s with %d processes: a warm cache has hung multi-process runs (process 0 reads "
+                     "programs the others compile afresh; lcjax.engine.compile_cache)", path, processes)
     if _applied is not None:
       if path != _applied["dir"] and setting not in _warned:
         _warned.add(setting)

@@ -218,18 +218,15 @@ def test_request_too_long_for_a_seq_shard():
 # -- the real SmolLM2-135M (9 heads, 3 KV heads: tensor must divide 9) -------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2_ckpt(tmp_path_factory):
-  from lcjax.checkpoint import convert_gguf
-  from lcjax.checkpoint.gguf import smollm2_gguf_path
+def smollm2_ckpt(request, tmp_path_factory):
+  # The run's one conversion of the bundled GGUF (tests/conftest.py), with the converter's default row slabs: the
+  # embedding's 128-row parts do not split over tensor=3, so this also checks that such parts are read replicated
+  # and placed into the sharded array.
   try:
-    path = smollm2_gguf_path()
+    full = request.getfixturevalue("smollm2_checkpoint")
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  root = tmp_path_factory.mktemp("smollm2")
-  # The converter's default row slabs: the embedding's 128-row parts do not split over tensor=3, so this also
-  # checks that such parts are read replicated and placed into the sharded array.
-  convert_gguf(path, str(root / "ckpt"), progress=False)
-  return _first_layers(str(root / "ckpt"), str(root / f"ckpt-{SMOL_LAYERS}"), SMOL_LAYERS)
+  return _first_layers(full, str(tmp_path_factory.mktemp("smollm2") / f"ckpt-{SMOL_LAYERS}"), SMOL_LAYERS)
 
 
 def _first_layers(src: str, dst: str, n: int) -> str:

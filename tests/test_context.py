@@ -407,8 +407,9 @@ def test_a_v1_fp8_context_loads_with_its_per_layer_scales(tmp_path):
   _idle(eng)
 
 
-def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path):
-  """--context_file with --save_context, then --load_context: the same answer, the second without a prefill."""
+def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):
+  """--context_file with --save_context, then --load_context: the same answer, the second without a prefill. The
+  CLI's default model is the bundled one, converted into the run's LCJAX_CACHE_DIR by the fixture (once per run)."""
   import subprocess
   import sys
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

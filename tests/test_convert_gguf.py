@@ -37,14 +37,14 @@ TOKENIZER_TEXTS = fx.TEXTS + [
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-  """(lcjax ckpt dir, HF model, HF tokenizer): the GGUF converted once, and transformers' reading of it."""
+def smollm2(smollm2_checkpoint):
+  """(lcjax ckpt dir, HF model, HF tokenizer): the GGUF converted by convert_gguf (once per test run, shared with
+  the other tests of the converted model: tests/conftest.py), and transformers' reading of it."""
   import torch
   import transformers
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   path = smollm2_gguf_path()
-  dst = str(tmp_path_factory.mktemp("smollm2") / "ckpt")
-  convert_gguf(path, dst, progress=False)
+  dst = smollm2_checkpoint
   folder, fname = os.path.split(path)
   hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
   hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)

@@ -427,13 +427,12 @@ def test_refusals_are_value_errors():
 
 
 @pytest.mark.parametrize("fname", ["lcjax_manifest.json", "lcjax_config.json"])
-def test_corrupt_checkpoint_json_is_named(tmp_path, fname):
+def test_corrupt_checkpoint_json_is_named(tmp_path, fname, smollm2_checkpoint):
   """A truncated manifest or config names the file instead of surfacing a bare JSONDecodeError."""
   import shutil
   from lcjax.checkpoint import CheckpointError, load_config
-  from lcjax.checkpoint.bundled import bundled_checkpoint
   ckpt = tmp_path / "ckpt"
-  src = bundled_checkpoint()
+  src = smollm2_checkpoint     # the bundled model, converted once per run (tests/conftest.py)
   shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("params"))
   (ckpt / fname).write_text('{"format": "lcjax-orb')
   with pytest.raises(CheckpointError, match=rf"{fname} is corrupt .*rerun the conversion"):

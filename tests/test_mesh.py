@@ -154,14 +154,28 @@ def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode, ca
   from lcjax.ops import backends, cudnn
   monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True, fp8_block_tokens=16))
   run = RUN.replace(dtype="bfloat16", attention="cudnn", cache_dtype=cache)
-  one = Engine.random(CFG, run=run, seed=1)
+  want = _fast_path_oracle(run)
   eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
   assert eng.attention.name == "cudnn" and eng.attention.emulate
-  assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), one.logits([PROMPTS[0][:37], PROMPTS[2]])) <= 2e-2
-  assert rel(prefill(eng, PROMPTS[0])[0], prefill(one, PROMPTS[0])[0]) <= 2e-2
+  assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), want["logits"]) <= 2e-2
+  assert rel(prefill(eng, PROMPTS[0])[0], want["prefill"]) <= 2e-2
   got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=8)]
-  want = [r.token_ids for r in one.generate(PROMPTS, max_new_tokens=8)]
-  assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
+  assert all(g[:4] == w[:4] for g, w in zip(got, want["tokens"])), (got, want["tokens"])
+
+
+_FAST_PATH_ORACLES: dict = {}
+
+
+def _fast_path_oracle(run: RunConfig) -> dict:
+  """The one-device cuDNN-emulating engine's logits, prefill logits and tokens for `run`: computed once per run
+  config (the two auto-cache cases share one), by the first case that needs it, under that case's monkeypatch."""
+  if run not in _FAST_PATH_ORACLES:
+    one = Engine.random(CFG, run=run, seed=1)
+    assert one.attention.name == "cudnn" and one.attention.emulate
+    _FAST_PATH_ORACLES[run] = dict(
+        logits=one.logits([PROMPTS[0][:37], PROMPTS[2]]), prefill=prefill(one, PROMPTS[0])[0],
+        tokens=[r.token_ids for r in one.generate(PROMPTS, max_new_tokens=8)])
+  return _FAST_PATH_ORACLES[run]
 
 
 KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
@@ -218,18 +232,15 @@ def test_request_too_long_for_a_seq_shard():
 # -- the real SmolLM2-135M (9 heads, 3 KV heads: tensor must divide 9) -------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2_ckpt(tmp_path_factory):
-  from lcjax.checkpoint import convert_gguf
-  from lcjax.checkpoint.gguf import smollm2_gguf_path
+def smollm2_ckpt(request, tmp_path_factory):
+  # The run's one conversion of the bundled GGUF (tests/conftest.py), with the converter's default row slabs: the
+  # embedding's 128-row parts do not split over tensor=3, so this also checks that such parts are read replicated
+  # and placed into the sharded array.
   try:
-    path = smollm2_gguf_path()
+    full = request.getfixturevalue("smollm2_checkpoint")
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  root = tmp_path_factory.mktemp("smollm2")
-  # The converter's default row slabs: the embedding's 128-row parts do not split over tensor=3, so this also
-  # checks that such parts are read replicated and placed into the sharded array.
-  convert_gguf(path, str(root / "ckpt"), progress=False)
-  return _first_layers(str(root / "ckpt"), str(root / f"ckpt-{SMOL_LAYERS}"), SMOL_LAYERS)
+  return _first_layers(full, str(tmp_path_factory.mktemp("smollm2") / f"ckpt-{SMOL_LAYERS}"), SMOL_LAYERS)
 
 
 def _first_layers(src: str, dst: str, n: int) -> str:

@@ -33,7 +33,10 @@ def _kernel_spec(path) -> None:
       display_name="Python 3 (lcjax tests)", language="python")))
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+def test_quickstart_notebook_runs(tmp_path, monkeypatch, smollm2_checkpoint):
+  # The kernel inherits the run's LCJAX_CACHE_DIR: the notebook's bundled_checkpoint() finds the run's conversion
+  # of the bundled model there (tests/conftest.py) instead of converting it again.
+  assert os.path.dirname(smollm2_checkpoint) == os.environ["LCJAX_CACHE_DIR"]
   _kernel_spec(tmp_path / "jupyter")
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   # The kernel imports this checkout's lcjax on one CPU device, as the other tools' tests run.

@@ -272,6 +272,7 @@ SMOL_PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time, i
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_xla     # 4 real layers, 49,152-token vocabulary: unoptimized code costs more than it saves
 def test_smollm2_on_meshes_matches_one_device(smollm2_ckpt):
   base = Engine.load(smollm2_ckpt, run=SMOL_RUN)
   assert base.cfg.n_layers == SMOL_LAYERS and (base.cfg.n_heads, base.cfg.n_kv_heads) == (9, 3)

@@ -45,8 +45,9 @@ jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 # tiny models' programs, and this cuts their compile CPU time by about 40%; the programs are the same HLO, computing
 # the same operations (no fast math either way), and every comparison in a test process is between programs
 # compiled this way or against a torch / numpy oracle. A test that runs a real model long enough for optimized code
-# to pay back is marked `optimized_xla`. The processes tests start run with the defaults, as a user runs them (CLI,
-# tools, the notebook kernel), except test_multihost's, which compile as their oracle here does.
+# to pay back is marked `optimized_xla`. The processes tests start run with the defaults, as a user runs them (the
+# CLI, the notebook kernel), except test_multihost's, which compile as their oracle here does, and test_tools' runs
+# of the tools on the tiny preset (tests.run_cache.with_test_xla_optimizations).
 jax.config.update("jax_disable_most_optimizations", True)
 
 

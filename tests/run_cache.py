@@ -1,5 +1,5 @@
 """The environment of a test run's JAX compilation cache (set up in tests/conftest.py), and its removal for the
-processes that must not use it."""
+processes that must not use it; the test processes' XLA optimization setting, for the processes that share it."""
 from __future__ import annotations
 
 # Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, a size limit.
@@ -12,4 +12,12 @@ def without_run_cache(env: dict) -> dict:
   uses lcjax's own default."""
   for var in CACHE_ENV + ("JAX_ENABLE_COMPILATION_CACHE",):
     env.pop(var, None)
+  return env
+
+
+def with_test_xla_optimizations(env: dict) -> dict:
+  """env with this process's setting of jax_disable_most_optimizations (tests/conftest.py turns most of XLA's
+  optimizations off in the test processes): a process started with it compiles as the test processes do."""
+  import jax
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if jax.config.read("jax_disable_most_optimizations") else "0"
   return env

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.run_cache import without_run_cache
+from tests.run_cache import with_test_xla_optimizations, without_run_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(2, 4), (4, 2)]        # (tensor, seq): each spans both processes on both axes' product
@@ -91,7 +91,6 @@ def _write_checkpoint(eng, dst: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-  import jax
   from lcjax.engine.engine import Engine
   out, ckpt = str(tmp_path / "res.json"), str(tmp_path / "ckpt")
   cfg, run, prompts = _setup()
@@ -106,8 +105,7 @@ def test_two_processes_match_one(tmp_path):
   # With it on, the second run of this test hung (process 0 read every program from the cache, process 1 compiled
   # them afresh).
   without_run_cache(env)["LCJAX_CACHE_DIR"] = str(tmp_path / "user-cache")
-  # They compile with XLA's optimizations as this process's oracle does (tests/conftest.py: most of them off).
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if jax.config.read("jax_disable_most_optimizations") else "0"
+  with_test_xla_optimizations(env)      # they compile as this process's oracle does (tests/conftest.py)
   procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost", str(i), str(port), out, ckpt], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]

@@ -9,11 +9,15 @@ import sys
 
 import pytest
 
+from tests.run_cache import with_test_xla_optimizations
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(tool, *args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")      # one CPU device: the tools' own default
+  # One CPU device (the tools' own default); XLA's optimizations as in the test processes (tests/conftest.py: the
+  # tiny models' compilation is most of each run, and what a tool computes and reports does not depend on them).
+  env = with_test_xla_optimizations(dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
   p = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool), *args], capture_output=True, text=True,
                      env=env, cwd=REPO, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]

@@ -47,8 +47,8 @@ _LN2 = math.log(2.0)
 _M_FLOOR = -1e30
 
 
-def _scale(absmax):
-  return jnp.maximum(absmax, _SCALE_FLOOR) / E4M3_MAX
+def _scale(absmax, top: float = E4M3_MAX):
+  return jnp.maximum(absmax, _SCALE_FLOOR) / top
 
 
 def quantize_rows(x, block: int, dtype=E4M3):
@@ -61,7 +61,7 @@ def quantize_rows(x, block: int, dtype=E4M3):
     raise ValueError(f"rows T={T} must be a multiple of block={block}")
   top = INT8_MAX if jnp.dtype(dtype) == jnp.int8 else E4M3_MAX
   xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
-  scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=(2, 4)), _SCALE_FLOOR) / top             # [B, T/block, N]
+  scale = _scale(jnp.max(jnp.abs(xb), axis=(2, 4)), top)                  # [B, T/block, N]
   y = xb / scale[:, :, None, :, None]
   if top == INT8_MAX:
     y = jnp.round(y)

@@ -63,8 +63,9 @@ def test_bf16_generation_is_batch_invariant(prompts):
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
 def test_fp8_cache_matches_reference(backend, prompts):
-  """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode: the Pallas fp8 kernel or
-  the reference) == the same cache through the reference backend."""
+  """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
+  fp8 kernel of lcjax.ops.mgpu_paged, queries in two e4m3 terms) == the same cache through the reference
+  backend."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
   assert fast.attention.name == backend and fast.fp8_cache
   _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, uncached=False)

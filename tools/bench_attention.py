@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lcjax.ops import attention as ref  # noqa: E402
 from lcjax.ops import cudnn, cudnn_calls  # noqa: E402
 from lcjax.ops import fp8 as fp8_ops  # noqa: E402
+from lcjax.ops import mgpu_paged  # noqa: E402
 from lcjax.ops import pallas_flash  # noqa: E402
 from lcjax.ops import pallas_paged  # noqa: E402
 from tools import benchlib  # noqa: E402
@@ -417,9 +418,12 @@ def decode_impls():
   """name -> (lcjax?, fp8?, fn(q, kp, vp, table, q_pos, kv_len, ks, vs) -> (out, lse))."""
   pal = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: pallas_paged.paged_decode(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
+  mgpu = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: mgpu_paged.paged_decode_fp8(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
   impls = {
       "lcjax-pallas": (True, False, pal(pallas_paged.PagedTuning())),
       "lcjax-pallas-fp8": (True, True, pal(pallas_paged.PagedTuning())),
+      "lcjax-mgpu-fp8": (True, True, mgpu(mgpu_paged.Fp8DecodeTuning())),
   }
   if _EXPLORE.value:
     T = pallas_paged.PagedTuning
@@ -428,6 +432,11 @@ def decode_impls():
                          ("tp2112", T(target_programs=2112)), ("tp528", T(target_programs=528)),
                          ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
       impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
+    F = mgpu_paged.Fp8DecodeTuning
+    for name, tuning in (("mcs3-ctas396", F(max_concurrent_steps=3, target_ctas=396)),
+                         ("mcs2-ctas396", F(max_concurrent_steps=2, target_ctas=396)),
+                         ("mcs2-ctas528", F(max_concurrent_steps=2, target_ctas=528))):
+      impls["lcjax-mgpu-fp8-" + name] = (True, True, mgpu(tuning))
     impls["lcjax-pallas-fp8-st2"] = (True, True, pal(T(num_stages=2)))
     impls["lcjax-pallas-fp8-st4-pps1"] = (True, True, pal(T(num_stages=4, pages_per_step=1)))
   impls |= {
@@ -470,7 +479,7 @@ def pages(key, S, Z, fp8, B=B_DEC):
 
 
 # Tuning variants and FA3's single split run at the first page size only (compiles cost device time).
-MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-cudnn", "fa3-paged-split8", "cudnn-private-paged",
+MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-cudnn", "fa3-paged-split8", "cudnn-private-paged",
                "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 
 

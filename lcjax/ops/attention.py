@@ -233,7 +233,8 @@ _announced: set[str] = set()
 _announced_lock = threading.Lock()
 
 
-def _warn_once(line: str) -> None:
+def warn_once(line: str) -> None:
+  """Log `line` as a warning once per process."""
   with _announced_lock:
     if line in _announced:
       return
@@ -251,7 +252,7 @@ def reference_branch_ran(backend: str, reasons: dict[str, jax.Array]) -> None:
 
   def report(*flags):
     why = [t for t, f in zip(texts, flags) if np.any(f)] or ["positions the kernel cannot mask"]
-    _warn_once(f"attention backend {backend} ran a call through the jnp reference (slow), decided by the "
+    warn_once(f"attention backend {backend} ran a call through the jnp reference (slow), decided by the "
                f"positions at run time: {'; '.join(why)}")
 
   jax.debug.callback(report, *(jnp.asarray(f) for f in reasons.values()))

@@ -47,7 +47,8 @@ _LN2 = math.log(2.0)
 _M_FLOOR = -1e30
 
 
-def _scale(absmax, top: float = E4M3_MAX):
+def scale_for(absmax, top: float = E4M3_MAX):
+  """The scale that maps `absmax` to `top` (the largest value of the 8-bit type); all-zero blocks get a floor."""
   return jnp.maximum(absmax, _SCALE_FLOOR) / top
 
 
@@ -61,7 +62,7 @@ def quantize_rows(x, block: int, dtype=E4M3):
     raise ValueError(f"rows T={T} must be a multiple of block={block}")
   top = INT8_MAX if jnp.dtype(dtype) == jnp.int8 else E4M3_MAX
   xb = x.astype(jnp.float32).reshape(B, T // block, block, N, H)
-  scale = _scale(jnp.max(jnp.abs(xb), axis=(2, 4)), top)                  # [B, T/block, N]
+  scale = scale_for(jnp.max(jnp.abs(xb), axis=(2, 4)), top)                  # [B, T/block, N]
   y = xb / scale[:, :, None, :, None]
   if top == INT8_MAX:
     y = jnp.round(y)
@@ -72,7 +73,7 @@ def quantize_rows(x, block: int, dtype=E4M3):
 def quantize_v_transposed(v):
   """v [B, S, K, H] -> (v8 transposed [B, K, H, S] e4m3, scale [B, K] float32), one scale per kv head."""
   vf = v.astype(jnp.float32)
-  scale = _scale(jnp.max(jnp.abs(vf), axis=(1, 3)))                     # [B, K]
+  scale = scale_for(jnp.max(jnp.abs(vf), axis=(1, 3)))                     # [B, K]
   v8 = jnp.clip(vf / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
   return jnp.transpose(v8, (0, 2, 3, 1)), scale
 

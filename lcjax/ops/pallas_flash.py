@@ -420,7 +420,9 @@ def _on_hopper() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
-  """Our kernels: Mosaic GPU flash attention for `attend`, the split-K Pallas decode kernel for `paged`.
+  """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
+  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mgpu_paged) over fp8
+  pages.
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
   no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
@@ -471,12 +473,29 @@ class PallasBackend:
 
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
+  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int) -> str | None:
+    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mgpu_paged); None: they
+    do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
+    from lcjax.ops import mgpu_paged
+    if self.interpret:
+      return "the Mosaic GPU kernel has no interpreter (interpret=True)"
+    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows)
+
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops import pallas_paged
     B, T, N, H = q.shape
-    K = k_pages.shape[2]
+    Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
     if T * (N // K) <= tuning.max_rows:
+      if k_scale is not None:
+        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=T * (N // K))
+        if reason is None:
+          from lcjax.ops import mgpu_paged
+          return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                             k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+        if not self.interpret:
+          ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
+                        f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
       return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
                                        interpret=self.interpret)

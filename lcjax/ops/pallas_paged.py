@@ -11,11 +11,17 @@ Masking follows the contract: token j of the sequence is visible to row (t, g) i
 j <= q_pos[b, t]. fp8 (e4m3) pages carry float32 scales per page and kv head ([P, K]); a page's K scale multiplies
 its scores and its V scale its P @ V term, so the dequantized page is never written out.
 
-Why Triton lowering and not Mosaic GPU: this kernel runs in Pallas interpret mode on CPU, so CI covers its indexing
-and masking; it is a gather of small tiles through a data-dependent page table, where the Mosaic path's TMA
-descriptors buy little. JAX 0.11.2 warns that the Pallas Triton backend is deprecated: the Mosaic GPU rewrite
-is the next step (benchmarks/NOTES-attention.md). Chunked prefill (R > max_rows) is not decode-shaped: the
-backend routes it elsewhere.
+Decode over fp8 pages on a GPU runs lcjax.ops.mgpu_paged instead (Mosaic GPU, K read by an fp8 wgmma straight
+from the pages): this kernel widens every fp8 K and V element to float16 in registers and reads fp8 bytes at about
+half its bf16 rate (attention-fp8-decode-h200-b: 2.0-2.7 TB/s against 3.4-4.3 for bf16 pages). Its fp8 path
+stays for the Pallas interpreter (CPU tests) and page sizes the Mosaic kernel cannot read.
+
+Why bf16 pages stay on the Triton lowering: the kernel reads them at 0.97-1.08x the bytes rate of cuDNN's paged
+decode in the same call (4.0-4.3 TB/s at 128K and 512K, batch 8, near the HBM floor), and it runs in Pallas
+interpret mode on CPU, so CI covers its indexing and masking. JAX 0.11.2 warns that the Pallas Triton backend is
+deprecated: moving this path to Mosaic GPU (lcjax.ops.mgpu_paged's structure with bf16 operands, no widening) is
+for that deprecation, not for speed. Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it
+elsewhere.
 
 Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots.
 """
@@ -147,7 +153,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
   pltriton.store(lse_ref, jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=real)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB):
+def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transposed):
   """Join split partials exactly, one program per (b, kv head h, real row r, block of H): the splits' LSE
   weights, their weighted sum, written straight into out [B, T, N, H] (query head h * G + g at token t)."""
   from jax.experimental import pallas as pl
@@ -160,7 +166,8 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB):
   top = jnp.where(top > -jnp.inf, top, 0.0)
   w = jnp.exp(lse - top)                                               # 0 for empty or unused splits
   tot = jnp.sum(w)
-  o = jnp.where(used[:, None], o_ref[b, h, :, r, pl.ds(c * HB, HB)], 0.0)   # [S2, HB]
+  o = o_ref[b, h, :, pl.ds(c * HB, HB), r] if transposed else o_ref[b, h, :, r, pl.ds(c * HB, HB)]
+  o = jnp.where(used[:, None], o, 0.0)                                # [S2, HB]
   out = jnp.sum(o * w[:, None], axis=0) / jnp.where(tot > 0, tot, 1.0)
   t, n = r // G, h * G + r % G
   out_ref[b, t, n, pl.ds(c * HB, HB)] = out.astype(out_ref.dtype)
@@ -236,15 +243,29 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
       interpret=interpret,
       name="lcjax_paged_decode",
   )(*args)
-  # One kernel joins the splits of every real row into out [B, T, N, H]: in XLA the join was four kernels a
-  # layer (max, exp-sum, weighted sum, normalise + convert), ~0.2 ms a token at 128K on the H200.
+  return combine_splits(o, lse, S=S_, G=G, out_shape=(B, T, N, H), out_dtype=q.dtype, tuning=tuning,
+                        interpret=interpret)
+
+
+def combine_splits(o, lse, *, S: int, G: int, out_shape, out_dtype, tuning: PagedTuning = PagedTuning(),
+                   transposed: bool = False, interpret: bool = False):
+  """Join split partials o [B, K, S2, R, H] f32 ([B, K, S2, H, R] if transposed), lse [B, K, S2, R] f32 (S2 a
+  power of two >= S; the first S written; row r = t * G + g of kv head h, rows r < T * G read) into
+  (out [B, T, N, H] out_dtype, lse [B, T, N]).
+  One kernel for every real row: in XLA the join was four kernels a layer (max, exp-sum, weighted sum, normalise
+  + convert), ~0.2 ms a token at 128K on the H200."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  B, T, N, H = out_shape
+  K = o.shape[1]
   HB = min(H, tuning.combine_block)
+  whole = pl.no_block_spec
   return pl.pallas_call(
-      lambda *refs: _combine_kernel(*refs, S=S_, G=G, HB=HB),
-      grid=(B, K, R0, H // HB),
+      lambda *refs: _combine_kernel(*refs, S=S, G=G, HB=HB, transposed=transposed),
+      grid=(B, K, T * G, H // HB),
       in_specs=[whole, whole],
       out_specs=[whole, whole],
-      out_shape=[jax.ShapeDtypeStruct((B, T, N, H), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, N, H), out_dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=tuning.combine_warps, num_stages=1),
       interpret=interpret,
       name="lcjax_paged_combine",

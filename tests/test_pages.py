@@ -205,8 +205,9 @@ def test_pool_state_machine():
       suppress_health_check=[HealthCheck.too_slow]))
   print(f"state machine: {_STEPS} in {time.perf_counter() - t0:.1f}s")
   assert _STEPS["rules"] >= 10_000, _STEPS
-  # The interesting branches must actually be exercised, not just reachable.
-  assert _STEPS["exhausted"] >= 100 and _STEPS["cow"] >= 30, _STEPS
+  # The interesting branches must actually be exercised, not just reachable. The counts are not fixed even with
+  # derandomize (53 to 387 exhaustions seen: the draw differs with the process that runs it), so the floor is low.
+  assert _STEPS["exhausted"] >= 30 and _STEPS["cow"] >= 30, _STEPS
 
 
 # -- unit tests -------------------------------------------------------------------------------------------------

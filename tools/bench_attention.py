@@ -479,8 +479,8 @@ def pages(key, S, Z, fp8, B=B_DEC):
 
 
 # Tuning variants and FA3's single split run at the first page size only (compiles cost device time).
-MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-cudnn", "fa3-paged-split8", "cudnn-private-paged",
-               "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
+MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-cudnn", "fa3-paged-split8",
+               "cudnn-private-paged", "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 
 
 def bench_decode(res, dog, sizes, page_sizes, reps):

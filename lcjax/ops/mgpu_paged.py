@@ -17,7 +17,8 @@ ring of `max_concurrent_steps` K/V slots by TMA. Each split writes a float32 par
 combine of lcjax.ops.pallas_paged joins them exactly.
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
-every real row sees whole skip the mask arithmetic. Padded rows (r >= R) are never written out.
+whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the
+partials; the combine reads only the R real ones.
 
 Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots,
 R = T * G rows per kv head, RN = R rounded up to a multiple of 8.
@@ -34,13 +35,14 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops import pallas_paged
+from lcjax.ops.pallas_flash import smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_FLOOR = -1e30
-_COMPUTE_WGS = 2
 MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are padded to a multiple of 8)
-BLOCK = 64                   # keys per K/V block (a tile's N for Q K^T, its K for P @ V)
+BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the K of O^T = V^T P^T
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 
 
@@ -49,8 +51,9 @@ class Fp8DecodeTuning:
   """Static knobs (part of the jit cache key)."""
   num_splits: int | None = None      # splits of each (b, h)'s page table (rounded down to a power of two);
                                      # None: about two CTAs per SM
-  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and a CTA takes ~90
-                                     # KiB of shared memory, so two run on each
+  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and with up to 8 rows
+                                     # per kv head a CTA takes ~90 KiB of shared memory, so two run on each (at
+                                     # 64 rows, ~138 KiB: one)
   min_pages_per_split: int = 4
   max_concurrent_steps: int = 4      # K/V ring depth
 
@@ -59,8 +62,10 @@ class Fp8DecodeTuning:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2")
 
 
-def why_not(*, head_dim: int, page_size: int, rows: int) -> str | None:
+def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3) -> str | None:
   """Why the fp8 decode kernel cannot serve this shape (None: it can)."""
+  if jnp.dtype(page_dtype) != fp8_ops.E4M3:
+    return f"the fp8 decode kernel reads float8_e4m3fn pages, not {jnp.dtype(page_dtype).name}"
   if head_dim not in (64, 128):
     return f"the fp8 decode kernel is built for head_dim 64 or 128, got {head_dim=}"
   if page_size % BLOCK:
@@ -85,11 +90,10 @@ def quantize_rows(q, K):
   """q [B, T, N, H] -> (q8 [B, K, 2, RN, H] e4m3, qs [B, K] float32): Q = (q8[:, :, 0] + q8[:, :, 1] / LO) * qs.
 
   Row r = t * G + g of kv head h is query head h * G + g at token t, padded with zero rows to RN, the next
-  multiple of 8; one scale per
-  (b, h), the rows' absmax / 448. q8[:, :, 0] is Q / qs rounded to e4m3 (relative error up to 2^-4: 0.05 in a
-  logit of 1, a 5% error of its attention weight), q8[:, :, 1] the rounding error times LO rounded again, so the
-  two together carry Q to ~2^-8, near bf16's 2^-9. The kernel runs both against each K tile: a second wgmma of
-  64 x 64 x H, cheap beside the tile's bytes."""
+  multiple of 8; one scale per (b, h), the rows' absmax / 448. q8[:, :, 0] is Q / qs rounded to e4m3 (relative
+  error up to 2^-4: 0.05 in a logit of 1, a 5% error of its attention weight), q8[:, :, 1] the rounding error
+  times LO rounded again, so the two together carry Q to ~2^-8, near bf16's 2^-9. The kernel runs both against
+  each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
   B, T, N, H = q.shape
   G = N // K
   qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H).astype(jnp.float32)
@@ -112,14 +116,14 @@ def dequantize_rows(q8, qs, T, G):
   return x.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
 
 
-def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page0, *, T, G, splits,
+def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset, *, T, G, splits,
                  tuning: Fp8DecodeTuning):
   """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, splits, RN] f32, natural log)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   B, K, _, RN, H = q8.shape
-  Z = k_pages.shape[1]
+  P, Z = k_pages.shape[:2]
   M = table.shape[1]
   Zb = BLOCK
   bpp = Z // Zb                                   # blocks per page
@@ -135,7 +139,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    page0 = off_ref[0]
+    offset = off_ref[0]
     qpos_t = [qpos_ref[b, t] for t in range(T)]
     last, lowest = qpos_t[0], qpos_t[0]
     for p in qpos_t[1:]:
@@ -144,12 +148,14 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     lim = jnp.minimum(jnp.minimum(kvl_ref[b], last + 1), (s + 1) * pps * Z)
     first = s * pps * bpp
     n = jnp.maximum(jnp.minimum(first + pps * bpp, (lim + Zb - 1) // Zb) - first, 0)
-    # Keys below `seen_by_all` are visible to every real row: their blocks skip the mask.
+    # Blocks wholly below min(lim, lowest + 1) are visible to every real row: they skip the mask.
     n_full = jnp.clip(lax.div(jnp.minimum(lim, lowest + 1), jnp.array(Zb, lim.dtype)) - first, 0, n)
 
     def page_of(j):
+      # Clipped into the pools: the one-step-ahead loads read the slots after a split's last block too, which a
+      # caller's table may leave holding anything.
       slot = jnp.minimum(lax.div(j, jnp.array(bpp, j.dtype)), M - 1)
-      return table_ref[b, slot] + page0
+      return jnp.clip(table_ref[b, slot] + offset, 0, P - 1)
 
     @pl.when(wg == 0)
     def _compute():
@@ -180,13 +186,14 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
         sc = pl.run_scoped(qk, plgpu.ACC((Zb, RN), jnp.float32), plgpu.ACC((Zb, RN), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        c_i = c_q * ks_i
+        sc = sc * (c_q * ks_i)                                    # base-2 logits
         if masked:
           keys = plgpu.broadcasted_iota(jnp.int32, (Zb, RN), 0, layout=plgpu.Layout.WGMMA) + (first + i) * Zb
-          sc = jnp.where((keys < lim) & (keys <= (last if thr is None else thr)), sc, -jnp.inf)
-        m_new = jnp.maximum(m, sc.max(axis=0) * c_i)
+          vis = keys < lim                                        # with one token, lim <= q_pos + 1 already
+          sc = jnp.where(vis if thr is None else vis & (keys <= thr), sc, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=0))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc * c_i - lax.broadcast_in_dim(m_new, sc.shape, [1]))
+        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1]))
         # Row sums stay per key until the end: one cross-warp reduction per block (the max) instead of two.
         l = l * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
         p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
@@ -241,19 +248,16 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         plgpu.barrier_wait(v_free.at[slot])
         issue(i, slot)
 
-  def tiled(dt, cols):
-    swizzle = min(128, cols * jnp.dtype(dt).itemsize)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
-
   e4m3, f16 = fp8_ops.E4M3, jnp.float16
 
   def entry(*refs):
     ins, (o_ref, lse_ref) = refs[:10], refs[10:]
-    smem = (plgpu.SMEM((2, RN, H), e4m3, transforms=tiled(e4m3, H)),
-            plgpu.SMEM((mcs, Zb, H), e4m3, transforms=tiled(e4m3, H)),
-            plgpu.SMEM((mcs, Zb, H), e4m3, transforms=tiled(e4m3, H)),
-            plgpu.SMEM((Zb, H), f16, transforms=tiled(f16, H)),
-            plgpu.SMEM((RN, Zb), f16, transforms=tiled(f16, Zb)),
+    tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
+    smem = (tiled((2, RN, H), e4m3),
+            tiled((mcs, Zb, H), e4m3),
+            tiled((mcs, Zb, H), e4m3),
+            tiled((Zb, H), f16),
+            tiled((RN, Zb), f16),
             plgpu.SMEM((H, RN), jnp.float32),
             plgpu.SMEM((RN,), jnp.float32))
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1))
@@ -269,7 +273,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page0)
+  )(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset)
 
 
 def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, page_offset=0,
@@ -295,16 +299,14 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
                            out_dtype, page_offset=0, tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
   """The kernel and its split combine on queries already quantized by `quantize_rows` (q8 [B, K, 2, RN, H], qs
   [B, K]) for T tokens of G query heads per kv head: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
-  from lcjax.ops import pallas_paged
   B, K, _, _, H = q8.shape
   P, Z = k_pages.shape[:2]
   M = page_table.shape[1]
-  reason = why_not(head_dim=H, page_size=Z, rows=T * G)
-  if reason:
-    raise ValueError(reason)
-  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if x.dtype != fp8_ops.E4M3:
-      raise ValueError(f"{name} must be float8_e4m3fn for the fp8 decode kernel, got {x.dtype}")
+  reason = why_not(head_dim=H, page_size=Z, rows=T * G, page_dtype=k_pages.dtype)
+  if reason or v_pages.dtype != k_pages.dtype:
+    raise ValueError(reason or f"k_pages and v_pages differ in dtype: {k_pages.dtype} and {v_pages.dtype}")
+  if k_scale is None or v_scale is None:
+    raise ValueError(f"fp8 pages need k_scale and v_scale, got {k_scale is None=} {v_scale is None=}")
   splits = num_splits_for(tuning, B, K, M)
   o, lse = _decode_call(q8, qs, k_pages, v_pages, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
                         page_table.astype(jnp.int32), jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
@@ -316,8 +318,9 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
 
 def paged_decode_quantized_model(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, T: int,
                                  G: int, page_offset=0):
-  """`paged_decode_quantized`'s arithmetic in jnp, its oracle on the same quantized queries: exact float32
-  attention of the queries q8 and qs encode over the dequantized pages. The kernel differs from it by float32
-  summation order and P rounded to float16 (relative ~5e-4). Returns (out float32, lse)."""
+  """`paged_decode_quantized`'s oracle on the same quantized queries: the jnp reference (float32; on a GPU under
+  jax.default_matmul_precision("highest"), or its products are TF32) over the queries q8 and qs encode and the
+  dequantized pages. Not the kernel's arithmetic step by step: the kernel rounds P to float16 for P @ V, its fp8
+  wgmma accumulates with fewer bits than float32, and its sums run in another order. Returns (out f32, lse)."""
   return ref.paged_attention_reference(dequantize_rows(q8, qs, T, G), k_pages, v_pages, page_table + page_offset,
                                        q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale)

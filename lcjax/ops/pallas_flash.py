@@ -63,6 +63,14 @@ def why_not(*, head_dim: int, dtype) -> str | None:
   return None
 
 
+def smem_transforms(dtype, cols: int):
+  """Shared-memory tiling of rows of `cols` elements in swizzled chunks of up to 128 bytes, the layout a wgmma
+  reads its operands in (both operands share one swizzle)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def _steps(q_base, block_q, block_kv, d, kvl, causal):
   """(full, total) key-block counts for rows q_base .. q_base + block_q - 1."""
   if causal:
@@ -268,23 +276,19 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         plgpu.barrier_wait(v_free.at[slot])
         issue(i, slot)
 
-  def tiled(dt, cols):
-    # Rows of `cols` elements in swizzled chunks of up to 128 bytes (a wgmma's operands share one swizzle).
-    swizzle = min(128, cols * jnp.dtype(dt).itemsize)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
-
   n_scales = 3 if fp8 else 0
 
   def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, *refs):
     scale_refs, (out_ref, *lse) = refs[:n_scales], refs[n_scales:]
     lse_ref = lse[0] if lse else None
     v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
-    smem = (plgpu.SMEM((_COMPUTE_WGS, bq, H), dtype, transforms=tiled(dtype, H)),
-            plgpu.SMEM((mcs, bkv, H), dtype, transforms=tiled(dtype, H)),
-            plgpu.SMEM(v_tile, v_dtype, transforms=tiled(v_dtype, v_tile[-1])),
+    tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
+    smem = (tiled((_COMPUTE_WGS, bq, H), dtype),
+            tiled((mcs, bkv, H), dtype),
+            tiled(v_tile, v_dtype),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
-            plgpu.SMEM((_COMPUTE_WGS, bq, H), out_dtype, transforms=tiled(out_dtype, H)) if fp8 else None,
-            plgpu.SMEM((_COMPUTE_WGS, bq, bkv), fp8_ops.E4M3, transforms=tiled(fp8_ops.E4M3, bkv)) if fp8 else None)
+            tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None,
+            tiled((_COMPUTE_WGS, bq, bkv), fp8_ops.E4M3) if fp8 else None)
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
               plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
@@ -418,6 +422,14 @@ def _on_hopper() -> str | None:
   return None
 
 
+def _on_sm90() -> str | None:
+  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  if jax.default_backend() != "gpu" or cc is None or str(cc).split(".")[0] != "9":
+    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
@@ -473,13 +485,13 @@ class PallasBackend:
 
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
-  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int) -> str | None:
+  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
     """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mgpu_paged); None: they
     do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
     from lcjax.ops import mgpu_paged
     if self.interpret:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
-    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows)
+    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype) or _on_sm90()
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops import pallas_paged
@@ -488,7 +500,7 @@ class PallasBackend:
     tuning = self._decode_tuning()
     if T * (N // K) <= tuning.max_rows:
       if k_scale is not None:
-        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=T * (N // K))
+        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=T * (N // K), page_dtype=k_pages.dtype)
         if reason is None:
           from lcjax.ops import mgpu_paged
           return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
@@ -509,8 +521,8 @@ class PallasBackend:
 @dataclasses.dataclass(frozen=True)
 class PallasFp8Backend(PallasBackend):
   """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
-  accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks (over the gathered
-  pages) and PallasBackend's decode kernel for decode rows. `smooth_k` subtracts the keys' mean before quantization
+  accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks
+  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys' mean before quantization
   (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or int8 for Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"

@@ -252,8 +252,8 @@ def combine_splits(o, lse, *, S: int, G: int, out_shape, out_dtype, tuning: Page
   """Join split partials o [B, K, S2, R, H] f32 ([B, K, S2, H, R] if transposed), lse [B, K, S2, R] f32 (S2 a
   power of two >= S; the first S written; row r = t * G + g of kv head h, rows r < T * G read) into
   (out [B, T, N, H] out_dtype, lse [B, T, N]).
-  One kernel for every real row: in XLA the join was four kernels a layer (max, exp-sum, weighted sum, normalise
-  + convert), ~0.2 ms a token at 128K on the H200."""
+  One kernel for every real row, where XLA takes four a layer for the same join (max, exp-sum, weighted sum,
+  normalise + convert), ~0.2 ms a token at 128K on the H200."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   B, T, N, H = out_shape

@@ -36,7 +36,7 @@ from jax import lax
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops import pallas_paged
-from lcjax.ops.pallas_flash import smem_transforms
+from lcjax.ops.pallas_flash import fill_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -238,15 +238,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         plgpu.copy_gmem_to_smem(k_ref.at[pid, keys, h], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[pid, keys, h], v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(mcs):
-        pl.when(i < n)(functools.partial(issue, i, i))
-
-      @pl.loop(mcs, jnp.maximum(n, mcs))
-      def _(i):
-        slot = lax.rem(i, jnp.array(mcs, i.dtype))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        issue(i, slot)
+      fill_ring(issue, n, mcs, k_free, v_free)
 
   e4m3, f16 = fp8_ops.E4M3, jnp.float16
 

@@ -71,6 +71,22 @@ def smem_transforms(dtype, cols: int):
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def fill_ring(issue, steps, slots: int, k_free, v_free):
+  """A TMA warpgroup's loop: issue(i, slot) loads step i = 0 .. steps - 1 into a ring of `slots` shared-memory
+  slots, the first `slots` at once, then each into slot i % slots once its K and V consumers released it."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  for i in range(slots):
+    pl.when(i < steps)(functools.partial(issue, i, i))
+
+  @pl.loop(slots, jnp.maximum(steps, slots))
+  def _(i):
+    slot = lax.rem(i, jnp.array(slots, i.dtype))
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+    issue(i, slot)
+
+
 def _steps(q_base, block_q, block_kv, d, kvl, causal):
   """(full, total) key-block counts for rows q_base .. q_base + block_q - 1."""
   if causal:
@@ -266,15 +282,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         v_src = v_ref.at[b, kv_head, pl.ds(0, H), keys] if fp8 else v_ref.at[b, keys, kv_head]
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(mcs):
-        pl.when(i < max_steps)(functools.partial(issue, i, i))
-
-      @pl.loop(mcs, jnp.maximum(max_steps, mcs))
-      def _(i):
-        slot = lax.rem(i, jnp.array(mcs, i.dtype))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        issue(i, slot)
+      fill_ring(issue, max_steps, mcs, k_free, v_free)
 
   n_scales = 3 if fp8 else 0
 

@@ -176,6 +176,19 @@ def test_combine_reads_transposed_partials():
   np.testing.assert_allclose(np.asarray(lse_out), want_lse.reshape(B, T, K * G), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
+  """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
+  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)
+  be, e4 = pallas_flash.PallasBackend(), jnp.float8_e4m3fn
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
+  assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "triton"
+  interp = pallas_flash.PallasBackend(interpret=True)
+  assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
+  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: "not Hopper")
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
+
+
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])
 def test_kernel_lowers_for_cuda(T, H, Z):
   sd = jax.ShapeDtypeStruct

@@ -82,7 +82,7 @@ def _stats_table(engine, res, warmup_s) -> str:
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
-          ("decode", f"{s['decode_ms_per_token']:.1f} ms/token"),
+          ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']})"),
           ("peak device memory", f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
            else "n/a on this backend"),
           ("peak host memory", f"{s['peak_host_bytes'] / gib:.2f} GiB")]

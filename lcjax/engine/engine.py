@@ -128,6 +128,17 @@ class Engine:
   def fp8_cache(self) -> bool:
     return self.run.resolved_cache_dtype == "float8_e4m3fn"
 
+  @property
+  def decode_kernel(self) -> str:
+    """The kernel decode steps run: the backend's name, or for pallas which of its decode kernels serves this
+    model's pages ('mgpu-fp8' or 'triton'; when fp8 pages take 'triton', the log said why)."""
+    pick = getattr(self.attention, "decode_kernel", None)
+    if pick is None:
+      return self.attention.name
+    cfg = self.serving_cfg
+    return pick(head_dim=cfg.head_dim, page_size=self.run.page_size, rows=cfg.n_heads // cfg.n_kv_heads,
+                page_dtype=self.run.resolved_cache_dtype)
+
   def close(self) -> None:
     """Free the engine's device memory (weights, cache, contexts); later calls are refused."""
     with self.scheduler.lock:
@@ -375,7 +386,7 @@ class Engine:
   def _result(self, r: Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)
     stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
-                 cache_dtype=self.run.resolved_cache_dtype,
+                 cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
                  host_cached_tokens=r.from_host,
                  prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,

@@ -501,6 +501,14 @@ class PallasBackend:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
     return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype) or _on_sm90()
 
+  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
+    'triton' (lcjax.ops.pallas_paged)."""
+    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
+      return "triton"
+    reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
+    return "triton" if reason else "mgpu-fp8"
+
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     from lcjax.ops import pallas_paged
     B, T, N, H = q.shape

@@ -96,7 +96,7 @@ def quantize_rows(q, K):
   each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
   B, T, N, H = q.shape
   G = N // K
-  qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H).astype(jnp.float32)
+  qr = pallas_paged.rows_per_kv_head(q, K).astype(jnp.float32)
   qs = fp8_ops.scale_for(jnp.abs(qr).max(axis=(2, 3)))
   x = qr / qs[:, :, None, None]
   hi = jnp.clip(x, -fp8_ops.E4M3_MAX, fp8_ops.E4M3_MAX).astype(fp8_ops.E4M3)
@@ -292,7 +292,7 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
   """The kernel and its split combine on queries already quantized by `quantize_rows` (q8 [B, K, 2, RN, H], qs
   [B, K]) for T tokens of G query heads per kv head: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
   B, K, _, _, H = q8.shape
-  P, Z = k_pages.shape[:2]
+  Z = k_pages.shape[1]
   M = page_table.shape[1]
   reason = why_not(head_dim=H, page_size=Z, rows=T * G, page_dtype=k_pages.dtype)
   if reason or v_pages.dtype != k_pages.dtype:

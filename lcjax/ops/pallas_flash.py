@@ -503,9 +503,7 @@ class PallasBackend:
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
     """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
-    'triton' (lcjax.ops.pallas_paged)."""
-    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
-      return "triton"
+    'triton' (lcjax.ops.pallas_paged; pages other than e4m3 always)."""
     reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
     return "triton" if reason else "mgpu-fp8"
 
@@ -538,8 +536,9 @@ class PallasBackend:
 class PallasFp8Backend(PallasBackend):
   """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
   accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks
-  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys' mean before quantization
-  (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or int8 for Q and K.
+  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys'
+  mean before quantization (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or
+  int8 for Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"
   flash: FlashTuning = FP8_TUNING

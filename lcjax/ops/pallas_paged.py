@@ -174,6 +174,13 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transpose
   lse_out_ref[b, t, n] = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top, -jnp.inf)
 
 
+def rows_per_kv_head(q, K):
+  """q [B, T, N, H] -> [B, K, T * G, H]: row r = t * G + g of kv head h is query head h * G + g at token t (the
+  rows that share kv head h's pages; `_combine_kernel` maps them back)."""
+  B, T, N, H = q.shape
+  return q.reshape(B, T, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (N // K), H)
+
+
 def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
                  tuning: PagedTuning = PagedTuning(), interpret: bool = False):
   """Attention of a few query tokens per sequence over a paged cache. Returns (out [B, T, N, H], lse [B, T, N]).
@@ -210,8 +217,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   upp = max(1, min(tuning.pages_per_step, pps * (Z // Zb)))
 
   # Rows r = t * G + g of kv head h: query head h * G + g at token t.
-  qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R0, H)
-  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - R0), (0, 0)))
+  qr = jnp.pad(rows_per_kv_head(q, K), ((0, 0), (0, 0), (0, R - R0), (0, 0)))
   if quantized:
     qr = qr.astype(jnp.float16)                                        # see the fp8 note in _kernel
   qpos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)

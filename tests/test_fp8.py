@@ -1,6 +1,6 @@
 """FP8 attention: quantization, the kernel's jnp model against independent oracles, backend selection, the engine
-with attention_dtype=float8_e4m3fn and int8_fp8 (int8 Q K^T) against the bf16-path engine. GPU (`-m gpu`): the kernel against its model
-(tight) and against float64 (loose)."""
+with attention_dtype=float8_e4m3fn and int8_fp8 (int8 Q K^T) against the bf16-path engine. GPU (`-m gpu`): the
+kernel against its model (tight) and against float64 (loose)."""
 from __future__ import annotations
 
 import dataclasses

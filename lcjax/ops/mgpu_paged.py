@@ -123,7 +123,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   B, K, _, RN, H = q8.shape
-  P, Z = k_pages.shape[:2]
+  Z = k_pages.shape[1]
   M = table.shape[1]
   Zb = BLOCK
   bpp = Z // Zb                                   # blocks per page
@@ -152,10 +152,11 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     n_full = jnp.clip(lax.div(jnp.minimum(lim, lowest + 1), jnp.array(Zb, lim.dtype)) - first, 0, n)
 
     def page_of(j):
-      # Clipped into the pools: the one-step-ahead loads read the slots after a split's last block too, which a
-      # caller's table may leave holding anything.
+      # The one-step-ahead loads read slots past a split's last block too: the slot is kept in the table, whose
+      # every entry names a page (the contract). Clipping the page id as well measured 18% slower (batch 8, 128K
+      # and 512K, 64-token pages).
       slot = jnp.minimum(lax.div(j, jnp.array(bpp, j.dtype)), M - 1)
-      return jnp.clip(table_ref[b, slot] + offset, 0, P - 1)
+      return table_ref[b, slot] + offset
 
     @pl.when(wg == 0)
     def _compute():
@@ -274,7 +275,8 @@ def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale,
 
   q [B, T, N, H] (quantized here by `quantize_rows`); k_pages, v_pages [P, Z, K, H] float8_e4m3fn with k_scale,
   v_scale [P, K] float32 (value = page * scale); page_table [B, M] int32 read from page `page_offset` of the
-  pools; q_pos [B, T]; kv_len [B].
+  pools, every entry a page of them, the slots past a sequence's pages included (the page pool pads with the
+  null page 0); q_pos [B, T]; kv_len [B].
   """
   B, T, N, H = q.shape
   K = k_pages.shape[2]

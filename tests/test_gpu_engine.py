@@ -54,11 +54,21 @@ def test_backend_engine_matches_reference(backend, prompts):
   _assert_agree(_engine("reference"), fast, prompts, new_tokens=24)
 
 
-def test_bf16_generation_is_batch_invariant(prompts):
+def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
+  """Each prompt generates beside another what it generates alone, up to a tie at bf16's resolution: the decode
+  kernels' split count and XLA's matmul algorithms depend on the batch, so the sums run in another order, and
+  bf16 logits (as HF's) tie often on this random-weight model. Where the two runs part, the two tokens' logits in
+  the alone run are within two bf16 steps of the logit scale."""
   eng = _engine("auto")
   together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16)]
-  alone = [eng.generate(p, max_new_tokens=16).token_ids for p in prompts]
-  assert together == alone
+  for p, both in zip(prompts, together):
+    alone = eng.generate(p, max_new_tokens=16).token_ids
+    parted = [i for i, (a, b) in enumerate(zip(alone, both)) if a != b]
+    if parted:
+      d = parted[0]
+      logits = np.asarray(eng.logits([p + alone[:d]])[0, -1], np.float64)
+      gap, scale = abs(logits[alone[d]] - logits[both[d]]), np.abs(logits).max()
+      assert gap <= 2 ** -6 * scale, (d, alone, both, gap, scale)
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])

@@ -24,7 +24,8 @@
 #               real SmolLM2's needle answers with fp8 pages                            ~3 + 3.5 + 4 + 2.5 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
-# Results go to $OUT (default benchmarks/results). Needs the GPU image's packages (jax[cuda], torch, transformers;
+# Results go to $OUT (default benchmarks/results), each naming the commit it ran (git; on a copy of the tree
+# without .git, set LCJAX_SOURCE_REVISION). Needs the GPU image's packages (jax[cuda], torch, transformers;
 # FA3 is optional in the attention step).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -135,6 +135,23 @@ def test_bench_stream_rows(tmp_path):
   assert "| 100 | 1 |" in (tmp_path / "bs.md").read_text()
 
 
+def test_result_files_name_the_source_revision(tmp_path, monkeypatch):
+  """write_result records the commit of the checkout (git), or $LCJAX_SOURCE_REVISION where there is no git."""
+  from tools import benchlib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.isdir(os.path.join(root, ".git")):
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = benchlib.write_result(str(tmp_path), "a", [], "", device="d", versions_={})
+    assert res["source"] in (head, head + "+dirty")
+  monkeypatch.setattr(benchlib.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+  monkeypatch.setenv(benchlib.SOURCE_ENV, "abc123")
+  res = benchlib.write_result(str(tmp_path), "b", [{"x": 1}], "| x |", device="d", versions_={})
+  assert res["source"] == "abc123" and json.load(open(tmp_path / "b.json"))["source"] == "abc123"
+  assert "source: abc123" in (tmp_path / "b.md").read_text()
+  monkeypatch.delenv(benchlib.SOURCE_ENV)
+  assert benchlib.source_revision() == "unknown"
+
+
 def test_variant_entries_name_cache_and_attention_dtypes():
   from lcjax.config import RunConfig
   from tools import benchlib

@@ -35,6 +35,26 @@ def versions(modules=("jax", "jaxlib", "flax", "torch", "transformers")) -> dict
   return v
 
 
+SOURCE_ENV = "LCJAX_SOURCE_REVISION"
+
+
+def source_revision() -> str:
+  """The commit the benchmark's code came from: `git rev-parse HEAD` of this checkout (with "+dirty" when tracked
+  files differ from it), else $LCJAX_SOURCE_REVISION (for a copy of the tree without .git, e.g. one shipped to a
+  GPU machine), else "unknown"."""
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    if head.returncode == 0:
+      dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+      return head.stdout.strip() + ("+dirty" if dirty else "")
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return os.environ.get(SOURCE_ENV) or "unknown"
+
+
 def memory_stat(dev, key: str):
   """A device memory counter in bytes (`peak_bytes_in_use`, `bytes_in_use`), or None where the backend keeps none
   (CPU)."""
@@ -70,21 +90,23 @@ def run_worker(argv: list[str], label: str, env=None) -> tuple[list[dict], int]:
 
 def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, device: str | None = None,
                  versions_: dict | None = None, note: str = "", **meta) -> dict:
-  """Write `name`.json (device, versions, command, date, `meta`, rows) and `name`.md (the same header, `note`
-  and the markdown `table`) under out_dir. Returns the JSON object."""
+  """Write `name`.json (device, versions, command, date, source revision, `meta`, rows) and `name`.md (the same
+  header, `note` and the markdown `table`) under out_dir. Returns the JSON object."""
   import datetime
   import os
   import sys
   result = dict(device=device or device_name(), versions=versions_ or versions(),
                 command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta, rows=rows)
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                source=source_revision(), **meta, rows=rows)
   os.makedirs(out_dir, exist_ok=True)
   stem = os.path.join(out_dir, name)
   with open(stem + ".json", "w") as f:
     json.dump(result, f, indent=1)
   with open(stem + ".md", "w") as f:
     f.write(f"# {name}\n\ndevice: {result['device']}\n\ncommand: `{result['command']}`\n\n"
-            f"versions: {json.dumps(result['versions'])}\n\n{note + chr(10) * 2 if note else ''}{table}\n")
+            f"source: {result['source']}\n\nversions: {json.dumps(result['versions'])}\n\n"
+            f"{note + chr(10) * 2 if note else ''}{table}\n")
   return result
 
 

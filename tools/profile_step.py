@@ -74,6 +74,7 @@ def main(argv):
   from lcjax.config import RunConfig, preset
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
+  from tools import benchlib
   cfg = preset(FLAGS.preset)
   cfg = dataclasses.replace(cfg, eos_ids=(), n_layers=FLAGS.layers or cfg.n_layers,
                             max_position=max(cfg.max_position, FLAGS.context + 4 * FLAGS.steps + 64))
@@ -123,7 +124,7 @@ def main(argv):
   floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
                 steps=FLAGS.steps, decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
-                attention=eng.attention.name,
+                attention=eng.attention.name, source=benchlib.source_revision(),
                 wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
                 floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})
   for line, evs in kernel_times(trace_dir).items():

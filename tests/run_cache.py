@@ -16,8 +16,13 @@ def without_run_cache(env: dict) -> dict:
 
 
 def with_test_xla_optimizations(env: dict) -> dict:
-  """env with this process's setting of jax_disable_most_optimizations (tests/conftest.py turns most of XLA's
-  optimizations off in the test processes): a process started with it compiles as the test processes do."""
+  """env with this process's setting of jax_disable_most_optimizations and the run's XLA CPU code-generation flags
+  (tests/conftest.py): a process started with it compiles as the test processes do."""
+  import os
+
   import jax
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if jax.config.read("jax_disable_most_optimizations") else "0"
+  flags = os.environ.get("LCJAX_TEST_RUN_XLA_CPU_FLAGS", "")
+  if flags and flags not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
   return env

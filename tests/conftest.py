@@ -24,7 +24,7 @@ import tempfile
 import jax
 import pytest
 
-from tests.run_cache import CACHE_ENV
+from tests.run_cache import CACHE_ENV, RUN_XLA_FLAGS, with_run_xla_flags
 _RUN_CACHE = "LCJAX_TEST_RUN_XLA_CACHE"      # set by the run's first process (xdist's controller), which removes it
 _RUN_HOME = "LCJAX_TEST_RUN_LCJAX_CACHE"     # the run's LCJAX_CACHE_DIR, made and removed the same way
 _OWN_CACHE = _RUN_CACHE not in os.environ
@@ -57,7 +57,6 @@ jax.config.update("jax_disable_most_optimizations", True)
 # without them runs the suite without them, not into XLA's fatal error on an unknown flag).
 _XLA_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1 "
                   "--xla_cpu_enable_concurrency_optimized_scheduler=false")
-_RUN_XLA_FLAGS = "LCJAX_TEST_RUN_XLA_CPU_FLAGS"  # the flags this run uses ("" when the check failed)
 
 
 def _xla_accepts(flags: str) -> bool:
@@ -71,10 +70,9 @@ def _xla_accepts(flags: str) -> bool:
     return False
 
 
-if _RUN_XLA_FLAGS not in os.environ:
-  os.environ[_RUN_XLA_FLAGS] = _XLA_CPU_FLAGS if _xla_accepts(_XLA_CPU_FLAGS) else ""
-if os.environ[_RUN_XLA_FLAGS] and os.environ[_RUN_XLA_FLAGS] not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {os.environ[_RUN_XLA_FLAGS]}".strip()
+if RUN_XLA_FLAGS not in os.environ:
+  os.environ[RUN_XLA_FLAGS] = _XLA_CPU_FLAGS if _xla_accepts(_XLA_CPU_FLAGS) else ""
+with_run_xla_flags(os.environ)
 
 
 # Modules whose module fixtures or module-level engine caches build engines, checkpoints or HF models: under xdist

@@ -5,6 +5,16 @@ from __future__ import annotations
 # Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, a size limit.
 CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
              "JAX_COMPILATION_CACHE_MAX_SIZE")
+# Set by conftest for every process of the run: the XLA CPU flags the run compiles with ("" where XLA lacks them).
+RUN_XLA_FLAGS = "LCJAX_TEST_RUN_XLA_CPU_FLAGS"
+
+
+def with_run_xla_flags(env) -> None:
+  """Append the run's XLA CPU flags (this process's $LCJAX_TEST_RUN_XLA_CPU_FLAGS) to env's XLA_FLAGS, once."""
+  import os
+  flags = os.environ.get(RUN_XLA_FLAGS, "")
+  if flags and flags not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
 
 
 def without_run_cache(env: dict) -> dict:
@@ -18,11 +28,7 @@ def without_run_cache(env: dict) -> dict:
 def with_test_xla_optimizations(env: dict) -> dict:
   """env with this process's setting of jax_disable_most_optimizations and the run's XLA CPU code-generation flags
   (tests/conftest.py): a process started with it compiles as the test processes do."""
-  import os
-
   import jax
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if jax.config.read("jax_disable_most_optimizations") else "0"
-  flags = os.environ.get("LCJAX_TEST_RUN_XLA_CPU_FLAGS", "")
-  if flags and flags not in env.get("XLA_FLAGS", ""):
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  with_run_xla_flags(env)
   return env

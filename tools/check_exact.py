@@ -12,8 +12,9 @@ Oracle: HF transformers LlamaForCausalLM in float32 (TF32 off; attention: torch'
 repeated KV heads), written by other people, run on the same weights (copied out of lcjax with `export_hf`) and
 the same prompt, in one forward without a cache.
 Per context and cache dtype it reports, against the oracle: max |diff| over the logit scale (max |oracle|), RMS
-diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement and top-10 overlap; and each cache against the
-first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
+diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement (where it differs, the margin: how far below its
+own top-1 the oracle puts lcjax's, over the logit scale; a margin within the logits' error is a near-tie) and
+top-10 overlap; and each cache against the first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
 adds from what the model dtype costs everywhere.
 
 Weights: random (`--preset`, made on the device) or a converted checkpoint (`--checkpoint`, "bundled" for the
@@ -58,8 +59,8 @@ flags.DEFINE_string("name", "exact", "output file stem")
 
 def metrics_over(got, ref) -> dict:
   """got, ref: float logits [P, V] of P positions -> metrics() of each, summarised: the mean KL, RMS diff and
-  top-10 overlap, the largest KL and max diff, and top1 as the fraction of positions whose top-1 agrees (a bool
-  for one position)."""
+  top-10 overlap, the largest KL and max diff, top1 as the fraction of positions whose top-1 agrees (a bool for
+  one position), and the largest top1_margin."""
   each = [metrics(g, r) for g, r in zip(got, ref)]
   if len(each) == 1:
     return each[0]
@@ -67,17 +68,19 @@ def metrics_over(got, ref) -> dict:
   worst = max(each, key=lambda m: m["rel_max"])
   return dict(max_abs=worst["max_abs"], scale=worst["scale"], rel_max=worst["rel_max"], rel_rms=mean("rel_rms"),
               kl=mean("kl"), kl_max=max(m["kl"] for m in each), top1=mean("top1"), top10=mean("top10"),
-              positions=len(each))
+              top1_margin=max(m["top1_margin"] for m in each), positions=len(each))
 
 
 def metrics(got, ref) -> dict:
-  """got, ref: float logits [V]."""
+  """got, ref: float logits [V]. top1_margin: how far below its own top-1 the reference puts got's top-1, over the
+  logit scale (0 where they agree; a near-tie flips at a margin within the logits' error)."""
   import numpy as np
   got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
   logp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
   logq = got - got.max() - np.log(np.exp(got - got.max()).sum())
   top = lambda x, k: set(np.argsort(-x)[:k].tolist())
-  return dict(max_abs=float(np.abs(got - ref).max()), scale=float(np.abs(ref).max()),
+  scale = float(np.abs(ref).max())
+  return dict(top1_margin=float((ref.max() - ref[got.argmax()]) / scale), max_abs=float(np.abs(got - ref).max()), scale=float(np.abs(ref).max()),
               rel_max=float(np.abs(got - ref).max() / np.abs(ref).max()),
               rel_rms=float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))),
               kl=float(np.sum(np.exp(logp) * (logp - logq))), top1=bool(got.argmax() == ref.argmax()),
@@ -222,6 +225,8 @@ def main(argv):
     for key in [k for k in r if k.startswith("vs_")]:
       m = r[key]
       top1 = ('same' if m['top1'] else 'DIFF') if n == 1 else f"{round(m['top1'] * n)}/{n}"
+      if m["top1_margin"] > 0:
+        top1 += f" (margin {m['top1_margin']:.1e})"
       kl = f"{m['kl']:.2e}" if n == 1 else f"{m['kl']:.2e} | {m['kl_max']:.2e}"
       lines.append(f"| {r['S']:,} | {r['cache']} | {key[3:]} | {m['max_abs']:.4f} / {m['scale']:.2f} = "
                    f"{m['rel_max']:.2e} | {m['rel_rms']:.2e} | {kl} | {top1} | {m['top10']:.1f} |")

@@ -11,9 +11,10 @@
 #   l70b        benchmarks/results/l70b-8layers-h200.*              70B shape, 8 of 80 layers        ~2 min
 #   context     benchmarks/results/context-h200-128k.*, -512k-fp8.* the context cache                ~3 + 5 min
 #   fp8         benchmarks/results/attention-fp8-h200.*, fp8-quality.*, exact-fp8-llama3-8b-h200.*,
+#               exact-fp8-llama3-8b-128k-h200.*, exact-int8-llama3-8b-128k-margin-h200.*,
 #               longctx-fp8-{128k,512k,128k-recheck,128k-smooth}-h200.*, exact-fp8-smollm2-h200.*,
 #               needle-fp8-smollm2-h200.*: FP8 attention beside cuDNN fp8/bf16 and HF, and on the real SmolLM2
-#                                                                  ~2 + 1 + 2.5 + 4 + 3 + 1.5 + 1 + 2 + 2 min
+#                                                                  ~2 + 1 + 2.5 + 5 + 4.5 + 4 + 3 + 1.5 + 1 + 2 + 2 min
 #   int8        benchmarks/results/attention-int8-h200.*, longctx-int8-128k-h200.*, longctx-int8-1m-h200.*,
 #               exact-int8-smollm2-h200.*, needle-int8-smollm2-h200.*, fp8-quality-model-cpu.*: attention_dtype=int8_fp8
 #               beside e4m3, cuDNN, bf16 and HF; 1M tokens with all 32 layers; the real SmolLM2; FA3's outlier test
@@ -67,6 +68,11 @@ for step in "${steps[@]}"; do
       python3 tools/check_fp8.py --contexts=8192,32768 --out="$OUT"
       python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 --out="$OUT" \
         --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --name=exact-fp8-llama3-8b-h200
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$OUT" \
+        --caches=bfloat16,float8_e4m3fn,bfloat16+fp8attn,bfloat16+int8attn,float8_e4m3fn+int8attn \
+        --name=exact-fp8-llama3-8b-128k-h200
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$OUT" \
+        --caches=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn --name=exact-int8-llama3-8b-128k-margin-h200
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8attn,lcjax-fp8,hf --contexts=131072 --decode_steps=32 \
         --time_budget_s=200 --out="$OUT" --name=longctx-fp8-128k-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \

@@ -154,6 +154,10 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
   pallas_flash.PallasBackend(interpret=True).paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(
       jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl, k_scale=sc, v_scale=sc)
   assert calls[-1] == "triton"
+  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)
+  fp8 = jnp.zeros((9, 64, 2, 64), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="needs their k_scale and v_scale"):   # the page dtype routes, not the scale
+    be.paged(q, fp8, fp8, table, q_pos=qp, kv_len=kl)
 
 
 def test_combine_reads_transposed_partials():

@@ -128,7 +128,7 @@ class Engine:
   def fp8_cache(self) -> bool:
     return self.run.resolved_cache_dtype == "float8_e4m3fn"
 
-  @property
+  @functools.cached_property
   def decode_kernel(self) -> str:
     """The kernel decode steps run: the backend's name, or for pallas which of its decode kernels serves this
     model's pages ('mgpu-fp8' or 'triton'; when fp8 pages take 'triton', the log said why)."""

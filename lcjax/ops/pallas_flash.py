@@ -518,16 +518,18 @@ class PallasBackend:
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
-    if T * (N // K) <= tuning.max_rows:
-      if k_scale is not None:
-        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=T * (N // K), page_dtype=k_pages.dtype)
-        if reason is None:
-          from lcjax.ops import mgpu_paged
-          return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                             k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-        if not self.interpret:
-          ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
-                        f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
+    rows = T * (N // K)
+    if rows <= tuning.max_rows:
+      reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      if reason is None:
+        from lcjax.ops import mgpu_paged
+        if k_scale is None or v_scale is None:
+          raise ValueError("decode over float8_e4m3fn pages needs their k_scale and v_scale")
+        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+      if k_pages.dtype == fp8_ops.E4M3 and not self.interpret:
+        ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
+                      f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
       return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
                                        interpret=self.interpret)

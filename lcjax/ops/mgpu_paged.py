@@ -78,13 +78,10 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
 
 
 def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
-  """Splits of each (b, h)'s page table: a power of two (the combine reads a row's partials as one block of the
-  next power of two) near target_ctas / (B * K), at least min_pages_per_split pages each."""
-  if tuning.num_splits is not None:
-    n = max(1, min(tuning.num_splits, M))
-  else:
-    want = max(1, tuning.target_ctas // (B * K))
-    n = max(1, min(want, M // tuning.min_pages_per_split or 1, M))
+  """Splits of each (b, h)'s page table: `pallas_paged.split_count` over target_ctas, a requested count rounded
+  down to a power of two as well (this kernel's combine takes whole powers of two)."""
+  n = pallas_paged.split_count(requested=tuning.num_splits, target=tuning.target_ctas, B=B, K=K, M=M,
+                               min_pages_per_split=tuning.min_pages_per_split)
   return 1 << (n.bit_length() - 1)
 
 

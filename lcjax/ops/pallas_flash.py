@@ -170,19 +170,79 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       pl.when(wg == 1)(sched_sync)
 
       def step(i, carry, masked: bool):
+        # The named scopes are the step's phases in Mosaic GPU's on-device profiler (CompilerParams.profile_space,
+        # benchmarks/NOTES-fp8.md); without the profiler they emit nothing.
         acc, m, l = carry
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
         c_i = c_q * ks_ref[b, kv_head, i] if fp8 else c
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          sched_sync()
+          with jax.named_scope("turn"):
+            sched_sync()
           return acc_ref[...]
 
-        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.int32 if int_qk else jnp.float32))
-        if int_qk:
-          s = s.astype(jnp.float32)
+        with jax.named_scope("qk"):
+          s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.int32 if int_qk else jnp.float32))
+          if int_qk:
+            s = s.astype(jnp.float32)
         plgpu.barrier_arrive(k_free.at[slot])
+        with jax.named_scope("softmax"):
+          m_new, alpha, p, l, acc, p_mma = softmax(s, m, l, acc, c_i, i, masked)
+
+        def release_tensor_cores():
+          with jax.named_scope("wait_v"):
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+
+        if fp8:
+          # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
+          # float32 accumulator layout to wgmma's 8-bit A layout.
+          with jax.named_scope("p_smem"):
+            p_smem = p_smem2.at[wg]
+            p_smem[...] = p_mma
+            plgpu.commit_smem()
+          release_tensor_cores()
+          p_mma = p_smem
+        elif H <= 128:
+          # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
+          with jax.named_scope("softmax"):
+            l = l + p.sum(axis=1)
+          acc, l, m_new, p_mma = lax.optimization_barrier((acc, l, m_new, p_mma))
+          release_tensor_cores()
+        else:
+          release_tensor_cores()
+          with jax.named_scope("softmax"):
+            l = l + p.sum(axis=1)
+
+        v_op = v_smem.at[slot].transpose((1, 0)) if fp8 else v_smem.at[slot]
+
+        def pv_scope(acc_ref):
+          plgpu.wgmma(acc_ref, p_mma, v_op)
+          nxt = i + 1
+
+          @pl.when(nxt < total)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(mcs, nxt.dtype))])
+
+        with jax.named_scope("pv"):
+          if fp8:
+            # Each block's fp8 product starts from zero and is promoted into the float32 accumulator.
+            def pv_fresh(acc_ref):
+              pv_scope(acc_ref)
+              return acc_ref[...]
+
+            pv = pl.run_scoped(pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+          else:
+            acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def softmax(s, m, l, acc, c_i, i, masked: bool):
+        """A block's scores -> (the new row max, its correction alpha, P, l rescaled (plus P's row sums on the fp8
+        path), acc rescaled (bf16 path), P in the MMA dtype)."""
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + q_base
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + i * bkv
@@ -197,52 +257,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         if not fp8:
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p_mma = p.astype(fp8_ops.E4M3 if fp8 else dtype)
-
-        def release_tensor_cores():
-          plgpu.barrier_arrive(sched)
-          plgpu.barrier_wait(v_bar.at[slot])
-          plgpu.barrier_wait(sched)
-
         if fp8:
-          # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
-          # float32 accumulator layout to wgmma's 8-bit A layout.
           l = l + p.sum(axis=1)
-          p_smem = p_smem2.at[wg]
-          p_smem[...] = p_mma
-          plgpu.commit_smem()
-          release_tensor_cores()
-          p_mma = p_smem
-        elif H <= 128:
-          # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
-          l = l + p.sum(axis=1)
-          acc, l, m_new, p_mma = lax.optimization_barrier((acc, l, m_new, p_mma))
-          release_tensor_cores()
-        else:
-          release_tensor_cores()
-          l = l + p.sum(axis=1)
-
-        v_op = v_smem.at[slot].transpose((1, 0)) if fp8 else v_smem.at[slot]
-
-        def pv_scope(acc_ref):
-          plgpu.wgmma(acc_ref, p_mma, v_op)
-          nxt = i + 1
-
-          @pl.when(nxt < total)
-          def _():
-            plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(mcs, nxt.dtype))])
-
-        if fp8:
-          # Each block's fp8 product starts from zero and is promoted into the float32 accumulator.
-          def pv_fresh(acc_ref):
-            pv_scope(acc_ref)
-            return acc_ref[...]
-
-          pv = pl.run_scoped(pv_fresh, plgpu.ACC((bq, H), jnp.float32))
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-        else:
-          acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return m_new, alpha, p, l, acc, p_mma
 
       def drain(i, _):
         # Blocks this warpgroup does not need: release them and keep the schedule barrier in step.

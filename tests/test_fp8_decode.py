@@ -112,6 +112,8 @@ def test_split_heuristic_is_a_power_of_two_near_two_ctas_per_sm():
   assert mgpu_paged.num_splits_for(T(), 64, 8, 8192) == 1
   assert mgpu_paged.num_splits_for(T(), 1, 8, 20) == 4                    # at least 4 pages a split
   assert mgpu_paged.num_splits_for(T(num_splits=6), 1, 8, 100) == 4
+  assert mgpu_paged.num_splits_for(T(), 9, 8, 8192) == 2                 # 264 // 72 = 3 wanted: at most the target
+  assert mgpu_paged.num_splits_for(T(), 32, 8, 8192) == 1
 
 
 def test_why_not_names_the_values():
@@ -156,8 +158,9 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
   assert calls[-1] == "triton"
   monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)
   fp8 = jnp.zeros((9, 64, 2, 64), jnp.float8_e4m3fn)
-  with pytest.raises(ValueError, match="needs their k_scale and v_scale"):   # the page dtype routes, not the scale
-    be.paged(q, fp8, fp8, table, q_pos=qp, kv_len=kl)
+  for backend in (be, pallas_flash.PallasBackend(interpret=True)):         # the page dtype routes, not the scale
+    with pytest.raises(ValueError, match="needs their k_scale and v_scale"):
+      backend.paged(q, fp8, fp8, table, q_pos=qp, kv_len=kl)
 
 
 def test_combine_reads_transposed_partials():

@@ -13,9 +13,9 @@ repeated KV heads), written by other people, run on the same weights (copied out
 the same prompt, in one forward without a cache.
 Per context and cache dtype it reports, against the oracle: max |diff| over the logit scale (max |oracle|), RMS
 diff over RMS oracle, KL(oracle || lcjax) in nats, top-1 agreement (where it differs, the margin: how far below its
-own top-1 the oracle puts lcjax's, over the logit scale; a margin within the logits' error is a near-tie) and
-top-10 overlap; and each cache against the first one (the quality cost of fp8 against bf16). A short context beside a long one separates what long context
-adds from what the model dtype costs everywhere.
+own top-1 the reference puts lcjax's, over the logit scale; a margin within the logits' error is a near-tie)
+and top-10 overlap; and each cache against the first one (the quality cost of fp8 against bf16). A short
+context beside a long one separates what long context adds from what the model dtype costs everywhere.
 
 Weights: random (`--preset`, made on the device) or a converted checkpoint (`--checkpoint`, "bundled" for the
 bundled SmolLM2). Prompts: random ids, or `--prompt=text`: Python's own documentation (pydoc_data), tokenized.
@@ -72,16 +72,17 @@ def metrics_over(got, ref) -> dict:
 
 
 def metrics(got, ref) -> dict:
-  """got, ref: float logits [V]. top1_margin: how far below its own top-1 the reference puts got's top-1, over the
-  logit scale (0 where they agree; a near-tie flips at a margin within the logits' error)."""
+  """got, ref: float logits [V]. top1_margin: how far below its own top-1 the reference (the oracle, or the first
+  cache's logits) puts got's top-1, over the logit scale (0 where they agree, an exact tie included; a near-tie
+  flips at a margin within the logits' error)."""
   import numpy as np
   got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
   logp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
   logq = got - got.max() - np.log(np.exp(got - got.max()).sum())
   top = lambda x, k: set(np.argsort(-x)[:k].tolist())
-  scale = float(np.abs(ref).max())
-  return dict(top1_margin=float((ref.max() - ref[got.argmax()]) / scale), max_abs=float(np.abs(got - ref).max()), scale=float(np.abs(ref).max()),
-              rel_max=float(np.abs(got - ref).max() / np.abs(ref).max()),
+  scale, max_abs = float(np.abs(ref).max()), float(np.abs(got - ref).max())
+  return dict(top1_margin=float((ref.max() - ref[got.argmax()]) / scale), max_abs=max_abs, scale=scale,
+              rel_max=max_abs / scale,
               rel_rms=float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))),
               kl=float(np.sum(np.exp(logp) * (logp - logq))), top1=bool(got.argmax() == ref.argmax()),
               top10=len(top(got, 10) & top(ref, 10)) / 10)

@@ -14,8 +14,8 @@ is added to the float32 accumulator.
 One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv head h over pages
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
-so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split writes a float32 partial (out^T, lse); the split
-combine of lcjax.ops.pallas_paged joins them exactly.
+so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
+writes a float32 partial (out^T, lse); the split combine of lcjax.ops.pallas_paged joins them exactly.
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
 whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the
@@ -53,9 +53,9 @@ class Fp8DecodeTuning:
   """Static knobs (part of the jit cache key)."""
   num_splits: int | None = None      # splits of each (b, h)'s page table (rounded down to a power of two);
                                      # None: about two CTAs per SM
-  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and with up to 8 rows
-                                     # per kv head a CTA takes ~90 KiB of shared memory, so two run on each (at
-                                     # 64 rows, ~138 KiB: one)
+  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and with up to 16
+                                     # rows per kv head a CTA takes 103-110 KiB of shared memory, so two run on
+                                     # each (from 24 rows, 117+ KiB: one; at 64 rows, 152 KiB)
   min_pages_per_split: int = 4
   max_concurrent_steps: int = 4      # K/V ring depth
 
@@ -78,9 +78,9 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
 
 
 def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
-  """Splits of each (b, h)'s page table: `pallas_paged.split_count` over target_ctas, a requested count rounded
-  down to a power of two as well (this kernel's combine takes whole powers of two)."""
-  n = pallas_paged.split_count(requested=tuning.num_splits, target=tuning.target_ctas, B=B, K=K, M=M,
+  """Splits of each (b, h)'s page table: `pallas_paged.split_count` with at most target_ctas CTAs wanted, a
+  requested count rounded down to a power of two as well (this kernel's combine takes whole powers of two)."""
+  n = pallas_paged.split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
                                min_pages_per_split=tuning.min_pages_per_split)
   return 1 << (n.bit_length() - 1)
 

@@ -536,12 +536,12 @@ class PallasBackend:
     Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
     rows = T * (N // K)
+    if k_pages.dtype == fp8_ops.E4M3 and (k_scale is None or v_scale is None):
+      raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
     if rows <= tuning.max_rows:
       reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
       if reason is None:
         from lcjax.ops import mgpu_paged
-        if k_scale is None or v_scale is None:
-          raise ValueError("decode over float8_e4m3fn pages needs their k_scale and v_scale")
         return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                            k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
       if k_pages.dtype == fp8_ops.E4M3 and not self.interpret:

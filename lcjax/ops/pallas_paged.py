@@ -66,19 +66,20 @@ def _next_pow2(n):
   return 1 << max(0, (n - 1).bit_length())
 
 
-def split_count(*, requested: int | None, target: int, B: int, K: int, M: int, min_pages_per_split: int) -> int:
-  """Splits of each (b, h)'s table of M pages: `requested` (at most M), or the heuristic's count: about `target`
-  programs over the B * K tables, at least min_pages_per_split pages each, rounded down to a power of two (the
-  combine reads a row's partials as one block of the next power of two, so 132 splits would read 256 rows)."""
+def split_count(*, requested: int | None, wanted: int, M: int, min_pages_per_split: int) -> int:
+  """Splits of a (b, h)'s table of M pages: `requested` (at most M), or `wanted` splits with at least
+  min_pages_per_split pages each, rounded down to a power of two (the combine reads a row's partials as one
+  block of the next power of two, so 132 splits would read 256 rows)."""
   if requested is not None:
     return max(1, min(requested, M))
-  n = max(1, min(-(-target // (B * K)), M // min_pages_per_split or 1, M))
+  n = max(1, min(wanted, M // min_pages_per_split or 1, M))
   return 1 << (n.bit_length() - 1)
 
 
 def num_splits_for(tuning: PagedTuning, B, K, M):
-  """The Triton kernel's splits: `split_count` with its tuning's knobs."""
-  return split_count(requested=tuning.num_splits, target=tuning.target_programs, B=B, K=K, M=M,
+  """The Triton kernel's splits: `split_count` with at least target_programs programs wanted over the B * K
+  tables."""
+  return split_count(requested=tuning.num_splits, wanted=-(-tuning.target_programs // (B * K)), M=M,
                      min_pages_per_split=tuning.min_pages_per_split)
 
 

@@ -39,7 +39,7 @@ def test_check_exact_against_the_float32_oracle(tmp_path):
 
 
 def test_check_exact_top1_margin_measures_a_flip_on_the_reference():
-  from tools.check_exact import metrics, metrics_over
+  from tools.benchlib import logits_metrics as metrics, logits_metrics_over as metrics_over
   ref = [0.0, 3.0, 2.9, -1.0]
   assert metrics([0.0, 2.0, 1.0, 0.0], ref)["top1_margin"] == 0.0           # same top-1
   m = metrics([0.0, 2.9, 3.0, 0.0], ref)                                      # lcjax picks the oracle's second

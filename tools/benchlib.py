@@ -57,6 +57,38 @@ def source_revision() -> str:
   return "unknown"
 
 
+def logits_metrics_over(got, ref) -> dict:
+  """got, ref: float logits [P, V] of P positions -> logits_metrics() of each, summarised: the mean KL, RMS diff
+  and top-10 overlap, the largest KL and max diff, top1 as the fraction of positions whose top-1 agrees (a bool for
+  one position), and the largest top1_margin."""
+  each = [logits_metrics(g, r) for g, r in zip(got, ref)]
+  if len(each) == 1:
+    return each[0]
+  mean = lambda key: float(sum(m[key] for m in each) / len(each))
+  worst = max(each, key=lambda m: m["rel_max"])
+  return dict(max_abs=worst["max_abs"], scale=worst["scale"], rel_max=worst["rel_max"], rel_rms=mean("rel_rms"),
+              kl=mean("kl"), kl_max=max(m["kl"] for m in each), top1=mean("top1"), top10=mean("top10"),
+              top1_margin=max(m["top1_margin"] for m in each), positions=len(each))
+
+
+def logits_metrics(got, ref) -> dict:
+  """Float logits got, ref [V] (tools/check_exact.py: lcjax's against the oracle's or the first cache's): max |diff|
+  and RMS diff relative to ref, KL(ref || got) in nats, top-1 agreement, top-10 overlap, and top1_margin: how far
+  below its own top-1 ref puts got's top-1, over the logit scale (0 where they agree, an exact tie included; a
+  near-tie flips at a margin within the logits' error)."""
+  import numpy as np
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  logp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+  logq = got - got.max() - np.log(np.exp(got - got.max()).sum())
+  top = lambda x, k: set(np.argsort(-x)[:k].tolist())
+  scale, max_abs = float(np.abs(ref).max()), float(np.abs(got - ref).max())
+  return dict(top1_margin=float((ref.max() - ref[got.argmax()]) / scale), max_abs=max_abs, scale=scale,
+              rel_max=max_abs / scale,
+              rel_rms=float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))),
+              kl=float(np.sum(np.exp(logp) * (logp - logq))), top1=bool(got.argmax() == ref.argmax()),
+              top10=len(top(got, 10) & top(ref, 10)) / 10)
+
+
 def memory_stat(dev, key: str):
   """A device memory counter in bytes (`peak_bytes_in_use`, `bytes_in_use`), or None where the backend keeps none
   (CPU)."""

@@ -37,7 +37,7 @@ from jax import lax
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops import pallas_paged
-from lcjax.ops.pallas_flash import smem_transforms
+from lcjax.ops.pallas_flash import prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -242,8 +242,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         plgpu.copy_gmem_to_smem(k_ref.at[pid, keys, h], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[pid, keys, h], v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(mcs):
-        pl.when(i < n)(functools.partial(issue, i, i))
+      prime_ring(issue, n, mcs)
 
       @pl.loop(0, n)
       def _(i):

@@ -71,13 +71,19 @@ def smem_transforms(dtype, cols: int):
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def prime_ring(issue, steps, slots: int):
+  """issue(i, i) for the first min(steps, slots) steps of a ring of `slots` shared-memory slots."""
+  import jax.experimental.pallas as pl
+  for i in range(slots):
+    pl.when(i < steps)(functools.partial(issue, i, i))
+
+
 def fill_ring(issue, steps, slots: int, k_free, v_free):
   """A TMA warpgroup's loop: issue(i, slot) loads step i = 0 .. steps - 1 into a ring of `slots` shared-memory
   slots, the first `slots` at once, then each into slot i % slots once its K and V consumers released it."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  for i in range(slots):
-    pl.when(i < steps)(functools.partial(issue, i, i))
+  prime_ring(issue, steps, slots)
 
   @pl.loop(slots, jnp.maximum(steps, slots))
   def _(i):
@@ -536,7 +542,8 @@ class PallasBackend:
     Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
     rows = T * (N // K)
-    if k_pages.dtype == fp8_ops.E4M3 and (k_scale is None or v_scale is None):
+    fp8_pages = k_pages.dtype == fp8_ops.E4M3
+    if fp8_pages and (k_scale is None or v_scale is None):
       raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
     if rows <= tuning.max_rows:
       reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
@@ -544,7 +551,7 @@ class PallasBackend:
         from lcjax.ops import mgpu_paged
         return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                            k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-      if k_pages.dtype == fp8_ops.E4M3 and not self.interpret:
+      if fp8_pages and not self.interpret:
         ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
                       f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
       return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,

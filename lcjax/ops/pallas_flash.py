@@ -194,30 +194,38 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
             s = s.astype(jnp.float32)
         plgpu.barrier_arrive(k_free.at[slot])
         with jax.named_scope("softmax"):
-          m_new, alpha, p, l, acc, p_mma = softmax(s, m, l, acc, c_i, i, masked)
+          m_new, alpha, p, l, acc = softmax(s, m, l, acc, c_i, i, masked)
 
-        def release_tensor_cores():
+        def release_tensor_cores(arrive: bool = True):
           with jax.named_scope("wait_v"):
-            plgpu.barrier_arrive(sched)
+            if arrive:
+              plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
 
         if fp8:
+          # The turn passes to the other warpgroup as soon as the exponentials are issued: P's cast, row sums and
+          # store overlap its softmax instead of lengthening this one's (832 vs 750 TF/s at 128K, NOTES-fp8).
+          plgpu.barrier_arrive(sched)
           # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
           # float32 accumulator layout to wgmma's 8-bit A layout.
           with jax.named_scope("p_smem"):
             p_smem = p_smem2.at[wg]
-            p_smem[...] = p_mma
+            p8 = p.astype(fp8_ops.E4M3)
+            l = l + p.sum(axis=1)
+            p_smem[...] = p8
             plgpu.commit_smem()
-          release_tensor_cores()
+          release_tensor_cores(arrive=False)
           p_mma = p_smem
         elif H <= 128:
+          p_mma = p.astype(dtype)
           # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
           acc, l, m_new, p_mma = lax.optimization_barrier((acc, l, m_new, p_mma))
           release_tensor_cores()
         else:
+          p_mma = p.astype(dtype)
           release_tensor_cores()
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
@@ -247,8 +255,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         return acc, m_new, l
 
       def softmax(s, m, l, acc, c_i, i, masked: bool):
-        """A block's scores -> (the new row max, its correction alpha, P, l rescaled (plus P's row sums on the fp8
-        path), acc rescaled (bf16 path), P in the MMA dtype)."""
+        """A block's scores -> (the new row max, its correction alpha, P in float32, l rescaled, acc rescaled (bf16
+        path; the fp8 path rescales when it adds the block's product))."""
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + q_base
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + i * bkv
@@ -262,10 +270,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         l = l * alpha
         if not fp8:
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_mma = p.astype(fp8_ops.E4M3 if fp8 else dtype)
-        if fp8:
-          l = l + p.sum(axis=1)
-        return m_new, alpha, p, l, acc, p_mma
+        return m_new, alpha, p, l, acc
 
       def drain(i, _):
         # Blocks this warpgroup does not need: release them and keep the schedule barrier in step.

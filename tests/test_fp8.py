@@ -353,6 +353,16 @@ def test_fp8_kernel_lowers_for_cuda(H, qk_dtype):
   assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_fp8_kernel_profiles_only_short_sequences():
+  """The on-device profiler's trace lives in shared memory: a profiled kernel over more keys is refused."""
+  sd = lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  S = pallas_flash.PROFILE_MAX_KEYS + 128
+  tuning = dataclasses.replace(pallas_flash.FP8_TUNING, profile_dir="/tmp/unused")
+  f = jax.jit(functools.partial(pallas_flash.flash_attention_fp8, causal=True, tuning=tuning))
+  with pytest.raises(ValueError, match=f"{S} keys > PROFILE_MAX_KEYS"):
+    f.trace(sd((1, 128, 8, 128)), sd((1, S, 2, 128)), sd((1, S, 2, 128)))
+
+
 # ---------------------------------------------------------------- GPU
 GPU_CASES = [  # T, S, N, K, H, causal, d, kv_len
     (1024, 1024, 4, 2, 128, True, None, None),

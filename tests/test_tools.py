@@ -47,6 +47,29 @@ def test_check_exact_top1_margin_measures_a_flip_on_the_reference():
   assert metrics_over([[0.0, 2.9, 3.0, 0.0], [0.0, 9.0, 0.0, 0.0]], [ref, ref])["top1_margin"] == m["top1_margin"]
 
 
+def test_profile_prefill_summarizes_the_step_phases():
+  from tools.profile_prefill import summarize, table
+  ev = lambda tid, name, ph, kcycles: dict(tid=tid, name=name, ph=ph, ts=kcycles)
+  trace = []
+  for tid in (1, 2):                                  # two compute warpgroups, two steps each
+    t = 0.0
+    for _ in range(2):
+      trace += [ev(tid, "qk", "B", t), ev(tid, "turn", "B", t + 0.1), ev(tid, "turn", "E", t + 0.3),
+                ev(tid, "qk", "E", t + 0.4), ev(tid, "softmax", "B", t + 0.4), ev(tid, "softmax", "E", t + 1.4),
+                ev(tid, "pv", "B", t + 1.4), ev(tid, "pv", "E", t + 1.9)]
+      t += 2.0
+  trace += [ev(3, "Init", "B", 0.0), ev(3, "Init", "E", 0.05)]  # the memory warpgroup
+  r = summarize(trace)
+  assert r["steps"] == 4 and r["phases"]["turn"]["count"] == 4
+  assert r["phases"]["qk"]["per_step"] == pytest.approx(400) and r["phases"]["turn"]["mean"] == pytest.approx(200)
+  assert r["step_cycles"] == pytest.approx(400 + 1000 + 500)          # 'turn' is inside 'qk', 'Init' is no phase
+  assert "| fp8 | 2048 | 4 | 400 | 200 | 1000 | - | - | 500 | 1900 |" in table([dict(kernel="fp8", keys=2048, **r)])
+  with pytest.raises(ValueError, match="does not close"):
+    summarize([ev(1, "qk", "B", 0.0), ev(1, "pv", "E", 1.0)])
+  with pytest.raises(ValueError, match="never ends"):
+    summarize([ev(1, "qk", "B", 0.0)])
+
+
 def test_check_exact_over_the_last_positions(tmp_path):
   # float32 weights and cache: each of the last 3 positions, reached through the prefix cache's pages, matches the
   # oracle's logits at the same position (a shift by one position would not).

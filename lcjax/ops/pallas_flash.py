@@ -47,6 +47,9 @@ class FlashTuning:
   # example's 232/40: 466 vs 344 TF/s at 8K, 656 vs 645 at 32K, 607 vs 608 at 128K (call 2; spread ~5-10%).
   compute_regs: int = 240
   memory_regs: int = 24
+  # Non-empty: Mosaic GPU's on-device profiler writes a Chrome trace of the step's named phases here
+  # (tools/profile_prefill.py). Its buffer lives in shared memory, so it serves up to PROFILE_MAX_KEYS keys.
+  profile_dir: str = ""
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64:
@@ -129,6 +132,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   mcs = min(tuning.max_concurrent_steps, S // bkv)
   n_tiles = T // (_COMPUTE_WGS * bq)
   c = _LOG2E / math.sqrt(H)
+  if tuning.profile_dir and S > PROFILE_MAX_KEYS:
+    raise ValueError(f"profiling keeps its trace in shared memory: {S} keys > PROFILE_MAX_KEYS={PROFILE_MAX_KEYS}")
   p_shift = float(fp8_ops.P_SHIFT) if fp8 else 0.0
 
   def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch):
@@ -341,9 +346,20 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       grid_names=("heads", "q_seq", "batch"),
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(tuning, S)),
   )(q, k, v, d, kvl, *(scales or ()))
   return tuple(res) if save_lse else (res[0], None)
+
+
+PROFILE_MAX_KEYS = 8192
+
+
+def _profile_params(tuning: FlashTuning, S: int) -> dict:
+  """CompilerParams fields for the on-device profiler: room for every phase of every step of a warpgroup (each
+  step has at most 7 named scopes), plus the kernel's own."""
+  if not tuning.profile_dir:
+    return {}
+  return dict(profile_space=8 * (S // tuning.block_kv) + 16, profile_dir=tuning.profile_dir)
 
 
 def _padded(q, k, v, d, kv_len, tuning: FlashTuning):

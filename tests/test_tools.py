@@ -55,13 +55,16 @@ def test_profile_prefill_summarizes_the_step_phases():
     t = 0.0
     for _ in range(2):
       trace += [ev(tid, "qk", "B", t), ev(tid, "turn", "B", t + 0.1), ev(tid, "turn", "E", t + 0.3),
-                ev(tid, "qk", "E", t + 0.4), ev(tid, "softmax", "B", t + 0.4), ev(tid, "softmax", "E", t + 1.4),
+                ev(tid, "qk", "E", t + 0.4), ev(tid, "softmax", "B", t + 0.4), ev(tid, "softmax", "E", t + 1.2),
+                ev(tid, "softmax", "B", t + 1.2), ev(tid, "softmax", "E", t + 1.4),     # two ranges a step
                 ev(tid, "pv", "B", t + 1.4), ev(tid, "pv", "E", t + 1.9)]
       t += 2.0
   trace += [ev(3, "Init", "B", 0.0), ev(3, "Init", "E", 0.05)]  # the memory warpgroup
   r = summarize(trace)
   assert r["steps"] == 4 and r["phases"]["turn"]["count"] == 4
   assert r["phases"]["qk"]["per_step"] == pytest.approx(400) and r["phases"]["turn"]["mean"] == pytest.approx(200)
+  assert r["phases"]["softmax"]["count"] == 8 and r["phases"]["softmax"]["mean"] == pytest.approx(500)
+  assert r["phases"]["softmax"]["per_step"] == pytest.approx(1000)
   assert r["step_cycles"] == pytest.approx(400 + 1000 + 500)          # 'turn' is inside 'qk', 'Init' is no phase
   assert "| fp8 | 2048 | 4 | 400 | 200 | 1000 | - | - | 500 | 1900 |" in table([dict(kernel="fp8", keys=2048, **r)])
   with pytest.raises(ValueError, match="does not close"):

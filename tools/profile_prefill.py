@@ -38,13 +38,13 @@ flags.DEFINE_string("name", "prefill-profile-h200", "output file stem")
 N, K, H = 32, 8, 128
 KERNELS = ("float8_e4m3fn", "int8_fp8", "bfloat16")
 STEP_PHASES = ("qk", "softmax", "p_smem", "wait_v", "pv")     # a step's top-level phases, in program order
-NESTED = {"turn": "qk"}
 
 
 def summarize(events: list[dict]) -> dict:
   """Chrome trace events (B/E pairs per tid, 'ts' in thousands of cycles) -> phase -> {count, mean, median,
-  per_step} in cycles, over the warpgroups that ran steps, plus 'steps' and 'step_cycles' (the mean sum of a step's
-  top-level phases)."""
+  per_step} in cycles, plus 'steps' (the number of 'qk' ranges: every step has exactly one) and 'step_cycles' (the
+  sum of the top-level phases' per-step cycles). A phase may have several ranges per step ('softmax' on the bf16
+  path has two); per_step adds them up."""
   by_tid = collections.defaultdict(list)
   for e in events:
     by_tid[e["tid"]].append(e)
@@ -90,6 +90,7 @@ def profile_one(kernel: str, keys: int, trace_dir: str) -> dict:
     f = functools.partial(pallas_flash.flash_attention_fp8, qk_dtype="int8" if kernel == "int8_fp8" else kernel,
                           tuning=dataclasses.replace(pallas_flash.FP8_TUNING, profile_dir=trace_dir))
   jax.block_until_ready(jax.jit(functools.partial(f, causal=True))(q, k, v))
+  jax.effects_barrier()                      # the trace is written by a debug callback after the kernel
   traces = glob.glob(os.path.join(trace_dir, "*.json"))
   if len(traces) != 1:
     raise RuntimeError(f"{kernel}: expected one profiler trace in {trace_dir}, found {len(traces)}")
@@ -118,7 +119,7 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--kernels: unknown {bad}; known: {', '.join(KERNELS)}")
   from lcjax.ops import pallas_flash
-  if FLAGS.keys > pallas_flash.PROFILE_MAX_KEYS or FLAGS.keys % 128:
+  if not 0 < FLAGS.keys <= pallas_flash.PROFILE_MAX_KEYS or FLAGS.keys % 128:
     raise app.UsageError(f"--keys={FLAGS.keys}: a multiple of 128 up to {pallas_flash.PROFILE_MAX_KEYS}")
   rows = []
   for kernel in FLAGS.kernels:

@@ -181,8 +181,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       pl.when(wg == 1)(sched_sync)
 
       def step(i, carry, masked: bool):
-        # The named scopes are the step's phases in Mosaic GPU's on-device profiler (CompilerParams.profile_space,
-        # benchmarks/NOTES-fp8.md); without the profiler they emit nothing.
+        # The named scopes are the step's phases in Mosaic GPU's on-device profiler (FlashTuning.profile_dir,
+        # tools/profile_prefill.py); without the profiler they emit nothing.
         acc, m, l = carry
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
         c_i = c_q * ks_ref[b, kv_head, i] if fp8 else c
@@ -209,8 +209,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
             plgpu.barrier_wait(sched)
 
         if fp8:
-          # The turn passes to the other warpgroup as soon as the exponentials are issued: P's cast, row sums and
-          # store overlap its softmax instead of lengthening this one's (832 vs 750 TF/s at 128K, NOTES-fp8).
+          # The turn passes to the other warpgroup after the exponentials: P's cast, row sums and store overlap its
+          # softmax instead of lengthening this warpgroup's turn (benchmarks/NOTES-fp8.md, session 13).
           plgpu.barrier_arrive(sched)
           # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
           # float32 accumulator layout to wgmma's 8-bit A layout.
@@ -223,14 +223,15 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           release_tensor_cores(arrive=False)
           p_mma = p_smem
         elif H <= 128:
-          p_mma = p.astype(dtype)
           # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
           with jax.named_scope("softmax"):
+            p_mma = p.astype(dtype)
             l = l + p.sum(axis=1)
           acc, l, m_new, p_mma = lax.optimization_barrier((acc, l, m_new, p_mma))
           release_tensor_cores()
         else:
-          p_mma = p.astype(dtype)
+          with jax.named_scope("softmax"):
+            p_mma = p.astype(dtype)
           release_tensor_cores()
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
@@ -355,8 +356,8 @@ PROFILE_MAX_KEYS = 8192
 
 
 def _profile_params(tuning: FlashTuning, S: int) -> dict:
-  """CompilerParams fields for the on-device profiler: room for every phase of every step of a warpgroup (each
-  step has at most 7 named scopes), plus the kernel's own."""
+  """CompilerParams fields for the on-device profiler, whose space counts ranges: room for every named range of
+  every step of a warpgroup (6 per step on each path), plus the kernel's own."""
   if not tuning.profile_dir:
     return {}
   return dict(profile_space=8 * (S // tuning.block_kv) + 16, profile_dir=tuning.profile_dir)

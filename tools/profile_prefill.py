@@ -7,7 +7,7 @@ heads over 8 KV heads, head dim 128, as many queries as keys) and reads the Chro
 compute warpgroup's begin/end clock (SM cycles) of each named phase of a step (lcjax/ops/pallas_flash.py):
   qk       the Q K^T wgmma and the wait for its result ('turn', nested, is the part spent waiting for the other
            warpgroup to pass the tensor cores on),
-  softmax  mask, row max, exponentials (and on the bf16 path P's row sums and the accumulator's rescale),
+  softmax  mask, row max, exponentials (and on the bf16 path the accumulator's rescale, P's cast and row sums),
   p_smem   fp8: P's cast to e4m3, its row sums and its store to shared memory,
   wait_v   waiting for V's block and for the other warpgroup,
   pv       the P V wgmma (fp8: into a fresh accumulator, then the rescale-and-add) and the wait for the next K.
@@ -36,6 +36,7 @@ flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output 
 flags.DEFINE_string("name", "prefill-profile-h200", "output file stem")
 
 N, K, H = 32, 8, 128
+# RunConfig.attention_dtype's 8-bit names (their Q K^T dtype: lcjax.config.ATTENTION_DTYPES), and the bf16 kernel.
 KERNELS = ("float8_e4m3fn", "int8_fp8", "bfloat16")
 STEP_PHASES = ("qk", "softmax", "p_smem", "wait_v", "pv")     # a step's top-level phases, in program order
 
@@ -78,6 +79,7 @@ def profile_one(kernel: str, keys: int, trace_dir: str) -> dict:
   import jax
   import jax.numpy as jnp
 
+  from lcjax.config import ATTENTION_DTYPES
   from lcjax.ops import pallas_flash
 
   ks = jax.random.split(jax.random.key(0), 3)
@@ -87,7 +89,7 @@ def profile_one(kernel: str, keys: int, trace_dir: str) -> dict:
   if kernel == "bfloat16":
     f = functools.partial(pallas_flash.flash_attention, tuning=pallas_flash.FlashTuning(profile_dir=trace_dir))
   else:
-    f = functools.partial(pallas_flash.flash_attention_fp8, qk_dtype="int8" if kernel == "int8_fp8" else kernel,
+    f = functools.partial(pallas_flash.flash_attention_fp8, qk_dtype=ATTENTION_DTYPES[kernel],
                           tuning=dataclasses.replace(pallas_flash.FP8_TUNING, profile_dir=trace_dir))
   jax.block_until_ready(jax.jit(functools.partial(f, causal=True))(q, k, v))
   jax.effects_barrier()                      # the trace is written by a debug callback after the kernel

@@ -210,7 +210,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
         if fp8:
           # The turn passes to the other warpgroup after the exponentials: P's cast, row sums and store overlap its
-          # softmax instead of lengthening this warpgroup's turn (benchmarks/NOTES-fp8.md, session 13).
+          # softmax instead of lengthening this warpgroup's turn.
           plgpu.barrier_arrive(sched)
           # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
           # float32 accumulator layout to wgmma's 8-bit A layout.

@@ -23,9 +23,10 @@
 #               longctx-int8-512k-h200.*, needle-fp8decode-smollm2-h200.*: the fp8 paged decode kernel beside the
 #               Triton kernel over bf16 and fp8 pages and cuDNN's paged decode; end to end at 128K and 512K; the
 #               real SmolLM2's needle answers with fp8 pages                            ~3 + 3.5 + 4 + 2.5 min
-#   fp8prefill  benchmarks/results/prefill-profile-h200.*, attention-fp8-h200-c.*, longctx-fp8prefill-{128k,512k}-h200.*:
-#               the 8-bit prefill kernel's phase profile, its speed beside cuDNN fp8/bf16, end to end at 128K
-#               (beside bf16) and 512K                                                   ~0.5 + 2 + 3.5 + 2.5 min
+#   fp8prefill  benchmarks/results/prefill-profile-h200.*, attention-fp8-h200-c.*,
+#               longctx-fp8prefill-{128k,512k,1m}-h200.*: the 8-bit prefill kernel's phase profile, its speed
+#               beside cuDNN fp8/bf16, end to end at 128K (beside bf16), 512K and 1M (all 32 layers)
+#                                                                                  ~0.5 + 2 + 3.5 + 2.5 + 7 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
 # Results go to $OUT (default benchmarks/results), each naming the commit it ran: $LCJAX_SOURCE_REVISION when
@@ -123,7 +124,9 @@ for step in "${steps[@]}"; do
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8,lcjax-int8 --contexts=131072 --decode_steps=32 \
         --time_budget_s=220 --out="$OUT" --name=longctx-fp8prefill-128k-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
-        --decode_steps=32 --time_budget_s=225 --out="$OUT" --name=longctx-fp8prefill-512k-h200 ;;
+        --decode_steps=32 --time_budget_s=225 --out="$OUT" --name=longctx-fp8prefill-512k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=1048576 \
+        --decode_steps=16 --time_budget_s=560 --out="$OUT" --name=longctx-fp8prefill-1m-h200 ;;
     startup)
       python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$OUT" --name=startup-h200

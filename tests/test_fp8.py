@@ -343,6 +343,51 @@ def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
   assert int(np.argmax(got)) == int(np.argmax(exact))
 
 
+def _thread_coords(layout, shape):
+  """{(warp, lane): array of (row, col) with the layout's register-array shape plus the vector axis}, computed
+  from the layout's own tiling, warp, lane and vector dimensions (Mosaic GPU's definition of a TiledLayout)."""
+  coords = np.stack(np.meshgrid(*map(np.arange, shape), indexing="ij"), -1)            # [*shape, 2]
+  for tile in layout.tiling.tiles:
+    lead, tail = coords.shape[:-1 - len(tile)], coords.shape[-1 - len(tile):-1]
+    split = [x for n, t in zip(tail, tile) for x in (n // t, t)]
+    coords = coords.reshape(*lead, *split, 2)
+    k = len(lead)
+    coords = coords.transpose(*range(k), *(k + 2 * i for i in range(len(tile))),
+                              *(k + 2 * i + 1 for i in range(len(tile))), coords.ndim - 1)
+  nd = coords.ndim - 1
+  warp, lanes = layout.warp_dims[0] % nd, [d % nd for d in layout.lane_dims]
+  out = {}
+  for w in range(coords.shape[warp]):
+    for lane in range(32):
+      idx = [slice(None)] * nd
+      idx[warp] = w
+      for d, i in zip(lanes, np.unravel_index(lane, [coords.shape[d] for d in lanes])):
+        idx[d] = i
+      out[w, lane] = coords[tuple(idx)]
+  return out
+
+
+def test_p_register_relabel_is_key_perm():
+  """The FP8 kernel hands P's e4m3 registers from the accumulator layout to the P V wgmma as its 8-bit A operand
+  (pallas_flash._p_as_a_operand: 8BIT register g of row half h = accumulator registers 2g, 2g + 1 of h). Derived
+  from Mosaic GPU's own layout definitions, A position c of every row is P's key 16 (c // 16) + KEY_PERM[c % 16],
+  which is the order permute_keys gives V."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  acc = _thread_coords(fa.WGMMA_LAYOUT, (64, 128))
+  a8 = _thread_coords(fa.WGMMA_LAYOUT_8BIT, (64, 128))
+  perm = np.array(pallas_flash.KEY_PERM)
+  for key in acc:
+    src = acc[key].reshape(16, 2, 2, 2)                # [8-key group, row half, element, (row, col)]
+    dst = a8[key].reshape(8, 2, 4, 2)                  # [16-key group, row half, element, (row, col)]
+    relabelled = src.reshape(8, 2, 2, 2, 2).transpose(0, 2, 1, 3, 4).reshape(8, 2, 4, 2)
+    assert (relabelled[..., 0] == dst[..., 0]).all(), key          # the same rows
+    pos = dst[..., 1]
+    assert (relabelled[..., 1] == 16 * (pos // 16) + perm[pos % 16]).all(), key
+  v = np.arange(2 * 3 * 64).reshape(2, 3, 64)
+  want = np.stack([v[..., 16 * (c // 16) + perm[c % 16]] for c in range(64)], -1)
+  np.testing.assert_array_equal(np.asarray(pallas_flash.permute_keys(jnp.asarray(v))), want)
+
+
 @pytest.mark.parametrize("H,qk_dtype", [(128, "float8_e4m3fn"), (64, "float8_e4m3fn"), (128, "int8")])
 def test_fp8_kernel_lowers_for_cuda(H, qk_dtype):
   """The FP8 Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (wgmma operand checks,

@@ -8,7 +8,7 @@ compute warpgroup's begin/end clock (SM cycles) of each named phase of a step (l
   qk       the Q K^T wgmma and the wait for its result ('turn', nested, is the part spent waiting for the other
            warpgroup to pass the tensor cores on),
   softmax  mask, row max, exponentials (and on the bf16 path the accumulator's rescale, P's cast and row sums),
-  p_smem   fp8: P's cast to e4m3, its row sums and its store to shared memory,
+  p_cast   fp8: P's cast to e4m3, its row sums and its relabelling as the P V product's register operand,
   wait_v   waiting for V's block and for the other warpgroup,
   pv       the P V wgmma (fp8: into a fresh accumulator, then the rescale-and-add) and the wait for the next K.
 The profiler's buffer lives in shared memory, so it serves short sequences (up to PROFILE_MAX_KEYS keys); every
@@ -38,7 +38,7 @@ flags.DEFINE_string("name", "prefill-profile-h200", "output file stem")
 N, K, H = 32, 8, 128
 # RunConfig.attention_dtype's 8-bit names (their Q K^T dtype: lcjax.config.ATTENTION_DTYPES), and the bf16 kernel.
 KERNELS = ("float8_e4m3fn", "int8_fp8", "bfloat16")
-STEP_PHASES = ("qk", "softmax", "p_smem", "wait_v", "pv")     # a step's top-level phases, in program order
+STEP_PHASES = ("qk", "softmax", "p_cast", "wait_v", "pv")     # a step's top-level phases, in program order
 
 
 def summarize(events: list[dict]) -> dict:

@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lcjax.ops import attention as ref
@@ -34,6 +35,11 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_FLOOR = -1e30
 _COMPUTE_WGS = 2
+# The FP8 kernel's P @ V takes P's e4m3 registers as they come out of the float32 accumulator layout, read as the
+# 8-bit A-operand layout: within every 16-key group, A position 4t + u holds key KEY_PERM[4t + u] (a quad's
+# thread t owns keys 2t, 2t+1, 8+2t, 9+2t of the group in the first layout and positions 4t..4t+3 in the second).
+# V's keys are put in the same order before the kernel, so the product is unchanged.
+KEY_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +119,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
                 out_dtype=None):
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
 
-  FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S],
+  FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
+  of every 16-key group in KEY_PERM order (permute_keys),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
   save_lse=False drops the LSE output (only to measure what returning it costs).
   """
@@ -137,7 +144,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   p_shift = float(fp8_ops.P_SHIFT) if fp8 else 0.0
 
   def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch):
-    (q_smem2, k_smem, v_smem, lse_smem2, o_smem2, p_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
+    (q_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
     b = lax.axis_index("batch")
     head = lax.axis_index("heads")
     kv_head = lax.div(head, jnp.array(G, head.dtype))
@@ -209,19 +216,14 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
             plgpu.barrier_wait(sched)
 
         if fp8:
-          # The turn passes to the other warpgroup after the exponentials: P's cast, row sums and store overlap its
-          # softmax instead of lengthening this warpgroup's turn.
+          # The turn passes to the other warpgroup after the exponentials: P's cast and row sums overlap its softmax
+          # instead of lengthening this warpgroup's turn. P stays in registers as the P V product's A operand.
           plgpu.barrier_arrive(sched)
-          # An fp8 A operand must come from shared memory here: Mosaic GPU has no register layout change from the
-          # float32 accumulator layout to wgmma's 8-bit A layout.
-          with jax.named_scope("p_smem"):
-            p_smem = p_smem2.at[wg]
+          with jax.named_scope("p_cast"):
             p8 = p.astype(fp8_ops.E4M3)
             l = l + p.sum(axis=1)
-            p_smem[...] = p8
-            plgpu.commit_smem()
+            p_mma = _p_as_a_operand(p8)
           release_tensor_cores(arrive=False)
-          p_mma = p_smem
         elif H <= 128:
           # Row sums before the barrier keep the tensor cores' turn short (the layout JAX's FA3 example found).
           with jax.named_scope("softmax"):
@@ -329,8 +331,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
             tiled((mcs, bkv, H), dtype),
             tiled(v_tile, v_dtype),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
-            tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None,
-            tiled((_COMPUTE_WGS, bq, bkv), fp8_ops.E4M3) if fp8 else None)
+            tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None)
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
               plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
@@ -350,6 +351,53 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(tuning, S)),
   )(q, k, v, d, kvl, *(scales or ()))
   return tuple(res) if save_lse else (res[0], None)
+
+
+def _p_as_a_operand(p8):
+  """P [block_q, block_kv] e4m3 in the float32 accumulator's register layout (WGMMA: a thread holds 2 keys of
+  every 8-key group) -> the same bytes as a register A operand of an 8-bit wgmma (WGMMA_8BIT: 4 positions of every
+  16-key group), the keys of each group in KEY_PERM order. Two 16-bit registers become one 32-bit register; no data
+  moves between threads."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype, layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(ctx, p):
+    del ctx
+    # Register arrays index (.., key group, .., row half, ..): 8-key groups in WGMMA, 16-key groups in WGMMA_8BIT.
+    src = p.registers
+    shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape)
+    if src.ndim != 9 or src.shape[2:] != (1, 1, 2, 1, 1, 1, 1) or shape[1] * 2 != src.shape[1]:
+      raise NotImplementedError(f"unexpected register arrays {src.shape} -> {shape} for P {p8.shape}")
+    i8, i16, i32 = (ir.IntegerType.get_signless(w) for w in (8, 16, 32))
+    elt = ir.VectorType(src.flat[0].type).element_type
+
+    def widened(reg):                   # two e4m3 bytes -> the low half of an i32
+      return arith.extui(i32, mgpu_utils.bitcast(mgpu_utils.bitcast(reg, ir.VectorType.get((2,), i8)), i16))
+
+    dst = np.empty(shape, dtype=object)
+    for r in range(shape[0]):
+      for g in range(shape[1]):
+        for h in range(2):
+          lo, hi = widened(src[r, 2 * g, 0, 0, h, 0, 0, 0, 0]), widened(src[r, 2 * g + 1, 0, 0, h, 0, 0, 0, 0])
+          word = arith.ori(lo, arith.shli(hi, arith.constant(i32, 16)))
+          dst[r, g, 0, 0, h, 0, 0, 0, 0] = mgpu_utils.bitcast(
+              mgpu_utils.bitcast(word, ir.VectorType.get((4,), i8)), ir.VectorType.get((4,), elt))
+    return mgpu.FragmentedArray(_registers=dst, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+  return relabel(p8)
+
+
+def permute_keys(x):
+  """[..., S] (S % 16 == 0) -> the keys of every 16-key group in KEY_PERM order (the FP8 kernel's V operand): each
+  group read as [half 2, t 4, pair 2] and written as [t, half, pair]."""
+  *lead, S = x.shape
+  return jnp.swapaxes(x.reshape(*lead, S // 16, 2, 4, 2), -3, -2).reshape(*lead, S)
 
 
 PROFILE_MAX_KEYS = 8192
@@ -452,7 +500,7 @@ def flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool = True,
                      save_lse: bool = True, out_dtype=jnp.bfloat16):
   """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S):
   (out [B, T, N, H] out_dtype, lse [B, T, N] float32)."""
-  out, lse = _flash_call(q8, k8, v8t, d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
+  out, lse = _flash_call(q8, k8, permute_keys(v8t), d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
                          scales=(qs, ks, vs), out_dtype=out_dtype)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
 

@@ -344,8 +344,10 @@ def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
 
 
 def _thread_coords(layout, shape):
-  """{(warp, lane): array of (row, col) with the layout's register-array shape plus the vector axis}, computed
-  from the layout's own tiling, warp, lane and vector dimensions (Mosaic GPU's definition of a TiledLayout)."""
+  """{(warp, lane): (row, col) of each element, indexed like the layout's register arrays (a register index
+  without its last, vector placeholder) then by the element within the register}, computed
+  from the layout's own tiling, warp, lane and vector dimensions (a TiledLayout with one warp dimension and no
+  replicated ones, as WGMMA and WGMMA_8BIT are)."""
   coords = np.stack(np.meshgrid(*map(np.arange, shape), indexing="ij"), -1)            # [*shape, 2]
   for tile in layout.tiling.tiles:
     lead, tail = coords.shape[:-1 - len(tile)], coords.shape[-1 - len(tile):-1]
@@ -360,29 +362,31 @@ def _thread_coords(layout, shape):
   for w in range(coords.shape[warp]):
     for lane in range(32):
       idx = [slice(None)] * nd
-      idx[warp] = w
+      idx[warp] = slice(w, w + 1)
       for d, i in zip(lanes, np.unravel_index(lane, [coords.shape[d] for d in lanes])):
-        idx[d] = i
+        idx[d] = slice(i, i + 1)
       out[w, lane] = coords[tuple(idx)]
   return out
 
 
 def test_p_register_relabel_is_key_perm():
-  """The FP8 kernel hands P's e4m3 registers from the accumulator layout to the P V wgmma as its 8-bit A operand
-  (pallas_flash._p_as_a_operand: 8BIT register g of row half h = accumulator registers 2g, 2g + 1 of h). Derived
-  from Mosaic GPU's own layout definitions, A position c of every row is P's key 16 (c // 16) + KEY_PERM[c % 16],
-  which is the order permute_keys gives V."""
+  """The FP8 kernel hands P's e4m3 registers from the accumulator layout to the P V wgmma as its 8-bit A operand,
+  pairing registers as pallas_flash.a_operand_sources says (the low one's two bytes first). Derived from Mosaic
+  GPU's own layout definitions, A position c of every row is then P's key 16 (c // 16) + KEY_PERM[c % 16], the
+  order permute_keys gives V. (The MLIR that moves the bytes runs only on a GPU: tests marked gpu.)"""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   acc = _thread_coords(fa.WGMMA_LAYOUT, (64, 128))
   a8 = _thread_coords(fa.WGMMA_LAYOUT_8BIT, (64, 128))
+  acc_regs = fa.WGMMA_LAYOUT.registers_shape((64, 128))
+  sources = pallas_flash.a_operand_sources(acc_regs)
+  assert sorted(sources) == sorted(np.ndindex(fa.WGMMA_LAYOUT_8BIT.registers_shape((64, 128))))
   perm = np.array(pallas_flash.KEY_PERM)
-  for key in acc:
-    src = acc[key].reshape(16, 2, 2, 2)                # [8-key group, row half, element, (row, col)]
-    dst = a8[key].reshape(8, 2, 4, 2)                  # [16-key group, row half, element, (row, col)]
-    relabelled = src.reshape(8, 2, 2, 2, 2).transpose(0, 2, 1, 3, 4).reshape(8, 2, 4, 2)
-    assert (relabelled[..., 0] == dst[..., 0]).all(), key          # the same rows
-    pos = dst[..., 1]
-    assert (relabelled[..., 1] == 16 * (pos // 16) + perm[pos % 16]).all(), key
+  for thread in acc:
+    for dst, (lo, hi) in sources.items():
+      got = np.concatenate([acc[thread][lo[:-1]], acc[thread][hi[:-1]]])   # [4 bytes, (row, col)], wgmma's order
+      want = a8[thread][dst[:-1]]                                           # [4 positions, (row, col)]
+      assert (got[:, 0] == want[:, 0]).all(), thread                   # the same rows
+      assert (got[:, 1] == 16 * (want[:, 1] // 16) + perm[want[:, 1] % 16]).all(), thread
   v = np.arange(2 * 3 * 64).reshape(2, 3, 64)
   want = np.stack([v[..., 16 * (c // 16) + perm[c % 16]] for c in range(64)], -1)
   np.testing.assert_array_equal(np.asarray(pallas_flash.permute_keys(jnp.asarray(v))), want)

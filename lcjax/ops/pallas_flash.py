@@ -353,11 +353,22 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   return tuple(res) if save_lse else (res[0], None)
 
 
+def a_operand_sources(acc_regs: tuple[int, ...]) -> dict:
+  """{WGMMA_8BIT register index: (the WGMMA register index of its low two bytes, that of its high two)} for P's
+  register arrays (`acc_regs`: the WGMMA layout's register-array shape, (.., key group, .., row half, ..)): the
+  8-bit register of 16-key group g is the accumulator-layout registers of 8-key groups 2g and 2g + 1, same row half."""
+  if len(acc_regs) != 9 or acc_regs[2:] != (1, 1, 2, 1, 1, 1, 1) or acc_regs[1] % 2:
+    raise NotImplementedError(f"unexpected WGMMA register array {acc_regs} for P")
+  at = lambda r, g, h: (r, g, 0, 0, h, 0, 0, 0, 0)
+  return {at(r, g, h): (at(r, 2 * g, h), at(r, 2 * g + 1, h))
+          for r in range(acc_regs[0]) for g in range(acc_regs[1] // 2) for h in range(2)}
+
+
 def _p_as_a_operand(p8):
   """P [block_q, block_kv] e4m3 in the float32 accumulator's register layout (WGMMA: a thread holds 2 keys of
   every 8-key group) -> the same bytes as a register A operand of an 8-bit wgmma (WGMMA_8BIT: 4 positions of every
-  16-key group), the keys of each group in KEY_PERM order. Two 16-bit registers become one 32-bit register; no data
-  moves between threads."""
+  16-key group), the keys of each group in KEY_PERM order (a_operand_sources). No data moves between threads.
+  Written against Mosaic GPU's register arrays (jax 0.11.2: FragmentedArray's private constructor, MLIR dialects)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -367,13 +378,9 @@ def _p_as_a_operand(p8):
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype, layout=plgpu.Layout.WGMMA_8BIT))
-  def relabel(ctx, p):
-    del ctx
-    # Register arrays index (.., key group, .., row half, ..): 8-key groups in WGMMA, 16-key groups in WGMMA_8BIT.
+  def relabel(_ctx, p):
     src = p.registers
     shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape)
-    if src.ndim != 9 or src.shape[2:] != (1, 1, 2, 1, 1, 1, 1) or shape[1] * 2 != src.shape[1]:
-      raise NotImplementedError(f"unexpected register arrays {src.shape} -> {shape} for P {p8.shape}")
     i8, i16, i32 = (ir.IntegerType.get_signless(w) for w in (8, 16, 32))
     elt = ir.VectorType(src.flat[0].type).element_type
 
@@ -381,13 +388,12 @@ def _p_as_a_operand(p8):
       return arith.extui(i32, mgpu_utils.bitcast(mgpu_utils.bitcast(reg, ir.VectorType.get((2,), i8)), i16))
 
     dst = np.empty(shape, dtype=object)
-    for r in range(shape[0]):
-      for g in range(shape[1]):
-        for h in range(2):
-          lo, hi = widened(src[r, 2 * g, 0, 0, h, 0, 0, 0, 0]), widened(src[r, 2 * g + 1, 0, 0, h, 0, 0, 0, 0])
-          word = arith.ori(lo, arith.shli(hi, arith.constant(i32, 16)))
-          dst[r, g, 0, 0, h, 0, 0, 0, 0] = mgpu_utils.bitcast(
-              mgpu_utils.bitcast(word, ir.VectorType.get((4,), i8)), ir.VectorType.get((4,), elt))
+    sources = a_operand_sources(src.shape)
+    if set(sources) != set(np.ndindex(shape)):
+      raise NotImplementedError(f"WGMMA registers {src.shape} do not pair up into WGMMA_8BIT registers {shape}")
+    for idx, (lo, hi) in sources.items():   # little-endian: the low register's bytes come first
+      word = arith.ori(widened(src[lo]), arith.shli(widened(src[hi]), arith.constant(i32, 16)))
+      dst[idx] = mgpu_utils.bitcast(mgpu_utils.bitcast(word, ir.VectorType.get((4,), i8)), ir.VectorType.get((4,), elt))
     return mgpu.FragmentedArray(_registers=dst, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
 
   return relabel(p8)
@@ -447,7 +453,7 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
 
 
-# The FP8 kernel's P @ V operand waits on shared memory: a deeper K/V ring measured 732 -> 754 TFLOP/s at 128K.
+# A 4-deep K/V ring for the FP8 kernel: 732 -> 754 TFLOP/s at 128K, measured when P still went through shared memory.
 FP8_TUNING = FlashTuning(max_concurrent_steps=4)
 # Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
 PREFIX_BLOCK_TOKENS = 131072
@@ -498,8 +504,9 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse", "out_dtype"))
 def flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
                      save_lse: bool = True, out_dtype=jnp.bfloat16):
-  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S):
-  (out [B, T, N, H] out_dtype, lse [B, T, N] float32)."""
+  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; v8t's keys in
+  their natural order, put in the kernel's order here by permute_keys): (out [B, T, N, H] out_dtype, lse [B, T, N]
+  float32)."""
   out, lse = _flash_call(q8, k8, permute_keys(v8t), d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
                          scales=(qs, ks, vs), out_dtype=out_dtype)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))

@@ -105,7 +105,8 @@ def table(rows: list[dict]) -> str:
   lines = ["| kernel | keys | steps | " + " | ".join(names) + " | step |", "|---" * (len(names) + 4) + "|"]
   for r in rows:
     cells = [f"{r['phases'][n]['per_step']:.0f}" if n in r["phases"] else "-" for n in names]
-    lines.append(f"| {r['kernel']} | {r['keys']} | {r['steps']} | " + " | ".join(cells) + f" | {r['step_cycles']:.0f} |")
+    lines.append(f"| {r['kernel']} | {r['keys']} | {r['steps']} | " + " | ".join(cells)
+                 + f" | {r['step_cycles']:.0f} |")
   return "\n".join(lines)
 
 

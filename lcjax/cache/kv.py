@@ -155,22 +155,20 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
 
 def _write_one_token(pool, scale, x, page, offset, layer):
   """fp8 `_write` of one token per row (decode): x [B, K, H] float32 at local pages [B] (Pl: dropped), offsets
-  [B]. The same three steps as `_write` with each row's one page known: its scale (0 when the token opens the
-  page), the max with the token's, the stored values times old / new scale (exact: a power of two, or 0 for a new
-  page) written back only where the scale grew, then the token and the scale: two gathers and three scatters per
-  pool and layer where the general path takes about ten XLA ops on every decode step. Rows write distinct pages
-  (a page shared by two sequences is copied before either writes it); padding rows all write the null page, which
-  is never read unmasked."""
-  Pl = pool.shape[1]
+  [B]. The same three steps as `_write` with each row's one page known, done as one page-sized update: the page's
+  scale (0 when the token opens the page), the max with the token's, and the page written back whole, its stored
+  values times old / new scale (exact: a power of two, 1 where the scale did not grow, or 0 for a new page) with
+  the token at its offset; then the scale. Rows write distinct pages (a page shared by two sequences is copied
+  before either writes it); padding rows all write the null page, which is never read unmasked."""
+  Pl, Z = pool.shape[1:3]
   pc = jnp.minimum(page, Pl - 1)
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [B, K]
   new_scale = jnp.maximum(old, scale_for(jnp.abs(x).max(axis=-1)))
-  ratio = old / new_scale
-  grew = jnp.any(ratio != 1.0, axis=-1)
-  stored = (pool[layer, pc].astype(jnp.float32) * ratio[:, None, :, None]).astype(pool.dtype)
-  pool = pool.at[layer, jnp.where(grew, page, Pl)].set(stored, mode="drop")
-  y = jnp.clip(x / new_scale[:, :, None], -FP8_MAX, FP8_MAX).astype(pool.dtype)
-  return pool.at[layer, page, offset].set(y, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
+  stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[:, None, :, None]   # [B, Z, K, H]
+  y = jnp.clip(x / new_scale[:, :, None], -FP8_MAX, FP8_MAX)                           # [B, K, H]
+  here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
+  pages = jnp.where(here, y[:, None], stored).astype(pool.dtype)
+  return pool.at[layer, page].set(pages, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
 def write_layer(pool, scale, new, slots, pages, layer):

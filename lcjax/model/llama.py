@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig
-from lcjax.model.rope import apply_rope, inv_frequencies
+from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
@@ -98,13 +98,14 @@ class Attention(nnx.Module):
     self.wqkv = _param(rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, std, n_layers)
     self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers)
 
-  def qkv(self, x, positions, inv_freq):
+  def qkv(self, x, rope):
+    """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
     B, T, _ = x.shape
     qkv = jnp.einsum("btd,dkgh->btkgh", x, self.wqkv[...])      # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
 
   def out(self, o):
     return jnp.einsum("btnh,nhd->btd", o, self.wo[...])
@@ -144,6 +145,7 @@ class CallContext:
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
+  rope: tuple | None = None       # rope_angles(positions): (cos, sin) [B, T, 1, H/2], computed once, not per layer
 
 
 def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:
@@ -309,7 +311,7 @@ class Llama(nnx.Module):
 
   def _layer(self, block: Block, x, step: CallContext, cache_l):
     h = block.attn_norm(x)
-    q, k, v = block.attn.qkv(h, step.positions, _inv_freq(self.cfg))
+    q, k, v = block.attn.qkv(h, step.rope)
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
     x = self._constrain(x + block.attn.out(o), self._x_axes(step))
     x = self._constrain(x + block.mlp(block.mlp_norm(x)), self._x_axes(step))
@@ -344,7 +346,8 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, pages, split)
+    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, pages, split,
+                       rope_angles(positions, _inv_freq(self.cfg)))
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

@@ -26,11 +26,15 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-  """x [B, T, heads, H]; positions [B, T] int32. Angles and rotation in float32, result in x's dtype."""
+def rope_angles(positions, inv_freq):
+  """positions [B, T] int32 -> (cos, sin), each [B, T, 1, H/2] float32: the rotation of every position, computed
+  once per call and shared by every layer's queries and keys."""
   ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)   # [B, T, H/2]
-  cos = jnp.cos(ang)[:, :, None, :]
-  sin = jnp.sin(ang)[:, :, None, :]
+  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+  """x [B, T, heads, H] rotated by `rope_angles`' (cos, sin), in float32; the result in x's dtype."""
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

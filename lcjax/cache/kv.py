@@ -158,8 +158,9 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   [B]. The same three steps as `_write` with each row's one page known, done as one page-sized update: the page's
   scale (0 when the token opens the page), the max with the token's, and the page written back whole, its stored
   values times old / new scale (exact: a power of two, 1 where the scale did not grow, or 0 for a new page) with
-  the token at its offset; then the scale. Rows write distinct pages (a page shared by two sequences is copied
-  before either writes it); padding rows all write the null page, which is never read unmasked."""
+  the token at its offset; then the scale. Every row rewrites its whole page on every step, so rows must write
+  distinct pages (a page shared by two sequences is copied before either writes it); padding rows all write the
+  null page, which is never read unmasked."""
   Pl, Z = pool.shape[1:3]
   pc = jnp.minimum(page, Pl - 1)
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [B, K]
@@ -167,8 +168,8 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[:, None, :, None]   # [B, Z, K, H]
   y = jnp.clip(x / new_scale[:, :, None], -FP8_MAX, FP8_MAX)                           # [B, K, H]
   here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
-  pages = jnp.where(here, y[:, None], stored).astype(pool.dtype)
-  return pool.at[layer, page].set(pages, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
+  contents = jnp.where(here, y[:, None], stored).astype(pool.dtype)                    # [B, Z, K, H]
+  return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
 def write_layer(pool, scale, new, slots, pages, layer):

@@ -143,9 +143,9 @@ class CallContext:
   page_table: jax.Array | None    # [B, M]
   prefix_len: jax.Array | None    # [B] cached tokens before this chunk (prefill)
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
+  rope: tuple[jax.Array, jax.Array]   # rope_angles(positions): (cos, sin) [B, T, 1, H/2], once for every layer
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
-  rope: tuple | None = None       # rope_angles(positions): (cos, sin) [B, T, 1, H/2], computed once, not per layer
 
 
 def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:
@@ -346,8 +346,8 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len, pages, split,
-                       rope_angles(positions, _inv_freq(self.cfg)))
+    step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
+                       rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

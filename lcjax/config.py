@@ -182,6 +182,46 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
 # RunConfig.attention_dtype -> the dtype the FP8 kernel quantizes Q and K to (P and V are e4m3 in both): e4m3
 # throughout, or int8 Q K^T (exact integer products of absmax / 127 blocks) beside e4m3 P V.
 ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": "int8"}
+# RunConfig.weight_dtype: "bfloat16" names the run's dtype (float32 on CPUs), i.e. unquantized weights.
+WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+  """How a model holds its projection and MLP weights: in the parameter dtype, or as e4m3 with float32 scales per
+  output channel (lcjax.ops.linear). `static_inputs`: fp8 weights whose activations are quantized with the
+  checkpoint's per-tensor input scales, not per token."""
+  fp8: bool = False
+  static_inputs: bool = False
+
+  def __post_init__(self):
+    if self.static_inputs and not self.fp8:
+      raise ConfigError("static input scales need fp8 weights")
+
+  @property
+  def name(self) -> str | None:
+    """The weight dtype's name ("float8_e4m3fn"), None for the parameter dtype."""
+    return "float8_e4m3fn" if self.fp8 else None
+
+  def describe(self, dtype: str) -> str:
+    if not self.fp8:
+      return dtype
+    return "float8_e4m3fn (" + ("static per-tensor" if self.static_inputs else "per-token") + " activations)"
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any] | None) -> "WeightFormat":
+    return cls() if not d else _from_dict(cls, d, "weight format")
+
+  def for_run(self, weight_dtype: str) -> "WeightFormat":
+    """The format a run serves a checkpoint stored in this format with (RunConfig.weight_dtype)."""
+    if weight_dtype == "auto":
+      return self
+    if weight_dtype == "float8_e4m3fn":
+      return self if self.fp8 else WeightFormat(fp8=True)
+    return WeightFormat()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +230,11 @@ class RunConfig:
   dtype: str = "auto"                # parameters and activations: "auto" (bfloat16 on accelerators, float32 on
                                      # CPUs, where bf16 matmuls are emulated), "bfloat16", "float32" (checks)
   cache_dtype: str = "auto"          # "auto" (= dtype), "bfloat16", "float32", "float8_e4m3fn"
+  weight_dtype: str = "auto"         # the projection and MLP weights: "auto" (as the checkpoint stores them),
+                                     # "bfloat16" (= dtype: an fp8 checkpoint is dequantized at load) or
+                                     # "float8_e4m3fn" (a checkpoint in dtype is quantized at load, one scale per
+                                     # output channel; lcjax.ops.linear). Embeddings, norms and the LM head stay
+                                     # in dtype
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)
@@ -226,6 +271,8 @@ class RunConfig:
     if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
       raise ConfigError(f"cache_dtype={self.cache_dtype!r} must be auto, bfloat16, float32, float16 or "
                         "float8_e4m3fn")
+    if self.weight_dtype not in WEIGHT_DTYPES:
+      raise ConfigError(f"weight_dtype={self.weight_dtype!r} must be one of {', '.join(WEIGHT_DTYPES)}")
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")

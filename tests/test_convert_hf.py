@@ -58,11 +58,16 @@ def test_layout_matches_model():
   """param_shapes (what converters write) is exactly the model's parameter tree, once each fused model tensor is
   replaced by the stored tensors it is assembled from."""
   from lcjax.checkpoint.layout import FUSED, stored_shapes
+  from lcjax.config import WeightFormat
+  fused = set()
   for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
-    shapes = {n: s for n, (s, _) in param_shapes(cfg).items()}
-    model = stored_shapes({"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(_abstract(cfg))})
-    assert shapes == model
-    assert set(FUSED) <= {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(_abstract(cfg))}
+    for fmt in (WeightFormat(), WeightFormat(fp8=True), WeightFormat(fp8=True, static_inputs=True)):
+      shapes = {n: s for n, (s, _) in param_shapes(cfg, fmt).items()}
+      abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, weights=fmt, rngs=nnx.Rngs(0))), nnx.Param)
+      names = {"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+      assert shapes == stored_shapes(names), fmt
+      fused |= set(FUSED) & set(names)
+  assert fused == set(FUSED)
 
 
 @pytest.fixture(params=["whole", "split"])

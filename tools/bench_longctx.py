@@ -17,6 +17,9 @@ Implementations:
   lcjax-fp8    FP8 attention and an fp8 KV cache
   lcjax-int8attn  FP8 attention with int8 Q K^T (attention_dtype=int8_fp8), bf16 KV cache
   lcjax-int8   int8_fp8 attention and an fp8 KV cache
+  lcjax-fp8w   fp8 weights (weight_dtype=float8_e4m3fn; random weights drawn in bf16 and quantized), bf16 KV
+  lcjax-fp8w-fp8kv  fp8 weights and an fp8 KV cache
+  lcjax-fp8w-fp8    fp8 weights, FP8 attention and an fp8 KV cache
   dense        the unoptimised path: one-shot prefill with XLA attention that materialises the scores
   hf           HF transformers LlamaForCausalLM (sdpa), prefill with logits_to_keep=1, DynamicCache decode
 """
@@ -39,10 +42,13 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
 flags.DEFINE_integer("layers", 0, "use only this many layers (0: all): per-layer validation of big presets")
 flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "context lengths (prompt tokens)")
-# lcjax's implementations (and dense, its baseline) -> (cache_dtype, attention_dtype)
-LCJAX_DTYPES = {"lcjax": ("auto", "auto"), "lcjax-fp8kv": ("float8_e4m3fn", "auto"),
-                "lcjax-fp8attn": ("auto", "float8_e4m3fn"), "lcjax-fp8": ("float8_e4m3fn", "float8_e4m3fn"),
-                "lcjax-int8attn": ("auto", "int8_fp8"), "lcjax-int8": ("float8_e4m3fn", "int8_fp8"),
+# lcjax's implementations (and dense, its baseline) -> (cache_dtype, attention_dtype[, weight_dtype])
+F8 = "float8_e4m3fn"
+LCJAX_DTYPES = {"lcjax": ("auto", "auto"), "lcjax-fp8kv": (F8, "auto"),
+                "lcjax-fp8attn": ("auto", F8), "lcjax-fp8": (F8, F8),
+                "lcjax-int8attn": ("auto", "int8_fp8"), "lcjax-int8": (F8, "int8_fp8"),
+                "lcjax-fp8w": ("auto", "auto", F8), "lcjax-fp8w-fp8kv": (F8, "auto", F8),
+                "lcjax-fp8w-fp8": (F8, F8, F8),
                 "dense": ("auto", "auto")}
 IMPLS = (*LCJAX_DTYPES, "hf")
 flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: " + ", ".join(IMPLS))
@@ -85,8 +91,8 @@ def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_
   from lcjax.config import RunConfig
   chunk = S if impl == "dense" else min(prefill_chunk, S)
   ctx = -(-(S + decode_steps + 1) // page_size) * page_size
-  cache_dtype, attention_dtype = LCJAX_DTYPES[impl]
-  return RunConfig(dtype=dtype, cache_dtype=cache_dtype, attention_dtype=attention_dtype,
+  cache_dtype, attention_dtype, weight_dtype = (*LCJAX_DTYPES[impl], "auto")[:3]
+  return RunConfig(dtype=dtype, cache_dtype=cache_dtype, attention_dtype=attention_dtype, weight_dtype=weight_dtype,
                    page_size=page_size, max_context=ctx, max_batch=1,
                    prefill_chunk=-(-chunk // page_size) * page_size, decode_steps=decode_steps,
                    decode_sync_every=sync_every, attention="dense" if impl == "dense" else attention)
@@ -160,7 +166,8 @@ def worker_jax(impl: str):
                         prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
                         decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
                         planned_gib=planned, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
-                        attention=eng.attention.name, prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
+                        attention=eng.attention.name, weight_dtype=st["weight_dtype"],
+                        prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
                         resident_gib=resident and resident / GiB, warmup_peak_gib=warmup_peak and warmup_peak / GiB,
                         oom=False)
       last = (S, st["prefill_s"])

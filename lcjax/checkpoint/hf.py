@@ -18,10 +18,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from lcjax.checkpoint.layout import (CheckpointError, flatten, param_shapes, stored_shapes, stored_tensor,
-                                     unwrap)
+from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
+                                     stored_tensor, unwrap)
 from lcjax.checkpoint.writer import CheckpointWriter
-from lcjax.config import ConfigError, ModelConfig
+from lcjax.config import ConfigError, ModelConfig, WeightFormat
 from lcjax import tokenizer as tok
 
 # HF tensor name -> (lcjax name, in_dims). in_dims None: same layout. in_dims k: HF's [out, in] matrix is
@@ -49,7 +49,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-           "F64": np.dtype(np.float64)}
+           "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def hf_shape(shape: tuple[int, ...], in_dims: int | None) -> tuple[int, ...]:
@@ -110,6 +111,10 @@ class _TensorInfo:
   shape: tuple[int, ...]
   begin: int
   end: int
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape))
 
 
 class SafetensorsFile:
@@ -195,10 +200,83 @@ def hf_model_config(src: str) -> ModelConfig:
   return dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
 
 
-def _plan(src: str, cfg: ModelConfig):
-  """[(file, hf name, lcjax name, layer, in_dims)] for every tensor to convert, checked before any write."""
+# The lcjax input-scale tensor each HF projection's static input scale joins (the fused projections share their
+# input, which is quantized with the largest of their scales).
+_IN_SCALE = {"layers/attn/wq": "layers/attn/wqkv_in_scale", "layers/attn/wk": "layers/attn/wqkv_in_scale",
+             "layers/attn/wv": "layers/attn/wqkv_in_scale", "layers/attn/wo": "layers/attn/wo_in_scale",
+             "layers/mlp/w_gate": "layers/mlp/w_gate_up_in_scale", "layers/mlp/w_up": "layers/mlp/w_gate_up_in_scale",
+             "layers/mlp/w_down": "layers/mlp/w_down_in_scale"}
+# Per-layer KV-cache scales of quantized checkpoints: lcjax's fp8 cache computes its own per page.
+_KV_SCALES = re.compile(r"model\.layers\.\d+\.self_attn\.(k|v)_(scale|proj\.output_scale)")
+_SUFFIXES = (".weight_scale", ".input_scale")
+
+
+def quantization_format(hf: dict, where: str) -> WeightFormat:
+  """The WeightFormat of an HF config's `quantization_config` (none: bf16). FP8 checkpoints lcjax loads:
+  compressed-tensors "float-quantized" with 8-bit float weights per channel or per tensor and 8-bit float
+  activations dynamic per token or static per tensor, and `quant_method: "fp8"` (per-tensor scales, static or
+  dynamic activations). Every other scheme is refused with one line naming it."""
+  q = hf.get("quantization_config")
+  if not q:
+    return WeightFormat()
+  if not isinstance(q, dict):
+    raise CheckpointError(f"{where}: quantization_config is {type(q).__name__}, not an object")
+  method = q.get("quant_method")
+  refuse = lambda scheme: CheckpointError(      # noqa: E731
+      f"{where}: quant_method={method!r} with {scheme} is not a scheme lcjax loads (it loads fp8 e4m3 weights "
+      "per channel or per tensor: compressed-tensors float-quantized, or quant_method 'fp8')")
+  if method == "fp8":
+    if q.get("weight_block_size"):
+      raise refuse(f"weight_block_size={q['weight_block_size']} (block-wise fp8)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+      raise refuse(f"activation_scheme={scheme!r}")
+    return WeightFormat(fp8=True, static_inputs=scheme == "static")
+  if method != "compressed-tensors":
+    raise refuse(f"config {json.dumps({k: q[k] for k in list(q)[:4]}, default=str)[:200]}")
+  fmt = q.get("format")
+  if fmt != "float-quantized":
+    raise refuse(f"format={fmt!r}")
+  groups = list((q.get("config_groups") or {}).values())
+  if not groups:
+    raise refuse("no config_groups")
+  statics = set()
+  for g in groups:
+    w, a = g.get("weights") or {}, g.get("input_activations")
+    if (w.get("num_bits"), w.get("type")) != (8, "float") or w.get("strategy") not in ("channel", "tensor") \
+        or w.get("dynamic") or w.get("symmetric") is False:
+      raise refuse(f"weights {json.dumps(w, sort_keys=True)[:200]}")
+    if a is None:
+      raise refuse("weight-only quantization (input_activations null)")
+    if (a.get("num_bits"), a.get("type")) != (8, "float") or a.get("strategy") not in ("token", "tensor") \
+        or bool(a.get("dynamic")) != (a.get("strategy") == "token"):
+      raise refuse(f"input_activations {json.dumps(a, sort_keys=True)[:200]}")
+    statics.add(a.get("strategy") == "tensor")
+  if len(statics) > 1:
+    raise refuse("both static and dynamic activation groups")
+  return WeightFormat(fp8=True, static_inputs=statics.pop())
+
+
+def _ignored_projections(hf: dict, cfg: ModelConfig, where: str) -> None:
+  """Refuse an `ignore` list that keeps some decoder layer's projection unquantized: lcjax holds each projection
+  of every layer in one format (lm_head, which lcjax keeps in dtype anyway, may be ignored)."""
+  ignore = (hf.get("quantization_config") or {}).get("ignore") or []
+  names = [k.replace("{i}", str(i))[:-len(".weight")] for k in HF_NAMES if "{i}" in k and QUANTIZED.get(
+      HF_NAMES[k][0]) for i in range(cfg.n_layers)]
+  for pattern in ignore:
+    p = str(pattern)
+    hits = [n for n in names if (re.fullmatch(p[3:], n) if p.startswith("re:") else n == p or n.endswith("." + p))]
+    if hits:
+      raise CheckpointError(f"{where}: quantization_config ignore entry {p!r} leaves {hits[0]} "
+                            f"{'and others ' if len(hits) > 1 else ''}unquantized; lcjax needs every layer's "
+                            "projections in one format (fp8 throughout, or a bf16 checkpoint)")
+
+
+def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
+  """[(file, hf name, lcjax name, layer, in_dims)] for every tensor to convert, checked before any write. For fp8
+  checkpoints the lcjax name of a scale is the weight's + "_scale" (weight_scale) or + "_in" (input_scale)."""
   files, weight_map = _shard_files(src)
-  shapes = param_shapes(cfg)
+  shapes = param_shapes(cfg, weights)
   headers = {f: SafetensorsFile(os.path.join(src, f)) for f in files}
   if weight_map is not None:
     for tensor, fname in weight_map.items():
@@ -207,9 +285,10 @@ def _plan(src: str, cfg: ModelConfig):
   plan, seen = [], {}
   for fname, header in headers.items():
     for name, info in header.tensors.items():
-      if _IGNORED.fullmatch(name):
+      if _IGNORED.fullmatch(name) or (weights.fp8 and _KV_SCALES.fullmatch(name)):
         continue
-      m = match_name(name)
+      suffix = next((x for x in _SUFFIXES if weights.fp8 and name.endswith(x)), "")
+      m = match_name(name[:-len(suffix)] + ".weight" if suffix else name)
       if m is None:
         raise CheckpointError(f"{header.path}: tensor {name} is not part of a LLaMA model lcjax knows "
                               "(the names it knows are HF_NAMES in lcjax/checkpoint/hf.py)")
@@ -222,47 +301,106 @@ def _plan(src: str, cfg: ModelConfig):
         raise CheckpointError(f"{header.path}: tensor {name} has layer {layer}, config.json has "
                               f"num_hidden_layers={cfg.n_layers}")
       want = hf_shape(full[1:] if stacked else full, in_dims)
-      if info.shape != want:
+      fp8 = weights.fp8 and dst in QUANTIZED
+      if suffix:
+        if dst not in QUANTIZED and suffix == ".input_scale":
+          continue                # an input scale of a tensor lcjax keeps in dtype (e.g. a quantized lm_head)
+        if suffix == ".input_scale" and not weights.static_inputs:
+          raise CheckpointError(f"{header.path}: tensor {name} is a static input scale, but quantization_config "
+                                "says activations are dynamic")
+        if info.size not in ((1, want[0]) if suffix == ".weight_scale" else (1,)):
+          raise CheckpointError(f"{header.path}: tensor {name} has shape {info.shape}: a scale per tensor or "
+                                f"per output channel ({want[0]}) is expected")
+        dst += "_scale" if suffix == ".weight_scale" else "_in"
+      elif fp8 and info.dtype != E4M3:
+        raise CheckpointError(f"{header.path}: tensor {name} is {info.dtype}, quantization_config says fp8 "
+                              "(float8_e4m3fn) weights")
+      elif info.shape != want:
         raise CheckpointError(f"{header.path}: tensor {name} has shape {info.shape}, config.json implies {want}")
       if (dst, layer) in seen:
         raise CheckpointError(f"{header.path}: tensor {name} also appears in {seen[(dst, layer)]}")
       seen[(dst, layer)] = header.path
       plan.append((header, name, dst, layer, in_dims))
-  for dst, (full, stacked) in shapes.items():
+  # Each projection's input scale (written as its fused projection's) instead of the lcjax _in_scale tensors.
+  required = {n: v for n, v in shapes.items() if not n.endswith("_in_scale")}
+  required.update({w + "_in": shapes[w] for w in QUANTIZED if weights.static_inputs})
+  for dst, (full, stacked) in required.items():
     for layer in (range(full[0]) if stacked else [None]):
       if (dst, layer) not in seen:
-        hf_name = next(k for k, v in HF_NAMES.items() if v[0] == dst).replace("{i}", str(layer))
+        base = dst[:-len("_scale")] if dst.endswith("_scale") else dst[:-len("_in")] if dst.endswith("_in") else dst
+        hf_name = next(k for k, v in HF_NAMES.items() if v[0] == base).replace("{i}", str(layer))
+        if dst != base:
+          hf_name = hf_name[:-len(".weight")] + (".weight_scale" if dst.endswith("_scale") else ".input_scale")
         raise CheckpointError(f"{src}: tensor {hf_name} is missing from the safetensors files {files}")
   return plan
 
 
+def _scale_layout(scale: np.ndarray, shape: tuple[int, ...], in_dims: int) -> np.ndarray:
+  """An HF weight_scale (per tensor, or [out, 1] per output channel) as lcjax's: float32 of the lcjax weight's
+  (per-layer) `shape` with its `in_dims` input dims 1."""
+  out = tuple(shape[in_dims:])
+  s = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (int(np.prod(out)),))
+  return np.ascontiguousarray(s.reshape((1,) * in_dims + out))
+
+
 def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False,
                progress: bool | None = None) -> dict:
-  """Convert an HF LLaMA folder to an lcjax checkpoint. dtype None keeps each tensor's stored dtype.
+  """Convert an HF LLaMA folder to an lcjax checkpoint. dtype None keeps each tensor's stored dtype (fp8 weights
+  and their scales always keep theirs).
+
+  FP8 checkpoints (`quantization_format`) keep their e4m3 weights as they are, with one float32 scale per output
+  channel (a per-tensor scale broadcast over the channels, so fused projections need no requantization) and,
+  with static activations, each fused projection's input scale (the largest of its parts'). A quantized
+  tensor that lcjax keeps in dtype (the LM head) is dequantized.
 
   Returns {"tensors", "bytes", "seconds"}. Raises CheckpointError (one line, naming file and tensor) for an
   unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, or a truncated file.
   """
   t0 = time.time()
   cfg = hf_model_config(src)
-  plan = _plan(src, cfg)
+  config_path = os.path.join(src, "config.json")
+  hf = _read_json(config_path)
+  weights = quantization_format(hf, config_path)
+  if weights.fp8:
+    _ignored_projections(hf, cfg, config_path)
+  plan = _plan(src, cfg, weights)
   cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else None
   total = sum(h.tensors[n].end - h.tensors[n].begin for h, n, *_ in plan)
-  full_shapes = param_shapes(cfg)
-  with CheckpointWriter(dst, cfg, overwrite=overwrite, source=os.path.abspath(src)) as w:
+  full_shapes = param_shapes(cfg, weights)
+  scales = {(d[:-len("_scale")], layer): (h, n) for h, n, d, layer, _ in plan if d.endswith("_scale")}
+  in_scales: dict[tuple[str, int], float] = {}
+  with CheckpointWriter(dst, cfg, weights=weights, overwrite=overwrite, source=os.path.abspath(src)) as w:
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {os.path.basename(src)}",
               disable=(None if progress is None else not progress)) as bar:
       for header, name, dst_name, layer, in_dims in plan:
+        nb = header.tensors[name].end - header.tensors[name].begin
+        if dst_name.endswith("_in"):
+          key = (_IN_SCALE[dst_name[:-len("_in")]], layer)
+          in_scales[key] = max(in_scales.get(key, 0.0), float(np.asarray(header.read(name), np.float32).max()))
+          bar.update(nb)
+          continue
+        if dst_name.endswith("_scale"):
+          weight = dst_name[:-len("_scale")]
+          full, stacked = full_shapes[weight]
+          if weight in QUANTIZED:
+            w.write(dst_name, _scale_layout(header.read(name), full[1:] if stacked else full, in_dims), layer)
+          bar.update(nb)
+          continue
         full, stacked = full_shapes[dst_name]
         w_hf = header.read(name)
-        nb = w_hf.nbytes
+        if w_hf.dtype == E4M3 and dst_name not in QUANTIZED:    # dequantized: lcjax keeps it in dtype
+          sh, sn = scales[(dst_name, layer)]
+          w_hf = (w_hf.astype(np.float32) * np.asarray(sh.read(sn), np.float32).reshape(-1, 1)).astype(
+              cast or np.dtype(ml_dtypes.bfloat16))
         x = to_lcjax(w_hf, full[1:] if stacked else full, in_dims)
         del w_hf
-        if cast is not None and x.dtype != cast:
+        if cast is not None and x.dtype != cast and x.dtype != E4M3:
           x = x.astype(cast)
         w.write(dst_name, x, layer)
         del x
         bar.update(nb)
+      for (name, layer), value in sorted(in_scales.items()):
+        w.write(name, np.array([value], np.float32), layer)
     for fname in TOKENIZER_FILES:
       if os.path.exists(os.path.join(src, fname)):
         w.copy_file(os.path.join(src, fname))

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lcjax.config import ModelConfig
+from lcjax.config import ModelConfig, WeightFormat
 
 FORMAT = "lcjax-orbax-v2"
 CONFIG_FILE = "lcjax_config.json"
@@ -40,9 +40,11 @@ class CheckpointError(ValueError):
   """A checkpoint or conversion source that lcjax refuses; the message names the file and the tensor."""
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+def param_shapes(cfg: ModelConfig, weights: WeightFormat = WeightFormat()) -> dict[str, tuple[tuple[int, ...], bool]]:
   """name -> (full shape, stacked over layers): the tensors a checkpoint stores, i.e. the parameter tree of
-  `lcjax.model.llama.Llama` with each fused projection (FUSED) as the tensors it is assembled from."""
+  `lcjax.model.llama.Llama` with each fused projection (FUSED) as the tensors it is assembled from. fp8 weights
+  add a float32 scale per output channel of each projection (its shape with the input dims 1) and, with static
+  input scales, one per layer for each fused projection's input."""
   D, N, K, H, F, V, L = (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size,
                          cfg.n_layers)
   shapes = {
@@ -60,7 +62,24 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
   }
   if not cfg.tie_embeddings:
     shapes["lm_head/kernel"] = ((D, V), False)
+  if weights.fp8:
+    for name in QUANTIZED:
+      (L, *shape), _ = shapes[name]
+      shapes[name + "_scale"] = ((L, *(1 if i < QUANTIZED[name] else n for i, n in enumerate(shape))), True)
+  if weights.static_inputs:
+    for name in ("layers/attn/wqkv", "layers/attn/wo", "layers/mlp/w_gate_up", "layers/mlp/w_down"):
+      shapes[name + "_in_scale"] = ((L, 1), True)
   return shapes
+
+
+# Stored tensors of fp8 checkpoints -> the number of input dims they lead with (their scales set those to 1).
+QUANTIZED = {"layers/attn/wq": 1, "layers/attn/wk": 1, "layers/attn/wv": 1, "layers/attn/wo": 2,
+             "layers/mlp/w_gate": 1, "layers/mlp/w_up": 1, "layers/mlp/w_down": 1}
+
+
+def stored_format(tensors) -> WeightFormat:
+  """The WeightFormat of a checkpoint whose manifest lists `tensors` (names)."""
+  return WeightFormat(fp8="layers/attn/wq_scale" in tensors, static_inputs="layers/attn/wqkv_in_scale" in tensors)
 
 
 # Model tensors that checkpoints store as several: HF's one tensor per projection, which converters write one
@@ -71,6 +90,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
 FUSED = {
     "layers/attn/wqkv": (2, ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")),
     "layers/mlp/w_gate_up": (1, ("layers/mlp/w_gate", "layers/mlp/w_up")),
+    # fp8 weights' scales ([1, K, G + 2, H] and [1, 2, F] a layer) are assembled the same way
+    "layers/attn/wqkv_scale": (2, ("layers/attn/wq_scale", "layers/attn/wk_scale", "layers/attn/wv_scale")),
+    "layers/mlp/w_gate_up_scale": (1, ("layers/mlp/w_gate_scale", "layers/mlp/w_up_scale")),
 }
 
 
@@ -80,7 +102,7 @@ def tensor_sources(name: str, item_shape: tuple[int, ...]) -> list[tuple[str, tu
   if name not in FUSED:
     return [(name, item_shape, 0, 0)]
   axis, names = FUSED[name]
-  if name == "layers/attn/wqkv":      # [D, K, G + 2, H]: the G query heads of each KV head, its key, its value
+  if name.startswith("layers/attn/wqkv"):   # [D, K, G + 2, H]: the G query heads of each KV head, its key, value
     widths = (item_shape[axis] - 2, 1, 1)
   else:
     widths = (1,) * len(names)
@@ -152,6 +174,11 @@ def read_manifest(ckpt_dir: str) -> dict:
     got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
     raise CheckpointError(f"{path}: format {got!r} is not {FORMAT!r}")
   return manifest
+
+
+def checkpoint_format(ckpt_dir: str) -> WeightFormat:
+  """The WeightFormat a complete checkpoint stores its linear weights in."""
+  return stored_format(read_manifest(ckpt_dir)["tensors"])
 
 
 def load_config(ckpt_dir: str) -> ModelConfig:

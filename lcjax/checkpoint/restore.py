@@ -6,6 +6,7 @@ device, and a process reads only what its devices hold.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -16,7 +17,10 @@ from flax import nnx
 from tqdm import tqdm
 
 from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, CheckpointError, flatten, item_dir, load_config,
-                                     path_name, read_manifest, stored_shape, tensor_sources, unwrap)
+                                     path_name, read_manifest, stored_format, stored_shape, tensor_sources, unwrap)
+from lcjax.config import WeightFormat
+from lcjax.model.llama import LINEAR, convert_layer
+from lcjax.ops.linear import quantize_axes
 
 
 def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool):
@@ -57,6 +61,11 @@ def _place(full, slab, offsets, view):
   return put(full, slab)
 
 
+@functools.lru_cache(maxsize=None)
+def _placer(sharding):
+  return jax.jit(_place, donate_argnums=0, out_shardings=sharding, static_argnums=3)
+
+
 def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sharding.Sharding:
   """The sharding of a stored tensor read for a fused view: the view's, less the fused axis (never sharded: a
   query-head axis merged with its KV-head axis splits as the KV heads do, KV-head major)."""
@@ -70,9 +79,16 @@ def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sha
 
 
 class _Reader:
-  def __init__(self, ckpt_dir: str):
+  def __init__(self, ckpt_dir: str, tensors: dict):
     self.dir = ckpt_dir
+    self.tensors = tensors
     self.ckptr = ocp.PyTreeCheckpointer()
+
+  def stacked(self, name: str) -> bool:
+    first = FUSED[name][1][0] if name in FUSED else name
+    if first not in self.tensors:
+      raise CheckpointError(f"{self.dir}: tensor {first} is missing from {MANIFEST_FILE}")
+    return bool(self.tensors[first]["layers"])
 
   def read(self, name: str, layer: int | None, part: int, shape, dtype, sharding) -> jax.Array:
     where = f"tensor {name}" + ("" if layer is None else f" layer {layer}") + (f" part {part}" if part else "")
@@ -91,6 +107,53 @@ class _Reader:
       raise CheckpointError(f"{self.dir}: {where} has shape {tuple(value.shape)}, expected {tuple(shape)}")
     return value
 
+  def read_model_tensor(self, name: str, layer: int | None, item_shape, dt, sharding, full=None, *,
+                        stacked_full: bool = True) -> jax.Array:
+    """Model tensor `name` (layer `layer` of a stacked one; `item_shape` without the layers axis) assembled from
+    its stored tensors and parts: written into `full` ([L, *item_shape], donated, with `sharding`) at `layer`, or
+    (full None) returned as a new array with `sharding` (a whole unstacked tensor, or with stacked_full=False one
+    layer of a stacked one, `sharding` then being the layer's)."""
+    item_shape = tuple(item_shape)
+    stacked = layer is not None
+    sources = tensor_sources(name, item_shape)
+    lead = (self.tensors[sources[0][0]]["layers"],) if stacked else ()
+    for src, view, _, axis in sources:
+      stored = (*lead, *stored_shape(view, axis))
+      if src not in self.tensors:
+        raise CheckpointError(f"{self.dir}: tensor {src} is missing from {MANIFEST_FILE}")
+      if tuple(self.tensors[src]["shape"]) != stored:
+        raise CheckpointError(f"{self.dir}: tensor {src} has shape {tuple(self.tensors[src]['shape'])} in the "
+                              f"checkpoint, the model expects {stored}")
+    rows = item_shape[0] if item_shape else 1
+    if len(sources) == 1 and not stacked and self.tensors[name]["part_rows"] >= rows:
+      return self.read(name, None, 0, item_shape, dt, sharding)
+    in_full = stacked and stacked_full
+    slab_sharding = _slab_sharding(sharding, len(item_shape) + in_full, in_full)
+    if full is None:
+      shape = ((lead[0],) if in_full else ()) + item_shape
+      full = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
+    place = _placer(sharding)
+    for src, view, offset, axis in sources:
+      step = self.tensors[src]["part_rows"]
+      read_sharding = _drop_axis(slab_sharding, axis, len(item_shape))
+      for part, start in enumerate(range(0, rows, step)):
+        part_view = (min(step, rows - start), *view[1:])
+        shape = stored_shape(part_view, axis)
+        slab = self.read(src, layer, part, shape, dt, _fit_sharding(read_sharding, shape))
+        at = [0] * len(item_shape)
+        at[0] = start
+        at[axis] += offset
+        offsets = tuple(jnp.int32(o) for o in ((layer,) if in_full else ()) + tuple(at))
+        full = place(full, slab, offsets, part_view)
+        del slab
+    return full
+
+
+def _model_names(names, fmt: WeightFormat) -> set[str]:
+  """The model tensors of a state whose names are `names`, less any fp8 scales, plus those of format `fmt`."""
+  plain = {n for n in names if not any(n == w + suffix for w in LINEAR for suffix in ("_scale", "_in_scale"))}
+  return plain | {w + "_scale" for w in LINEAR if fmt.fp8} | {w + "_in_scale" for w in LINEAR if fmt.static_inputs}
+
 
 def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *, progress: bool | None = None):
   """Restore a checkpoint into a tree shaped like `abstract_state`.
@@ -100,68 +163,57 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
     (a FUSED tensor is assembled from its stored tensors).
   shardings: optional pytree of the same structure whose leaves are `jax.sharding.Sharding` (or Variables holding
     them). Leaves without one use the ShapeDtypeStruct's own `.sharding`, else the default device.
-  dtype: the parameter dtype to cast to on restore (default: each abstract leaf's dtype).
+  dtype: the parameter dtype to cast to on restore (default: each abstract leaf's dtype); fp8 weights and their
+    scales keep theirs.
   Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
   `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] and split arrays
-  are filled part by part in place, so peak device memory is the model plus one stored part.
+  are filled part by part in place, so peak device memory is the model plus one stored part. When the state's
+  linear weights are in another format than the checkpoint's (fp8 or not: `lcjax.model.llama.weight_format`),
+  they are quantized or dequantized a layer at a time as they are read: the model is never held in the wider
+  format.
   """
   manifest = read_manifest(ckpt_dir)
   tensors = manifest["tensors"]
   abstract = dict(flatten(abstract_state))
-  wanted = {src for name in abstract for src in (FUSED[name][1] if name in FUSED else (name,))}
+  stored, target = stored_format(tensors), _format_of(abstract)
+  convert = stored.fp8 != target.fp8
+  if convert and target.static_inputs:
+    raise CheckpointError(f"{ckpt_dir}: holds no static input scales to quantize activations with")
+  names = _model_names(abstract, stored) if convert else set(abstract)
+  wanted = {src for name in names for src in (FUSED[name][1] if name in FUSED else (name,))}
   extra = sorted(set(tensors) - wanted)
   if extra:
     raise CheckpointError(f"{ckpt_dir}: checkpoint has tensor(s) {extra} that the model does not "
-                          "(tie_embeddings or layer layout differ between checkpoint and model config)")
+                          "(tie_embeddings, layer layout or weight format differ between checkpoint and model)")
   sh_flat = {n: unwrap(s) for n, s in flatten(shardings)} if shardings is not None else {}
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  reader = _Reader(ckpt_dir)
+  reader = _Reader(ckpt_dir, tensors)
   restored: dict[str, jax.Array] = {}
   total = sum(max(1, t["layers"]) for t in tensors.values())
   bar = tqdm(total=total, desc=f"restore {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
              disable=(None if progress is None else not progress))
   with bar:
     for name, leaf in abstract.items():
+      if name in restored:
+        continue
       spec = unwrap(leaf)
       sharding = sh_flat.get(name) or getattr(spec, "sharding", None) or default
-      dt = jnp.dtype(dtype or spec.dtype)
-      first = FUSED[name][1][0] if name in FUSED else name
-      if first not in tensors:
-        raise CheckpointError(f"{ckpt_dir}: tensor {first} is missing from {MANIFEST_FILE}")
-      stacked = bool(tensors[first]["layers"])
-      item_shape = tuple(spec.shape[1:] if stacked else spec.shape)
-      lead = spec.shape[:1] if stacked else ()
-      sources = tensor_sources(name, item_shape)
-      for src, view, _, axis in sources:
-        stored = (*lead, *stored_shape(view, axis))
-        if src not in tensors:
-          raise CheckpointError(f"{ckpt_dir}: tensor {src} is missing from {MANIFEST_FILE}")
-        if tuple(tensors[src]["shape"]) != stored:
-          raise CheckpointError(f"{ckpt_dir}: tensor {src} has shape {tuple(tensors[src]['shape'])} in the "
-                                f"checkpoint, the model expects {stored}")
-      rows = item_shape[0] if item_shape else 1
-      if len(sources) == 1 and not stacked and tensors[name]["part_rows"] >= rows:
-        restored[name] = reader.read(name, None, 0, spec.shape, dt, sharding)
-        bar.update(1)
+      if convert and name in LINEAR:
+        scale = name + "_scale"
+        restored.update(_convert_linear(reader, name, stored, target, spec, sharding,
+                                        unwrap(abstract[scale]) if target.fp8 else None,
+                                        sh_flat.get(scale) or default, jnp.dtype(dtype or spec.dtype)))
+        bar.update(spec.shape[0] * (2 if stored.fp8 else 1))
         continue
-      slab_sharding = _slab_sharding(sharding, len(spec.shape), stacked)
-      full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
-      place = jax.jit(_place, donate_argnums=0, out_shardings=sharding, static_argnums=3)
-      for src, view, offset, axis in sources:
-        step = tensors[src]["part_rows"]
-        read_sharding = _drop_axis(slab_sharding, axis, len(item_shape))
-        for layer in (range(spec.shape[0]) if stacked else [None]):
-          for part, start in enumerate(range(0, rows, step)):
-            part_view = (min(step, rows - start), *view[1:])
-            shape = stored_shape(part_view, axis)
-            slab = reader.read(src, layer, part, shape, dt, _fit_sharding(read_sharding, shape))
-            at = [0] * len(item_shape)
-            at[0] = start
-            at[axis] += offset
-            offsets = tuple(jnp.int32(o) for o in ((layer,) if stacked else ()) + tuple(at))
-            full = place(full, slab, offsets, part_view)
-            del slab
+      dt = spec.dtype if spec.dtype in _KEEP_DTYPES else jnp.dtype(dtype or spec.dtype)
+      if reader.stacked(name):
+        full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
+        for layer in range(spec.shape[0]):
+          full = reader.read_model_tensor(name, layer, spec.shape[1:], dt, sharding, full)
           bar.update(1)
+      else:
+        full = reader.read_model_tensor(name, None, spec.shape, dt, sharding)
+        bar.update(1)
       restored[name] = full
 
   def fill(path, leaf):
@@ -172,17 +224,60 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   return jax.tree_util.tree_map_with_path(fill, abstract_state, is_leaf=is_leaf)
 
 
+# fp8 weights and their float32 scales are restored in their own dtype, whatever the parameter dtype.
+_KEEP_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32))
+
+
+def _format_of(abstract: dict) -> WeightFormat:
+  return WeightFormat(fp8="layers/attn/wqkv_scale" in abstract, static_inputs="layers/attn/wqkv_in_scale" in abstract)
+
+
+def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, spec, sharding, scale_spec,
+                    scale_sharding, dtype) -> dict[str, jax.Array]:
+  """A stacked linear weight read a layer at a time in the checkpoint's format and stored in the target's
+  (lcjax.model.llama.convert_layer): {name: weight} and, for fp8 targets, {name + "_scale": scale}."""
+  L, item = spec.shape[0], spec.shape[1:]
+  w_dt = jnp.dtype(jnp.float8_e4m3fn) if stored.fp8 else dtype
+  layer_sh = _slab_sharding(sharding, len(spec.shape), True)
+  scale_item = tuple(1 if i in quantize_axes(LINEAR[name]) else n for i, n in enumerate(item))
+  scale_layer_sh = _slab_sharding(scale_sharding, len(spec.shape), True)
+  out = {name: jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()}
+  out_sh = {name: sharding}
+  if target.fp8:
+    out[name + "_scale"] = jax.jit(lambda: jnp.zeros(scale_spec.shape, jnp.float32),
+                                   out_shardings=scale_sharding)()
+    out_sh[name + "_scale"] = scale_sharding
+
+  @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_sh)
+  def put(out, w, s, layer):
+    w, s = convert_layer(w, s, LINEAR[name], target, dtype)
+    new = {name: jax.lax.dynamic_update_index_in_dim(out[name], w.astype(out[name].dtype), layer, 0)}
+    if s is not None:
+      new[name + "_scale"] = jax.lax.dynamic_update_index_in_dim(out[name + "_scale"], s, layer, 0)
+    return new
+
+  for layer in range(L):
+    w = reader.read_model_tensor(name, layer, item, w_dt, layer_sh, stacked_full=False)
+    s = (reader.read_model_tensor(name + "_scale", layer, scale_item, jnp.float32, scale_layer_sh,
+                                  stacked_full=False) if stored.fp8 else None)
+    out = put(out, w, s, jnp.int32(layer))
+    del w, s
+  return out
+
+
 def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | None = None,
                     progress: bool | None = None):
   """(ModelConfig, params, Tokenizer or None) of a checkpoint, for `Engine.load`.
 
-  params is `nnx.state(Llama(cfg, dtype=dtype), nnx.Param)` filled from the checkpoint, each array placed with
+  params is `nnx.state(Llama(cfg, dtype=dtype, weights=<the checkpoint's format>), nnx.Param)` filled from the checkpoint, each array placed with
   its sharding on `mesh` (lcjax.sharding.param_shardings) when one is given, else on the default device.
   """
   from lcjax.model.llama import Llama
   from lcjax.tokenizer import find_tokenizer
   cfg = load_config(ckpt_dir)
-  abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))), nnx.Param)
+  weights = stored_format(read_manifest(ckpt_dir)["tensors"])
+  abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), weights=weights,
+                                                    rngs=nnx.Rngs(0))), nnx.Param)
   shardings = None
   if mesh is not None:
     from lcjax.sharding import param_shardings

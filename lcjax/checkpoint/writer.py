@@ -18,7 +18,7 @@ from lcjax.checkpoint import layout
 from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.checkpoint.layout import (CONFIG_FILE, FORMAT, MANIFEST_FILE, PARAMS_DIR, CheckpointError, item_dir,
                                      param_shapes, part_rows)
-from lcjax.config import ModelConfig
+from lcjax.config import ModelConfig, WeightFormat
 
 
 class CheckpointWriter:
@@ -30,13 +30,14 @@ class CheckpointWriter:
       w.copy_file(path)                            # tokenizer files etc.
   """
 
-  def __init__(self, dst: str, cfg: ModelConfig, *, overwrite: bool = False, source: str = ""):
+  def __init__(self, dst: str, cfg: ModelConfig, *, weights: WeightFormat = WeightFormat(), overwrite: bool = False,
+               source: str = ""):
     self.dst = os.path.abspath(dst)
     self.cfg = cfg
     self.overwrite = overwrite
     self.source = source
     self.tmp = f"{self.dst}.tmp-{os.getpid()}"     # AtomicDirectory's, named here for the writes below
-    self.expected = param_shapes(cfg)
+    self.expected = param_shapes(cfg, weights)
     self.written: dict[str, dict[str, Any]] = {}
     self._ckptr = None
 

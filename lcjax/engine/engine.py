@@ -25,7 +25,7 @@ from flax import nnx
 
 from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePoolExhausted
-from lcjax.config import ModelConfig, RunConfig
+from lcjax.config import ModelConfig, RunConfig, WeightFormat
 from lcjax.engine import compile_cache, placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
@@ -33,8 +33,9 @@ from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler
 from lcjax.engine.steps import Steps
-from lcjax.model.llama import Llama
+from lcjax.model.llama import Llama, convert_weights, weight_format
 from lcjax.ops.backends import get_backend
+from lcjax.ops.linear import WIDEN_MAX_ROWS
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
 
@@ -90,18 +91,24 @@ class Engine:
                                  attention_dtype=self.run.attention_dtype)
     self.mesh = placement.mesh_for(self.run, mesh)
     self.serving_cfg, self.kv_rep = placement.serving_config(model_cfg, self.run)
+    # The linear weights as the run asks (RunConfig.weight_dtype): params in another format are converted here;
+    # Engine.load and Engine.random hand them over converted already, a layer at a time.
+    self.weights = weight_format(params).for_run(self.run.weight_dtype)
+    params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
-                                                                      self.attention)
+                                                                      self.attention, self.weights)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
                             cache_dtype=self.run.resolved_cache_dtype, page_size=self.run.page_size)
     if self.run.attention_dtype != "auto":
       # FP8 attention changes every layer's output, hence the K/V cached from it.
       self.fingerprint["attention_dtype"] = self.run.attention_dtype
-    self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings)
-    self.plan = planlib.plan(model_cfg, self.run)
+    self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings,
+                                         self.weights)
+    self.plan = planlib.plan(model_cfg, self.run, weights=self.weights)
     self.limits = Limits.of(model_cfg, self.run, self.plan.num_pages)
     self.steps = Steps(self.graphdef, self.run.page_size, self.mesh,
-                       kvc.cache_shardings(self.mesh, self.fp8_cache), sync_every=self.run.decode_sync_every)
+                       kvc.cache_shardings(self.mesh, self.fp8_cache), sync_every=self.run.decode_sync_every,
+                       fp8_weights=self.weights.fp8)
     salt = json.dumps(self.fingerprint, sort_keys=True).encode()
     self.scheduler = Scheduler(self.steps, self.params, self.run, self.plan.num_pages, self.max_context,
                                self._new_cache, model_cfg.eos_ids, salt=salt)
@@ -139,6 +146,15 @@ class Engine:
     return pick(head_dim=cfg.head_dim, page_size=self.run.page_size, rows=cfg.n_heads // cfg.n_kv_heads,
                 page_dtype=self.run.resolved_cache_dtype)
 
+  @property
+  def linear_kernels(self) -> str:
+    """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
+    and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call)."""
+    if not self.weights.fp8:
+      return self.run.dtype
+    acts = "static" if self.weights.static_inputs else "per-token"
+    return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else fp8 widened to {self.run.dtype}"
+
   def close(self) -> None:
     """Free the engine's device memory (weights, cache, contexts); later calls are refused."""
     with self.scheduler.lock:
@@ -167,11 +183,14 @@ class Engine:
     compile_cache.enable(run.compile_cache)
     mesh = placement.mesh_for(run, mesh)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
-    _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)
+    # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
+    weights = WeightFormat().for_run(run.weight_dtype)
+    _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def make():
-      return nnx.state(Llama(model_cfg, dtype=jnp.dtype(run.dtype), rngs=nnx.Rngs(seed)), nnx.Param)
+      return nnx.state(Llama(model_cfg, dtype=jnp.dtype(run.dtype), weights=weights, rngs=nnx.Rngs(seed)),
+                       nnx.Param)
 
     return cls(model_cfg, make(), run=run, tokenizer=tokenizer, mesh=mesh)
 
@@ -185,6 +204,7 @@ class Engine:
     into its shards on the mesh: a process reads only what its devices hold (multi-host included).
     """
     from lcjax.checkpoint import load_config
+    from lcjax.checkpoint.layout import checkpoint_format
     from lcjax.checkpoint.restore import restore_params
     from lcjax.checkpoint.sources import resolve_checkpoint
     from lcjax.tokenizer import find_tokenizer
@@ -194,10 +214,12 @@ class Engine:
     ckpt_dir = resolve_checkpoint(ckpt_dir)
     mesh = placement.mesh_for(run, mesh)
     model_cfg = load_config(ckpt_dir)
+    weights = checkpoint_format(ckpt_dir).for_run(run.weight_dtype)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
-    planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *placement.device_memory(mesh))
-    abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)
+    planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
+                        *placement.device_memory(mesh))
+    abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
     params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
     return cls(model_cfg, params, run=run, tokenizer=find_tokenizer(ckpt_dir), mesh=mesh)
 
@@ -386,6 +408,7 @@ class Engine:
   def _result(self, r: Request) -> GenerationResult:
     n_dec = max(len(r.out) - 1, 0)
     stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
+                 weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
                  cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
                  host_cached_tokens=r.from_host,

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax import sharding as sh
-from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
 
 
@@ -73,22 +73,25 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
   return serving, rep
 
 
-def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None) -> Llama:
+def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
+                  weights: WeightFormat = WeightFormat()) -> Llama:
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               rngs=rngs or nnx.Rngs(0))
+               weights=weights, rngs=rngs or nnx.Rngs(0))
 
 
-def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None):
+def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None,
+                      weights: WeightFormat = WeightFormat()):
   """(graphdef, NamedSharding of every parameter) of the serving model on `mesh`, allocating nothing."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention)),
-                                 nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention,
+                                                                      weights=weights)), nnx.Param)
   return graphdef, sh.param_shardings(abstract, mesh)
 
 
-def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> tuple[object, object]:
+def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype,
+                         weights: WeightFormat = WeightFormat()) -> tuple[object, object]:
   """(abstract state, shardings) of a checkpoint-shaped parameter state on `mesh`: the logical-axis table,
   except when its KV heads do not split over `tensor` (they are repeated after placement): then wqkv, whose only
   tensor-split axis is the KV heads, is split along D instead, so no device holds all of it (query heads
@@ -96,8 +99,8 @@ def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> tuple[object, o
   does not divide it."""
   T = mesh.shape[sh.TENSOR]
   rep = kv_replication_for(model_cfg, T)
-  abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))),
-                       nnx.Param)
+  abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_cfg, dtype=jnp.dtype(dtype), weights=weights,
+                                                    rngs=nnx.Rngs(0))), nnx.Param)
   shardings = sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
   if rep > 1 and model_cfg.dim % T == 0:
     by_d = NamedSharding(mesh, PartitionSpec(None, sh.TENSOR))                     # [L, D, K, G + 2, H]
@@ -107,10 +110,11 @@ def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype) -> tuple[object, o
   return abstract, shardings
 
 
-def place_params(params, model_cfg: ModelConfig, run: RunConfig, mesh, serving_param_shardings):
+def place_params(params, model_cfg: ModelConfig, run: RunConfig, mesh, serving_param_shardings,
+                 weights: WeightFormat = WeightFormat()):
   """A checkpoint-shaped state (host, one device, or placed by `checkpoint_shardings`) -> the serving model's
   parameters on `mesh`, KV heads repeated where `tensor` needs it."""
-  _, ckpt = checkpoint_shardings(model_cfg, mesh, run.dtype)
+  _, ckpt = checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
   params = jax.device_put(params, ckpt)            # a no-op for arrays already placed so
   rep = kv_replication_for(model_cfg, run.tensor)
   if rep == 1:

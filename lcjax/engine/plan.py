@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lcjax.config import ConfigError, ModelConfig, RunConfig
+from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.ops.cudnn import FP8_BLOCK_TOKENS
 from lcjax.ops.pallas_flash import PREFIX_BLOCK_TOKENS
 
@@ -80,6 +80,7 @@ class MemoryPlan:
   comm: CommPlan | None = None
   host_cache: int = 0         # host memory (whole process) for cached pages evicted from the devices
   host_cache_tokens: int = 0  # tokens of KV that fit in it
+  weight_dtype: str = ""      # the linear weights' format (WeightFormat.describe)
 
   @property
   def total(self) -> int:
@@ -99,7 +100,8 @@ class MemoryPlan:
             + (f", KV heads replicated x{self.kv_replication}" if self.kv_replication > 1 else "") + ")")
     lines = [head]
     for name, b in self.rows():
-      lines.append(f"  {name:<12} {b / GiB:9.3f} GiB")
+      lines.append(f"  {name:<12} {b / GiB:9.3f} GiB" + (f" ({self.weight_dtype})" if name == "weights" and
+                                                         self.weight_dtype else ""))
     if measured_peak is not None:
       lines.append(f"  {'measured':<12} {measured_peak / GiB:9.3f} GiB (peak)")
     if self.host_cache:
@@ -126,14 +128,21 @@ def pages_per_shard(model: ModelConfig, run: RunConfig) -> int:
   return run.max_batch * per_seq + 1
 
 
-def weight_bytes_per_device(model: ModelConfig, tensor: int, itemsize: int) -> int:
-  """Parameters per device: everything with a heads / kv_heads / mlp / vocab axis split over tensor."""
+def weight_bytes_per_device(model: ModelConfig, tensor: int, itemsize: int,
+                            weights: WeightFormat = WeightFormat()) -> int:
+  """Parameters per device: everything with a heads / kv_heads / mlp / vocab axis split over tensor. fp8 linear
+  weights take one byte an element plus a float32 scale per output channel (wo's and w_down's, along D,
+  replicated) and, with static input scales, four float32 per layer."""
   D, F, V, L, H = model.dim, model.ffn_dim, model.vocab_size, model.n_layers, model.head_dim
   K = model.n_kv_heads * kv_replication(model.n_kv_heads, tensor)
   T = tensor
-  per_layer = D * model.n_heads * H // T * 2 + D * K * H // T * 2 + 3 * D * F // T + 2 * D
+  linear = D * model.n_heads * H // T * 2 + D * K * H // T * 2 + 3 * D * F // T
   head = 0 if model.tie_embeddings else D * V // T
-  return (V * D // T + L * per_layer + D + head) * itemsize
+  other = (V * D // T + L * 2 * D + D + head) * itemsize
+  if not weights.fp8:
+    return other + L * linear * itemsize
+  scales = (model.n_heads * H // T + 2 * K * H // T + 2 * F // T + 2 * D) * 4 + (16 if weights.static_inputs else 0)
+  return other + L * (linear + scales)
 
 
 def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch: int = 1) -> CommPlan:
@@ -177,13 +186,17 @@ def _concrete(run: RunConfig) -> RunConfig:
   return run.for_platform(jax.default_backend())
 
 
-def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H200) -> MemoryPlan:
+def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H200,
+         weights: WeightFormat | None = None) -> MemoryPlan:
+  """weights: the format the linear weights are served in (default: what run.weight_dtype asks of a checkpoint
+  in run.dtype)."""
   run = _concrete(run)
   T, S = run.tensor, run.seq
   w_item = _ITEMSIZE[run.dtype]
   rep = kv_replication(model.n_kv_heads, T)
   K_l = model.n_kv_heads * rep // T
-  weights = weight_bytes_per_device(model, T, w_item)
+  fmt = weights if weights is not None else WeightFormat().for_run(run.weight_dtype)
+  weights = weight_bytes_per_device(model, T, w_item, fmt)
   Pl = pages_per_shard(model, run)
   c_item = _ITEMSIZE[run.resolved_cache_dtype]
   kv = 2 * model.n_layers * Pl * run.page_size * K_l * model.head_dim * c_item
@@ -228,7 +241,8 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   workspace = 256 * 1024 ** 2
   return MemoryPlan(weights, kv, act, workspace, rep, S * Pl, S * (Pl - 1) * run.page_size, T * S, T, S, Pl,
                     K_l, comm_plan(model, run, hw, batch=batch),
-                    *_host_tier(model, run, rep, c_item, run.resolved_cache_dtype == "float8_e4m3fn"))
+                    *_host_tier(model, run, rep, c_item, run.resolved_cache_dtype == "float8_e4m3fn"),
+                    weight_dtype=fmt.describe(run.dtype))
 
 
 def _host_tier(model: ModelConfig, run: RunConfig, rep: int, item: int, fp8: bool) -> tuple[int, int]:

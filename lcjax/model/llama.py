@@ -44,10 +44,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from lcjax.cache import kv as kvc
-from lcjax.config import ModelConfig
+from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
+from lcjax.ops.linear import dense, dequantize_weight, quantize_axes, quantize_weight
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax.sharding import SEQ, TENSOR, constrain
@@ -59,13 +60,54 @@ def _inv_freq(cfg: ModelConfig):
 
 
 def _param(rngs, shape, axes, dtype, std, n_layers=None):
-  if n_layers is not None:
-    shape, axes = (n_layers, *shape), ("layers", *axes)
+  """A parameter of `shape` ([L, *shape] with `n_layers`): ones (std None) or normal(0, std) in `dtype`, drawn
+  layer by layer (one layer's float32 draw live at a time, however many layers)."""
+  value = _draw(rngs, shape, dtype, std, n_layers)
+  return nnx.Param(value, axes=("layers", *axes) if n_layers is not None else axes)
+
+
+def _draw(rngs, shape, dtype, std, n_layers, transform=None):
   if std is None:
     value = jnp.ones(shape, dtype)
-  else:
-    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
-  return nnx.Param(value, axes=axes)
+    value = value if transform is None else transform(value)
+    if n_layers is None:
+      return value
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_layers, *a.shape)), value)
+
+  def one(key):
+    value = (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+    return value if transform is None else transform(value)
+
+  key = rngs.params()
+  return one(key) if n_layers is None else jax.lax.map(one, jax.random.split(key, n_layers))
+
+
+def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights: WeightFormat):
+  """Set the weight `name` of a linear layer (the second operand of einsum `spec`) on `module`: in `dtype`, or for
+  fp8 weights as e4m3 `name` with float32 `name_scale` (the weight's shape, contracted axes 1; the same draw in
+  `dtype`, quantized per output channel) and, with static input scales, a per-layer `name_in_scale`."""
+  laxes = ("layers", *axes) if n_layers is not None else axes
+  if not weights.fp8:
+    setattr(module, name, _param(rngs, shape, axes, dtype, std, n_layers))
+    return
+  w8, scale = _draw(rngs, shape, dtype, std, n_layers, lambda w: quantize_weight(w, spec))
+  contracted = set(quantize_axes(spec))
+  scale_axes = tuple(None if i - (n_layers is not None) in contracted else a for i, a in enumerate(laxes))
+  setattr(module, name, nnx.Param(w8, axes=laxes))
+  setattr(module, name + "_scale", nnx.Param(scale, axes=scale_axes))
+  if weights.static_inputs:
+    lead = () if n_layers is None else (n_layers,)
+    setattr(module, name + "_in_scale", nnx.Param(jnp.ones((*lead, 1), jnp.float32), axes=(*laxes[:len(lead)], None)))
+
+
+def _apply(module, name, x, spec):
+  """einsum(spec, x, weight `name`) for a weight set by `_linear`."""
+  w = getattr(module, name)[...]
+  if not hasattr(module, name + "_scale"):
+    return jnp.einsum(spec, x, w)
+  in_scale = getattr(module, name + "_in_scale", None)
+  return dense(x, w, getattr(module, name + "_scale")[...], spec,
+               in_scale=None if in_scale is None else in_scale[...])
 
 
 def rms_norm(x, scale, eps):
@@ -92,46 +134,52 @@ class Attention(nnx.Module):
   weights at 1.4-1.7 TB/s (benchmarks/NOTES-longctx.md). Checkpoints keep one tensor per projection
   (lcjax.checkpoint.layout.FUSED assembles them on restore)."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
+  QKV, OUT = "btd,dkgh->btkgh", "btnh,nhd->btd"
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     D, N, K, H = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    std = D ** -0.5
-    self.wqkv = _param(rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, std, n_layers)
-    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers)
+    _linear(self, "wqkv", rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, D ** -0.5,
+            n_layers, self.QKV, weights)
+    _linear(self, "wo", rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers,
+            self.OUT, weights)
 
   def qkv(self, x, rope):
     """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
     B, T, _ = x.shape
-    qkv = jnp.einsum("btd,dkgh->btkgh", x, self.wqkv[...])      # [B, T, K, G + 2, H]
+    qkv = _apply(self, "wqkv", x, self.QKV)                    # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
   def out(self, o):
-    return jnp.einsum("btnh,nhd->btd", o, self.wo[...])
+    return _apply(self, "wo", o, self.OUT)
 
 
 class MLP(nnx.Module):
   """SwiGLU. w_gate_up [D, 2, F] is the gate and up projections in one GEMM (a larger GEMV at decode)."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
+  GATE_UP, DOWN = "btd,dcf->btcf", "btf,fd->btd"
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     D, F = cfg.dim, cfg.ffn_dim
-    self.w_gate_up = _param(rngs, (D, 2, F), ("embed", None, "mlp"), dtype, D ** -0.5, n_layers)
-    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers)
+    _linear(self, "w_gate_up", rngs, (D, 2, F), ("embed", None, "mlp"), dtype, D ** -0.5, n_layers, self.GATE_UP,
+            weights)
+    _linear(self, "w_down", rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers, self.DOWN, weights)
 
   def __call__(self, x):
-    gu = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...])   # [B, T, 2, F]
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.w_down[...])
+    gu = _apply(self, "w_gate_up", x, self.GATE_UP)            # [B, T, 2, F]
+    return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN)
 
 
 class Block(nnx.Module):
   """One decoder layer. Built with `n_layers` set, its parameters are stacked [L, ...]."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, rngs=rngs, n_layers=n_layers)
-    self.attn = Attention(cfg, dtype=dtype, rngs=rngs, n_layers=n_layers)
+    self.attn = Attention(cfg, dtype=dtype, rngs=rngs, n_layers=n_layers, weights=weights)
     self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, rngs=rngs, n_layers=n_layers)
-    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, n_layers=n_layers)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, n_layers=n_layers, weights=weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +209,60 @@ def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -
     check_ulysses(cfg.n_heads // tensor, cfg.n_kv_heads // tensor, seq)
 
 
+# The linear layers' weights (checkpoint names) and the einsum each is the second operand of.
+LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "layers/mlp/w_gate_up": MLP.GATE_UP,
+          "layers/mlp/w_down": MLP.DOWN}
+
+
+def convert_layer(w, scale, spec: str, target: WeightFormat, dtype):
+  """One layer's linear weight (w, and its scale when w is fp8, else None) in the `target` format: (w8, scale)
+  quantized per output channel, or (w in `dtype`, None). fp8 -> fp8 keeps the values and scales as they are."""
+  if target.fp8:
+    return (w, scale) if scale is not None else quantize_weight(w.astype(dtype), spec)
+  return (w.astype(dtype) if scale is None else dequantize_weight(w, scale, dtype)), None
+
+
+def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
+  """A parameter state of Llama(cfg) with its linear weights in the `target` format (the state itself when they
+  are in it), converted a layer at a time on the device (lax.map): for engines handed parameters directly."""
+  source = weight_format(params)
+  if source.fp8 == target.fp8 and source.static_inputs == target.static_inputs:
+    return params
+  if target.static_inputs:
+    raise ValueError("fp8 weights with static input scales come only from a checkpoint that holds the scales")
+  dtype = jnp.dtype(dtype)
+  pure = params.to_pure_dict()
+
+  @jax.jit
+  def convert(pure):
+    out = {}
+    for name, spec in LINEAR.items():
+      _, block, w = name.split("/")
+      node = pure["layers"][block]
+      scale = node.get(w + "_scale")
+      out[name] = jax.lax.map(lambda a: convert_layer(a[0], a[1], spec, target, dtype), (node[w], scale))
+    return out
+
+  converted = convert(pure)
+  for name, (w8, scale) in converted.items():
+    _, block, w = name.split("/")
+    node = pure["layers"][block]
+    node[w] = w8
+    for key in (w + "_scale", w + "_in_scale"):
+      node.pop(key, None)
+    if target.fp8:
+      node[w + "_scale"] = scale
+  state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, weights=target, rngs=nnx.Rngs(0))), nnx.Param)
+  state.replace_by_pure_dict(pure)
+  return state
+
+
+def weight_format(params) -> WeightFormat:
+  """The WeightFormat of a parameter state of Llama (concrete or abstract)."""
+  attn = params["layers"]["attn"]
+  return WeightFormat(fp8="wqkv_scale" in attn, static_inputs="wqkv_in_scale" in attn)
+
+
 def repeat_kv_heads(params, rep: int):
   """Parameters with each KV head repeated `rep` times in place: a model of K * rep KV heads that computes exactly
   the same function, whose KV heads split over `tensor` when K alone does not. wqkv [L, D, K, G + 2, H] becomes
@@ -171,7 +273,7 @@ def repeat_kv_heads(params, rep: int):
 
   def one(path, leaf):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    if names[-2:] != ["attn", "wqkv"]:
+    if names[-2:] not in (["attn", "wqkv"], ["attn", "wqkv_scale"]):   # an fp8 wqkv's scale is laid out as it
       return leaf
     w = leaf.get_value()
     *lead, K, G2, H = w.shape
@@ -185,8 +287,11 @@ def repeat_kv_heads(params, rep: int):
 
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
-               sp_mode: str = "ring", rngs: nnx.Rngs):
+               sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), rngs: nnx.Rngs):
+    """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
+    are the same draw as in the parameter dtype, quantized."""
     self.cfg = cfg
+    self.weights = weights
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
@@ -197,7 +302,7 @@ class Llama(nnx.Module):
       check_mesh(cfg, self.mesh.shape[TENSOR], self.mesh.shape[SEQ], sp_mode)
     self.embed = nnx.Module()
     self.embed.embedding = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pdt, 1.0)
-    self.layers = Block(cfg, dtype=pdt, rngs=rngs, n_layers=cfg.n_layers)
+    self.layers = Block(cfg, dtype=pdt, rngs=rngs, n_layers=cfg.n_layers, weights=weights)
     self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=pdt, rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Module()

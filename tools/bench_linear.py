@@ -1,0 +1,142 @@
+"""The linear layers' products over bf16 and fp8 weights, at decode and prefill shapes, as the model runs them.
+
+  python tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --batches=1,8 --prefill_rows=16384
+
+Decode rows: x [B, D] times each of a layer's four weights, inside a lax.scan over the stacked [L, ...] weights
+(the model's layer scan: each step reads its layer's slice), compiled with the decode step's XLA options
+(lcjax.engine.steps.decode_compiler_options) and with XLA's defaults. Reported as microseconds per layer and the
+weight bytes read per second (the floor is the HBM bandwidth, ~4.1-4.8 TB/s on an H200). Products:
+  bf16        the bf16 weights
+  widened     fp8 weights widened to bf16 inside the product (lcjax.ops.linear.dense, path "widened")
+  fp8         x quantized per row, an fp8 x fp8 product (path "fp8")
+Prefill rows: [rows, D] x each weight, one layer, TFLOP/s (activation quantization included for fp8).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import benchlib  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("presets", ["llama3-8b", "llama3.1-70b"], "model presets whose layer shapes are measured")
+flags.DEFINE_list("batches", ["1", "8"], "decode batch sizes")
+flags.DEFINE_integer("prefill_rows", 16384, "rows of the prefill products (0: none)")
+flags.DEFINE_integer("layers", 8, "stacked layers scanned over in the decode rows")
+flags.DEFINE_integer("reps", 20, "timed repetitions")
+flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
+flags.DEFINE_string("name", "linear-fp8-h200", "output file stem")
+
+
+def _time(fn, *args, reps):
+  import jax
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - t) / reps)
+  return best
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  from lcjax.config import preset
+  from lcjax.engine.steps import decode_compiler_options
+  from lcjax.model.llama import LINEAR
+  from lcjax.ops import linear
+  rows = []
+  key = jax.random.PRNGKey(0)
+  for name in FLAGS.presets:
+    cfg = preset(name)
+    D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+              "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+    L = FLAGS.layers
+    ws = {n: (jax.random.normal(key, (L, *s), jnp.float32) * 0.02).astype(jnp.bfloat16) for n, s in shapes.items()}
+    q = {n: jax.jit(jax.vmap(lambda w, n=n: linear.quantize_weight(w, LINEAR[n])))(w) for n, w in ws.items()}
+    n_weights = sum(w[0].size for w in ws.values())
+
+    def inputs(n, B, T):
+      spec = LINEAR[n]
+      xs = spec.split(",")[0]
+      sizes = {"b": B, "t": T, **dict(zip(spec.split(",")[1].split("-")[0], shapes[n]))}
+      return jax.random.normal(key, [sizes[c] for c in xs], jnp.float32).astype(jnp.bfloat16)
+
+    def layer_fn(product):
+      def body(carry, w):
+        outs = []
+        for n in LINEAR:
+          x = carry[n]
+          if product == "bf16":
+            y = jnp.einsum(LINEAR[n], x, w[n])
+          else:
+            y = linear.dense(x, *w[n], LINEAR[n], path=product)
+          outs.append(jnp.sum(y.astype(jnp.float32)))
+        return carry, sum(outs)
+      return body
+
+    for B in map(int, FLAGS.batches):
+      xs = {n: inputs(n, B, 1) for n in LINEAR}
+      for options in ("decode", "xla-defaults"):
+        opts = decode_compiler_options() if options == "decode" else None
+        for product in ("bf16", "widened", "fp8"):
+          weights = ws if product == "bf16" else q
+          fn = jax.jit(lambda xs, w, product=product: jax.lax.scan(layer_fn(product), xs, w)[1],
+                       compiler_options=opts)
+          t = _time(fn, xs, weights, reps=FLAGS.reps) / L
+          nbytes = n_weights * (2 if product == "bf16" else 1)
+          rows.append(dict(kind="decode", preset=name, batch=B, options=options, product=product,
+                           us_per_layer=t * 1e6, weight_tb_s=nbytes / t / 1e12))
+          print(rows[-1], flush=True)
+    if FLAGS.prefill_rows:
+      T = FLAGS.prefill_rows
+      for n in LINEAR:
+        x = inputs(n, 1, T)
+        flops = 2 * T * ws[n][0].size
+        for product in ("bf16", "fp8"):
+          if product == "bf16":
+            fn = jax.jit(lambda x, w, n=n: jnp.einsum(LINEAR[n], x, w))
+            args = (x, ws[n][0])
+          else:
+            fn = jax.jit(lambda x, w, s, n=n: linear.dense(x, w, s, LINEAR[n], path="fp8"))
+            args = (x, q[n][0][0], q[n][1][0])
+          t = _time(fn, *args, reps=FLAGS.reps)
+          rows.append(dict(kind="prefill", preset=name, weight=n.split("/")[-1], rows=T, product=product,
+                           us=t * 1e6, tflops=flops / t / 1e12))
+          print(rows[-1], flush=True)
+  table = markdown(rows)
+  benchlib.write_result(FLAGS.out, FLAGS.name, rows, table,
+                        model=dict(presets=FLAGS.presets, layers=FLAGS.layers, prefill_rows=FLAGS.prefill_rows))
+  print(table)
+
+
+def markdown(rows) -> str:
+  lines = ["Decode: us per layer (weight TB/s)", "",
+           "| preset | batch | XLA options | bf16 | fp8 widened | fp8 x fp8 |", "|---|---|---|---|---|---|"]
+  dec = [r for r in rows if r["kind"] == "decode"]
+  for key in sorted({(r["preset"], r["batch"], r["options"]) for r in dec}):
+    cell = {r["product"]: f"{r['us_per_layer']:.1f} ({r['weight_tb_s']:.2f})" for r in dec
+            if (r["preset"], r["batch"], r["options"]) == key}
+    lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell.get('bf16', '-')} | {cell.get('widened', '-')} | "
+                 f"{cell.get('fp8', '-')} |")
+  pre = [r for r in rows if r["kind"] == "prefill"]
+  if pre:
+    lines += ["", "Prefill: TFLOP/s (fp8: activation quantization included)", "",
+              "| preset | weight | rows | bf16 | fp8 x fp8 |", "|---|---|---|---|---|"]
+    for key in sorted({(r["preset"], r["weight"], r["rows"]) for r in pre}):
+      cell = {r["product"]: f"{r['tflops']:.0f}" for r in pre if (r["preset"], r["weight"], r["rows"]) == key}
+      lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell.get('bf16', '-')} | {cell.get('fp8', '-')} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -47,8 +47,13 @@ def test_dense_against_reference_and_float32(name, rows):
   w = jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)
   x = _x(spec, shape, rows, rng)
   w8, scale = linear.quantize_weight(w, spec)
-  assert w8.dtype == jnp.float8_e4m3fn and scale.shape == tuple(1 if i in linear.quantize_axes(spec) else n
-                                                                  for i, n in enumerate(shape))
+  order = linear.kmajor_order(spec)        # K-major: output axes, then the contracted ones (length 1 in scale)
+  assert w8.dtype == jnp.float8_e4m3fn and w8.shape == tuple(shape[i] for i in order)
+  assert scale.shape == tuple(1 if i in linear.quantize_axes(spec) else shape[i] for i in order)
+  inv = np.argsort(order)                  # back to the model's layout, where the stored scale broadcasts
+  np.testing.assert_array_equal(linear.dequantize_weight(w8, scale, spec, jnp.float32),
+                                linear.dequantize_stored(jnp.transpose(w8, inv), jnp.transpose(scale, inv),
+                                                         jnp.float32))
   assert linear.path_for(x, spec) == ("widened" if rows <= linear.WIDEN_MAX_ROWS else "fp8")
   got = linear.dense(x, w8, scale, spec)
   np.testing.assert_allclose(got, linear.dense_reference(x, w8, scale, spec), rtol=2e-5, atol=2e-5)
@@ -62,9 +67,10 @@ def test_weight_scales_are_per_output_channel():
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.standard_normal((4, 16, 64)) * np.linspace(0.01, 3, 64), jnp.float32)   # wo [N, H, D]
   w8, scale = linear.quantize_weight(w, "btnh,nhd->btd")
-  assert scale.shape == (1, 1, 64)
-  np.testing.assert_array_equal(jnp.max(jnp.abs(w8.astype(jnp.float32)), axis=(0, 1)), 448.0)
-  back = linear.dequantize_weight(w8, scale, jnp.float32)
+  assert w8.shape == (64, 4, 16) and scale.shape == (64, 1, 1)
+  np.testing.assert_array_equal(jnp.max(jnp.abs(w8.astype(jnp.float32)), axis=(1, 2)), 448.0)
+  back = linear.dequantize_weight(w8, scale, "btnh,nhd->btd", jnp.float32)
+  scale = jnp.transpose(scale, (1, 2, 0))
   assert float(jnp.max(jnp.abs(back - w) / (jnp.abs(w) + scale))) <= 1 / 16 + 1e-6
 
 
@@ -186,17 +192,17 @@ def test_fused_projections_keep_each_parts_scale(tmp_path, hf_model):
   sd = {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v.float()).numpy()
         for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
   attn = eng.params["layers"]["attn"]
-  w8, scale = np.asarray(attn["wqkv"][...])[1], np.asarray(attn["wqkv_scale"][...])[1]   # layer 1
+  w8, scale = np.asarray(attn["wqkv"][...])[1], np.asarray(attn["wqkv_scale"][...])[1]   # layer 1, [K, G + 2, H, D]
   G = CFG.n_heads // CFG.n_kv_heads
-  q = sd["model.layers.1.self_attn.q_proj.weight"].T.reshape(64, 2, G, 16)
-  k = sd["model.layers.1.self_attn.k_proj.weight"].T.reshape(64, 2, 16)
-  np.testing.assert_array_equal(w8[:, :, :G].view(np.uint8), q)
-  np.testing.assert_array_equal(w8[:, :, G].view(np.uint8), k)
+  q = sd["model.layers.1.self_attn.q_proj.weight"].reshape(2, G, 16, 64)      # HF [N * H, D] is K-major already
+  k = sd["model.layers.1.self_attn.k_proj.weight"].reshape(2, 16, 64)
+  np.testing.assert_array_equal(w8[:, :G].view(np.uint8), q)
+  np.testing.assert_array_equal(w8[:, G].view(np.uint8), k)
   qs = float(sd["model.layers.1.self_attn.q_proj.weight_scale"].ravel()[0])
   ks = float(sd["model.layers.1.self_attn.k_proj.weight_scale"].ravel()[0])
   assert qs != ks
-  np.testing.assert_array_equal(scale[0, :, :G], qs)
-  np.testing.assert_array_equal(scale[0, :, G], ks)
+  np.testing.assert_array_equal(scale[:, :G], qs)
+  np.testing.assert_array_equal(scale[:, G], ks)
 
 
 def test_dequantize_at_load(tmp_path, hf_model):
@@ -205,9 +211,9 @@ def test_dequantize_at_load(tmp_path, hf_model):
   e8 = lcjax.Engine.load(folder, dtype="float32", max_context=256)
   ef = lcjax.Engine.load(folder, dtype="float32", max_context=256, weight_dtype="bfloat16")
   assert not ef.weights.fp8 and ef.params["layers"]["mlp"]["w_down"][...].dtype == jnp.float32
-  want = (np.asarray(e8.params["layers"]["mlp"]["w_down"][...], np.float32)
-          * np.asarray(e8.params["layers"]["mlp"]["w_down_scale"][...]))
-  np.testing.assert_array_equal(np.asarray(ef.params["layers"]["mlp"]["w_down"][...]), want)
+  w8, scale = e8.params["layers"]["mlp"]["w_down"][...], e8.params["layers"]["mlp"]["w_down_scale"][...]
+  want = np.asarray(w8, np.float32) * np.asarray(scale)            # [L, D, F]: K-major
+  np.testing.assert_array_equal(np.asarray(ef.params["layers"]["mlp"]["w_down"][...]), want.transpose(0, 2, 1))
 
 
 @pytest.mark.parametrize("change,needle", [

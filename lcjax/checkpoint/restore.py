@@ -19,8 +19,8 @@ from tqdm import tqdm
 from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, CheckpointError, flatten, item_dir, load_config,
                                      path_name, read_manifest, stored_format, stored_shape, tensor_sources, unwrap)
 from lcjax.config import WeightFormat
-from lcjax.model.llama import LINEAR, convert_layer
-from lcjax.ops.linear import quantize_axes
+from lcjax.model.llama import LINEAR
+from lcjax.ops.linear import dequantize_stored, from_stored, kmajor_order, quantize_axes, quantize_weight
 
 
 def _slab_sharding(sharding: jax.sharding.Sharding, ndim: int, stacked: bool):
@@ -176,8 +176,9 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   tensors = manifest["tensors"]
   abstract = dict(flatten(abstract_state))
   stored, target = stored_format(tensors), _format_of(abstract)
-  convert = stored.fp8 != target.fp8
-  if convert and target.static_inputs:
+  # fp8 weights (stored or served) go through _convert_linear: served K-major, quantized or dequantized.
+  convert = stored.fp8 or target.fp8
+  if target.static_inputs and not stored.static_inputs:
     raise CheckpointError(f"{ckpt_dir}: holds no static input scales to quantize activations with")
   names = _model_names(abstract, stored) if convert else set(abstract)
   wanted = {src for name in names for src in (FUSED[name][1] if name in FUSED else (name,))}
@@ -234,13 +235,19 @@ def _format_of(abstract: dict) -> WeightFormat:
 
 def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, spec, sharding, scale_spec,
                     scale_sharding, dtype) -> dict[str, jax.Array]:
-  """A stacked linear weight read a layer at a time in the checkpoint's format and stored in the target's
-  (lcjax.model.llama.convert_layer): {name: weight} and, for fp8 targets, {name + "_scale": scale}."""
-  L, item = spec.shape[0], spec.shape[1:]
+  """A stacked linear weight read a layer at a time as the checkpoint stores it (the model's layout, in dtype or
+  e4m3 with its scale) and placed as the model holds it: {name: weight} in dtype, or {name: w8, name + "_scale":
+  scale}, K-major (lcjax.ops.linear), fp8 bytes kept as stored and other weights quantized per output channel."""
+  L, lin = spec.shape[0], LINEAR[name]
+  order = kmajor_order(lin)
+  item = spec.shape[1:] if not target.fp8 else tuple(spec.shape[1:][order.index(i)] for i in range(len(order)))
+  scale_item = tuple(1 if i in quantize_axes(lin) else n for i, n in enumerate(item))
   w_dt = jnp.dtype(jnp.float8_e4m3fn) if stored.fp8 else dtype
-  layer_sh = _slab_sharding(sharding, len(spec.shape), True)
-  scale_item = tuple(1 if i in quantize_axes(LINEAR[name]) else n for i, n in enumerate(item))
-  scale_layer_sh = _slab_sharding(scale_sharding, len(spec.shape), True)
+  # A layer is read whole on each device (a replicated sharding: its layout is not the placed array's when that is
+  # K-major) and converted there; the placed array keeps its own sharding.
+  whole = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+           if isinstance(sharding, jax.sharding.NamedSharding) else sharding)
+  layer_sh = whole if target.fp8 else _slab_sharding(sharding, len(spec.shape), True)
   out = {name: jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()}
   out_sh = {name: sharding}
   if target.fp8:
@@ -250,7 +257,10 @@ def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, sp
 
   @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_sh)
   def put(out, w, s, layer):
-    w, s = convert_layer(w, s, LINEAR[name], target, dtype)
+    if target.fp8:
+      w, s = from_stored(w, s, lin) if s is not None else quantize_weight(w.astype(dtype), lin)
+    else:
+      w, s = (w.astype(dtype) if s is None else dequantize_stored(w, s, dtype)), None
     new = {name: jax.lax.dynamic_update_index_in_dim(out[name], w.astype(out[name].dtype), layer, 0)}
     if s is not None:
       new[name + "_scale"] = jax.lax.dynamic_update_index_in_dim(out[name + "_scale"], s, layer, 0)
@@ -258,8 +268,8 @@ def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, sp
 
   for layer in range(L):
     w = reader.read_model_tensor(name, layer, item, w_dt, layer_sh, stacked_full=False)
-    s = (reader.read_model_tensor(name + "_scale", layer, scale_item, jnp.float32, scale_layer_sh,
-                                  stacked_full=False) if stored.fp8 else None)
+    s = (reader.read_model_tensor(name + "_scale", layer, scale_item, jnp.float32, whole, stacked_full=False)
+         if stored.fp8 else None)
     out = put(out, w, s, jnp.int32(layer))
     del w, s
   return out

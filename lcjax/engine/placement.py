@@ -103,10 +103,10 @@ def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype,
                                                     rngs=nnx.Rngs(0))), nnx.Param)
   shardings = sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
   if rep > 1 and model_cfg.dim % T == 0:
-    by_d = NamedSharding(mesh, PartitionSpec(None, sh.TENSOR))                     # [L, D, K, G + 2, H]
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: by_d if [getattr(k, "key", None) for k in path][-2:] == ["attn", "wqkv"] else leaf,
-        shardings)
+    wqkv = abstract["layers"]["attn"]["wqkv"]                 # [L, D, K, G + 2, H], or fp8 K-major [L, K, G + 2, H, D]
+    spec = [None] * wqkv.get_value().ndim
+    spec[list(wqkv.get_metadata()["axes"]).index("embed")] = sh.TENSOR
+    shardings["layers"]["attn"]["wqkv"] = NamedSharding(mesh, PartitionSpec(*spec))
   return abstract, shardings
 
 

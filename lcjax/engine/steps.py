@@ -32,7 +32,7 @@ class DecodeState:
   remaining: jax.Array   # [B] int32, tokens still allowed
 
 
-def decode_compiler_options(fp8_weights: bool = False) -> dict | None:
+def decode_compiler_options() -> dict | None:
   """XLA options for the decode loop on GPUs (None: XLA's defaults).
 
   The layer scan reads layer l's weights as a dynamic slice of the stacked [L, ...] arrays. XLA's Triton GEMM
@@ -42,14 +42,20 @@ def decode_compiler_options(fp8_weights: bool = False) -> dict | None:
   defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there. LCJAX_DECODE_XLA_DEFAULTS=1,
   set before an Engine is made (its steps are built then), compiles decode with XLA's defaults too (e.g. to rule
   these options out when chasing a numerical problem).
-
-  fp8 weights keep XLA's defaults: widened inside a Triton GEMM fusion (slice copied first) a layer of
-  Llama-3-8B took 252 us at batch 1, against 520 us with the widening a separate fusion in front of cuBLAS
-  (benchmarks/results/linear-fp8-h200.md).
   """
-  if jax.default_backend() != "gpu" or os.environ.get("LCJAX_DECODE_XLA_DEFAULTS") == "1" or fp8_weights:
+  if jax.default_backend() != "gpu" or os.environ.get("LCJAX_DECODE_XLA_DEFAULTS") == "1":
     return None
   return {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
+
+def fp8_weight_compiler_options() -> dict | None:
+  """XLA options for the prefill and forward steps of a model with fp8 weights on GPUs: no Triton GEMM fusions.
+  XLA's Triton GEMM autotuner profiled the fp8 products of the layer scan on buffers of the whole stacked weight
+  (35 GiB for Llama-3.1-70B's w_gate_up) and failed with an out-of-memory error beside the 68 GiB model; cuBLASLt
+  runs the fp8 x fp8 products, and its autotuning allocates one layer's operands."""
+  if jax.default_backend() != "gpu":
+    return None
+  return {"xla_gpu_enable_triton_gemm": False}
 
 
 class Steps:
@@ -57,17 +63,18 @@ class Steps:
                fp8_weights: bool = False):
     """mesh, cache_shardings: the engine's mesh and the PagedKV of its pools' shardings (None: one device).
     sync_every: decode steps between host checks of the loop condition (RunConfig.decode_sync_every).
-    fp8_weights: the model's linear weights are fp8 (decode_compiler_options)."""
+    fp8_weights: the model's linear weights are fp8 (fp8_weight_compiler_options)."""
     self.graphdef = graphdef
     self.page_size = page_size
     self.sync_every = sync_every
     rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     host = {} if mesh is None else dict(out_shardings=rep)
-    self.forward = jax.jit(self._forward, **host)
-    self.prefill = jax.jit(self._prefill, donate_argnames=("cache",),
+    opts = dict(compiler_options=fp8_weight_compiler_options()) if fp8_weights else {}
+    self.forward = jax.jit(self._forward, **host, **opts)
+    self.prefill = jax.jit(self._prefill, donate_argnames=("cache",), **opts,
                            **({} if mesh is None else dict(out_shardings=(rep, cache_shardings))))
     self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps", "greedy"),
-                          compiler_options=decode_compiler_options(fp8_weights),
+                          compiler_options=decode_compiler_options(),
                           **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,

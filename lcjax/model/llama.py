@@ -48,7 +48,7 @@ from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
-from lcjax.ops.linear import dense, dequantize_weight, quantize_axes, quantize_weight
+from lcjax.ops.linear import dense, dequantize_weight, kmajor_axes, quantize_weight
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax.sharding import SEQ, TENSOR, constrain
@@ -84,16 +84,15 @@ def _draw(rngs, shape, dtype, std, n_layers, transform=None):
 
 def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights: WeightFormat):
   """Set the weight `name` of a linear layer (the second operand of einsum `spec`) on `module`: in `dtype`, or for
-  fp8 weights as e4m3 `name` with float32 `name_scale` (the weight's shape, contracted axes 1; the same draw in
-  `dtype`, quantized per output channel) and, with static input scales, a per-layer `name_in_scale`."""
+  fp8 weights as e4m3 `name` with float32 `name_scale`, both K-major (lcjax.ops.linear: the same draw in `dtype`,
+  quantized per output channel) and, with static input scales, a per-layer `name_in_scale`."""
   laxes = ("layers", *axes) if n_layers is not None else axes
   if not weights.fp8:
     setattr(module, name, _param(rngs, shape, axes, dtype, std, n_layers))
     return
   w8, scale = _draw(rngs, shape, dtype, std, n_layers, lambda w: quantize_weight(w, spec))
-  contracted = set(quantize_axes(spec))
-  scale_axes = tuple(None if i - (n_layers is not None) in contracted else a for i, a in enumerate(laxes))
-  setattr(module, name, nnx.Param(w8, axes=laxes))
+  w_axes, scale_axes = kmajor_axes(spec, laxes)
+  setattr(module, name, nnx.Param(w8, axes=w_axes))
   setattr(module, name + "_scale", nnx.Param(scale, axes=scale_axes))
   if weights.static_inputs:
     lead = () if n_layers is None else (n_layers,)
@@ -214,14 +213,6 @@ LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "l
           "layers/mlp/w_down": MLP.DOWN}
 
 
-def convert_layer(w, scale, spec: str, target: WeightFormat, dtype):
-  """One layer's linear weight (w, and its scale when w is fp8, else None) in the `target` format: (w8, scale)
-  quantized per output channel, or (w in `dtype`, None). fp8 -> fp8 keeps the values and scales as they are."""
-  if target.fp8:
-    return (w, scale) if scale is not None else quantize_weight(w.astype(dtype), spec)
-  return (w.astype(dtype) if scale is None else dequantize_weight(w, scale, dtype)), None
-
-
 def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
   """A parameter state of Llama(cfg) with its linear weights in the `target` format (the state itself when they
   are in it), converted a layer at a time on the device (lax.map): for engines handed parameters directly."""
@@ -233,14 +224,18 @@ def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
   dtype = jnp.dtype(dtype)
   pure = params.to_pure_dict()
 
+  def convert_layer(w, scale, spec):
+    if target.fp8:
+      return quantize_weight(w.astype(dtype), spec)
+    return dequantize_weight(w, scale, spec, dtype), None
+
   @jax.jit
   def convert(pure):
     out = {}
     for name, spec in LINEAR.items():
       _, block, w = name.split("/")
       node = pure["layers"][block]
-      scale = node.get(w + "_scale")
-      out[name] = jax.lax.map(lambda a: convert_layer(a[0], a[1], spec, target, dtype), (node[w], scale))
+      out[name] = jax.lax.map(lambda a, spec=spec: convert_layer(*a, spec), (node[w], node.get(w + "_scale")))
     return out
 
   converted = convert(pure)
@@ -273,14 +268,15 @@ def repeat_kv_heads(params, rep: int):
 
   def one(path, leaf):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    if names[-2:] not in (["attn", "wqkv"], ["attn", "wqkv_scale"]):   # an fp8 wqkv's scale is laid out as it
+    if names[-2:] not in (["attn", "wqkv"], ["attn", "wqkv_scale"]):   # fp8 weights' scales are laid out alike
       return leaf
     w = leaf.get_value()
-    *lead, K, G2, H = w.shape
-    G = G2 - 2
-    q = w[..., :G, :].reshape(*lead, K * rep, G // rep, H)
-    kv = jnp.repeat(w[..., G:, :], rep, axis=-3)
-    return leaf.replace(jnp.concatenate([q, kv], axis=-2))
+    k = list(leaf.get_metadata()["axes"]).index("kv_heads")    # [..., K, G + 2, ...]: H and D after, any order
+    K, G = w.shape[k], w.shape[k + 1] - 2
+    q = lax.slice_in_dim(w, 0, G, axis=k + 1)
+    q = q.reshape(*w.shape[:k], K * rep, G // rep, *w.shape[k + 2:])
+    kv = jnp.repeat(lax.slice_in_dim(w, G, G + 2, axis=k + 1), rep, axis=k)
+    return leaf.replace(jnp.concatenate([q, kv], axis=k + 1))
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -1,17 +1,20 @@
 """Linear layers over fp8 (float8_e4m3fn) weights: per-output-channel quantization and the products that read them.
 
-A quantized weight is `w8` (e4m3) with a float32 `scale` of the weight's shape with its contracted axes set to 1
-(wo [N, H, D] has scale [1, 1, D]): the weight is w8 * scale, one scale per output channel, absmax / 448. A fused
-projection (QKV, gate/up) so keeps each part's scale, and a per-tensor scale is the same value broadcast.
+A weight of einsum `spec` (the model's layout, e.g. w_down [F, D] of "btf,fd->btd") is held quantized as `w8`
+(e4m3) in K-major order, its output axes first and its contracted axes last (w_down as [D, F], wqkv [D, K, G, H]
+as [K, G, H, D]): Hopper's fp8 tensor-core GEMMs (cuBLASLt) take both operands contiguous along the contracted
+axis, and a weight stored otherwise is transposed by XLA on every call. `scale` (float32) has w8's shape with the
+contracted axes 1: the weight is w8 * scale, one scale per output channel, absmax / 448. A fused projection (QKV,
+gate/up) so keeps each part's scale, and a per-tensor scale is the same value broadcast. Checkpoints store fp8
+weights and scales in the model's layout (`from_stored` turns them K-major).
 
 `dense(x, w8, scale, spec)` computes einsum(spec, x, w) in one of two ways, chosen by the number of rows (tokens)
 of x, a static shape:
   fp8 x fp8   x quantized to e4m3 with one scale per row (absmax / 448 over the contracted axes, "dynamic"),
               or with the checkpoint's static per-tensor `in_scale`; one e4m3 x e4m3 product accumulating in
-              float32 (Hopper's fp8 tensor cores through cuBLASLt), then times both scales. Prefill chunks.
-  widened     w8 widened to x's dtype inside the product (exact: every e4m3 value is a bfloat16), float32
-              accumulation, times the scale. Decode: a handful of rows reads each weight byte once; quantizing
-              them costs more than it saves (lcjax benchmarks/NOTES-fp8w.md).
+              float32 (cuBLASLt on Hopper), then times both scales. Prefill chunks.
+  widened     w8 widened to x's dtype (exact: every e4m3 value is a bfloat16), float32 accumulation, times the
+              scale. Decode: a handful of rows reads each weight byte once, and quantizing them buys nothing.
 `dense_reference` is the float32 model of both: the same quantization of x, dequantized operands, a float32
 einsum. Only the summation order differs from the products above.
 """
@@ -36,28 +39,69 @@ def contracted(spec: str) -> tuple[str, str, str]:
 
 
 def quantize_axes(spec: str) -> tuple[int, ...]:
-  """The weight's contracted axes (labels it shares with x, absent from the output)."""
+  """The weight's contracted axes in the model's layout (labels it shares with x, absent from the output)."""
   xs, ws, out = contracted(spec)
   return tuple(i for i, c in enumerate(ws) if c in xs and c not in out)
 
 
+def kmajor_order(spec: str) -> tuple[int, ...]:
+  """The model-layout axes of a weight in K-major order: output axes, then contracted axes."""
+  k = quantize_axes(spec)
+  n = len(contracted(spec)[1])
+  return tuple(i for i in range(n) if i not in k) + k
+
+
+def kmajor_spec(spec: str) -> str:
+  """`spec` with the weight's labels in K-major order."""
+  xs, ws, out = contracted(spec)
+  return f"{xs},{''.join(ws[i] for i in kmajor_order(spec))}->{out}"
+
+
+def kmajor_axes(spec: str, axes: tuple) -> tuple[tuple, tuple]:
+  """(w8's, scale's) logical axis names from the model-layout weight's `axes` (a leading "layers" axis kept):
+  K-major order; the scale's contracted axes unsharded (they have length 1)."""
+  lead, axes = tuple(axes[:len(axes) - len(contracted(spec)[1])]), tuple(axes[-len(contracted(spec)[1]):])
+  order, k = kmajor_order(spec), quantize_axes(spec)
+  return lead + tuple(axes[i] for i in order), lead + tuple(None if i in k else axes[i] for i in order)
+
+
+def _to_kmajor(a, spec: str):
+  return jnp.transpose(a, kmajor_order(spec))
+
+
+def _from_kmajor(a, spec: str):
+  order = kmajor_order(spec)
+  return jnp.transpose(a, [order.index(i) for i in range(len(order))])
+
+
 def quantize_weight(w, spec: str):
-  """w (the weight operand of `spec`) -> (w8 e4m3, scale float32 of w's shape with the contracted axes 1): one
-  scale per output channel, the channel's absmax mapped to 448."""
-  axes = quantize_axes(spec)
+  """w (the weight operand of `spec`, model layout) -> (w8 e4m3, scale float32), both K-major: one scale per
+  output channel, the channel's absmax mapped to 448."""
   wf = w.astype(jnp.float32)
-  scale = scale_for(jnp.max(jnp.abs(wf), axis=axes, keepdims=True))
-  return (wf / scale).astype(E4M3), scale
+  scale = scale_for(jnp.max(jnp.abs(wf), axis=quantize_axes(spec), keepdims=True))
+  return _to_kmajor((wf / scale).astype(E4M3), spec), _to_kmajor(scale, spec)
 
 
-def dequantize_weight(w8, scale, dtype):
+def from_stored(w8, scale, spec: str):
+  """An fp8 weight and its scale as checkpoints store them (model layout, the scale's contracted axes 1) ->
+  K-major, the bytes unchanged."""
+  return _to_kmajor(w8, spec), _to_kmajor(scale.astype(jnp.float32), spec)
+
+
+def dequantize_stored(w8, scale, dtype):
+  """A stored (model-layout) fp8 weight times its scale, in `dtype`."""
   return (w8.astype(jnp.float32) * scale).astype(dtype)
 
 
+def dequantize_weight(w8, scale, spec: str, dtype):
+  """K-major (w8, scale) -> the weight in the model's layout, in `dtype`."""
+  return _from_kmajor(dequantize_stored(w8, scale, dtype), spec)
+
+
 def _out_scale(scale, spec: str):
-  """The weight scale laid out along the output's weight labels (the contracted axes dropped)."""
-  axes = quantize_axes(spec)
-  return jnp.squeeze(scale, axis=axes)
+  """The K-major weight scale laid out along the output's weight labels (its trailing contracted axes dropped)."""
+  k = len(quantize_axes(spec))
+  return jnp.reshape(scale, scale.shape[:scale.ndim - k])
 
 
 def quantize_rows(x, spec: str, in_scale=None):
@@ -97,20 +141,21 @@ def path_for(x, spec: str) -> str:
 def dense(x, w8, scale, spec: str, *, in_scale=None, path: str | None = None):
   """einsum(spec, x, w8 * scale) in x's dtype; `path` forces "fp8" or "widened" (default: `path_for`)."""
   path = path or path_for(x, spec)
+  kspec = kmajor_spec(spec)
   if path == "widened":
-    y = jnp.einsum(spec, x, w8.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum(kspec, x, w8.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * _out_scale(scale, spec)).astype(x.dtype)
   if path != "fp8":
     raise ValueError(f"{path=} must be 'fp8' or 'widened'")
   x8, xs = quantize_rows(x, spec, in_scale)
-  y = jnp.einsum(spec, x8, w8, preferred_element_type=jnp.float32)
+  y = jnp.einsum(kspec, x8, w8, preferred_element_type=jnp.float32)
   return (y * _row_scale(xs, spec) * _out_scale(scale, spec)).astype(x.dtype)
 
 
 def dense_reference(x, w8, scale, spec: str, *, in_scale=None, path: str | None = None):
   """The float32 model of `dense`: the same quantization of x (fp8 path), dequantized operands, float32 sums."""
   path = path or path_for(x, spec)
-  w = w8.astype(jnp.float32) * scale
+  w = dequantize_weight(w8, scale, spec, jnp.float32)
   if path == "widened":
     xf = x.astype(jnp.float32)
   else:

@@ -188,16 +188,23 @@ def test_result_files_name_the_source_revision(tmp_path, monkeypatch):
   assert benchlib.source_revision() == "unknown"
 
 
-def test_variant_entries_name_cache_and_attention_dtypes():
+def test_variant_entries_name_cache_attention_and_weight_dtypes():
   from lcjax.config import RunConfig
   from tools import benchlib
-  assert benchlib.variant("float8_e4m3fn") == dict(cache_dtype="float8_e4m3fn", attention_dtype="auto")
-  assert benchlib.variant("bfloat16+fp8attn") == dict(cache_dtype="bfloat16", attention_dtype="float8_e4m3fn")
-  assert benchlib.variant("bfloat16+int8attn") == dict(cache_dtype="bfloat16", attention_dtype="int8_fp8")
-  for entry in ("bfloat16", "float8_e4m3fn+fp8attn", "float8_e4m3fn+int8attn"):
+  plain = dict(attention_dtype="auto", weight_dtype="auto")
+  assert benchlib.variant("float8_e4m3fn") == dict(plain, cache_dtype="float8_e4m3fn")
+  assert benchlib.variant("bfloat16+fp8attn") == dict(plain, cache_dtype="bfloat16", attention_dtype="float8_e4m3fn")
+  assert benchlib.variant("bfloat16+int8attn") == dict(plain, cache_dtype="bfloat16", attention_dtype="int8_fp8")
+  assert benchlib.variant("auto+fp8w") == dict(plain, cache_dtype="auto", weight_dtype="float8_e4m3fn")
+  assert benchlib.variant("float8_e4m3fn+fp8w+fp8attn") == dict(cache_dtype="float8_e4m3fn",
+                                                                attention_dtype="float8_e4m3fn",
+                                                                weight_dtype="float8_e4m3fn")
+  for entry in ("bfloat16", "float8_e4m3fn+fp8attn", "float8_e4m3fn+int8attn", "bfloat16+int8attn+fp8w"):
     RunConfig(**benchlib.variant(entry))                       # each one a valid config
   with pytest.raises(ValueError, match="'bfloat16\\+fp4attn'"):
     benchlib.variant("bfloat16+fp4attn")
+  with pytest.raises(ValueError, match="\\+fp8attn and \\+int8attn both set attention_dtype"):
+    benchlib.variant("bfloat16+fp8attn+int8attn")
 
 
 def test_check_fp8_model_rows_on_the_outlier_test(tmp_path):

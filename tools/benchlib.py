@@ -144,13 +144,25 @@ def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, devic
   return result
 
 
-VARIANT_SUFFIXES = {"": "auto", "fp8attn": "float8_e4m3fn", "int8attn": "int8_fp8"}
+# A --caches entry's suffixes -> the RunConfig field each sets.
+VARIANT_SUFFIXES = {"fp8attn": ("attention_dtype", "float8_e4m3fn"), "int8attn": ("attention_dtype", "int8_fp8"),
+                    "fp8w": ("weight_dtype", "float8_e4m3fn")}
 
 
 def variant(entry: str) -> dict:
-  """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; a suffix picks low-precision attention:
-  '+fp8attn' (attention_dtype float8_e4m3fn) or '+int8attn' (int8_fp8), e.g. 'bfloat16+fp8attn'."""
-  cache, _, extra = entry.partition("+")
-  if extra not in VARIANT_SUFFIXES:
-    raise ValueError(f"cache entry {entry!r}: the suffixes are +fp8attn and +int8attn")
-  return dict(cache_dtype=cache, attention_dtype=VARIANT_SUFFIXES[extra])
+  """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; suffixes pick low-precision attention,
+  '+fp8attn' (attention_dtype float8_e4m3fn) or '+int8attn' (int8_fp8), and fp8 weights, '+fp8w' (weight_dtype
+  float8_e4m3fn: the checkpoint's linear weights quantized at load), e.g. 'bfloat16+fp8attn+fp8w'."""
+  cache, *extras = entry.split("+")
+  fields = dict(cache_dtype=cache, attention_dtype="auto", weight_dtype="auto")
+  set_by = {}
+  for extra in extras:
+    if extra not in VARIANT_SUFFIXES:
+      raise ValueError(f"cache entry {entry!r}: {extra!r} is not a suffix; the suffixes are "
+                       + ", ".join("+" + s for s in VARIANT_SUFFIXES))
+    field, value = VARIANT_SUFFIXES[extra]
+    if field in set_by:
+      raise ValueError(f"cache entry {entry!r}: +{set_by[field]} and +{extra} both set {field}")
+    set_by[field] = extra
+    fields[field] = value
+  return fields

@@ -43,7 +43,8 @@ flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint instead of random w
 flags.DEFINE_list("contexts", ["4096", "131072"], "prompt lengths (tokens)")
 flags.DEFINE_list("caches", ["bfloat16", "float8_e4m3fn"], "KV cache dtypes to check (the first is the base); "
                   "a '+fp8attn' suffix adds FP8 attention (attention_dtype=float8_e4m3fn), '+int8attn' its int8 Q K^T "
-                  "form (int8_fp8), e.g. bfloat16+fp8attn")
+                  "form (int8_fp8), '+fp8w' fp8 weights (weight_dtype=float8_e4m3fn, quantized at load; the oracle "
+                  "keeps the weights as stored), e.g. bfloat16+fp8attn+fp8w")
 flags.DEFINE_string("dtype", "bfloat16", "lcjax parameter / activation dtype")
 flags.DEFINE_string("attention", "auto", "lcjax attention backend")
 flags.DEFINE_integer("prefill_chunk", 32768, "lcjax prefill chunk")
@@ -81,30 +82,34 @@ def lcjax_side(contexts):
   ctx = -(-(max(contexts) + 1) // FLAGS.page_size) * FLAGS.page_size
   base = dict(dtype=FLAGS.dtype, max_context=ctx, max_batch=1, page_size=FLAGS.page_size,
               prefill_chunk=min(FLAGS.prefill_chunk, ctx), attention=FLAGS.attention)
+  # The weights as stored (random: drawn in dtype), which the oracle gets; a '+fp8w' entry quantizes them.
+  first = dict(benchlib.variant(FLAGS.caches[0]), weight_dtype="auto")
   if FLAGS.checkpoint:
     from lcjax.checkpoint.bundled import bundled_checkpoint
     ckpt = bundled_checkpoint() if FLAGS.checkpoint == "bundled" else FLAGS.checkpoint
-    eng = Engine.load(ckpt, run=RunConfig(**base, **benchlib.variant(FLAGS.caches[0])))
+    eng = Engine.load(ckpt, run=RunConfig(**base, **first))
     cfg = eng.cfg
   else:
     cfg = preset(FLAGS.preset)
     cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, ctx),
                               n_layers=FLAGS.layers or cfg.n_layers)
-    eng = Engine.random(cfg, run=RunConfig(**base, **benchlib.variant(FLAGS.caches[0])), seed=FLAGS.seed)
+    eng = Engine.random(cfg, run=RunConfig(**base, **first), seed=FLAGS.seed)
   ids = prompts(cfg, eng.tokenizer, contexts)
   got, info = {}, {}
   params, tokenizer = eng.params, eng.tokenizer
   for i, cache in enumerate(FLAGS.caches):
-    if i:
+    if i or benchlib.variant(cache) != first:
+      eng = None                      # the previous engine's buffers go before this one's are made
+      gc.collect()
       eng = Engine(cfg, params, run=RunConfig(**base, **benchlib.variant(cache)), tokenizer=tokenizer)
-    info[cache] = dict(attention=eng.attention.name)
+    info[cache] = dict(attention=eng.attention.name, weights=eng.weights.describe(eng.run.dtype))
     for S in contexts:
       t = time.perf_counter()
       got[cache, S] = np.stack([eng.prompt_logits(ids[S][:n]) for n in range(S - FLAGS.positions + 1, S + 1)])
       info[cache][S] = time.perf_counter() - t
       eng.prefix_cache.clear()
       print(f"lcjax cache={cache} S={S}: {info[cache][S]:.1f} s", flush=True)
-    del eng
+    eng = None
     gc.collect()
   weights = [(name, np.asarray(w)) for name, w in export_hf(params, cfg)]
   del params
@@ -177,7 +182,8 @@ def main(argv):
   first = FLAGS.caches[0]
   for S in contexts:
     for cache in FLAGS.caches:
-      row = dict(S=S, cache=cache, attention=info[cache]["attention"], lcjax_s=info[cache][S],
+      row = dict(S=S, cache=cache, attention=info[cache]["attention"], weights=info[cache]["weights"],
+                 lcjax_s=info[cache][S],
                  oracle_s=ref_s[S], vs_oracle=benchlib.logits_metrics_over(got[cache, S], ref[S]))
       if cache != first:
         row["vs_" + first] = benchlib.logits_metrics_over(got[cache, S], got[first, S])

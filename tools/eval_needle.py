@@ -22,8 +22,8 @@ flags.DEFINE_string("checkpoint", None, "lcjax checkpoint (default: the bundled 
 flags.DEFINE_list("words", ["1000", "2000", "4000"], "filler words per document (~1.2 tokens per word)")
 flags.DEFINE_list("depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "needle positions as fractions of the document")
 flags.DEFINE_list("cache_dtypes", ["auto"], "KV cache dtypes to compare (auto, bfloat16, float8_e4m3fn); a '+fp8attn' "
-                  "suffix adds FP8 attention, '+int8attn' its int8 Q K^T form (both need a Hopper GPU), e.g. "
-                  "bfloat16,bfloat16+fp8attn")
+                  "suffix adds FP8 attention, '+int8attn' its int8 Q K^T form (both need a Hopper GPU), '+fp8w' fp8 "
+                  "weights (weight_dtype=float8_e4m3fn, quantized at load), e.g. bfloat16,bfloat16+fp8attn,auto+fp8w")
 flags.DEFINE_string("dtype", "float32", "model dtype")
 flags.DEFINE_string("out", "benchmarks/results", "output folder")
 flags.DEFINE_string("name", "needle-smollm2", "output file stem")
@@ -63,7 +63,8 @@ def main(argv):
       for depth, code, res in zip(map(float, FLAGS.depths), codes, results):
         rows.append(dict(cache_dtype=cache_dtype, words=words, tokens=res.prompt_tokens, depth=depth,
                          found=code in res.text, answer=res.text.strip()[:80],
-                         attention=res.stats["attention"], attention_dtype=res.stats["attention_dtype"]))
+                         attention=res.stats["attention"], attention_dtype=res.stats["attention_dtype"],
+                         weight_dtype=res.stats["weight_dtype"]))
         print(json.dumps(rows[-1]), flush=True)
       print(f"{words} words: {time.time() - t0:.1f} s", flush=True)
   lines = ["| cache | words | tokens | " + " | ".join(f"depth {d}" for d in FLAGS.depths) + " | accuracy |",

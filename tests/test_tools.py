@@ -85,6 +85,22 @@ def test_check_exact_over_the_last_positions(tmp_path):
   assert "| 200 | float32 | oracle |" in (tmp_path / "ex.md").read_text()
 
 
+def test_check_exact_with_fp8_weights_keeps_the_oracle_unquantized(tmp_path):
+  # '+fp8w' quantizes the weights at load (prefill chunks of 96 and 128 rows: the fp8 x fp8 product); the oracle
+  # and the first entry keep them as drawn, so float32 still matches the oracle and fp8 weights differ by e4m3's
+  # error.
+  _run("check_exact.py", "--preset=tiny", "--contexts=96,200", "--caches=float32,float32+fp8w", "--positions=2",
+       "--dtype=float32", "--prefill_chunk=128", "--page_size=16", f"--out={tmp_path}", "--name=ex")
+  res = json.load(open(tmp_path / "ex.json"))
+  rows = {(r["S"], r["cache"]): r for r in res["rows"]}
+  for S in (96, 200):
+    assert rows[S, "float32"]["weights"] == "float32" and rows[S, "float32"]["vs_oracle"]["rel_max"] < 1e-5
+    fp8 = rows[S, "float32+fp8w"]
+    assert fp8["weights"].startswith("float8_e4m3fn")
+    assert 1e-3 < fp8["vs_oracle"]["rel_max"] < 0.1 and fp8["vs_oracle"]["kl"] < 1e-2, fp8
+    assert fp8["vs_float32"]["rel_max"] == pytest.approx(fp8["vs_oracle"]["rel_max"], rel=0.05)
+
+
 def test_profile_step_reports(tmp_path):
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
            "--prefill_chunk=128", f"--out={tmp_path}", "--name=prof")

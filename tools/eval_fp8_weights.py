@@ -256,8 +256,9 @@ def needle_part(work: str) -> tuple[list[dict], dict]:
 
 
 def _numbers(r: dict) -> str:
-  skip = {"what", "condition", "goal", "met", "tokens_lcjax", "tokens_transformers", "tokens_float32", "differing"}
-  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else repr(v) if isinstance(v, str) and "\n" in v else str(v)
+  skip = {"part", "what", "condition", "goal", "met", "tokens_lcjax", "tokens_transformers", "tokens_float32",
+          "differing"}
+  fmt = lambda v: f"{v:.5g}" if isinstance(v, float) else repr(v) if isinstance(v, str) and "\n" in v else str(v)
   return "; ".join(f"{k} {fmt(v)}" for k, v in r.items() if k not in skip)
 
 

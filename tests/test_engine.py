@@ -1,4 +1,7 @@
-"""Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone."""
+"""Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone.
+
+The oracle for what runs through the paged cache is the uncached full forward (`Engine.logits`), never a second
+engine running the same paged path."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,22 +40,31 @@ def test_cached_decode_equals_uncached_forward(eng):
 
 
 def test_chunked_prefill_equals_one_shot():
+  """One chunk of 100 tokens and 7 chunks of 16 (each after the first reading the ones before from the pages):
+  the prompt's logits are the uncached forward's, and so are the greedy tokens."""
   prompt = list(np.random.default_rng(1).integers(3, TINY.vocab_size, 100))
-  one = _engine(prefill_chunk=128).generate(prompt, max_new_tokens=20).token_ids
-  chunked = _engine(prefill_chunk=16).generate(prompt, max_new_tokens=20).token_ids
-  assert one == chunked
+  one, chunked = _engine(prefill_chunk=128), _engine(prefill_chunk=16)
+  full = one.logits([prompt])[0, -1]
+  for e in (one, chunked):
+    np.testing.assert_allclose(_prefill_logits(e, prompt), full, rtol=1e-5, atol=1e-5)
+  got = one.generate(prompt, max_new_tokens=20).token_ids
+  assert chunked.generate(prompt, max_new_tokens=20).token_ids == got
+  logits = one.logits([prompt + got])[0]
+  assert got == [int(np.argmax(logits[len(prompt) - 1 + i])) for i in range(len(got))]
 
 
 def test_prefill_logits_match_full_forward(eng):
-  """Last-position logits of a chunked, paged prefill equal the uncached forward's."""
+  """Last-position logits of a chunked, paged prefill (77 tokens: 3 chunks of 32) equal the uncached forward's, and
+  so does the first token sampled from them."""
   prompt = list(np.random.default_rng(2).integers(3, TINY.vocab_size, 77))
+  full = eng.logits([prompt])[0, -1]
+  np.testing.assert_allclose(_prefill_logits(eng, prompt), full, rtol=1e-5, atol=1e-5)
   r = eng._make_requests([prompt], 1, None)[0]
   assert eng.scheduler.admit(r)
   try:
     eng.scheduler.prefill(r)
   finally:
     eng.scheduler.release(r)
-  full = eng.logits([prompt])[0, -1]
   assert r.out[0] == int(np.argmax(full))
 
 
@@ -158,6 +170,9 @@ def test_prefix_sharing_saves_pages_and_keeps_outputs():
   shared = _engine()
   got = [r.token_ids for r in shared.generate(suffixes, max_new_tokens=10, prefix=prefix)]
   assert got == expected
+  for s, out in zip(suffixes, got):                            # the uncached forward's greedy tokens
+    logits = shared.logits([prefix + s + out])[0]
+    assert out == [int(np.argmax(logits[len(prefix) + len(s) - 1 + i])) for i in range(len(out))]
   assert shared.pool.pages_used == 0
   # Without sharing: ceil((45 + suffix + 10) / 8) = 8 + 8 + 9 = 25 pages. With sharing the 5 full prefix pages
   # are stored once; the prefix's partly filled 6th page stays with the prefix and each request copies it.

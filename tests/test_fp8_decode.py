@@ -194,6 +194,17 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: "not Hopper")
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
+  # cuDNN's paged kernel reads bf16 / fp16 pages; decode rows over fp8 or float32 pages take the jnp reference
+  from lcjax.ops import cudnn_calls
+  from lcjax.ops.cudnn import CudnnBackend
+  monkeypatch.setattr(cudnn_calls, "has_private_paged", lambda: True)
+  cudnn = CudnnBackend()
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "cudnn"
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "reference"
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="float32") == "reference"
+  assert cudnn.decode_reason(page_dtype=e4, T=64) is None                # a chunk reads fp8 pages dequantized
+  monkeypatch.setattr(cudnn_calls, "has_private_paged", lambda: False)
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "reference"
 
 
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])

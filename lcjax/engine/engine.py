@@ -231,11 +231,12 @@ class Engine:
     self.limits.check_ids(tokens.ravel().tolist())
     return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
 
-  def prompt_logits(self, prompt) -> np.ndarray:
+  def prompt_logits(self, prompt, *, context: Context | None = None) -> np.ndarray:
     """float32 logits [V] of the last position of one prompt (text or ids) through the serving path: chunked
     prefill into the paged cache with this engine's attention backend and cache dtype, i.e. what the first
-    generated token is sampled from. Its pages are released afterwards."""
-    r = self._make_requests([prompt], 1, None)[0]
+    generated token is sampled from (after `context`'s tokens when one is given, read from its pages). Its pages
+    are released afterwards."""
+    r = self._requests([prompt], 1, None, None, context)[0][0]
     sched = self.scheduler
     with sched.lock:
       sched.check_open()

@@ -49,7 +49,10 @@ class Request:
   written: int = 0                 # tokens whose K/V are in the cache
   epoch: int = -1                  # the scheduler's epoch at admission (its pages are void in a later one)
   out: list[int] = dataclasses.field(default_factory=list)
-  prefill_s: float = 0.0
+  prefill_s: float = 0.0          # seconds of this request's own prefill (and first token)
+  shared_prefill_s: float = 0.0   # seconds of the call's shared prefix prefill, paid by its first request
+  shared_prefill_tokens: int = 0  # tokens of that prefix prefilled (not taken from the prefix cache)
+  first_token_at: float | None = None   # time.perf_counter() when the first token was sampled
   decode_s: float = 0.0
   finish: str | None = None        # "eos" | "length"
 
@@ -279,9 +282,13 @@ class Scheduler:
       base = None
       try:
         if prefix is not None:
-          base, _ = self.pin(prefix, what="the shared prefix")
+          t0 = time.perf_counter()
+          base, cached = self.pin(prefix, what="the shared prefix")
           for r in reqs:
             r.prefix_seq, r.prefix_len = base, len(prefix)
+          if reqs:      # paid once, reported by the first request
+            reqs[0].shared_prefill_s = time.perf_counter() - t0
+            reqs[0].shared_prefill_tokens = len(prefix) - cached
         yield from self._drive(reqs, decode_steps or self.run.decode_steps)
       finally:
         for r in reqs:
@@ -346,7 +353,8 @@ class Scheduler:
       return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
     tok = int(tok[0])
-    r.prefill_s = time.perf_counter() - t0
+    r.first_token_at = time.perf_counter()
+    r.prefill_s = r.first_token_at - t0
     r.out.append(tok)
     if tok in self.eos_ids:
       r.finish = "eos"

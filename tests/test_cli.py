@@ -67,3 +67,29 @@ def test_config_overrides_without_a_config_file(ckpt):
                          "--config.max_batch=3"])
   assert p.returncode == 0, p.stderr[-3000:]
   assert "384 tokens of KV" in p.stderr                        # 3 sequences of 128 tokens
+
+
+@pytest.mark.parametrize("args", [["--prompt=hello there"], ["--context_file={doc}", "--prompt=What is it?"],
+                                  ["--context_file={doc}", "--interactive"]], ids=["prompt", "context", "interactive"])
+def test_warm_up_leaves_nothing_to_compile(ckpt, monkeypatch, args):
+  """After the CLI's warm-up (Engine.warm_up: compiled, nothing run), the run traces and compiles nothing more:
+  the context's prefill, the prompt's or questions' chunks, the first token, the streamed decode."""
+  from tests.test_engine import _Compiles
+  monkeypatch.setattr("sys.stdin", io.StringIO("Where?\n" + "Why is the mill by the river at all? " * 3 + "\n"))
+  count = {}
+  warm_up = Engine.warm_up
+
+  def spy(self, *a, **kw):
+    n = warm_up(self, *a, **kw)
+    count["after"] = _Compiles()
+    return n
+
+  monkeypatch.setattr(Engine, "warm_up", spy)
+  argv = [a.format(doc=ckpt / "doc.txt") for a in args]
+  try:
+    p = cli_inprocess.run([*CLI_RUN[:-1], f"--checkpoint={ckpt / 'ckpt'}", "--max_new_tokens=3", *argv])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert count["after"].seen == []
+  finally:
+    count["after"].close()
+  assert re.search(r"warm-up +[0-9.]+ s \(compiling this run's [0-9]+ programs", p.stdout) or "--interactive" in args

@@ -320,3 +320,46 @@ def test_each_prompt_of_a_batch_samples_its_own_stream(eng):
   for i, o in enumerate(outs):
     assert eng.generate(p, max_new_tokens=8, sampling=dict(sp, seed=7 + i)).token_ids == o
 
+
+class _Compiles:
+  """Counts what jax does to get a program: traces, compilations and persistent-cache reads (jax.monitoring)."""
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration",
+            "/jax/compilation_cache/cache_retrieval_time_sec")
+
+  def __init__(self):
+    self.seen = []
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, name, secs, **kw):
+    if name in self.EVENTS:
+      self.seen.append((name, kw.get("fun_name")))
+
+  def close(self):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+@pytest.mark.parametrize("sampling", [None, dict(temperature=0.7, seed=1)], ids=["greedy", "sampled"])
+def test_warm_up_compiles_what_generate_then_uses(sampling):
+  """Engine.warm_up compiles without running (the cache and the pool are untouched), and the generate it was
+  told about then traces and compiles nothing: a prompt of two chunks, and a question on a context whose last
+  page is partly filled."""
+  eng = _engine(decode_steps=4)
+  rng = np.random.default_rng(13)
+  doc, q, prompt = (rng.integers(3, TINY.vocab_size, n).tolist() for n in (45, 7, 50))
+  count = _Compiles()
+  try:
+    cache_before = np.asarray(eng.cache.k).copy()
+    assert eng.warm_up(len(prompt), sampling=sampling) == 3            # chunks of 32 (both), first token, decode
+    assert count.seen and np.array_equal(np.asarray(eng.cache.k), cache_before) and eng.pool.pages_used == 0
+    count.seen.clear()
+    eng.generate(prompt, max_new_tokens=6, sampling=sampling)
+    assert count.seen == []
+    n = eng.warm_up(len(q), context_tokens=len(doc), sampling=sampling, decode_steps=2)
+    assert n == 2 + 1 + 1 + 1     # chunks of 32 and 16 (the context's 45, the question's 7), first token, decode, copy
+    count.seen.clear()
+    with eng.prefill(doc) as ctx:
+      eng.generate(q, context=ctx, max_new_tokens=6, sampling=sampling, decode_steps=2)
+    assert count.seen == []
+  finally:
+    count.close()
+    eng.close()

@@ -43,7 +43,7 @@ flags.DEFINE_float("top_p", 1.0, "1 = off")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_bool("stream", True, "print text as it is generated, up to --config.stream_decode_steps tokens at a "
                   "time")
-flags.DEFINE_bool("warmup", True, "compile with an untimed pass over short prompts of the same chunk shapes first, "
+flags.DEFINE_bool("warmup", True, "compile the run's prefill chunk and decode programs first, without running them, "
                   "so the stats are steady-state")
 flags.DEFINE_string("context_file", None, "a UTF-8 document to prefill once as a pinned context; --prompt (or each "
                     "--interactive line) is a question about it")
@@ -80,7 +80,7 @@ def _model_name() -> str:
   return f"{BUNDLED_NAME} (bundled)"
 
 
-def _stats_table(engine, res, warmup_s) -> str:
+def _stats_table(engine, res, warmup) -> str:
   s = res.stats
   gib = 1024 ** 3
   rows = [("model", f"{_model_name()}, {engine.run.dtype} weights, {engine.run.resolved_cache_dtype} KV cache, "
@@ -88,8 +88,8 @@ def _stats_table(engine, res, warmup_s) -> str:
           ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the cache, "
                             f"{s['prefill_tokens']:,} prefilled)"),
           ("new tokens", f"{s['new_tokens']:,}"),
-          ("warm-up", "off (prefill and decode include XLA compilation)" if warmup_s is None
-           else f"{warmup_s:.2f} s (XLA compilation over short prompts of the same shapes)"),
+          ("warm-up", "off (prefill and decode include XLA compilation)" if warmup is None
+           else f"{warmup[0]:.2f} s (compiling this run's {warmup[1]} programs without running them)"),
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
@@ -286,15 +286,15 @@ def _generate() -> None:
     limits.check(0, head + ids, max_new, prefix_len=len(head))
 
   engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
-  warmup_s = None
+  warmup = None
   if FLAGS.warmup:
     t0 = time.perf_counter()
-    _warm_up(engine, doc, ids, sampling, _decode_steps(engine, tokenizer))
-    warmup_s = time.perf_counter() - t0
+    programs = _warm_up(engine, doc, ids, sampling, _decode_steps(engine, tokenizer))
+    warmup = (time.perf_counter() - t0, programs)
   ctx = _open_context(engine, doc) if doc is not None else None
   if prompt is not None:
     res = _answer(engine, prompt, chat, len(ids), max_new, sampling, ctx, tokenizer)
-    print("\nstats\n" + _stats_table(engine, res, warmup_s))
+    print("\nstats\n" + _stats_table(engine, res, warmup))
     if answer is not None:
       print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
   if FLAGS.interactive:
@@ -488,21 +488,17 @@ def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
           f"context, {s['prefill_tokens']:,} prefilled; {s['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
 
 
-def _warm_up(engine, doc, ids, sampling, decode_steps: int) -> None:
-  prefilled = doc.ids if doc is not None and not FLAGS.load_context else ids
-  _warm_up_run(engine, len(prefilled or [1]), sampling, decode_steps)
+QUESTION_BUCKETS = (16, 32, 64, 128, 256)   # padded prefill lengths of --interactive questions compiled ahead
 
 
-def _warm_up_run(engine, n_tokens: int, sampling, decode_steps: int) -> None:
-  """Compile every step a prompt of n_tokens uses with a short prompt of the same chunk shapes: a full chunk and
-  the last, partly filled one (whose bucket depends only on n_tokens mod prefill_chunk), then two decode steps
-  with the same sampling and decode_steps (greedy and sampled batches, and each number of steps per call, decode
-  in differently compiled loops)."""
-  C = engine.run.prefill_chunk
-  n = min(n_tokens, C + (n_tokens % C or C)) if n_tokens > C else n_tokens
-  filler = [engine.cfg.bos_id or 0] * n
-  engine.generate(filler, max_new_tokens=2 if n + 2 <= engine.max_context else 1, sampling=sampling,
-                  decode_steps=decode_steps)
+def _warm_up(engine, doc, ids, sampling, decode_steps: int) -> int:
+  """Compile, without running anything, the programs of this run (Engine.warm_up): the context's prefill chunks
+  (unless it is loaded), the prompt's, its first token, its decode loop, and with --interactive the chunks of
+  questions of up to 256 tokens. Returns the number of programs."""
+  more = [b for b in QUESTION_BUCKETS if b <= engine.run.prefill_chunk] if FLAGS.interactive else ()
+  return engine.warm_up(len(ids) if ids is not None else None, context_tokens=len(doc.ids) if doc else 0,
+                        prefill_context=not FLAGS.load_context, sampling=sampling, decode_steps=decode_steps,
+                        more_buckets=more)
 
 
 def main(argv):

@@ -31,7 +31,7 @@ from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
 from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
-from lcjax.engine.scheduler import Request, Scheduler
+from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama
 from lcjax.ops.backends import get_backend
@@ -428,6 +428,32 @@ class Engine:
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
+
+  def warm_up(self, prompt_tokens: int | None, *, context_tokens: int = 0, prefill_context: bool = True,
+              sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
+    """Compile, without running anything, the programs a generate of one prompt of `prompt_tokens` tokens uses
+    (after a pinned context of `context_tokens`, whose prefill's chunks are compiled too unless
+    prefill_context=False): its prefill chunks, the first token, the decode loop of its sampling and decode_steps
+    (default run.decode_steps), the copy of a context's partly filled last page, and prefill chunks of the padded
+    lengths `more_buckets` (questions to come). With a warm persistent compilation cache this is tracing and
+    lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks elsewhere). Returns the
+    number of programs compiled."""
+    try:
+      sp = SamplingParams.make(sampling)
+    except (TypeError, ValueError) as e:
+      raise RequestError(str(e)) from None
+    C, Z = self.run.prefill_chunk, self.run.page_size
+    buckets = set(more_buckets)
+    if context_tokens and prefill_context:
+      buckets |= chunk_buckets(context_tokens, C)
+    if prompt_tokens:
+      buckets |= chunk_buckets(prompt_tokens, C)
+    asks = bool(prompt_tokens or more_buckets)
+    decode = ((self._decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
+    with self.scheduler.lock:
+      self.scheduler.check_open()
+      return self.scheduler.compile_programs(buckets, decode, first_token=asks,
+                                             copies=(1,) if context_tokens % Z and asks else ())
 
   # -- contexts -----------------------------------------------------------------------------------------------
   def prefill(self, document, *, chat: bool = False, system: str | None = None, on_progress=None) -> Context:

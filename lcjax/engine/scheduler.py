@@ -62,6 +62,14 @@ def _bucket(n: int, lo: int, hi: int | None = None) -> int:
   return min(b, hi) if hi else b
 
 
+def chunk_buckets(n: int, chunk: int) -> set[int]:
+  """The padded lengths of the chunks `Scheduler.prefill` runs for n tokens: whole chunks, then the rest's
+  bucket."""
+  if n <= 0:
+    return set()
+  return ({chunk} if n > chunk else set()) | {_bucket(n % chunk or chunk, 16, chunk)}
+
+
 class Scheduler:
   def __init__(self, steps: Steps, params, run: RunConfig, num_pages: int, max_context: int,
                new_cache: Callable[[], kvc.PagedKV], eos_ids: tuple[int, ...], salt: bytes = b""):
@@ -323,6 +331,40 @@ class Scheduler:
           self.release(r)
           live[b] = None
 
+  # -- ahead-of-time compilation ---------------------------------------------------------------------------------
+  def compile_programs(self, buckets=(), decode: tuple[tuple[int, bool], ...] = (), first_token: bool = False,
+                       copies: tuple[int, ...] = ()) -> int:
+    """Compile, without running them, the programs serving calls will use: the prefill chunk of each padded length
+    in `buckets`, the first-token sampler, the decode loop of each (steps, greedy) in `decode`, and the page copy
+    of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
+    the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
+    then neither trace nor compile. Returns the number of programs."""
+    i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
+    W, B, n = self.table_width, self.run.max_batch, 0
+    logits = None
+    for Tb in sorted(set(buckets)):
+      z = i32(1, Tb)
+      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, z, i32(1, W), i32(1), i32(1)).compile()
+      logits = compiled.out_info[0]
+      n += 1
+    if first_token:
+      if logits is None:
+        logits = self.steps.prefill.lower(self.params, self.cache, i32(1, 16), i32(1, 16), i32(1, 16), i32(1, W),
+                                          i32(1), i32(1)).out_info[0]
+      self.steps.first_token.lower(logits, stack_sampling([SamplingParams()]), i32(1)).compile()
+      n += 1
+    for steps, greedy in sorted(set(decode)):
+      state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
+      sp = stack_sampling([SamplingParams()] * B)
+      self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
+                              greedy=greedy).compile()
+      n += 1
+    for k in sorted(set(copies)):
+      src = jnp.asarray(tuple(range(k)), jnp.int32)
+      self.steps.copy_pages.lower(self.cache, src, src).compile()
+      n += 1
+    return n
+
   def prefill(self, r: Request, sample: bool = True):
     """Prefill r.prompt[r.cached:] in chunks (what comes before is in the cache), then sample a token (or, with
     sample=False, return the last chunk's logits [1, V], None when nothing was left to prefill)."""
@@ -352,7 +394,7 @@ class Scheduler:
       r.prefill_s = time.perf_counter() - t0
       return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
-    tok = int(tok[0])
+    tok = int(np.asarray(tok)[0])          # read on the host: indexing the device array would compile a program
     r.first_token_at = time.perf_counter()
     r.prefill_s = r.first_token_at - t0
     r.out.append(tok)

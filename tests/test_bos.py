@@ -136,6 +136,16 @@ def test_prefix_and_context_continuations_get_no_second_bos(eng, vocab, seen):
   assert all(_one_bos(ids) for ids in seen)
 
 
+def test_a_chat_context_and_its_question_are_the_chat_transformers_renders(eng, vocab, seen):
+  """engine.prefill(doc, chat=True) + generate(question, context=ctx, chat=True): the ids transformers gives the
+  whole chat, one BOS."""
+  fix, _ = vocab
+  with eng.prefill(l3.DOC, chat=True) as ctx:
+    eng.generate("What is the password?", context=ctx, chat=True, max_new_tokens=1)
+  assert seen[1] == fix["transformers_chat_ids"][2] and seen[1][:len(seen[0])] == seen[0]
+  assert _one_bos(seen[1])
+
+
 # -- the CLI, in this process ----------------------------------------------------------------------------------
 
 def test_cli_prompts_get_exactly_one_bos(ckpt, seen, tmp_path):

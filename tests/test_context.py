@@ -559,7 +559,7 @@ def test_chat_prompts_go_through_the_template(eng):
     reqs, single, _ = eng._requests(msgs, 1, None, None, None, chat=True)
     assert single and reqs[0].prompt == tok.encode("[system] be brief\n[user] hi\n[assistant] ", add_bos=True)
     assert reqs[0].prompt.count(1) == 1
-    with pytest.raises(RequestError, match="no prefix= or context="):
+    with pytest.raises(RequestError, match=r"not a prefix=: .* engine.prefill\(document, chat=True\)"):
       eng._requests(["hi"], 1, None, [5, 6], None, chat=True)
     with pytest.raises(RequestError, match="messages"):
       eng._make_requests([[{"role": "user"}]], 1, None, chat=True)

@@ -12,7 +12,7 @@ fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
 On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (lcjax.checkpoint.atomic:
 a killed save leaves nothing that loads, and the next save to DST removes what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
-                 count and layout; written last
+                 count and layout, a chat context's continuation (lcjax.tokenizer.ChatContinuation); written last
   tokens.npy     int32 token ids
   kv.bin         for each layer, K then V pages [n_pages, Z, K, H] in the cache dtype, raw (streamed in and out
                  at disk speed; one layer in host memory at a time)
@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.engine.requests import RequestError
+from lcjax.tokenizer import ChatContinuation
 
 FORMAT = "lcjax-context-v2"
 FORMATS = ("lcjax-context-v1", FORMAT)      # read
@@ -214,12 +215,15 @@ def _prefetch(it, depth: int = 2):
 
 class Context:
   """A prefilled, pinned context (see `Engine.prefill`). Holds its pages until `close()`; usable as a context
-  manager. `len(ctx)` is its token count; `ctx.stats` says how it was made."""
+  manager. `len(ctx)` is its token count; `ctx.stats` says how it was made (`seconds`: the prefill or restore
+  time it paid, reported here and in no generation's stats); `ctx.chat` is set for a chat context
+  (`Engine.prefill(..., chat=True)`)."""
 
   def __init__(self, engine, token_ids: list[int], seq: int, *, cached_tokens: int = 0, source: str = "prefill",
-               seconds: float = 0.0):
+               seconds: float = 0.0, chat: ChatContinuation | None = None):
     self.engine = engine
     self.token_ids = list(token_ids)
+    self.chat = chat              # set: the context is a chat's open user turn, continued by questions (chat=True)
     self.seq: int | None = None
     self._finalizer = None
     self._hold(seq)
@@ -335,7 +339,8 @@ class Context:
           np.save(os.path.join(out.tmp, SCALES_FILE), scales)
         meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
                     page_size=eng.run.page_size, layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads,
-                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta)
+                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta,
+                    chat=self.chat.to_dict() if self.chat is not None else None)
       with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
       out.commit()
@@ -431,6 +436,7 @@ def load_context(engine, path) -> Context:
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)
-  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
+  chat = ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None
+  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0, chat=chat)
   ctx.meta = dict(meta.get("meta") or {})
   return ctx

@@ -31,7 +31,7 @@ from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
 from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
-from lcjax.engine.scheduler import Request, Scheduler
+from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
 from lcjax.ops.backends import get_backend
@@ -274,20 +274,34 @@ class Engine:
     self.limits.check_ids(ids)
     return ids
 
+  def _check_chat_template(self) -> None:
+    if self.tokenizer is None or not self.tokenizer.chat_template:
+      where = "this engine has no tokenizer" if self.tokenizer is None else f"{self.tokenizer.path} has none"
+      raise RequestError(f"chat=True needs a checkpoint with a chat template; {where}")
+
   def _chat_ids(self, prompt) -> list[int]:
     """A text prompt as the user turn of a chat, or a list of {"role", "content"} messages, through the
     checkpoint's chat template (which writes its own BOS)."""
-    if self.tokenizer is None or not self.tokenizer.chat_template:
-      raise RequestError("chat=True needs a checkpoint with a chat template")
+    self._check_chat_template()
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
       raise RequestError(f"a chat prompt is text or a non-empty list of {{'role', 'content'}} messages, not "
                          f"{str(prompt)[:60]!r}")
     return self.encode(self.tokenizer.encode_chat(messages))
 
-  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False
-                     ) -> list[Request]:
-    """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS)."""
+  def _question_ids(self, question, chat) -> list[int]:
+    """The ids that continue a chat context (lcjax.tokenizer.ChatContinuation) with a text question."""
+    if not isinstance(question, str):
+      raise RequestError(f"a question about a chat context is text, not {str(question)[:60]!r}")
+    if not question:
+      raise RequestError("empty question: give at least one character")
+    return self.encode(chat.text(question), add_bos=False)
+
+  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False,
+                     continuation=None) -> list[Request]:
+    """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS), or with
+    `continuation`, questions that continue a chat context. Prompt i samples with seed `sampling.seed + i`, so
+    the prompts of a batch draw independently and a call is reproducible."""
     Limits.check_max_new(max_new_tokens)
     try:
       sp = SamplingParams.make(sampling)
@@ -296,9 +310,13 @@ class Engine:
     head = list(head)
     reqs = []
     for i, p in enumerate(prompts):
-      ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
+      if continuation is not None:
+        ids = head + self._question_ids(p, continuation)
+      else:
+        ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
       self.limits.check(i, ids, max_new_tokens, prefix_len=len(head))
-      reqs.append(Request(i, ids, int(max_new_tokens), sp, prefix_len=len(head)))
+      own = dataclasses.replace(sp, seed=(sp.seed + i) % 2**32)
+      reqs.append(Request(i, ids, int(max_new_tokens), own, prefix_len=len(head)))
     return reqs
 
   @staticmethod
@@ -319,17 +337,24 @@ class Engine:
     """(requests, single prompt?, prefix ids to pin for the call or None)."""
     if prefix is not None and context is not None:
       raise RequestError("give prefix= or context=, not both")
-    if chat and (prefix is not None or context is not None):
-      raise RequestError("chat=True renders whole conversations: give it no prefix= or context=")
+    if chat and prefix is not None:
+      raise RequestError("chat=True renders whole conversations, not a prefix=: for questions about one document, "
+                         "prefill it with engine.prefill(document, chat=True) and pass context=")
     plist, single = self._as_list(prompts)
-    if chat:
-      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
     if context is not None:
       context._check_usable(self)
-      reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids)
+      if chat and context.chat is None:
+        raise RequestError("chat=True continues a context prefilled with engine.prefill(document, chat=True); this "
+                           "one was prefilled without chat")
+      if not chat and context.chat is not None:
+        raise RequestError("this context is an open chat turn (prefilled with chat=True): ask with chat=True")
+      reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids,
+                                 continuation=context.chat)
       for r in reqs:
         r.prefix_seq = context.seq
       return reqs, single, None
+    if chat:
+      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
     head = self.encode(prefix) if prefix is not None else []
     return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
 
@@ -339,20 +364,25 @@ class Engine:
     """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
 
     `context` (from `prefill` or `load_context`) continues a pinned context: each prompt follows its tokens
-    (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call.
-    Either way the context's pages are shared by all requests (copy-on-write of the last, partly filled page).
-    sampling: None or "greedy", a SamplingParams, or a dict of its fields. chat=True: each prompt (text, or a
-    list of {"role", "content"} messages) goes through the checkpoint's chat template. on_progress(prompt index,
+    (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call: its
+    prefill is in the stats of the first result (prefill_s, prefill_tokens, shared_prefix_prefill_s), the others
+    count it as cached. Either way the context's pages are shared by all requests (copy-on-write of the last,
+    partly filled page). sampling: None or "greedy", a SamplingParams, or a dict of its fields; prompt i draws
+    with seed `seed + i`. chat=True: each prompt (text, or a list of {"role", "content"} messages) goes through
+    the checkpoint's chat template; with a context prefilled with chat=True, each prompt is a question that
+    continues the context's user turn (the tokens of the cold chat of document + "\n\n" + question).
+    stats["time_to_first_token_s"]: from the call to the prompt's first token. on_progress(prompt index,
     tokens prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
     decode_steps: tokens per decode call of the device loop (default: run.decode_steps); it never changes the
     tokens, only how often the host sees them.
     """
+    t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     with self._progress(on_progress):
       for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps):
         pass
-    self.last_results = [self._result(r) for r in reqs]
+    self.last_results = [self._result(r, t0) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
@@ -362,6 +392,7 @@ class Engine:
     `decode_steps` tokens (default: run.stream_decode_steps, else run.decode_steps), at a time; decode_steps=1
     yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
     The other arguments are generate()'s."""
+    t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     sent = {r.index: "" for r in reqs}
@@ -373,7 +404,7 @@ class Engine:
         if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
           yield r.index, stable[len(sent[r.index]):]
           sent[r.index] = stable
-    self.last_results = [self._result(r) for r in reqs]
+    self.last_results = [self._result(r, t0) for r in reqs]
 
   @staticmethod
   def _decode_steps(given, default: int) -> int:
@@ -406,29 +437,80 @@ class Engine:
       return ""
     return self.tokenizer.decode([t for t in ids if t not in self.cfg.eos_ids], skip_special_tokens=True)
 
-  def _result(self, r: Request) -> GenerationResult:
+  def _result(self, r: Request, t_call: float | None = None) -> GenerationResult:
+    """r's result; its prefill stats include the shared prefix's prefill when r paid it (Scheduler.serve)."""
     n_dec = max(len(r.out) - 1, 0)
+    prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
+    ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")
     stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
                  weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
                  cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
-                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
-                 host_cached_tokens=r.from_host,
-                 prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,
+                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=len(r.prompt) - prefilled,
+                 host_cached_tokens=r.from_host, prefill_tokens=prefilled,
+                 prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,
+                 time_to_first_token_s=ttft,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
 
+  def warm_up(self, prompt_tokens: int | None, *, context_tokens: int = 0, prefill_context: bool = True,
+              sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
+    """Compile, without running anything, the programs a generate of one prompt of `prompt_tokens` tokens uses
+    (after a pinned context of `context_tokens`, whose prefill's chunks are compiled too unless
+    prefill_context=False): its prefill chunks, the first token, the decode loop of its sampling and decode_steps
+    (default run.decode_steps), the copy of a context's partly filled last page, and prefill chunks of the padded
+    lengths `more_buckets` (questions to come). With a warm persistent compilation cache this is tracing and
+    lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks elsewhere). Returns the
+    number of programs compiled."""
+    try:
+      sp = SamplingParams.make(sampling)
+    except (TypeError, ValueError) as e:
+      raise RequestError(str(e)) from None
+    C, Z = self.run.prefill_chunk, self.run.page_size
+    buckets = set(more_buckets)
+    if context_tokens and prefill_context:
+      buckets |= chunk_buckets(context_tokens, C)
+    if prompt_tokens:
+      buckets |= chunk_buckets(prompt_tokens, C)
+    asks = bool(prompt_tokens or more_buckets)
+    decode = ((self._decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
+    with self.scheduler.lock:
+      self.scheduler.check_open()
+      return self.scheduler.compile_programs(buckets, decode, first_token=asks,
+                                             copies=(1,) if context_tokens % Z and asks else ())
+
   # -- contexts -----------------------------------------------------------------------------------------------
-  def prefill(self, document, *, on_progress=None) -> Context:
+  def prefill(self, document, *, chat: bool = False, system: str | None = None, on_progress=None) -> Context:
     """Prefill a document (text or ids) once and pin it: the returned Context holds its pages until
     `close()` (or the end of a `with` block); `generate(..., context=ctx)` continues it. Full pages already in
-    the prefix cache are reused, not recomputed."""
-    ids = self.encode(document)
+    the prefix cache are reused, not recomputed. Its prefill time is `ctx.stats["seconds"]`.
+
+    chat=True (text): the context is the checkpoint's chat up to the end of the document in the user turn (after a
+    system turn of `system`, or the template's default); `generate(question, context=ctx, chat=True)` continues
+    it with "\n\n" + question, the end of the turn and the assistant's prompt, in the tokens of the cold chat of
+    that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
+    question, since a tokenizer may merge them with what follows)."""
+    continuation = None
+    if chat:
+      self._check_chat_template()
+      if not isinstance(document, str):
+        raise RequestError(f"chat=True prefills a text document, not {str(document)[:60]!r}")
+      if not document:
+        raise RequestError("empty document: give at least one character")
+      try:
+        split = self.tokenizer.chat_document(document, system)
+      except ValueError as e:
+        raise RequestError(str(e)) from None
+      ids, continuation = self.encode(split.ids), split.continuation
+    elif system is not None:
+      raise RequestError(f"system={system[:40]!r} is a chat turn: give chat=True too")
+    else:
+      ids = self.encode(document)
     self.limits.check(0, ids, 1)
     t0 = time.perf_counter()
     with self._progress(on_progress):
       seq, cached = self.scheduler.pin(ids)
-    return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0)
+    return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0, chat=continuation)
 
   def load_context(self, path) -> Context:
     """Restore a context saved by `Context.save` onto this engine's devices (any mesh). A context saved by

@@ -49,7 +49,10 @@ class Request:
   written: int = 0                 # tokens whose K/V are in the cache
   epoch: int = -1                  # the scheduler's epoch at admission (its pages are void in a later one)
   out: list[int] = dataclasses.field(default_factory=list)
-  prefill_s: float = 0.0
+  prefill_s: float = 0.0          # seconds of this request's own prefill (and first token)
+  shared_prefill_s: float = 0.0   # seconds of the call's shared prefix prefill, paid by its first request
+  shared_prefill_tokens: int = 0  # tokens of that prefix prefilled (not taken from the prefix cache)
+  first_token_at: float | None = None   # time.perf_counter() when the first token was sampled
   decode_s: float = 0.0
   finish: str | None = None        # "eos" | "length"
 
@@ -57,6 +60,14 @@ class Request:
 def _bucket(n: int, lo: int, hi: int | None = None) -> int:
   b = max(lo, 1 << max(0, n - 1).bit_length())
   return min(b, hi) if hi else b
+
+
+def chunk_buckets(n: int, chunk: int) -> set[int]:
+  """The padded lengths of the chunks `Scheduler.prefill` runs for n tokens: whole chunks, then the rest's
+  bucket."""
+  if n <= 0:
+    return set()
+  return ({chunk} if n > chunk else set()) | {_bucket(n % chunk or chunk, 16, chunk)}
 
 
 class Scheduler:
@@ -279,9 +290,13 @@ class Scheduler:
       base = None
       try:
         if prefix is not None:
-          base, _ = self.pin(prefix, what="the shared prefix")
+          t0 = time.perf_counter()
+          base, cached = self.pin(prefix, what="the shared prefix")
           for r in reqs:
             r.prefix_seq, r.prefix_len = base, len(prefix)
+          if reqs:      # paid once, reported by the first request
+            reqs[0].shared_prefill_s = time.perf_counter() - t0
+            reqs[0].shared_prefill_tokens = len(prefix) - cached
         yield from self._drive(reqs, decode_steps or self.run.decode_steps)
       finally:
         for r in reqs:
@@ -316,6 +331,40 @@ class Scheduler:
           self.release(r)
           live[b] = None
 
+  # -- ahead-of-time compilation ---------------------------------------------------------------------------------
+  def compile_programs(self, buckets=(), decode: tuple[tuple[int, bool], ...] = (), first_token: bool = False,
+                       copies: tuple[int, ...] = ()) -> int:
+    """Compile, without running them, the programs serving calls will use: the prefill chunk of each padded length
+    in `buckets`, the first-token sampler, the decode loop of each (steps, greedy) in `decode`, and the page copy
+    of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
+    the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
+    then neither trace nor compile. Returns the number of programs."""
+    i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
+    W, B, n = self.table_width, self.run.max_batch, 0
+    logits = None
+    for Tb in sorted(set(buckets)):
+      z = i32(1, Tb)
+      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, z, i32(1, W), i32(1), i32(1)).compile()
+      logits = compiled.out_info[0]
+      n += 1
+    if first_token:
+      if logits is None:
+        logits = self.steps.prefill.lower(self.params, self.cache, i32(1, 16), i32(1, 16), i32(1, 16), i32(1, W),
+                                          i32(1), i32(1)).out_info[0]
+      self.steps.first_token.lower(logits, stack_sampling([SamplingParams()]), i32(1)).compile()
+      n += 1
+    for steps, greedy in sorted(set(decode)):
+      state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
+      sp = stack_sampling([SamplingParams()] * B)
+      self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
+                              greedy=greedy).compile()
+      n += 1
+    for k in sorted(set(copies)):
+      src = jnp.asarray(tuple(range(k)), jnp.int32)
+      self.steps.copy_pages.lower(self.cache, src, src).compile()
+      n += 1
+    return n
+
   def prefill(self, r: Request, sample: bool = True):
     """Prefill r.prompt[r.cached:] in chunks (what comes before is in the cache), then sample a token (or, with
     sample=False, return the last chunk's logits [1, V], None when nothing was left to prefill)."""
@@ -345,8 +394,9 @@ class Scheduler:
       r.prefill_s = time.perf_counter() - t0
       return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
-    tok = int(tok[0])
-    r.prefill_s = time.perf_counter() - t0
+    tok = int(np.asarray(tok)[0])          # read on the host: indexing the device array would compile a program
+    r.first_token_at = time.perf_counter()
+    r.prefill_s = r.first_token_at - t0
     r.out.append(tok)
     if tok in self.eos_ids:
       r.finish = "eos"

@@ -299,16 +299,17 @@ def _check_context_flags() -> None:
 
 def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
   """(token ids of the context, text that closes a question) from --context_file or --load_context."""
-  from lcjax.engine.context import read_meta
+  from lcjax.engine.context import read_meta, read_tokens
   from lcjax.engine.requests import RequestError
   if not (FLAGS.context_file or FLAGS.load_context):
     return None, ""
   if FLAGS.load_context:
-    meta = read_meta(os.path.abspath(FLAGS.load_context))
-    import numpy as np
-    ids = np.load(os.path.join(FLAGS.load_context, "tokens.npy")).tolist()
+    path = os.path.abspath(FLAGS.load_context)
+    meta = read_meta(path)
+    ids = read_tokens(path, meta)
     limits.check(0, ids, 1)
-    return ids, (meta.get("meta") or {}).get("question_tail", "\n")
+    tail = meta["meta"].get("question_tail", "\n")
+    return ids, tail if isinstance(tail, str) else "\n"
   if tokenizer is None:
     raise RequestError("--context_file needs a checkpoint with a tokenizer")
   doc = _read_text("context_file")

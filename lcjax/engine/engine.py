@@ -9,7 +9,6 @@ single-device model); the page pool is split over `seq` and KV heads over `tenso
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -239,7 +238,7 @@ class Engine:
     generated token is sampled from. Its pages are released afterwards."""
     r = self._make_requests([prompt], 1, None)[0]
     sched = self.scheduler
-    with sched.lock:
+    with sched.exclusive():
       sched.check_open()
       if not sched.admit(r):
         raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
@@ -350,9 +349,10 @@ class Engine:
     """
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
-    with self._progress(on_progress):
-      for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps):
-        pass
+    for r in reqs:
+      r.on_progress = on_progress
+    for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
+      pass
     self.last_results = [self._result(r) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
@@ -365,8 +365,10 @@ class Engine:
     The other arguments are generate()'s."""
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
+    for r in reqs:
+      r.on_progress = on_progress
     sent = {r.index: "" for r in reqs}
-    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps), on_progress):
+    for r in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
       text = self._text(r.out)
       if text != sent[r.index]:
         # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
@@ -383,24 +385,6 @@ class Engine:
     if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
       raise RequestError(f"decode_steps={given!r} must be an integer >= 1")
     return int(given)
-
-  @contextlib.contextmanager
-  def _progress(self, on_progress):
-    before, self.scheduler.on_progress = self.scheduler.on_progress, on_progress
-    try:
-      yield
-    finally:
-      self.scheduler.on_progress = before
-
-  def _progressing(self, it, on_progress):
-    """Drive a generator with `on_progress` set only while it runs (a stream interleaves with other calls)."""
-    while True:
-      with self._progress(on_progress):
-        try:
-          x = next(it)
-        except StopIteration:
-          return
-      yield x
 
   def _text(self, ids) -> str:
     if self.tokenizer is None:
@@ -426,8 +410,7 @@ class Engine:
     ids = self.encode(document)
     self.limits.check(0, ids, 1)
     t0 = time.perf_counter()
-    with self._progress(on_progress):
-      seq, cached = self.scheduler.pin(ids)
+    seq, cached = self.scheduler.pin(ids, on_progress=on_progress)
     return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0)
 
   def load_context(self, path) -> Context:

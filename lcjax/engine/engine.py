@@ -185,11 +185,14 @@ class Engine:
   def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None,
              mesh: jax.sharding.Mesh | None = None):
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
-    The weights depend on `seed` only, never on the mesh."""
+    The weights depend on `seed` only, never on the mesh. A run whose memory plan does not fit the devices is
+    refused (ConfigError) before anything is allocated, as `load` and the CLI refuse it."""
     run = (run or RunConfig()).for_platform(jax.default_backend())
     compile_cache.enable(run.compile_cache)
     mesh = placement.mesh_for(run, mesh)
+    check_context_length(model_cfg, run)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
+    planlib.require_fit(planlib.plan(model_cfg, run), model_cfg, run, *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype)
 
     @functools.partial(jax.jit, out_shardings=shardings)

@@ -478,41 +478,212 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
   _idle(b)
 
 
-def test_a_v1_fp8_context_loads_with_its_per_layer_scales(tmp_path):
-  """Format v1 stored fp8 pages at one scale per (layer, kv head): they load with that scale on every page. The
-  v1 context here is a v2 save rewritten to the largest page scale of each layer (powers of two: the values
-  shift exponents), so it dequantizes to the same values wherever they stay e4m3 normals."""
+# -- saved contexts are checked ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8():
+  """An fp8 engine (a context of it has all four files) and its reference answer to DOC + QS[0]."""
+  e = _engine(cache_dtype="float8_e4m3fn")
+  e.want = e.generate(DOC + QS[0], max_new_tokens=6).token_ids
+  return e
+
+
+@pytest.fixture(scope="module")
+def saved(fp8, tmp_path_factory):
+  path = tmp_path_factory.mktemp("saved") / "doc"
+  with fp8.prefill(DOC) as ctx:
+    ctx.meta = {"question_tail": "\n"}
+    ctx.save(path)
+  return path
+
+
+def _flip(at):
+  def corrupt(d, name):
+    data = bytearray((d / name).read_bytes())
+    i = min(int(at * len(data)), len(data) - 8)
+    data[i:i + 8] = bytes(x ^ 0x5A for x in data[i:i + 8])
+    (d / name).write_bytes(bytes(data))
+  return corrupt
+
+
+def _rewrite_json(change, keep_digest=False):
+  """context.json rewritten by change(meta) -> new JSON value; with keep_digest=False the digest is recomputed,
+  as a tool that knows the format would, so the field checks behind it are what refuses."""
   import json
-  eng = _engine(cache_dtype="float8_e4m3fn")
-  with eng.prefill(DOC) as ctx:
-    ctx.save(tmp_path / "doc")
+
+  def corrupt(d, name):
+    meta = json.loads((d / name).read_text())
+    new = change(meta)
+    if isinstance(new, dict) and not keep_digest:
+      new["digest"] = ctxlib._meta_digest(new)
+    (d / name).write_text(json.dumps(new))
+  return corrupt
+
+
+def _rewrite_npy(change):
+  def corrupt(d, name):
+    np.save(d / name, change(np.load(d / name)))
+  return corrupt
+
+
+def _swapped(ids):
+  ids = ids.copy()
+  ids[[3, 30]] = ids[[30, 3]]
+  return ids
+
+
+def _set(key, value):
+  def change(meta):
+    meta[key] = value
+    return meta
+  return change
+
+
+def _drop(key):
+  def change(meta):
+    del meta[key]
+    return meta
+  return change
+
+
+def _kv_blocks_less_one(meta):
+  meta["checksums"]["files"]["kv.bin"]["blocks"][1][0].pop()
+  return meta
+
+
+CORRUPTIONS = {
+    "truncated": lambda d, name: (d / name).write_bytes((d / name).read_bytes()[:(d / name).stat().st_size // 2]),
+    "empty": lambda d, name: (d / name).write_bytes(b""),
+    "missing": lambda d, name: os.remove(d / name),
+    "flip-early": _flip(0.02), "flip-middle": _flip(0.5), "flip-late": _flip(0.98),
+}
+CASES = [(name, how) for name in ("context.json", "tokens.npy", "kv.bin", "scales.npy") for how in CORRUPTIONS]
+CASES += [
+    ("tokens.npy", "swap-ids"), ("tokens.npy", "other-valid-ids"), ("scales.npy", "scales-x100"),
+    ("kv.bin", "swap-layers"),
+    ("context.json", "a-list"), ("context.json", "no-pages"), ("context.json", "no-checksums"),
+    ("context.json", "tokens-a-string"), ("context.json", "pages-a-bool"), ("context.json", "meta-a-list"),
+    ("context.json", "fingerprint-a-list"), ("context.json", "one-block-sum-short"),
+    ("context.json", "pages-edited-digest-kept"), ("context.json", "v2-without-checksums"),
+]
+SPECIAL = {
+    "swap-ids": _rewrite_npy(_swapped),
+    "other-valid-ids": _rewrite_npy(lambda ids: np.where(ids == ids[10], 7, ids).astype(np.int32)),
+    "scales-x100": _rewrite_npy(lambda s: s * 100),
+    "a-list": _rewrite_json(lambda meta: list(meta.items())),
+    "no-pages": _rewrite_json(_drop("pages")),
+    "no-checksums": _rewrite_json(_drop("checksums")),
+    "tokens-a-string": _rewrite_json(_set("tokens", "45")),
+    "pages-a-bool": _rewrite_json(_set("pages", True)),
+    "meta-a-list": _rewrite_json(_set("meta", [])),
+    "fingerprint-a-list": _rewrite_json(_set("fingerprint", [])),
+    "one-block-sum-short": _rewrite_json(_kv_blocks_less_one),
+    "pages-edited-digest-kept": _rewrite_json(_set("pages", 7), keep_digest=True),
+    "v2-without-checksums": _rewrite_json(lambda m: _drop("checksums")(_set("format", "lcjax-context-v2")(m))),
+}
+
+
+def _swap_layers(d, name):
+  data = (d / name).read_bytes()
+  half = len(data) // 2                   # layer 0 (K, V) | layer 1 (K, V): the same size, each well formed
+  (d / name).write_bytes(data[half:] + data[:half])
+
+
+SPECIAL["swap-layers"] = _swap_layers
+MESSAGES = {"v2-without-checksums": "has format 'lcjax-context-v2', saved without checksums; this lcjax reads "
+                                    "lcjax-context-v3 only",
+            "a-list": "holds a JSON list, not an object", "no-pages": "no 'pages' field",
+            "tokens-a-string": "tokens='45' is not an integer", "pages-a-bool": "pages=True is not an integer",
+            "one-block-sum-short": "checksums of kv.bin are not 2 layers x 2 x 1 blocks",
+            "pages-edited-digest-kept": "context.json does not match its checksum",
+            "swap-ids": r"tokens.npy \(308 bytes\) does not match its checksum",
+            "scales-x100": r"scales.npy \(\d+ bytes\) does not match its checksum",
+            "swap-layers": r"kv.bin \(layer 0 K pages 0..5\) does not match its checksum \(blake2b [0-9a-f]{16}, "
+                           r"context.json says [0-9a-f]{16}\): it was changed or damaged after the save"}
+
+
+@pytest.mark.parametrize("name, how", CASES, ids=[f"{n}-{h}" for n, h in CASES])
+def test_a_damaged_saved_context_is_refused_and_nothing_of_it_is_cached(fp8, saved, tmp_path, name, how):
+  """Every file of a saved context, damaged in each way: refused in one line naming the file, the engine usable,
+  no page of the context left in the pool or the prefix cache (a plain prompt that starts with the document is
+  answered as before: no poisoned page serves it)."""
+  import re
+  import shutil
   d = tmp_path / "doc"
-  meta = json.loads((d / "context.json").read_text())
-  scales = np.load(d / "scales.npy")                                     # [L, 2, n, K]
-  L, n, K, Z, H = meta["layers"], meta["pages"], meta["kv_heads"], meta["page_size"], meta["head_dim"]
-  kv = np.fromfile(d / "kv.bin", np.dtype("float8_e4m3fn")).reshape(L, 2, n, Z, K, H)
-  values = kv.astype(np.float32) * scales[:, :, :, None, :, None]
-  per_layer = scales.max(axis=2)                                          # [L, 2, K]
-  old = (values / per_layer[:, :, None, None, :, None]).astype(kv.dtype)
-  old.tofile(d / "kv.bin")
-  os.remove(d / "scales.npy")
-  meta.update(format="lcjax-context-v1", k_scale=per_layer[:, 0].tolist(), v_scale=per_layer[:, 1].tolist())
-  (d / "context.json").write_text(json.dumps(meta))
-  eng.prefix_cache.clear()
-  with eng.load_context(d) as ctx:
-    k, v, ks, vs = _pages(eng, ctx.pages())
-    for x, s, part in ((k, ks, 0), (v, vs, 1)):
-      np.testing.assert_array_equal(s, np.broadcast_to(per_layer[:, part, None], s.shape))
-      np.testing.assert_array_equal(x.astype(np.float32), old[:, part].astype(np.float32))
-      deq = x.astype(np.float32) * s[:, :, None, :, None]
-      normal = np.abs(x.astype(np.float32)) >= 2.0 ** -6
-      np.testing.assert_array_equal(deq[normal], values[:, part][normal])
-  meta["format"] = "lcjax-context-v0"
-  (d / "context.json").write_text(json.dumps(meta))
-  with pytest.raises(ContextError, match="has format 'lcjax-context-v0', this lcjax reads lcjax-context-v1 and "
-                                         "lcjax-context-v2"):
-    eng.load_context(d)
+  shutil.copytree(saved, d)
+  (SPECIAL.get(how) or CORRUPTIONS[how])(d, name)
+  fp8.prefix_cache.clear()
+  with pytest.raises(ContextError) as e:
+    fp8.load_context(d)
+  msg = str(e.value)
+  assert "\n" not in msg and len(msg) < 400, msg
+  assert re.search(MESSAGES.get(how, re.escape(name if how != "missing" or name == "context.json" else
+                                               f"has no {name}")), msg), msg
+  _idle(fp8)
+  assert fp8.prefix_cache.match(DOC, len(DOC)) == []
+  got = fp8.generate(DOC + QS[0], max_new_tokens=6)
+  assert got.stats["cached_tokens"] == 0 and got.token_ids == fp8.want
+
+
+def test_an_intact_saved_context_loads_after_the_matrix(fp8, saved):
+  """The copy the matrix damaged loads untouched (its checksums match), and answers as the prefill did."""
+  fp8.prefix_cache.clear()
+  with fp8.load_context(saved) as ctx:
+    assert ctx.meta == {"question_tail": "\n"}
+    assert fp8.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == fp8.want
+  _idle(fp8)
+
+
+def test_overwrite_replaces_only_a_saved_context(eng, tmp_path):
+  keep = tmp_path / "notes"
+  keep.mkdir()
+  (keep / "thesis.txt").write_text("years of work")
+  (tmp_path / "file").write_text("x")
+  with eng.prefill(DOC) as ctx:
+    for victim in (keep, tmp_path / "file"):
+      with pytest.raises(ContextError, match=rf"{victim} is a (directory|file) but not a saved context \(no "
+                                             r"context.json\): overwrite replaces only a saved context"):
+        ctx.save(victim, overwrite=True)
+    assert (keep / "thesis.txt").read_text() == "years of work" and (tmp_path / "file").read_text() == "x"
+    ctx.save(tmp_path / "doc")
+    with pytest.raises(ContextError, match="already exists: pass overwrite=True"):
+      ctx.save(tmp_path / "doc")
+    ctx.meta = {"second": True}
+    ctx.save(tmp_path / "doc", overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["doc", "file", "notes"]
+  with eng.load_context(tmp_path / "doc") as ctx:
+    assert ctx.meta == {"second": True}
   _idle(eng)
+
+
+def test_the_weights_fingerprint_reads_every_element():
+  """_weights_digest: a model that differs from another in one element of one middle layer, or by two swapped
+  elements, gets another digest, so a context saved by one is refused by the other (a digest of 16 sampled values
+  per parameter read no element of layers 1..3 of this wq); the same weights sharded over a mesh get the same
+  digest."""
+  import jax
+  from lcjax.engine.engine import _weights_digest
+  from lcjax.sharding import make_mesh
+  cfg = dataclasses.replace(TINY, n_layers=5)
+  a = Engine.random(cfg, run=RUN, seed=3)
+  leaves, tree = jax.tree.flatten(a.params)
+  i = next(k for k, x in enumerate(leaves) if x.ndim == 4)        # a stacked [L, ...] matrix: wq or the like
+  layer2 = np.asarray(leaves[i]).copy()
+  one = layer2.copy()
+  one[2, 1, 3, 5] = np.nextafter(one[2, 1, 3, 5], np.float32(np.inf))   # one ulp in layer 2
+  swap = layer2.copy()
+  swap[2, 0, 0, [0, 1]] = swap[2, 0, 0, [1, 0]]
+  digests = set()
+  for x in (layer2, one, swap):
+    digests.add(_weights_digest(jax.tree.unflatten(tree, leaves[:i] + [jax.numpy.asarray(x)] + leaves[i + 1:])))
+  assert len(digests) == 3
+  mesh = make_mesh(tensor=2, seq=4)
+  P = jax.sharding.PartitionSpec
+  sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, P(*[None] * (x.ndim - 1), ("seq", "tensor")))), a.params)      # the last axis over 8 devices
+  assert _weights_digest(sharded) == _weights_digest(a.params) == a.fingerprint["weights"]
+  b = Engine(cfg, jax.tree.unflatten(tree, leaves[:i] + [jax.numpy.asarray(one)] + leaves[i + 1:]), run=RUN)
+  assert b.fingerprint["weights"] != a.fingerprint["weights"]
 
 
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):

@@ -363,7 +363,7 @@ class _Document:
 def _context(tokenizer, limits) -> _Document | None:
   """The context from --context_file (a chat context when --chat and the template allow, as
   Engine.prefill(text, chat=True) makes it) or --load_context, checked against the limits."""
-  from lcjax.engine.context import read_meta
+  from lcjax.engine.context import read_meta, read_tokens
   from lcjax.engine.requests import RequestError
   from lcjax.tokenizer import ChatContinuation
   if not (FLAGS.context_file or FLAGS.load_context):
@@ -372,8 +372,7 @@ def _context(tokenizer, limits) -> _Document | None:
     with _names_flag("load_context"):
       path = os.path.abspath(FLAGS.load_context)
       meta = read_meta(path)
-      import numpy as np
-      ids = np.load(os.path.join(path, "tokens.npy")).tolist()
+      ids = read_tokens(path, meta)
     limits.check(0, ids, 1)
     return _Document(ids, ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None)
   if tokenizer is None:

@@ -9,7 +9,6 @@ single-device model); the page pool is split over `seq` and KV heads over `tenso
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -58,21 +57,45 @@ def _peak_host_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@jax.jit
-def _weight_probe(state):
-  """16 evenly spaced values of every parameter, float32."""
-  out = []
-  for leaf in jax.tree.leaves(state):
-    flat = leaf.reshape(-1)
-    out.append(flat[::max(1, flat.size // 16)][:16].astype(jnp.float32))
-  return out
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}   # itemsize -> the bit pattern's type
+_LANES = (0x243F6A88, 0x85A308D3)         # one seed per 32-bit lane of a parameter's digest
+
+
+def _fmix32(h):
+  """MurmurHash3's finalizer: a bijection of uint32 that spreads every input bit over the output."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _bits_checksum(x) -> jax.Array:
+  """[2] uint32: over every element of x, the sum mod 2^32 of fmix32(bits ^ fmix32(position * c + seed)), one
+  seed per lane. A change of any one element changes its term (fmix32 is a bijection), so the sum; a swap or a
+  move of values changes the terms' positions. Integer sums mod 2^32 do not depend on their order: the same value
+  on every mesh, computed where the shards are."""
+  bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)   # 8 bytes: [..., 2]
+  pos = jnp.zeros(bits.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(bits.ndim)):
+    pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= bits.shape[d]
+  return jnp.stack([jnp.sum(_fmix32(bits ^ _fmix32(pos * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))),
+                            dtype=jnp.uint32) for seed in _LANES])
+
+
+_weights_checksums = jax.jit(lambda state: [_bits_checksum(leaf) for leaf in jax.tree.leaves(state)])
 
 
 def _weights_digest(params) -> str:
-  """A digest of 16 evenly spaced values of every parameter (exact values, so any mesh gives the same)."""
+  """A digest of every bit of every parameter (its name, shape and dtype too), from checksums computed on the
+  device (`_bits_checksum`): the same on any mesh, different for weights that differ in any element."""
   h = hashlib.blake2b(digest_size=16)
-  for x in _weight_probe(params):
-    h.update(np.asarray(x).tobytes())
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  for (path, leaf), sums in zip(leaves, _weights_checksums(params)):
+    h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
+    h.update(np.asarray(sums).tobytes())
   return h.hexdigest()
 
 
@@ -178,13 +201,17 @@ class Engine:
   def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None,
              mesh: jax.sharding.Mesh | None = None):
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
-    The weights depend on `seed` only, never on the mesh."""
+    The weights depend on `seed` only, never on the mesh. A run whose memory plan does not fit the devices is
+    refused (ConfigError) before anything is allocated, as `load` and the CLI refuse it."""
     run = (run or RunConfig()).for_platform(jax.default_backend())
     compile_cache.enable(run.compile_cache)
     mesh = placement.mesh_for(run, mesh)
+    check_context_length(model_cfg, run)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
     weights = WeightFormat().for_run(run.weight_dtype)
+    planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
+                        *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
 
     @functools.partial(jax.jit, out_shardings=shardings)
@@ -238,7 +265,7 @@ class Engine:
     are released afterwards."""
     r = self._requests([prompt], 1, None, None, context)[0][0]
     sched = self.scheduler
-    with sched.lock:
+    with sched.exclusive():
       sched.check_open()
       if not sched.admit(r):
         raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
@@ -379,9 +406,10 @@ class Engine:
     t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
-    with self._progress(on_progress):
-      for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps):
-        pass
+    for r in reqs:
+      r.on_progress = on_progress
+    for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
+      pass
     self.last_results = [self._result(r, t0) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
@@ -395,8 +423,10 @@ class Engine:
     t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
+    for r in reqs:
+      r.on_progress = on_progress
     sent = {r.index: "" for r in reqs}
-    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps), on_progress):
+    for r in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
       text = self._text(r.out)
       if text != sent[r.index]:
         # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
@@ -413,24 +443,6 @@ class Engine:
     if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
       raise RequestError(f"decode_steps={given!r} must be an integer >= 1")
     return int(given)
-
-  @contextlib.contextmanager
-  def _progress(self, on_progress):
-    before, self.scheduler.on_progress = self.scheduler.on_progress, on_progress
-    try:
-      yield
-    finally:
-      self.scheduler.on_progress = before
-
-  def _progressing(self, it, on_progress):
-    """Drive a generator with `on_progress` set only while it runs (a stream interleaves with other calls)."""
-    while True:
-      with self._progress(on_progress):
-        try:
-          x = next(it)
-        except StopIteration:
-          return
-      yield x
 
   def _text(self, ids) -> str:
     if self.tokenizer is None:
@@ -508,8 +520,7 @@ class Engine:
       ids = self.encode(document)
     self.limits.check(0, ids, 1)
     t0 = time.perf_counter()
-    with self._progress(on_progress):
-      seq, cached = self.scheduler.pin(ids)
+    seq, cached = self.scheduler.pin(ids, on_progress=on_progress)
     return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0, chat=continuation)
 
   def load_context(self, path) -> Context:

@@ -328,16 +328,22 @@ def _tool(args, **kw):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
-  dst = str(tmp_path / "out")
-  p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
+def kill_mid_conversion(src: str, dst: str) -> str:
+  """Run tools/convert_hf.py from src to dst and kill -9 it once its first tensors are on disk (no cleanup code
+  runs); returns the temporary directory it leaves."""
+  p = _tool([f"--src={src}", f"--dst={dst}"])
   tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 60
-  # kill -9 once the first tensors are on disk: no cleanup code runs
   while not os.path.isdir(os.path.join(tmp, "params", "layers")) and time.time() < deadline:
     time.sleep(0.02)
   p.send_signal(signal.SIGKILL)
   p.wait()
+  return tmp
+
+
+def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
+  dst = str(tmp_path / "out")
+  tmp = kill_mid_conversion(hf_dirs[2], dst)
   assert os.path.isdir(tmp) and not os.path.exists(dst)
   _one_line_error(lambda: load_config(tmp), "incomplete")
   p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])

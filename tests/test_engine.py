@@ -209,20 +209,10 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   scale (chunks are whole pages). Their error against the float32 cache is e4m3's alone: a float32 engine
   writing with clipped per-layer scales errs far more."""
   from lcjax.cache import kv as kvc
-  from lcjax.model import llama
-  real_qkv, real_write, real_angles = llama.Attention.qkv, kvc.write_layer, llama.rope_angles
-  call = {}
-
-  def angles(positions, inv_freq):       # once per forward, before the layers: the call's positions
-    call["positions"] = positions
-    return real_angles(positions, inv_freq)
-
-  def qkv(self, x, rope):
-    q, k, v = real_qkv(self, x, rope)
-    f = jnp.where(call["positions"] >= 8, 4.0, 1.0)[:, :, None, None].astype(k.dtype)
-    return q, k * f, v * f
-  monkeypatch.setattr(llama, "rope_angles", angles)
-  monkeypatch.setattr(llama.Attention, "qkv", qkv)
+  from tests.patch_kv import scale_kv_by_position
+  real_write = kvc.write_layer
+  four_after_first_page = lambda p: jnp.where(p >= 8, 4.0, 1.0)      # noqa: E731
+  scale_kv_by_position(monkeypatch, four_after_first_page, four_after_first_page)
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
   f32, fp8 = _engine(prefill_chunk=32), _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
   # Prompt logits first: a later prompt would read its chunks' keys from the prefix cache's fp8 pages, where a

@@ -77,10 +77,10 @@ def test_a_stream_advanced_from_two_threads_works_and_leaves_nothing_held(eng):
   """One thread takes the first delta, another the rest (the first stays alive meanwhile, so no later thread can
   reuse its id): the deltas are those of a stream on one thread, and afterwards other threads' calls run."""
   eng.prefix_cache.clear()
-  want = [t for _, t in eng.generate_stream(A, max_new_tokens=12)]
+  want = [t for _, t in eng.generate_stream(A, max_new_tokens=24)]
   assert len(want) >= 6, want
   eng.prefix_cache.clear()
-  stream = eng.generate_stream(A, max_new_tokens=12)
+  stream = eng.generate_stream(A, max_new_tokens=24)
   got, first_done, all_done = [], threading.Event(), threading.Event()
 
   def first():

@@ -83,8 +83,8 @@ def _model_name() -> str:
 def _stats_table(engine, res, warmup) -> str:
   s = res.stats
   gib = 1024 ** 3
-  rows = [("model", f"{_model_name()}, {engine.run.dtype} weights, {engine.run.resolved_cache_dtype} KV cache, "
-                    f"attention {engine.attention.name}"),
+  rows = [("model", f"{_model_name()}, {engine.weights.describe(engine.run.dtype)} weights, "
+                    f"{engine.run.resolved_cache_dtype} KV cache, attention {engine.attention.name}"),
           ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the cache, "
                             f"{s['prefill_tokens']:,} prefilled)"),
           ("new tokens", f"{s['new_tokens']:,}"),
@@ -259,6 +259,8 @@ def _generate() -> None:
 
   import jax
   from lcjax.engine import compile_cache, placement
+  from lcjax.checkpoint.layout import checkpoint_format
+  from lcjax.config import WeightFormat
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
@@ -268,7 +270,9 @@ def _generate() -> None:
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   check_context_length(model_cfg, run)
-  plan = planlib.plan(model_cfg, run)
+  weights = WeightFormat().for_run(run.weight_dtype) if ckpt is None else checkpoint_format(ckpt).for_run(
+      run.weight_dtype)
+  plan = planlib.plan(model_cfg, run, weights=weights)
   print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
 

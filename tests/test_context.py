@@ -777,3 +777,48 @@ def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
   for x, y in zip(after, before):
     np.testing.assert_array_equal(x, y)
   _idle(eng)
+
+
+_KILLED_SAVE = """
+import sys, time
+from lcjax.config import preset, RunConfig
+from lcjax.engine import context as ctxlib
+from lcjax.engine.engine import Engine
+eng = Engine.random(preset("tiny"), run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
+                                                  prefill_chunk=32, compile_cache="off"))
+ctx = eng.prefill(list(range(3, 48)))
+digest = ctxlib._digest
+ctxlib._digest = lambda data: (time.sleep(0.3), digest(data))[1]     # a save of many seconds, to be killed in
+ctx.save(sys.argv[1])
+"""
+
+
+def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
+  """kill -9 in the middle of writing kv.bin: no cleanup code runs; neither the destination nor the dead save's
+  temporary directory loads (one-line refusals), and a later save to the same path succeeds and loads."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  dst = tmp_path / "doc"
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=dict(os.environ, PYTHONPATH=repo),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  tmp = f"{dst}.tmp-{p.pid}"
+  deadline = time.time() + 120
+  while not os.path.exists(os.path.join(tmp, "kv.bin")) and time.time() < deadline and p.poll() is None:
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert os.path.isdir(tmp) and not dst.exists(), p.stderr.read()[-2000:]
+  eng = Engine.random(TINY, run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
+                                          prefill_chunk=32))
+  for path, why in ((dst, "no such context directory"), (tmp, "not a complete saved context")):
+    with pytest.raises(ContextError, match=why) as e:
+      eng.load_context(path)
+    assert "\n" not in str(e.value)
+  with eng.prefill(list(range(3, 48))) as ctx:
+    want = eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids
+    ctx.save(dst)
+  with eng.load_context(dst) as ctx:
+    assert eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids == want

@@ -88,7 +88,7 @@ def test_chat_template_gives_the_ids_transformers_gives(vocab):
 def seen(monkeypatch):
   """The token ids that reach the scheduler: the prompt of every request served, every context pinned."""
   got = []
-  serve, pin = Scheduler.serve, Scheduler.pin
+  serve, pin = Scheduler.serve, Scheduler._pin       # _pin: contexts and a call's shared prefix alike
 
   def spy_serve(self, reqs, *a, **kw):
     got.extend(list(r.prompt) for r in reqs)
@@ -99,7 +99,7 @@ def seen(monkeypatch):
     return pin(self, ids, *a, **kw)
 
   monkeypatch.setattr(Scheduler, "serve", spy_serve)
-  monkeypatch.setattr(Scheduler, "pin", spy_pin)
+  monkeypatch.setattr(Scheduler, "_pin", spy_pin)
   return got
 
 

@@ -59,12 +59,20 @@ def test_layout_matches_model():
   replaced by the stored tensors it is assembled from."""
   from lcjax.checkpoint.layout import FUSED, stored_shapes
   from lcjax.config import WeightFormat
+  from lcjax.model.llama import LINEAR
+  from lcjax.ops.linear import kmajor_order
   fused = set()
   for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
     for fmt in (WeightFormat(), WeightFormat(fp8=True), WeightFormat(fp8=True, static_inputs=True)):
       shapes = {n: s for n, (s, _) in param_shapes(cfg, fmt).items()}
       abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, weights=fmt, rngs=nnx.Rngs(0))), nnx.Param)
       names = {"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+      for name, spec in LINEAR.items():     # fp8 weights are held K-major; checkpoints keep the model's layout
+        for key in (name, name + "_scale"):
+          if fmt.fp8:
+            L, *held = names[key]
+            order = kmajor_order(spec)
+            names[key] = (L, *(held[order.index(i)] for i in range(len(order))))
       assert shapes == stored_shapes(names), fmt
       fused |= set(FUSED) & set(names)
   assert fused == set(FUSED)

@@ -85,3 +85,63 @@ def test_tools_and_configs_sit_above_the_package():
       if imp.startswith(("tests", "configs")) or (imp.startswith("tools") and imp not in ("tools.benchlib",)):
         bad.append(f"tools/{path.name} imports {imp}")
   assert not bad, "\n".join(bad)
+
+
+def _module_graph(package: pathlib.Path) -> dict[str, set[str]]:
+  """{module: the modules of `package` it imports}, counting imports inside functions too (a deferred import
+  still ties the two modules together)."""
+  modules = {}
+  for path in package.rglob("*.py"):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+  graph = {}
+  for module, path in modules.items():
+    deps = set()
+    for imp in _imports(path, module):
+      # `from lcjax.ops.fp8 import E4M3` names lcjax.ops.fp8.E4M3: the module is its longest known prefix.
+      parts = imp.split(".")
+      hit = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+      if hit is not None and hit != module and not module.startswith(hit + "."):
+        deps.add(hit)
+    graph[module] = deps
+  return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle of `graph` as [a, b, ..., a], or None."""
+  state = {}                         # module -> 1 while on the depth-first path, 2 once finished
+  path = []
+
+  def visit(m):
+    state[m] = 1
+    path.append(m)
+    for d in sorted(graph[m]):
+      if state.get(d) == 1:
+        return path[path.index(d):] + [d]
+      if d not in state and (found := visit(d)):
+        return found
+    path.pop()
+    state[m] = 2
+    return None
+
+  for m in sorted(graph):
+    if m not in state and (found := visit(m)):
+      return found
+  return None
+
+
+def test_import_cycle_finder():
+  assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles():
+  """Modules import in one direction inside a layer too, deferred imports included: in lcjax.ops the kernels, the
+  Mosaic GPU helpers they share (mgpu_common) and the backends that choose between kernels (pallas_backend,
+  backends)."""
+  graph = _module_graph(ROOT)
+  assert {"lcjax.ops.pallas_flash", "lcjax.ops.mgpu_common"} <= graph["lcjax.ops.pallas_backend"] | \
+      graph["lcjax.ops.pallas_flash"], sorted(graph)
+  cycle = import_cycle(graph)
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+

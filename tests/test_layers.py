@@ -145,3 +145,59 @@ def test_no_import_cycles():
   cycle = import_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
+
+# Import names of the distributions in pyproject's `dependencies` whose name differs from the distribution's.
+_IMPORT_NAMES = {"orbax-checkpoint": "orbax", "absl-py": "absl"}
+
+
+def _required_imports(repo: pathlib.Path) -> set[str]:
+  import re
+  import tomllib
+  deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+  names = {re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in deps}
+  return {_IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names}
+
+
+def _top_level_imports(path: pathlib.Path):
+  """(line, top-level package) of the imports a module runs when it is imported, in order: statements at module
+  level and in module-level if/with/try blocks, not those inside functions or classes. A package that a
+  module-level pytest.importorskip("package") call has checked before is not listed: the module skips without it."""
+  checked = set()
+
+  def walk(body):
+    for node in body:
+      if isinstance(node, ast.Import):
+        yield from ((node.lineno, a.name.split(".")[0]) for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        yield node.lineno, node.module.split(".")[0]
+      elif isinstance(node, (ast.If, ast.With, ast.Try)):
+        for part in (node.body, getattr(node, "orelse", []), *(h.body for h in getattr(node, "handlers", [])),
+                     getattr(node, "finalbody", [])):
+          yield from walk(part)
+      elif isinstance(node, (ast.Expr, ast.Assign)) and isinstance(node.value, ast.Call):
+        f, args = node.value.func, node.value.args
+        if isinstance(f, ast.Attribute) and f.attr == "importorskip" and args and isinstance(args[0], ast.Constant):
+          checked.add(args[0].value.split(".")[0])
+
+  yield from ((line, top) for line, top in walk(ast.parse(path.read_text()).body) if top not in checked)
+
+
+def test_test_modules_import_without_optional_packages():
+  """pytest collects every test module with only the required dependencies installed: an optional package (the
+  `test`, `plot` extras: hypothesis, torch, transformers, matplotlib, nbclient, ...) is imported inside the tests
+  that use it, or through pytest.importorskip, which skips the module with its reason."""
+  repo = ROOT.parent
+  allowed = _required_imports(repo) | set(sys.stdlib_module_names) | {"pytest", "lcjax", "tests", "tools"}
+  assert {"jax", "orbax", "absl", "numpy"} <= allowed
+  bad = []
+  for path in sorted((repo / "tests").glob("*.py")):
+    for line, top in _top_level_imports(path):
+      if top not in allowed:
+        bad.append(f"tests/{path.name}:{line} imports {top} at module level")
+    # The tools a test module imports at module level must import without optional packages too.
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tools."):
+        tool = repo / (node.module.replace(".", "/") + ".py")
+        bad.extend(f"tools/{tool.name}:{line} imports {top} at module level (imported by tests/{path.name})"
+                   for line, top in _top_level_imports(tool) if top not in allowed)
+  assert not bad, "optional packages need pytest.importorskip(..., reason=...):\n" + "\n".join(bad)

@@ -18,6 +18,7 @@ from lcjax.engine.engine import Engine
 from lcjax.ops import attention as ref
 from lcjax.ops import backends
 from lcjax.ops import fp8
+from lcjax.ops import pallas_backend
 from lcjax.ops import pallas_flash
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -212,7 +213,7 @@ def test_fp8_backend_selection(caplog):
   if not ON_GPU:
     assert be.name == "pallas-fp8-model" and be.interpret
     assert "jnp model" in caplog.text
-  assert isinstance(be, pallas_flash.PallasFp8Backend)
+  assert isinstance(be, pallas_backend.PallasFp8Backend)
   with pytest.raises(ValueError, match="runs on the pallas backend, not attention='cudnn'"):
     backends.get_backend("cudnn", attention_dtype="float8_e4m3fn")
   with pytest.raises(ValueError, match="head_dim=96"):
@@ -242,7 +243,7 @@ def test_fp8_backend_runs_the_fp8_path_not_the_reference(monkeypatch):
     raise AssertionError("the FP8 backend fell back to the reference")
 
   monkeypatch.setattr(ref, "attention_reference", boom)
-  be = pallas_flash.PallasFp8Backend(interpret=True)
+  be = pallas_backend.PallasFp8Backend(interpret=True)
   q, k, v = _normal(11, 1, 128, 2, 128), _normal(12, 1, 128, 1, 128), _normal(13, 1, 128, 1, 128)
   out, lse = be.attend(q, k, v, causal=True)
   assert calls and out.shape == q.shape and lse.shape == (1, 128, 2)
@@ -271,8 +272,8 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order):
   off = 7                                                  # the pool holds other pages below this layer's
   pad = lambda x: jnp.concatenate([jnp.zeros((off, *x.shape[1:]), x.dtype), x])
   _poison_references(monkeypatch)
-  monkeypatch.setattr(pallas_flash, "PREFIX_BLOCK_TOKENS", 128)               # 8 pages per block: 3 blocks
-  be = pallas_flash.PallasFp8Backend(interpret=True)
+  monkeypatch.setattr(pallas_backend, "PREFIX_BLOCK_TOKENS", 128)               # 8 pages per block: 3 blocks
+  be = pallas_backend.PallasFp8Backend(interpret=True)
   got = be.paged(q, pad(kp), pad(vp), table, q_pos=q_pos, kv_len=kv_len, k_scale=pad(ks), v_scale=pad(vs),
                  page_offset=off)
   want_o, want_l = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))

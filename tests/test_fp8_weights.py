@@ -22,8 +22,8 @@ from lcjax.config import ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import weight_format
 from lcjax.ops import linear
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="the oracle, HF transformers, runs on torch: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
 
 CFG = ModelConfig("fp8-test", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   ffn_dim=128, rope_theta=10000.0, max_position=512, bos_id=0, eos_ids=(1,))

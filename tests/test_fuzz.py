@@ -22,6 +22,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+
+pytest.importorskip("hypothesis", reason="the requests are drawn by hypothesis: pip install -e '.[test]'")
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from lcjax.checkpoint.layout import CheckpointError

@@ -17,8 +17,10 @@ from lcjax.engine.engine import Engine
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
-# Llama-3-8B's attention shape (32 query heads, 8 kv heads, head dim 128) with two layers and a small vocab.
-CFG = dataclasses.replace(preset("llama3-8b"), name="l3-2layer", n_layers=2, vocab_size=4096, eos_ids=())
+# Llama-3-8B's attention shape (32 query heads, 8 kv heads, head dim 128) with two layers and a small vocab (the
+# prompts are token ids: no BOS, no EOS).
+CFG = dataclasses.replace(preset("llama3-8b"), name="l3-2layer", n_layers=2, vocab_size=4096, bos_id=None,
+                          eos_ids=())
 
 
 def _engine(attention, dtype="bfloat16", cache_dtype="auto"):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="the state machine runs under hypothesis: pip install -e '.[test]'")
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test

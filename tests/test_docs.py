@@ -6,6 +6,7 @@ headings (GitHub's anchor rule); every benchmark result file they name (`benchma
 belongs in benchmarks/NOTES-*.md."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import pathlib
 import re
@@ -72,3 +73,30 @@ def test_no_lab_history_in_the_guide():
          for page in PAGES for i, line in enumerate(page.read_text().splitlines())
          for m in [HISTORY.search(line)] if m and "session3-tests" not in line]
   assert not bad, "history goes to benchmarks/NOTES-*.md:\n" + "\n".join(bad)
+
+
+def _tables():
+  """benchmarks/tables.py, loaded from its path (benchmarks/ is not a package)."""
+  spec = importlib.util.spec_from_file_location("lcjax_bench_tables", REPO / "benchmarks" / "tables.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_tables_match_their_json():
+  tables = _tables()
+  marked = {n for page in PAGES for n in re.findall(r"^<!-- table: ([\w-]+) -->$", page.read_text(), flags=re.M)}
+  assert marked == set(tables.TABLES), \
+    f"tables marked in the pages {sorted(marked)} != generators {sorted(tables.TABLES)}"
+  stale = [f"{page.relative_to(REPO)}: {name}" for page in PAGES for name in tables.render(page.read_text())[1]]
+  assert not stale, "tables differ from their JSON (`python benchmarks/tables.py` rewrites them):\n" + \
+    "\n".join(stale)
+
+
+def test_tables_check_catches_a_changed_number():
+  tables = _tables()
+  text = (REPO / "docs" / "performance.md").read_text()
+  assert "| 128K | 11.12 s (569 TF/s) |" in text
+  planted = text.replace("| 128K | 11.12 s (569 TF/s) |", "| 128K | 11.13 s (569 TF/s) |")
+  fixed, changed = tables.render(planted)
+  assert changed == ["longctx-8b"] and fixed == text

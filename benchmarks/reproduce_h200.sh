@@ -29,10 +29,10 @@
 #                                                                                  ~0.5 + 2 + 3.5 + 2.5 + 7 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
-#   tables      README.md and docs/performance.md tables regenerated from benchmarks/results (benchmarks/tables.py)
 #   fp8w        benchmarks/results/fp8w-70b-h200.*, fp8w-8b-h200.*, linear-fp8-h200.*: fp8 weights: Llama-3.1-70B
 #               shape with all 80 layers on one H200 (fp8 KV), Llama-3-8B shape beside bf16 weights and HF, the
 #               products alone at decode and prefill shapes                                     ~2.5 + 4 + 4 min
+#   tables      README.md and docs/performance.md tables regenerated from benchmarks/results (benchmarks/tables.py)
 # Results go to $OUT (default benchmarks/results), each naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda], torch, transformers; FA3 is optional in the attention step).

@@ -29,6 +29,10 @@
 #                                                                                  ~0.5 + 2 + 3.5 + 2.5 + 7 min
 #   startup     benchmarks/results/startup-h200.*, stream-h200.*: CLI starts with the compilation cache off, cold
 #               and warm; ms/token per decode steps per call (the CLI needs ml_collections)            ~1 + 1 min
+#   fp8w        benchmarks/results/fp8w-70b-h200.*, fp8w-8b-h200.*, linear-fp8-h200.*: fp8 weights: Llama-3.1-70B
+#               shape with all 80 layers on one H200 (fp8 KV), Llama-3-8B shape beside bf16 weights and HF, the
+#               products alone at decode and prefill shapes                                     ~2.5 + 4 + 4 min
+#   tables      README.md and docs/performance.md tables regenerated from benchmarks/results (benchmarks/tables.py)
 # Results go to $OUT (default benchmarks/results), each naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda], torch, transformers; FA3 is optional in the attention step).
@@ -37,7 +41,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup)
+[ ${#steps[@]} -eq 0 ] && steps=(attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup fp8w tables)
 
 for step in "${steps[@]}"; do
   echo "== $step"
@@ -132,7 +136,18 @@ for step in "${steps[@]}"; do
         --out="$OUT" --name=startup-h200
       python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
         --out="$OUT" --name=stream-h200 ;;
+    fp8w)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --preset=llama3.1-70b \
+        --impls=lcjax-fp8w-fp8kv --contexts=32768,131072 --decode_steps=16 --time_budget_s=240 --out="$OUT" \
+        --name=fp8w-70b-h200
+      python3 tools/bench_longctx.py --impls=lcjax-fp8,lcjax-fp8w-fp8,hf --contexts=32768,131072 --decode_steps=32 \
+        --limits=hf:131072 --time_budget_s=400 --out="$OUT" --name=fp8w-8b-h200
+      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --out="$OUT" --name=linear-fp8-h200 ;;
+    tables)
+      # The tables of README.md and docs/ that benchmarks/tables.py makes from benchmarks/results/*.json
+      if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi ;;
     *)
-      echo "unknown step $step: attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup" >&2; exit 2 ;;
+      echo "unknown step $step: attention longctx exact l70b context fp8 int8 fp8decode fp8prefill startup fp8w tables" >&2
+      exit 2 ;;
   esac
 done

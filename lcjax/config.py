@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any, Mapping
 
 
 class ConfigError(ValueError):
   """A configuration value or key that lcjax cannot use."""
+
+
+def _is_int(x) -> bool:
+  """An integer and not a bool (JSON's true is no count); numpy's integers included."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _from_dict(cls, d: Mapping[str, Any], where: str):
@@ -53,9 +59,23 @@ class ModelConfig:
   add_bos: bool = True
 
   def __post_init__(self):
-    for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
-      if getattr(self, f) < 1:
-        raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_position"):
+      v = getattr(self, f)
+      if not _is_int(v) or v < 1 or v >= 2**31:
+        raise ConfigError(f"{f}={v!r} must be an integer in [1, 2^31)")
+      object.__setattr__(self, f, int(v))
+    for f in ("norm_eps", "rope_theta"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < float("inf"):
+        raise ConfigError(f"{f}={v!r} must be a finite number > 0")
+      object.__setattr__(self, f, float(v))
+    eos = self.eos_ids if isinstance(self.eos_ids, (list, tuple)) else (self.eos_ids,)
+    for what, i in [("bos_id", self.bos_id)] + [("eos id", e) for e in eos]:
+      if i is not None and (not _is_int(i) or not 0 <= i < self.vocab_size):
+        raise ConfigError(f"{what}={i!r} is not a token id of the vocabulary [0, {self.vocab_size})")
+    object.__setattr__(self, "eos_ids", tuple(eos))
+    if self.bos_id is not None:
+      object.__setattr__(self, "bos_id", int(self.bos_id))
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
@@ -97,21 +117,38 @@ class ModelConfig:
                                                            for a in archs):
       raise ConfigError(f"unsupported architecture model_type={model_type!r} architectures={archs}: "
                         "lcjax converts LLaMA-family models only")
-    rope_params = dict(hf.get("rope_parameters") or {})
+    rope_params = hf.get("rope_parameters") or {}
     rope_scaling = hf.get("rope_scaling") or None
+    for key, v in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+      if v is not None and not isinstance(v, Mapping):
+        raise ConfigError(f"{key}={str(v)[:60]!r} must be an object")
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     scaling_src = rope_scaling if rope_scaling else rope_params
     rope_type = (scaling_src or {}).get("rope_type", (scaling_src or {}).get("type", "default"))
     scaling = None
     if rope_type == "llama3":
-      scaling = RopeScaling(
-          factor=float(scaling_src["factor"]),
-          low_freq_factor=float(scaling_src["low_freq_factor"]),
-          high_freq_factor=float(scaling_src["high_freq_factor"]),
-          original_max_position=int(scaling_src["original_max_position_embeddings"]))
+      try:
+        scaling = RopeScaling(
+            factor=float(scaling_src["factor"]),
+            low_freq_factor=float(scaling_src["low_freq_factor"]),
+            high_freq_factor=float(scaling_src["high_freq_factor"]),
+            original_max_position=int(scaling_src["original_max_position_embeddings"]))
+      except KeyError as e:
+        raise ConfigError(f"rope_scaling of rope_type 'llama3' has no {e.args[0]!r}") from None
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"rope_scaling of rope_type 'llama3' holds a value that is not a number ({e})") from None
     elif rope_type not in ("default", None):
       raise ConfigError(f"unsupported rope_type={rope_type!r}; lcjax supports 'default' and 'llama3'")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if hf.get(k) is None]
+    if missing:
+      raise ConfigError(f"no {', '.join(missing)} in the HF config (every LLaMA config.json has them)")
     n_heads = hf["num_attention_heads"]
+    if not _is_int(n_heads) or n_heads < 1 or not _is_int(hf["hidden_size"]):
+      raise ConfigError(f"num_attention_heads={n_heads!r} and hidden_size={hf['hidden_size']!r} must be integers "
+                        ">= 1")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+      raise ConfigError(f"rope_theta={theta!r} must be a number")
     eos = hf.get("eos_token_id", 2)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return cls(

@@ -10,6 +10,7 @@ Layer L0: stdlib, numpy, sentencepiece, tokenizers (jinja2 only when a chat temp
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -151,6 +152,39 @@ class TokenizerError(ValueError):
   """A tokenizer file that cannot be read (truncated or corrupt); the message names the file."""
 
 
+CHAT_SEPARATOR = "\n\n"          # between a document and a question in one user turn
+CONTINUATION_HELD_TOKENS = 8       # tokens of a document's end re-encoded with each question (Tokenizer.continuable)
+CONTINUATION_SEARCH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatContinuation:
+  """How a question continues a pinned chat document: the ids of `text(question)` follow the context's ids, and
+  together they are the ids of the chat [{"role": "user", "content": document + separator + question}] with the
+  assistant's turn opened (the template's one BOS, none added)."""
+  held: str         # the document's last tokens, re-encoded with each question
+  tail: str         # the template's text after the question: the user turn's end, the assistant turn's start
+  separator: str = CHAT_SEPARATOR
+
+  def text(self, question: str) -> str:
+    return self.held + self.separator + question + self.tail
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ChatContinuation":
+    return cls(str(d["held"]), str(d["tail"]), str(d["separator"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatDocument:
+  """A document split for a chat on a pinned context (Tokenizer.chat_document): `ids` are prefilled once,
+  `continuation` turns each question into the rest of the chat."""
+  ids: list[int]
+  continuation: ChatContinuation
+
+
 class Tokenizer:
   """A checkpoint's tokenizer.
 
@@ -232,17 +266,50 @@ class Tokenizer:
         messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos or "",
         eos_token=eos or "", **kwargs)
 
-  def chat_context(self, document: str) -> tuple[str, str] | None:
+  def chat_context(self, document: str, system: str | None = None) -> tuple[str, str] | None:
     """Split the chat whose user turn is `document` followed by a question: (the text up to the document's end,
-    the text after the question), so that a pinned context holds the first and a question q continues it as
-    "\n\n" + q + tail. None when the checkpoint has no chat template (or the template does not keep the turn's
-    text verbatim)."""
+    the text after the question). None when the checkpoint has no chat template (or the template does not keep the
+    turn's text verbatim). `system`: the text of a system turn before it (None: the template's default)."""
     if not self.chat_template:
       return None
     marker = "\x00lcjax-question\x00"
-    rendered = self.apply_chat_template([{"role": "user", "content": f"{document}{marker}"}])
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    rendered = self.apply_chat_template(messages + [{"role": "user", "content": f"{document}{marker}"}])
     head, found, tail = rendered.partition(marker)
     return (head, tail) if found else None
+
+  def chat_document(self, document: str, system: str | None = None,
+                    separator: str = CHAT_SEPARATOR) -> "ChatDocument":
+    """`document` as the start of a chat's user turn, split for a pinned context (see ChatDocument): the ids to
+    prefill once, and how each question continues them. Raises ValueError naming the reason when the checkpoint
+    has no chat template or its template cannot be split there."""
+    split = self.chat_context(document, system)
+    if split is None:
+      raise ValueError(f"{self.path}: the checkpoint has no chat template" if not self.chat_template else
+                       f"{self.path}: the chat template does not keep the user turn's text verbatim, so a question "
+                       "cannot continue a document in it")
+    head, tail = split
+    ids, held = self.continuable(head, separator + "?" + tail)
+    return ChatDocument(ids, ChatContinuation(held, tail, separator))
+
+  def continuable(self, text: str, probe: str) -> tuple[list[int], str]:
+    """(ids, held): the ids of `text` without its last few tokens, and the text of those tokens, such that text
+    followed by X encodes as ids + encode(held + X): a prefix of `text` whose tokens nothing appended to it can
+    change (a BPE merges across the end of a text, e.g. a trailing newline with the next one). Checked with
+    X = `probe`; held spans at least CONTINUATION_HELD_TOKENS tokens. Raises ValueError when no split within
+    CONTINUATION_SEARCH tokens of the end passes the check."""
+    ids = self.encode(text, add_bos=False)
+    full = self.encode(text + probe, add_bos=False)
+    same = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
+    top = min(len(ids) - CONTINUATION_HELD_TOKENS, same)
+    for m in range(top, max(0, top - CONTINUATION_SEARCH), -1):
+      held = self.decode(ids[m:])
+      if _REPLACEMENT in held or not text.endswith(held):   # m splits a character, or decoding is not exact
+        continue
+      if self.encode(held + probe, add_bos=False) == full[m:]:
+        return ids[:m], held
+    raise ValueError(f"{self.path}: no split of the text's last {CONTINUATION_SEARCH} tokens re-encodes the same "
+                     f"with {probe[:20]!r} appended ({len(ids)} tokens): this tokenizer cannot continue it")
 
   def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
     """Ids of the rendered chat; no extra BOS, since templates that want one write it themselves."""

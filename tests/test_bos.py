@@ -88,7 +88,7 @@ def test_chat_template_gives_the_ids_transformers_gives(vocab):
 def seen(monkeypatch):
   """The token ids that reach the scheduler: the prompt of every request served, every context pinned."""
   got = []
-  serve, pin = Scheduler.serve, Scheduler.pin
+  serve, pin = Scheduler.serve, Scheduler._pin       # _pin: contexts and a call's shared prefix alike
 
   def spy_serve(self, reqs, *a, **kw):
     got.extend(list(r.prompt) for r in reqs)
@@ -99,7 +99,7 @@ def seen(monkeypatch):
     return pin(self, ids, *a, **kw)
 
   monkeypatch.setattr(Scheduler, "serve", spy_serve)
-  monkeypatch.setattr(Scheduler, "pin", spy_pin)
+  monkeypatch.setattr(Scheduler, "_pin", spy_pin)
   return got
 
 
@@ -134,6 +134,16 @@ def test_prefix_and_context_continuations_get_no_second_bos(eng, vocab, seen):
   doc = tok.encode(l3.DOC)
   assert seen == [doc, doc + tok.encode(l3.TEXTS[5], add_bos=False)]
   assert all(_one_bos(ids) for ids in seen)
+
+
+def test_a_chat_context_and_its_question_are_the_chat_transformers_renders(eng, vocab, seen):
+  """engine.prefill(doc, chat=True) + generate(question, context=ctx, chat=True): the ids transformers gives the
+  whole chat, one BOS."""
+  fix, _ = vocab
+  with eng.prefill(l3.DOC, chat=True) as ctx:
+    eng.generate("What is the password?", context=ctx, chat=True, max_new_tokens=1)
+  assert seen[1] == fix["transformers_chat_ids"][2] and seen[1][:len(seen[0])] == seen[0]
+  assert _one_bos(seen[1])
 
 
 # -- the CLI, in this process ----------------------------------------------------------------------------------

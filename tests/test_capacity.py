@@ -63,6 +63,11 @@ def _watch(eng, monkeypatch):
   return seen
 
 
+def _nth(sampling, i):
+  """The sampling of prompt i of a batch (its seed + i), for the same prompt run alone."""
+  return None if sampling is None else dict(sampling, seed=sampling["seed"] + i)
+
+
 def _idle(eng):
   assert eng.pool.pages_used == 0 and eng.pool.sequences == ()
   eng.pool.check()
@@ -73,7 +78,7 @@ def test_many_prompts_beyond_the_pool_equal_each_alone(eng, monkeypatch, samplin
   prompts = _prompts(0 if sampling is None else 1, 24)
   need = sum(-(-(len(p) + 12) // RUN.page_size) for p in prompts)
   assert need > 5 * eng.pool.pages_allocatable           # several pools' worth, queued
-  alone = [eng.generate(p, max_new_tokens=12, sampling=sampling).token_ids for p in prompts]
+  alone = [eng.generate(p, max_new_tokens=12, sampling=_nth(sampling, i)).token_ids for i, p in enumerate(prompts)]
   seen = _watch(eng, monkeypatch)
   together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=12, sampling=sampling)]
   assert together == alone
@@ -88,7 +93,8 @@ def test_threads_on_one_engine_queue_and_equal_each_alone(eng):
   must not interleave their device calls); none fails and none sees another's tokens."""
   jobs = [(_prompts(10 + t, 3, hi=60), dict(temperature=0.5 + 0.1 * t, top_k=0, top_p=0.95, seed=t))
           for t in range(6)]
-  alone = [[eng.generate(p, max_new_tokens=10, sampling=s).token_ids for p in ps] for ps, s in jobs]
+  alone = [[eng.generate(p, max_new_tokens=10, sampling=_nth(s, i)).token_ids for i, p in enumerate(ps)]
+           for ps, s in jobs]
   got, errors = [None] * len(jobs), []
   start = threading.Barrier(len(jobs))
 
@@ -131,8 +137,8 @@ def test_interleaved_streams_equal_each_alone_and_an_unadmittable_one_is_refused
   a, b = _prompts(20, 2, lo=5, hi=10), _prompts(21, 2, lo=5, hi=10)   # at most 4 pages each: 16 in all
   c = _prompts(22, 1, lo=90, hi=90)                                       # 106 tokens: 14 pages
   sa, sb = dict(SAMPLED, seed=1), dict(SAMPLED, seed=2, temperature=0.7)
-  want_a = [eng.generate(p, max_new_tokens=16, sampling=sa).token_ids for p in a]
-  want_b = [eng.generate(p, max_new_tokens=16, sampling=sb).token_ids for p in b]
+  want_a = [eng.generate(p, max_new_tokens=16, sampling=_nth(sa, i)).token_ids for i, p in enumerate(a)]
+  want_b = [eng.generate(p, max_new_tokens=16, sampling=_nth(sb, i)).token_ids for i, p in enumerate(b)]
   want_c = eng.generate(c[0], max_new_tokens=16).token_ids
   texts = {}
   ga = eng.generate_stream(a, max_new_tokens=16, sampling=sa)

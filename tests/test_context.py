@@ -1,13 +1,17 @@
 """The context cache on a tiny float32 model: cached == uncached, pinned contexts, save / restore, offload.
 
-The oracle everywhere is an engine without a prefix cache (`prefix_cache=False`) given the whole prompt: reusing
-pages must change neither the greedy tokens nor (beyond float32 rounding) the logits.
+The oracle is the engine's uncached full forward (`Engine.logits`: no pages, no paged attention): a prompt's
+logits through cached, pinned, restored or loaded pages equal its logits at 1e-5, and every generated token is
+the argmax of the uncached logits before it. (An engine without a prefix cache is no oracle: it reads its pages
+through the same paged path, so a bug there cancels out.) fp8 pages, which the uncached forward does not
+quantize, are checked bit for bit against the pages they were saved or offloaded from.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,13 +33,35 @@ def _engine(**kw):
 
 
 @pytest.fixture(scope="module")
-def oracle():
-  return _engine(prefix_cache=False)
-
-
-@pytest.fixture(scope="module")
 def eng():
   return _engine()
+
+
+def _uncached(eng, ids) -> np.ndarray:
+  """The oracle: float32 logits [len(ids), V] of the engine's full causal forward over ids, without a cache. The
+  ids are padded to 128 or 256 tokens (two compiled shapes); causal attention keeps the padding out of every
+  earlier position."""
+  T = 128 if len(ids) <= 128 else 256
+  return eng.logits([list(ids) + [0] * (T - len(ids))])[0, :len(ids)]
+
+
+def _assert_uncached_logits(eng, logits, ids):
+  """logits [V] (of the last of `ids`, through pages) are the uncached forward's."""
+  np.testing.assert_allclose(logits, _uncached(eng, ids)[-1], rtol=1e-5, atol=1e-5)
+
+
+def _assert_greedy(eng, prompt, out):
+  """`out` is the uncached forward's greedy continuation of `prompt`: each token the argmax of the logits of the
+  position before it (one forward over prompt + out gives them all)."""
+  logits = _uncached(eng, list(prompt) + list(out))
+  assert list(out) == [int(np.argmax(logits[len(prompt) - 1 + i])) for i in range(len(out))]
+
+
+def _pages(eng, pages) -> list[np.ndarray]:
+  """What `pages` of the pool hold, with the model's own KV heads: K, V [L, n, Z, K, H] (and fp8 scales [L, n, K])."""
+  rep = eng.kv_rep
+  k, v, *scales = (np.asarray(x)[:, list(pages)] for x in eng.cache.parts())
+  return [k[..., ::rep, :], v[..., ::rep, :], *(s[..., ::rep] for s in scales)]
 
 
 def _idle(eng):
@@ -46,54 +72,57 @@ def _idle(eng):
 
 
 @pytest.mark.parametrize("doc", [DOC, DOC48], ids=["inside-a-page", "page-boundary"])
-def test_second_question_reuses_the_document(eng, oracle, doc):
+def test_second_question_reuses_the_document(eng, doc):
   eng.prefix_cache.clear()
   first = eng.generate(doc + QS[0], max_new_tokens=12)
   second = eng.generate(doc + QS[1], max_new_tokens=12)
   assert first.stats["cached_tokens"] == 0
   assert second.stats["cached_tokens"] == len(doc) // 8 * 8
   assert second.stats["prefill_tokens"] == len(doc) + len(QS[1]) - second.stats["cached_tokens"]
-  assert first.token_ids == oracle.generate(doc + QS[0], max_new_tokens=12).token_ids
-  assert second.token_ids == oracle.generate(doc + QS[1], max_new_tokens=12).token_ids
-  np.testing.assert_allclose(eng.prompt_logits(doc + QS[2][:3]), oracle.prompt_logits(doc + QS[2][:3]),
-                             rtol=1e-5, atol=1e-5)
+  _assert_greedy(eng, doc + QS[0], first.token_ids)
+  _assert_greedy(eng, doc + QS[1], second.token_ids)
+  _assert_uncached_logits(eng, eng.prompt_logits(doc + QS[2][:3]), doc + QS[2][:3])
   _idle(eng)
 
 
-def test_the_same_prompt_twice_recomputes_only_its_last_page(eng, oracle):
+def test_the_same_prompt_twice_recomputes_only_its_last_page(eng):
   eng.prefix_cache.clear()
   prompt = DOC48 + QS[0][:8]                       # 56 tokens: 7 full pages
   a = eng.generate(prompt, max_new_tokens=6)
   b = eng.generate(prompt, max_new_tokens=6)
   assert b.stats["cached_tokens"] == 48            # the last token's logits are needed: its page is computed
-  assert a.token_ids == b.token_ids == oracle.generate(prompt, max_new_tokens=6).token_ids
+  assert a.token_ids == b.token_ids
+  _assert_greedy(eng, prompt, b.token_ids)
 
 
-def test_generated_tokens_are_cached_for_the_next_turn(eng, oracle):
-  """A chat's next turn repeats the previous answer: its pages were kept when the request ended."""
+def test_generated_tokens_are_cached_for_the_next_turn(eng):
+  """A chat's next turn repeats the previous answer: its pages were kept when the request ended, and the next
+  turn reads the K/V that decode wrote there (positions 45 .. 63) as the uncached forward computes them."""
   eng.prefix_cache.clear()
   turn1 = eng.generate(DOC, max_new_tokens=20)
+  _assert_greedy(eng, DOC, turn1.token_ids)
   follow = DOC + turn1.token_ids + QS[0]
+  _assert_uncached_logits(eng, eng.prompt_logits(follow), follow)
   turn2 = eng.generate(follow, max_new_tokens=8)
   assert turn2.stats["cached_tokens"] == (len(DOC) + 20 - 1) // 8 * 8
-  assert turn2.token_ids == oracle.generate(follow, max_new_tokens=8).token_ids
+  _assert_greedy(eng, follow, turn2.token_ids)
 
 
-def test_eviction_under_pressure_then_a_correct_recompute(oracle):
+def test_eviction_under_pressure_then_a_correct_recompute():
   eng = _engine(num_pages=13, max_batch=2)         # 12 usable pages: 96 tokens
   a = DOC + QS[0]                                  # 50 tokens + 6 = 7 pages, 6 of them kept
-  want_a = oracle.generate(a, max_new_tokens=6).token_ids
-  assert eng.generate(a, max_new_tokens=6).token_ids == want_a
+  want_a = eng.generate(a, max_new_tokens=6).token_ids
+  _assert_greedy(eng, a, want_a)
   assert eng.pool.pages_cached == 6
   b = RNG.integers(3, TINY.vocab_size, 80).tolist()
-  assert eng.generate(b, max_new_tokens=10).token_ids == oracle.generate(b, max_new_tokens=10).token_ids
+  _assert_greedy(eng, b, eng.generate(b, max_new_tokens=10).token_ids)
   assert eng.prefix_cache.match(a) == []          # b needed all 12 pages: a's were evicted
   again = eng.generate(a, max_new_tokens=6)
   assert again.stats["cached_tokens"] == 0 and again.token_ids == want_a
   _idle(eng)
 
 
-def test_eviction_never_takes_pages_in_use(oracle):
+def test_eviction_never_takes_pages_in_use():
   """Two runs of one thread: the first holds cached pages it adopted; the second's admission must not evict
   them."""
   eng = _engine(num_pages=15, max_batch=2)                   # 14 usable pages
@@ -105,23 +134,24 @@ def test_eviction_never_takes_pages_in_use(oracle):
   next(sa)                                                   # a is prefilled on its 6 cached pages
   assert ra[0].cached == 48 and eng.pool.pages_used == 10 and eng.pool.pages_free == 2
   b = RNG.integers(3, TINY.vocab_size, 25).tolist()          # 30 tokens: 4 pages, 2 of them evicted
-  want_b = oracle.generate(b, max_new_tokens=5).token_ids
   got_b = eng.generate(b, max_new_tokens=5).token_ids
   assert eng.prefix_cache.match(c) == [] and len(eng.prefix_cache.match(a)) == 6
   for _ in sa:
     pass
-  assert got_b == want_b
-  assert eng._result(ra[0]).token_ids == oracle.generate(a, max_new_tokens=30).token_ids
+  _assert_greedy(eng, b, got_b)
+  _assert_greedy(eng, a, eng._result(ra[0]).token_ids)
   _idle(eng)
 
 
-def test_a_batch_on_a_pinned_context(eng, oracle):
+def test_a_batch_on_a_pinned_context(eng):
   with eng.prefill(DOC) as ctx:
     assert len(ctx) == len(DOC) and eng.scheduler.pinned
     got = [r.token_ids for r in eng.generate(QS, max_new_tokens=10, context=ctx)]
     stats = [r.stats for r in eng.last_results]
     again = eng.generate(QS[1], max_new_tokens=10, context=ctx).token_ids
-  assert got == [r.token_ids for r in oracle.generate([DOC + q for q in QS], max_new_tokens=10)]
+    _assert_uncached_logits(eng, eng.prompt_logits(QS[2], context=ctx), DOC + QS[2])
+  for q, out in zip(QS, got):
+    _assert_greedy(eng, DOC + q, out)
   assert again == got[1]
   assert all(s["cached_tokens"] == len(DOC) for s in stats)
   _idle(eng)
@@ -160,18 +190,19 @@ def test_context_continuation_gets_no_second_bos(eng):
   assert cont[:2] == [7, 8] and 1 not in cont and cont[2:] == plain[1:]
 
 
-def test_save_and_restore_in_a_new_engine(tmp_path, oracle):
+def test_save_and_restore_in_a_new_engine(tmp_path):
   eng = _engine()
   ctx = eng.prefill(DOC)
   ctx.save(tmp_path / "doc")
   assert sorted(os.listdir(tmp_path)) == ["doc"]
-  want = [r.token_ids for r in oracle.generate([DOC + q for q in QS[:2]], max_new_tokens=10)]
   fresh = _engine()
   restored = fresh.load_context(tmp_path / "doc")
   assert restored.token_ids == DOC and restored.stats["cached_tokens"] == 0
-  assert [r.token_ids for r in fresh.generate(QS[:2], max_new_tokens=10, context=restored)] == want
-  np.testing.assert_array_equal(
-      *(np.asarray(e.cache.k)[:, e.pool.page_table(c.seq)] for e, c in ((eng, ctx), (fresh, restored))))
+  for x, y in zip(_pages(fresh, restored.pages()), _pages(eng, ctx.pages()), strict=True):   # K, V
+    np.testing.assert_array_equal(x, y)
+  for q, r in zip(QS[:2], fresh.generate(QS[:2], max_new_tokens=10, context=restored)):
+    _assert_greedy(fresh, DOC + q, r.token_ids)
+  _assert_uncached_logits(fresh, fresh.prompt_logits(QS[2], context=restored), DOC + QS[2])
   restored.close()
   ctx.close()
   _idle(fresh)
@@ -219,7 +250,7 @@ def test_a_mismatched_restore_is_refused(tmp_path, change, names):
 
 @pytest.mark.parametrize("save_at, load_at", [((2, 1), (1, 1)), ((1, 4), (2, 2))],
                          ids=["seq2-to-1", "tensor4-to-seq2-tensor2"])
-def test_restore_across_meshes(tmp_path, oracle, save_at, load_at):
+def test_restore_across_meshes(tmp_path, save_at, load_at):
   """Pages saved from one mesh restore onto another (tensor=4 repeats the 2 KV heads: saved once each)."""
   (s1, t1), (s2, t2) = save_at, load_at
   a = _engine(seq=s1, tensor=t1)
@@ -228,14 +259,17 @@ def test_restore_across_meshes(tmp_path, oracle, save_at, load_at):
   b = _engine(seq=s2, tensor=t2)
   with b.load_context(tmp_path / "doc") as ctx:
     got = [r.token_ids for r in b.generate(QS[:2], max_new_tokens=8, context=ctx)]
-  assert got == [r.token_ids for r in oracle.generate([DOC + q for q in QS[:2]], max_new_tokens=8)]
+    _assert_uncached_logits(b, b.prompt_logits(QS[2], context=ctx), DOC + QS[2])
+  for q, out in zip(QS[:2], got):
+    _assert_greedy(b, DOC + q, out)
   _idle(b)
 
 
-def test_offload_and_restore(oracle):
+def test_offload_and_restore():
   eng = _engine(num_pages=17, max_batch=2)
   ctx = eng.prefill(DOC)
-  want = oracle.generate(DOC + QS[0], max_new_tokens=10).token_ids
+  want = eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids
+  _assert_greedy(eng, DOC + QS[0], want)
   ctx.offload()
   assert not ctx.on_device and not eng.scheduler.pinned
   with pytest.raises(RequestError, match="offloaded"):
@@ -244,10 +278,12 @@ def test_offload_and_restore(oracle):
   ctx.restore()
   assert ctx.stats["cached_tokens"] == 0
   assert eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids == want
+  _assert_uncached_logits(eng, eng.prompt_logits(QS[1], context=ctx), DOC + QS[1])
   ctx.offload()
   ctx.restore()                                    # nothing evicted meanwhile: shares the cached full pages
   assert ctx.stats["cached_tokens"] == 40
   assert eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids == want
+  _assert_uncached_logits(eng, eng.prompt_logits(QS[1], context=ctx), DOC + QS[1])
   ctx.close()
   _idle(eng)
 
@@ -279,7 +315,7 @@ def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
     assert eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == want
 
 
-def test_a_lost_cache_voids_every_request_and_context_of_its_epoch(oracle, monkeypatch):
+def test_a_lost_cache_voids_every_request_and_context_of_its_epoch(monkeypatch):
   """A step interrupted inside its device call loses the whole cache. A request of another run of this thread
   and a pinned context, both admitted before, are refused from then on; nothing of theirs enters the prefix
   cache, so a later request computes its prompt afresh and right."""
@@ -305,7 +341,7 @@ def test_a_lost_cache_voids_every_request_and_context_of_its_epoch(oracle, monke
   ctx.close()
   again = eng.generate(DOC48 + QS[1], max_new_tokens=10)
   assert again.stats["cached_tokens"] == 0
-  assert again.token_ids == oracle.generate(DOC48 + QS[1], max_new_tokens=10).token_ids
+  _assert_greedy(eng, DOC48 + QS[1], again.token_ids)
   _idle(eng)
 
 
@@ -346,65 +382,300 @@ def test_closing_a_context_under_a_running_stream_is_a_clear_error():
   _idle(eng)
 
 
-def _fp8_pages(eng, ctx, rep=1):
-  """A context's fp8 pages and scales, the model's own KV heads: K, V [L, n, Z, K, H] and scales [L, n, K]."""
-  k, v, ks, vs = (np.asarray(x)[:, ctx.pages()] for x in eng.cache.parts())
-  return k[..., ::rep, :], v[..., ::rep, :], ks[..., ::rep], vs[..., ::rep]
-
-
 def test_an_fp8_context_restores_on_another_mesh(tmp_path):
   """fp8 pages saved from (seq, tensor) = (2, 2) (KV heads repeated 2x there) load on one device with their scales,
   bit for bit."""
   a = _engine(seq=2, tensor=2, cache_dtype="float8_e4m3fn")
   with a.prefill(DOC) as ctx:
-    saved = _fp8_pages(a, ctx, a.kv_rep)
+    saved = _pages(a, ctx.pages())
     ctx.save(tmp_path / "doc")
   b = _engine(cache_dtype="float8_e4m3fn")
   want = b.generate(DOC + QS[0], max_new_tokens=8).token_ids
   b.prefix_cache.clear()
   with b.load_context(tmp_path / "doc") as ctx:
     assert ctx.stats["cached_tokens"] == 0
-    for x, y in zip(_fp8_pages(b, ctx), saved):
+    for x, y in zip(_pages(b, ctx.pages()), saved, strict=True):
       np.testing.assert_array_equal(x, y)
     assert b.generate(QS[0], max_new_tokens=8, context=ctx).token_ids == want
   _idle(b)
 
 
-def test_a_v1_fp8_context_loads_with_its_per_layer_scales(tmp_path):
-  """Format v1 stored fp8 pages at one scale per (layer, kv head): they load with that scale on every page. The
-  v1 context here is a v2 save rewritten to the largest page scale of each layer (powers of two: the values
-  shift exponents), so it dequantizes to the same values wherever they stay e4m3 normals."""
-  import json
-  eng = _engine(cache_dtype="float8_e4m3fn")
-  with eng.prefill(DOC) as ctx:
+def _spread_kv(monkeypatch):
+  """Scale the K and V the model computes at position p by 4^(p // 8) and 8 * 4^(p // 8): every page then gets
+  fp8 scales of its own, K's apart from V's. (The tiny model's own K and V sit under the fp8 scale floor, where
+  every page has the same scale and a scale written to the wrong page or part goes unseen.)"""
+  from tests.patch_kv import scale_kv_by_position
+  scale_kv_by_position(monkeypatch, lambda p: jnp.exp2(2 * (p // 8).astype(jnp.float32)),
+                       lambda p: 8 * jnp.exp2(2 * (p // 8).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("cache_dtype, save_at, load_at", [
+    ("auto", (1, 1), (1, 1)), ("float8_e4m3fn", (1, 1), (1, 1)),
+    ("auto", (1, 1), (2, 2)), ("float8_e4m3fn", (2, 2), (1, 1))],
+    ids=["float32", "fp8", "float32-1-to-seq2-tensor2", "fp8-seq2-tensor2-to-1"])
+def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, monkeypatch, cache_dtype, save_at,
+                                                                     load_at):
+  """Save, load, offload and restore move BLOCK_PAGES pages of a layer per call: made 2 here, so DOC's 6 pages
+  move in 3 blocks per layer. The loading engine's prefix cache already holds DOC's first 3 pages: the load
+  shares them and writes pages 3 .. 5 only, in blocks that start inside the context (the restore after an offload
+  too, from host blocks of pages 2-3 and 4-5). Every page then holds, bit for bit, K, V (and the fp8 scales) as
+  the loader computed them for the shared pages and as saved for the rest, and a question on the context gets
+  the uncached forward's logits (float32) or the saving engine's (fp8, which the uncached forward does not
+  quantize; K and V spread so that every page has scales of its own, K's apart from V's)."""
+  monkeypatch.setattr(ctxlib, "BLOCK_PAGES", 2)
+  fp8 = cache_dtype == "float8_e4m3fn"
+  if fp8:
+    _spread_kv(monkeypatch)
+  (s1, t1), (s2, t2) = save_at, load_at
+  a = _engine(seq=s1, tensor=t1, cache_dtype=cache_dtype)
+  with a.prefill(DOC) as ctx:
+    saved = _pages(a, ctx.pages())
+    if fp8:            # scales that tell the pages, and K from V, apart: a scale moved or lost shows
+      ks, vs = saved[2], saved[3]                                        # [L, 6, K]
+      assert np.all(ks != vs) and np.all(ks[:, 1:] != ks[:, :-1]) and np.all(vs[:, 1:] != vs[:, :-1])
+    want = a.prompt_logits(QS[1], context=ctx)
     ctx.save(tmp_path / "doc")
+  b = _engine(seq=s2, tensor=t2, cache_dtype=cache_dtype)
+
+  def cache_the_first_pages():
+    b.prefill(DOC[:24]).close()                                # its 3 full pages stay in the prefix cache
+    shared = b.prefix_cache.match(DOC)
+    assert len(shared) == 3
+    return shared, _pages(b, shared)
+
+  def check(ctx, shared, own):
+    assert ctx.stats["cached_tokens"] == 24 and ctx.pages()[:3] == shared
+    for got, mine, theirs in zip(_pages(b, ctx.pages()), own, saved, strict=True):
+      np.testing.assert_array_equal(got[:, :3], mine)
+      np.testing.assert_array_equal(got[:, 3:], theirs[:, 3:])
+    logits = b.prompt_logits(QS[1], context=ctx)
+    if not fp8:
+      _assert_uncached_logits(b, logits, DOC + QS[1])
+    else:      # the question's own K/V, computed on another mesh, may round to other fp8 values
+      np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+
+  shared, own = cache_the_first_pages()
+  with b.load_context(tmp_path / "doc") as ctx:
+    check(ctx, shared, own)
+    ctx.offload()
+    b.prefix_cache.clear()
+    shared, own_again = cache_the_first_pages()
+    for x, y in zip(own_again, own, strict=True):
+      np.testing.assert_array_equal(x, y)
+    ctx.restore()
+    check(ctx, shared, own)
+  _idle(b)
+
+
+# -- saved contexts are checked ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8():
+  """An fp8 engine (a context of it has all four files) and its reference answer to DOC + QS[0]."""
+  e = _engine(cache_dtype="float8_e4m3fn")
+  e.want = e.generate(DOC + QS[0], max_new_tokens=6).token_ids
+  return e
+
+
+@pytest.fixture(scope="module")
+def saved(fp8, tmp_path_factory):
+  path = tmp_path_factory.mktemp("saved") / "doc"
+  with fp8.prefill(DOC) as ctx:
+    ctx.meta = {"question_tail": "\n"}
+    # The question on the context as prefilled: its fp8 pages (the last one requantized when the question's
+    # tokens join it) are not the cold prefill of DOC + question's, so this, not fp8.want, is what a load gives.
+    fp8.want_on_context = fp8.generate(QS[0], max_new_tokens=6, context=ctx).token_ids
+    ctx.save(path)
+  return path
+
+
+def _flip(at):
+  def corrupt(d, name):
+    data = bytearray((d / name).read_bytes())
+    i = min(int(at * len(data)), len(data) - 8)
+    data[i:i + 8] = bytes(x ^ 0x5A for x in data[i:i + 8])
+    (d / name).write_bytes(bytes(data))
+  return corrupt
+
+
+def _rewrite_json(change, keep_digest=False):
+  """context.json rewritten by change(meta) -> new JSON value; with keep_digest=False the digest is recomputed,
+  as a tool that knows the format would, so the field checks behind it are what refuses."""
+  import json
+
+  def corrupt(d, name):
+    meta = json.loads((d / name).read_text())
+    new = change(meta)
+    if isinstance(new, dict) and not keep_digest:
+      new["digest"] = ctxlib._meta_digest(new)
+    (d / name).write_text(json.dumps(new))
+  return corrupt
+
+
+def _rewrite_npy(change):
+  def corrupt(d, name):
+    np.save(d / name, change(np.load(d / name)))
+  return corrupt
+
+
+def _swapped(ids):
+  ids = ids.copy()
+  ids[[3, 30]] = ids[[30, 3]]
+  return ids
+
+
+def _set(key, value):
+  def change(meta):
+    meta[key] = value
+    return meta
+  return change
+
+
+def _drop(key):
+  def change(meta):
+    del meta[key]
+    return meta
+  return change
+
+
+def _kv_blocks_less_one(meta):
+  meta["checksums"]["files"]["kv.bin"]["blocks"][1][0].pop()
+  return meta
+
+
+CORRUPTIONS = {
+    "truncated": lambda d, name: (d / name).write_bytes((d / name).read_bytes()[:(d / name).stat().st_size // 2]),
+    "empty": lambda d, name: (d / name).write_bytes(b""),
+    "missing": lambda d, name: os.remove(d / name),
+    "flip-early": _flip(0.02), "flip-middle": _flip(0.5), "flip-late": _flip(0.98),
+}
+CASES = [(name, how) for name in ("context.json", "tokens.npy", "kv.bin", "scales.npy") for how in CORRUPTIONS]
+CASES += [
+    ("tokens.npy", "swap-ids"), ("tokens.npy", "other-valid-ids"), ("scales.npy", "scales-x100"),
+    ("kv.bin", "swap-layers"),
+    ("context.json", "a-list"), ("context.json", "no-pages"), ("context.json", "no-checksums"),
+    ("context.json", "tokens-a-string"), ("context.json", "pages-a-bool"), ("context.json", "meta-a-list"),
+    ("context.json", "fingerprint-a-list"), ("context.json", "one-block-sum-short"),
+    ("context.json", "pages-edited-digest-kept"), ("context.json", "v2-without-checksums"),
+]
+SPECIAL = {
+    "swap-ids": _rewrite_npy(_swapped),
+    "other-valid-ids": _rewrite_npy(lambda ids: np.where(ids == ids[10], 7, ids).astype(np.int32)),
+    "scales-x100": _rewrite_npy(lambda s: s * 100),
+    "a-list": _rewrite_json(lambda meta: list(meta.items())),
+    "no-pages": _rewrite_json(_drop("pages")),
+    "no-checksums": _rewrite_json(_drop("checksums")),
+    "tokens-a-string": _rewrite_json(_set("tokens", "45")),
+    "pages-a-bool": _rewrite_json(_set("pages", True)),
+    "meta-a-list": _rewrite_json(_set("meta", [])),
+    "fingerprint-a-list": _rewrite_json(_set("fingerprint", [])),
+    "one-block-sum-short": _rewrite_json(_kv_blocks_less_one),
+    "pages-edited-digest-kept": _rewrite_json(_set("pages", 7), keep_digest=True),
+    "v2-without-checksums": _rewrite_json(lambda m: _drop("checksums")(_set("format", "lcjax-context-v2")(m))),
+}
+
+
+def _swap_layers(d, name):
+  data = (d / name).read_bytes()
+  half = len(data) // 2                   # layer 0 (K, V) | layer 1 (K, V): the same size, each well formed
+  (d / name).write_bytes(data[half:] + data[:half])
+
+
+SPECIAL["swap-layers"] = _swap_layers
+MESSAGES = {"v2-without-checksums": "has format 'lcjax-context-v2', saved without checksums; this lcjax reads "
+                                    "lcjax-context-v3 only",
+            "a-list": "holds a JSON list, not an object", "no-pages": "no 'pages' field",
+            "tokens-a-string": "tokens='45' is not an integer", "pages-a-bool": "pages=True is not an integer",
+            "one-block-sum-short": "checksums of kv.bin are not 2 layers x 2 x 1 blocks",
+            "pages-edited-digest-kept": "context.json does not match its checksum",
+            "swap-ids": r"tokens.npy \(308 bytes\) does not match its checksum",
+            "scales-x100": r"scales.npy \(\d+ bytes\) does not match its checksum",
+            "swap-layers": r"kv.bin \(layer 0 K pages 0..5\) does not match its checksum \(blake2b [0-9a-f]{16}, "
+                           r"context.json says [0-9a-f]{16}\): it was changed or damaged after the save"}
+
+
+@pytest.mark.parametrize("name, how", CASES, ids=[f"{n}-{h}" for n, h in CASES])
+def test_a_damaged_saved_context_is_refused_and_nothing_of_it_is_cached(fp8, saved, tmp_path, name, how):
+  """Every file of a saved context, damaged in each way: refused in one line naming the file, the engine usable,
+  no page of the context left in the pool or the prefix cache (a plain prompt that starts with the document is
+  answered as before: no poisoned page serves it)."""
+  import re
+  import shutil
   d = tmp_path / "doc"
-  meta = json.loads((d / "context.json").read_text())
-  scales = np.load(d / "scales.npy")                                     # [L, 2, n, K]
-  L, n, K, Z, H = meta["layers"], meta["pages"], meta["kv_heads"], meta["page_size"], meta["head_dim"]
-  kv = np.fromfile(d / "kv.bin", np.dtype("float8_e4m3fn")).reshape(L, 2, n, Z, K, H)
-  values = kv.astype(np.float32) * scales[:, :, :, None, :, None]
-  per_layer = scales.max(axis=2)                                          # [L, 2, K]
-  old = (values / per_layer[:, :, None, None, :, None]).astype(kv.dtype)
-  old.tofile(d / "kv.bin")
-  os.remove(d / "scales.npy")
-  meta.update(format="lcjax-context-v1", k_scale=per_layer[:, 0].tolist(), v_scale=per_layer[:, 1].tolist())
-  (d / "context.json").write_text(json.dumps(meta))
-  eng.prefix_cache.clear()
-  with eng.load_context(d) as ctx:
-    k, v, ks, vs = _fp8_pages(eng, ctx)
-    for x, s, part in ((k, ks, 0), (v, vs, 1)):
-      np.testing.assert_array_equal(s, np.broadcast_to(per_layer[:, part, None], s.shape))
-      np.testing.assert_array_equal(x.astype(np.float32), old[:, part].astype(np.float32))
-      deq = x.astype(np.float32) * s[:, :, None, :, None]
-      normal = np.abs(x.astype(np.float32)) >= 2.0 ** -6
-      np.testing.assert_array_equal(deq[normal], values[:, part][normal])
-  meta["format"] = "lcjax-context-v0"
-  (d / "context.json").write_text(json.dumps(meta))
-  with pytest.raises(ContextError, match="has format 'lcjax-context-v0', this lcjax reads lcjax-context-v1 and "
-                                         "lcjax-context-v2"):
-    eng.load_context(d)
+  shutil.copytree(saved, d)
+  (SPECIAL.get(how) or CORRUPTIONS[how])(d, name)
+  fp8.prefix_cache.clear()
+  with pytest.raises(ContextError) as e:
+    fp8.load_context(d)
+  msg = str(e.value)
+  assert "\n" not in msg and len(msg) < 400, msg
+  assert re.search(MESSAGES.get(how, re.escape(name if how != "missing" or name == "context.json" else
+                                               f"has no {name}")), msg), msg
+  _idle(fp8)
+  assert fp8.prefix_cache.match(DOC, len(DOC)) == []
+  got = fp8.generate(DOC + QS[0], max_new_tokens=6)
+  assert got.stats["cached_tokens"] == 0 and got.token_ids == fp8.want
+
+
+def test_an_intact_saved_context_loads_after_the_matrix(fp8, saved):
+  """The copy the matrix damaged loads untouched (its checksums match), and answers as the prefill did."""
+  fp8.prefix_cache.clear()
+  with fp8.load_context(saved) as ctx:
+    assert ctx.meta == {"question_tail": "\n"}
+    assert fp8.generate(QS[0], max_new_tokens=6, context=ctx).token_ids == fp8.want_on_context
+  _idle(fp8)
+
+
+def test_overwrite_replaces_only_a_saved_context(eng, tmp_path):
+  keep = tmp_path / "notes"
+  keep.mkdir()
+  (keep / "thesis.txt").write_text("years of work")
+  (tmp_path / "file").write_text("x")
+  with eng.prefill(DOC) as ctx:
+    for victim in (keep, tmp_path / "file"):
+      with pytest.raises(ContextError, match=rf"{victim} is a (directory|file) but not a saved context \(no "
+                                             r"context.json\): overwrite replaces only a saved context"):
+        ctx.save(victim, overwrite=True)
+    assert (keep / "thesis.txt").read_text() == "years of work" and (tmp_path / "file").read_text() == "x"
+    ctx.save(tmp_path / "doc")
+    with pytest.raises(ContextError, match="already exists: pass overwrite=True"):
+      ctx.save(tmp_path / "doc")
+    ctx.meta = {"second": True}
+    ctx.save(tmp_path / "doc", overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["doc", "file", "notes"]
+  with eng.load_context(tmp_path / "doc") as ctx:
+    assert ctx.meta == {"second": True}
   _idle(eng)
+
+
+def test_the_weights_fingerprint_reads_every_element():
+  """_weights_digest: a model that differs from another in one element of one middle layer, or by two swapped
+  elements, gets another digest, so a context saved by one is refused by the other (a digest of 16 sampled values
+  per parameter read no element of layers 1..3 of this wq); the same weights sharded over a mesh get the same
+  digest."""
+  import jax
+  from lcjax.engine.engine import _weights_digest
+  from lcjax.sharding import make_mesh
+  cfg = dataclasses.replace(TINY, n_layers=5)
+  a = Engine.random(cfg, run=RUN, seed=3)
+  leaves, tree = jax.tree.flatten(a.params)
+  i = next(k for k, x in enumerate(leaves) if x.ndim == 4)        # a stacked [L, ...] matrix: wq or the like
+  layer2 = np.asarray(leaves[i]).copy()
+  one = layer2.copy()
+  one[2, 1, 3, 5] = np.nextafter(one[2, 1, 3, 5], np.float32(np.inf))   # one ulp in layer 2
+  swap = layer2.copy()
+  swap[2, 0, 0, [0, 1]] = swap[2, 0, 0, [1, 0]]
+  digests = set()
+  for x in (layer2, one, swap):
+    digests.add(_weights_digest(jax.tree.unflatten(tree, leaves[:i] + [jax.numpy.asarray(x)] + leaves[i + 1:])))
+  assert len(digests) == 3
+  mesh = make_mesh(tensor=2, seq=4)
+  P = jax.sharding.PartitionSpec
+  sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, P(*[None] * (x.ndim - 1), ("seq", "tensor")))), a.params)      # the last axis over 8 devices
+  assert _weights_digest(sharded) == _weights_digest(a.params) == a.fingerprint["weights"]
+  b = Engine(cfg, jax.tree.unflatten(tree, leaves[:i] + [jax.numpy.asarray(one)] + leaves[i + 1:]), run=RUN)
+  assert b.fingerprint["weights"] != a.fingerprint["weights"]
 
 
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):
@@ -451,7 +722,7 @@ def test_chat_prompts_go_through_the_template(eng):
     reqs, single, _ = eng._requests(msgs, 1, None, None, None, chat=True)
     assert single and reqs[0].prompt == tok.encode("[system] be brief\n[user] hi\n[assistant] ", add_bos=True)
     assert reqs[0].prompt.count(1) == 1
-    with pytest.raises(RequestError, match="no prefix= or context="):
+    with pytest.raises(RequestError, match=r"not a prefix=: .* engine.prefill\(document, chat=True\)"):
       eng._requests(["hi"], 1, None, [5, 6], None, chat=True)
     with pytest.raises(RequestError, match="messages"):
       eng._make_requests([[{"role": "user"}]], 1, None, chat=True)
@@ -462,15 +733,15 @@ def test_chat_prompts_go_through_the_template(eng):
     eng.tokenizer, eng.limits = None, limits
 
 
-def test_evicted_pages_come_back_from_the_host_tier(oracle):
+def test_evicted_pages_come_back_from_the_host_tier():
   """With host_cache_gib, cached pages evicted under pressure go to host memory and a later prompt with the same
   start takes them back instead of prefilling them; a tier too small for them drops them (least recent first)."""
   eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01)
   a = DOC + QS[0]
-  want_a = oracle.generate(a, max_new_tokens=6).token_ids
-  assert eng.generate(a, max_new_tokens=6).token_ids == want_a
+  want_a = eng.generate(a, max_new_tokens=6).token_ids
+  _assert_greedy(eng, a, want_a)
   b = RNG.integers(3, TINY.vocab_size, 80).tolist()
-  assert eng.generate(b, max_new_tokens=10).token_ids == oracle.generate(b, max_new_tokens=10).token_ids
+  _assert_greedy(eng, b, eng.generate(b, max_new_tokens=10).token_ids)
   assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6      # a's pages went to the host
   again = eng.generate(a, max_new_tokens=6)
   assert again.stats["cached_tokens"] == again.stats["host_cached_tokens"] == 48
@@ -506,3 +777,48 @@ def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
   for x, y in zip(after, before):
     np.testing.assert_array_equal(x, y)
   _idle(eng)
+
+
+_KILLED_SAVE = """
+import sys, time
+from lcjax.config import preset, RunConfig
+from lcjax.engine import context as ctxlib
+from lcjax.engine.engine import Engine
+eng = Engine.random(preset("tiny"), run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
+                                                  prefill_chunk=32, compile_cache="off"))
+ctx = eng.prefill(list(range(3, 48)))
+digest = ctxlib._digest
+ctxlib._digest = lambda data: (time.sleep(0.3), digest(data))[1]     # a save of many seconds, to be killed in
+ctx.save(sys.argv[1])
+"""
+
+
+def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
+  """kill -9 in the middle of writing kv.bin: no cleanup code runs; neither the destination nor the dead save's
+  temporary directory loads (one-line refusals), and a later save to the same path succeeds and loads."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  dst = tmp_path / "doc"
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=dict(os.environ, PYTHONPATH=repo),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  tmp = f"{dst}.tmp-{p.pid}"
+  deadline = time.time() + 120
+  while not os.path.exists(os.path.join(tmp, "kv.bin")) and time.time() < deadline and p.poll() is None:
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert os.path.isdir(tmp) and not dst.exists(), p.stderr.read()[-2000:]
+  eng = Engine.random(TINY, run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
+                                          prefill_chunk=32))
+  for path, why in ((dst, "no such context directory"), (tmp, "not a complete saved context")):
+    with pytest.raises(ContextError, match=why) as e:
+      eng.load_context(path)
+    assert "\n" not in str(e.value)
+  with eng.prefill(list(range(3, 48))) as ctx:
+    want = eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids
+    ctx.save(dst)
+  with eng.load_context(dst) as ctx:
+    assert eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids == want

@@ -59,12 +59,20 @@ def test_layout_matches_model():
   replaced by the stored tensors it is assembled from."""
   from lcjax.checkpoint.layout import FUSED, stored_shapes
   from lcjax.config import WeightFormat
+  from lcjax.model.llama import LINEAR
+  from lcjax.ops.linear import kmajor_order
   fused = set()
   for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=True)):
     for fmt in (WeightFormat(), WeightFormat(fp8=True), WeightFormat(fp8=True, static_inputs=True)):
       shapes = {n: s for n, (s, _) in param_shapes(cfg, fmt).items()}
       abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, weights=fmt, rngs=nnx.Rngs(0))), nnx.Param)
       names = {"/".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+      for name, spec in LINEAR.items():     # fp8 weights are held K-major; checkpoints keep the model's layout
+        for key in (name, name + "_scale"):
+          if fmt.fp8:
+            L, *held = names[key]
+            order = kmajor_order(spec)
+            names[key] = (L, *(held[order.index(i)] for i in range(len(order))))
       assert shapes == stored_shapes(names), fmt
       fused |= set(FUSED) & set(names)
   assert fused == set(FUSED)
@@ -328,16 +336,22 @@ def _tool(args, **kw):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
-  dst = str(tmp_path / "out")
-  p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
+def kill_mid_conversion(src: str, dst: str) -> str:
+  """Run tools/convert_hf.py from src to dst and kill -9 it once its first tensors are on disk (no cleanup code
+  runs); returns the temporary directory it leaves."""
+  p = _tool([f"--src={src}", f"--dst={dst}"])
   tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 60
-  # kill -9 once the first tensors are on disk: no cleanup code runs
   while not os.path.isdir(os.path.join(tmp, "params", "layers")) and time.time() < deadline:
     time.sleep(0.02)
   p.send_signal(signal.SIGKILL)
   p.wait()
+  return tmp
+
+
+def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
+  dst = str(tmp_path / "out")
+  tmp = kill_mid_conversion(hf_dirs[2], dst)
   assert os.path.isdir(tmp) and not os.path.exists(dst)
   _one_line_error(lambda: load_config(tmp), "incomplete")
   p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])

@@ -1,8 +1,13 @@
-"""Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone."""
+"""Engine invariants on a tiny float32 model: cached == uncached, chunked == one-shot, batched == alone.
+
+The oracle for what runs through the paged cache is the uncached full forward (`Engine.logits`), never a second
+engine running the same paged path."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,22 +42,31 @@ def test_cached_decode_equals_uncached_forward(eng):
 
 
 def test_chunked_prefill_equals_one_shot():
+  """One chunk of 100 tokens and 7 chunks of 16 (each after the first reading the ones before from the pages):
+  the prompt's logits are the uncached forward's, and so are the greedy tokens."""
   prompt = list(np.random.default_rng(1).integers(3, TINY.vocab_size, 100))
-  one = _engine(prefill_chunk=128).generate(prompt, max_new_tokens=20).token_ids
-  chunked = _engine(prefill_chunk=16).generate(prompt, max_new_tokens=20).token_ids
-  assert one == chunked
+  one, chunked = _engine(prefill_chunk=128), _engine(prefill_chunk=16)
+  full = one.logits([prompt])[0, -1]
+  for e in (one, chunked):
+    np.testing.assert_allclose(_prefill_logits(e, prompt), full, rtol=1e-5, atol=1e-5)
+  got = one.generate(prompt, max_new_tokens=20).token_ids
+  assert chunked.generate(prompt, max_new_tokens=20).token_ids == got
+  logits = one.logits([prompt + got])[0]
+  assert got == [int(np.argmax(logits[len(prompt) - 1 + i])) for i in range(len(got))]
 
 
 def test_prefill_logits_match_full_forward(eng):
-  """Last-position logits of a chunked, paged prefill equal the uncached forward's."""
+  """Last-position logits of a chunked, paged prefill (77 tokens: 3 chunks of 32) equal the uncached forward's, and
+  so does the first token sampled from them."""
   prompt = list(np.random.default_rng(2).integers(3, TINY.vocab_size, 77))
+  full = eng.logits([prompt])[0, -1]
+  np.testing.assert_allclose(_prefill_logits(eng, prompt), full, rtol=1e-5, atol=1e-5)
   r = eng._make_requests([prompt], 1, None)[0]
   assert eng.scheduler.admit(r)
   try:
     eng.scheduler.prefill(r)
   finally:
     eng.scheduler.release(r)
-  full = eng.logits([prompt])[0, -1]
   assert r.out[0] == int(np.argmax(full))
 
 
@@ -61,7 +75,8 @@ def test_batch_equals_alone(eng):
   prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (5, 60, 23)]
   sampling = dict(temperature=0.8, top_k=20, top_p=0.9, seed=7)
   together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, sampling=sampling)]
-  alone = [eng.generate(p, max_new_tokens=24, sampling=sampling).token_ids for p in prompts]
+  alone = [eng.generate(p, max_new_tokens=24, sampling=dict(sampling, seed=7 + i)).token_ids   # prompt i: seed + i
+           for i, p in enumerate(prompts)]
   assert together == alone
   assert eng.pool.pages_used == 0   # every page came back
 
@@ -158,6 +173,9 @@ def test_prefix_sharing_saves_pages_and_keeps_outputs():
   shared = _engine()
   got = [r.token_ids for r in shared.generate(suffixes, max_new_tokens=10, prefix=prefix)]
   assert got == expected
+  for s, out in zip(suffixes, got):                            # the uncached forward's greedy tokens
+    logits = shared.logits([prefix + s + out])[0]
+    assert out == [int(np.argmax(logits[len(prefix) + len(s) - 1 + i])) for i in range(len(out))]
   assert shared.pool.pages_used == 0
   # Without sharing: ceil((45 + suffix + 10) / 8) = 8 + 8 + 9 = 25 pages. With sharing the 5 full prefix pages
   # are stored once; the prefix's partly filled 6th page stays with the prefix and each request copies it.
@@ -191,20 +209,10 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   scale (chunks are whole pages). Their error against the float32 cache is e4m3's alone: a float32 engine
   writing with clipped per-layer scales errs far more."""
   from lcjax.cache import kv as kvc
-  from lcjax.model import llama
-  real_qkv, real_write, real_angles = llama.Attention.qkv, kvc.write_layer, llama.rope_angles
-  call = {}
-
-  def angles(positions, inv_freq):       # once per forward, before the layers: the call's positions
-    call["positions"] = positions
-    return real_angles(positions, inv_freq)
-
-  def qkv(self, x, rope):
-    q, k, v = real_qkv(self, x, rope)
-    f = jnp.where(call["positions"] >= 8, 4.0, 1.0)[:, :, None, None].astype(k.dtype)
-    return q, k * f, v * f
-  monkeypatch.setattr(llama, "rope_angles", angles)
-  monkeypatch.setattr(llama.Attention, "qkv", qkv)
+  from tests.patch_kv import scale_kv_by_position
+  real_write = kvc.write_layer
+  four_after_first_page = lambda p: jnp.where(p >= 8, 4.0, 1.0)      # noqa: E731
+  scale_kv_by_position(monkeypatch, four_after_first_page, four_after_first_page)
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
   f32, fp8 = _engine(prefill_chunk=32), _engine(prefill_chunk=32, cache_dtype="float8_e4m3fn")
   # Prompt logits first: a later prompt would read its chunks' keys from the prefix cache's fp8 pages, where a
@@ -269,3 +277,94 @@ def test_decode_groups_match_one_step_per_check():
   assert grouped == single
   assert grouped == [(free[0], "length"), (free[1][:j + 1], "eos"), (free[2], "length")]
   assert j % 8 != 0          # prompt 1 ends mid-group: token j (j >= 1) comes from decode step j - 1 of 0..7
+
+
+def test_stats_add_up_to_the_prefill_work(eng, monkeypatch):
+  """The prefill seconds reported over a call's results (a shared prefix's once, in the first result) cover every
+  prefill chunk the call ran, each timed here to its completion; the tokens add up to the prompts'; the time to
+  the first token lies between the request's own prefill and the call's wall time."""
+  rng = np.random.default_rng(12)
+  prefix = rng.integers(3, TINY.vocab_size, 150).tolist()       # 5 chunks of 32
+  questions = [rng.integers(3, TINY.vocab_size, n).tolist() for n in (5, 40)]
+  eng.prefix_cache.clear()
+  spent = []
+  prefill = eng.steps.prefill
+
+  def timed(*a, **kw):
+    t0 = time.perf_counter()
+    out = prefill(*a, **kw)
+    jax.block_until_ready(out)
+    spent.append(time.perf_counter() - t0)
+    return out
+
+  monkeypatch.setattr(eng.steps, "prefill", timed)
+  t0 = time.perf_counter()
+  outs = eng.generate(questions, prefix=prefix, max_new_tokens=3)
+  wall = time.perf_counter() - t0
+  assert len(spent) == 5 + 1 + 2
+  s = [o.stats for o in outs]
+  assert sum(x["prefill_s"] for x in s) >= sum(spent)
+  assert s[0]["shared_prefix_prefill_s"] > 0 and s[1]["shared_prefix_prefill_s"] == 0
+  assert s[0]["prefill_tokens"] == 150 + 5 and s[0]["cached_tokens"] == 0
+  assert s[1]["prefill_tokens"] == 40 and s[1]["cached_tokens"] == 150
+  for x in s:
+    assert x["prefill_s"] - x["shared_prefix_prefill_s"] <= x["time_to_first_token_s"] <= wall
+  # A second call finds the prefix's full pages in the prefix cache: only its last, partly filled page is paid.
+  again = eng.generate(questions[0], prefix=prefix, max_new_tokens=3).stats
+  assert again["prefill_tokens"] == 150 - 144 + 5 and again["cached_tokens"] == 144
+
+
+def test_each_prompt_of_a_batch_samples_its_own_stream(eng):
+  """Prompt i draws with seed + i: three copies of one prompt differ, a call repeats exactly, and prompt i equals
+  the prompt alone with seed + i (the oracle: one request's stream depends only on its seed)."""
+  p = [5, 6, 7, 8]
+  sp = dict(temperature=1.5, seed=7)
+  outs = [o.token_ids for o in eng.generate([p] * 3, max_new_tokens=8, sampling=sp)]
+  assert len({tuple(o) for o in outs}) == 3
+  assert [o.token_ids for o in eng.generate([p] * 3, max_new_tokens=8, sampling=sp)] == outs
+  for i, o in enumerate(outs):
+    assert eng.generate(p, max_new_tokens=8, sampling=dict(sp, seed=7 + i)).token_ids == o
+
+
+class _Compiles:
+  """Counts what jax does to get a program: traces, compilations and persistent-cache reads (jax.monitoring)."""
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration",
+            "/jax/compilation_cache/cache_retrieval_time_sec")
+
+  def __init__(self):
+    self.seen = []
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, name, secs, **kw):
+    if name in self.EVENTS:
+      self.seen.append((name, kw.get("fun_name")))
+
+  def close(self):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+@pytest.mark.parametrize("sampling", [None, dict(temperature=0.7, seed=1)], ids=["greedy", "sampled"])
+def test_warm_up_compiles_what_generate_then_uses(sampling):
+  """Engine.warm_up compiles without running (the cache and the pool are untouched), and the generate it was
+  told about then traces and compiles nothing: a prompt of two chunks, and a question on a context whose last
+  page is partly filled."""
+  eng = _engine(decode_steps=4)
+  rng = np.random.default_rng(13)
+  doc, q, prompt = (rng.integers(3, TINY.vocab_size, n).tolist() for n in (45, 7, 50))
+  count = _Compiles()
+  try:
+    cache_before = np.asarray(eng.cache.k).copy()
+    assert eng.warm_up(len(prompt), sampling=sampling) == 3            # chunks of 32 (both), first token, decode
+    assert count.seen and np.array_equal(np.asarray(eng.cache.k), cache_before) and eng.pool.pages_used == 0
+    count.seen.clear()
+    eng.generate(prompt, max_new_tokens=6, sampling=sampling)
+    assert count.seen == []
+    n = eng.warm_up(len(q), context_tokens=len(doc), sampling=sampling, decode_steps=2)
+    assert n == 2 + 1 + 1 + 1     # chunks of 32 and 16 (the context's 45, the question's 7), first token, decode, copy
+    count.seen.clear()
+    with eng.prefill(doc) as ctx:
+      eng.generate(q, context=ctx, max_new_tokens=6, sampling=sampling, decode_steps=2)
+    assert count.seen == []
+  finally:
+    count.close()
+    eng.close()

@@ -134,6 +134,8 @@ def paths(tmp_path_factory):
   fx.write_gguf(p["moe_gguf"], cfg=preset("tiny"), extra={"llama.expert_count": 8})
   p["empty_file"] = str(root / "empty.txt")
   open(p["empty_file"], "w").close()
+  p["doc_file"] = str(root / "doc.txt")
+  open(p["doc_file"], "w").write("hello world")
   p["latin1_file"] = str(root / "latin1.txt")
   open(p["latin1_file"], "wb").write("café".encode("latin-1"))
   p["unknown_key_cfg"] = str(root / "unknown_key.py")
@@ -153,8 +155,9 @@ CLI_CASES = [
     ("unknown config key", ["--prompt=hi", "--config={default_cfg}", "--config.pagesize=64"],
      ["'pagesize'", "known keys", "'page_size'"]),
     ("unknown key in a config file", ["--prompt=hi", "--config={unknown_key_cfg}"], ["['pagesize']", "'page_size'"]),
-    ("override without a config file", ["--prompt=hi", "--config.page_size=64"],
-     ["--config.page_size=64", "--config=configs/default.py"]),
+    ("override of the defaults checked without a config file", ["--prompt=hi", "--config.page_size=0"],
+     ["page_size=0", ">= 1"]),
+    ("unknown key without a config file", ["--prompt=hi", "--config.pagesize=64"], ["'pagesize'", "known keys"]),
     ("missing config file", ["--prompt=hi", "--config={root}/nope.py"], ["nope.py", "No such file"]),
     ("config file that does not parse", ["--prompt=hi", "--config={broken_cfg}"], ["broken.py", "line 1"]),
     ("config value of the wrong type", ["--prompt=hi", "--config={default_cfg}", "--config.page_size=abc"],
@@ -178,7 +181,8 @@ CLI_CASES = [
     ("two prompts", ["--prompt=hi", "--demo"], ["exactly one of", "--prompt", "--demo"]),
     ("empty prompt", ["--prompt="], ["empty prompt", "at least one token"]),
     ("empty prompt file", ["--prompt_file={empty_file}"], ["empty prompt", "empty.txt"]),
-    ("missing prompt file", ["--prompt_file={root}/none.txt"], ["none.txt", "No such file"]),
+    ("missing prompt file", ["--prompt_file={root}/none.txt"], ["--prompt_file={root}/none.txt", "No such file"]),
+    ("prompt file that is a directory", ["--prompt_file={root}"], ["--prompt_file={root}", "Is a directory"]),
     ("prompt file that is not UTF-8", ["--prompt_file={latin1_file}"], ["latin1.txt", "not UTF-8", "byte 3"]),
     ("command-line bytes that are not UTF-8", [os.fsdecode(b"--prompt=caf\xe9"), "--checkpoint={good}"],
      ["not valid UTF-8", "\\udce9", "index 3"]),
@@ -194,7 +198,8 @@ CLI_CASES = [
     ("negative temperature", ["--prompt=hi", "--temperature=-0.5"], ["temperature=-0.5", ">= 0"]),
     ("seed outside uint32", ["--prompt=hi", "--seed=-1"], ["seed=-1", "[0, 2**32)"]),
     # checkpoints and sources
-    ("missing checkpoint dir", ["--prompt=hi", "--checkpoint={root}/nowhere"], ["nowhere", "no such checkpoint"]),
+    ("missing checkpoint dir", ["--prompt=hi", "--checkpoint={root}/nowhere"],
+     ["--checkpoint={root}/nowhere", "no such checkpoint"]),
     ("incomplete checkpoint", ["ckpt", "--prompt=hi", "--checkpoint={incomplete}"],
      ["incomplete", "lcjax_manifest.json", "rerun the conversion"]),
     ("checkpoint with a missing array", ["ckpt", "--prompt=hi", "--checkpoint={missing_array}"],
@@ -249,7 +254,13 @@ CLI_CASES = [
     ("context file that is not UTF-8", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={latin1_file}"],
      ["--context_file=", "not UTF-8"]),
     ("missing saved context", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--load_context={root}/nowhere"],
-     ["nowhere", "no such context directory"]),
+     ["--load_context={root}/nowhere", "no such context directory"]),
+    ("missing context file", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={root}/nowhere.txt"],
+     ["--context_file={root}/nowhere.txt", "No such file"]),
+    ("context saved where no directory can be made", ["ckpt", "--prompt=hi", "--checkpoint={good}",
+                                                       "--context_file={doc_file}", "--nochat",
+                                                       "--save_context={empty_file}/ctx"],
+     ["--save_context={empty_file}/ctx"]),
 ]
 PLAN_PRINTED = {"page pool larger than memory", "context larger than memory"}
 

@@ -14,7 +14,7 @@ import pytest
 
 from lcjax.ops import attention as ref
 from lcjax.ops import mgpu_paged
-from lcjax.ops import pallas_flash
+from lcjax.ops import pallas_backend
 from lcjax.ops import pallas_paged
 from tests.test_kernels import check, oracle, rand_pages, visibility
 
@@ -133,11 +133,11 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
   another GPU take the Triton kernel with one warning naming the reason; bf16 pages and interpret mode never
   reach it."""
   calls = []
-  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)                 # as on a Hopper GPU
+  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)                 # as on a Hopper GPU
   monkeypatch.setattr(ref, "_announced", set())
   monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, **k: calls.append("mgpu") or "mgpu")
   monkeypatch.setattr(pallas_paged, "paged_decode", lambda *a, **k: calls.append("triton") or "triton")
-  be = pallas_flash.PallasBackend()
+  be = pallas_backend.PallasBackend()
   q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
   table, qp, kl = jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
   sc = jnp.ones((9, 2), jnp.float32)
@@ -149,16 +149,16 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
       be.paged(q, pages, pages, table, q_pos=qp, kv_len=kl, k_scale=scale, v_scale=scale)
   assert calls == ["mgpu", "triton", "triton", "triton"]
   assert sum("page_size=32" in r.getMessage() for r in caplog.records) == 1    # once per process
-  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: "not Hopper")
+  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: "not Hopper")
   be.paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl,
            k_scale=sc, v_scale=sc)
   assert calls[-1] == "triton"
-  pallas_flash.PallasBackend(interpret=True).paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(
+  pallas_backend.PallasBackend(interpret=True).paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(
       jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl, k_scale=sc, v_scale=sc)
   assert calls[-1] == "triton"
-  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)
+  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)
   fp8 = jnp.zeros((9, 64, 2, 64), jnp.float8_e4m3fn)
-  for backend in (be, pallas_flash.PallasBackend(interpret=True)):         # the page dtype routes, not the scale
+  for backend in (be, pallas_backend.PallasBackend(interpret=True)):         # the page dtype routes, not the scale
     with pytest.raises(ValueError, match="needs their k_scale and v_scale"):
       backend.paged(q, fp8, fp8, table, q_pos=qp, kv_len=kl)
 
@@ -185,15 +185,26 @@ def test_combine_reads_transposed_partials():
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
-  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: None)
-  be, e4 = pallas_flash.PallasBackend(), jnp.float8_e4m3fn
+  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)
+  be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "triton"
-  interp = pallas_flash.PallasBackend(interpret=True)
+  interp = pallas_backend.PallasBackend(interpret=True)
   assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
-  monkeypatch.setattr(pallas_flash, "_on_sm90", lambda: "not Hopper")
+  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: "not Hopper")
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
+  # cuDNN's paged kernel reads bf16 / fp16 pages; decode rows over fp8 or float32 pages take the jnp reference
+  from lcjax.ops import cudnn_calls
+  from lcjax.ops.cudnn import CudnnBackend
+  monkeypatch.setattr(cudnn_calls, "has_private_paged", lambda: True)
+  cudnn = CudnnBackend()
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "cudnn"
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "reference"
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="float32") == "reference"
+  assert cudnn.decode_reason(page_dtype=e4, T=64) is None                # a chunk reads fp8 pages dequantized
+  monkeypatch.setattr(cudnn_calls, "has_private_paged", lambda: False)
+  assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "reference"
 
 
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])

@@ -22,8 +22,8 @@ from lcjax.config import ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import weight_format
 from lcjax.ops import linear
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="the oracle, HF transformers, runs on torch: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
 
 CFG = ModelConfig("fp8-test", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   ffn_dim=128, rope_theta=10000.0, max_position=512, bos_id=0, eos_ids=(1,))
@@ -295,3 +295,31 @@ def test_gpu_linear_runs_fp8_gemms(rows, fp8_gemm):
   txt = jax.jit(lambda x, w, s: linear.dense(x, w, s, "btd,dcf->btcf")).lower(x, w8, scale).compile().as_text()
   gemm = [l for l in txt.splitlines() if "custom_call_target=\"__cublas$lt$matmul$f8\"" in l]
   assert bool(gemm) == fp8_gemm, txt[-3000:]
+
+
+def test_cli_names_fp8_weights(tmp_path, hf_model):
+  """--checkpoint=<an FP8 HF folder> just works, and the stats table and the memory plan name the weight format."""
+  from tests import cli_inprocess
+  from tests import fixtures_ckpt as fx
+  folder = write_fp8_folder(str(tmp_path / "ct"), hf_model)
+  fx.byte_level_tokenizer_json(os.path.join(folder, "tokenizer.json"), vocab_size=256)
+  p = cli_inprocess.run([f"--checkpoint={folder}", "--prompt=hello there", "--max_new_tokens=3", "--nochat",
+                         "--nowarmup", "--config.dtype=float32", "--config.max_context=256"])
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "float8_e4m3fn (per-token activations) weights" in p.stdout
+  assert "weights" in p.stdout and "(float8_e4m3fn (per-token activations))" in p.stdout + p.stderr
+
+
+def test_killed_fp8_conversion_leaves_nothing_that_loads(tmp_path, hf_model):
+  from lcjax.checkpoint import load_config
+  from tests.test_convert_hf import _tool, kill_mid_conversion
+  folder = write_fp8_folder(str(tmp_path / "ct"), hf_model)
+  dst = str(tmp_path / "out")
+  tmp = kill_mid_conversion(folder, dst)
+  assert os.path.isdir(tmp) and not os.path.exists(dst)
+  with pytest.raises(CheckpointError, match="incomplete"):
+    load_config(tmp)
+  p = _tool([f"--src={folder}", f"--dst={dst}"])
+  _, err = p.communicate(timeout=120)
+  assert p.returncode == 0, err
+  assert lcjax.Engine.load(dst, dtype="float32", max_context=256).weights.fp8

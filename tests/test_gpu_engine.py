@@ -1,4 +1,5 @@
-"""The engine on the GPU: every fast attention backend gives the reference backend's results end to end.
+"""The engine on the GPU: every fast attention backend gives the reference backend's results end to end, and the
+stats name the kernels that ran.
 
 Run through the device tool: `python3 -m pytest -m gpu tests/test_gpu_engine.py`.
 """
@@ -16,8 +17,10 @@ from lcjax.engine.engine import Engine
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
-# Llama-3-8B's attention shape (32 query heads, 8 kv heads, head dim 128) with two layers and a small vocab.
-CFG = dataclasses.replace(preset("llama3-8b"), name="l3-2layer", n_layers=2, vocab_size=4096, eos_ids=())
+# Llama-3-8B's attention shape (32 query heads, 8 kv heads, head dim 128) with two layers and a small vocab (the
+# prompts are token ids: no BOS, no EOS).
+CFG = dataclasses.replace(preset("llama3-8b"), name="l3-2layer", n_layers=2, vocab_size=4096, bos_id=None,
+                          eos_ids=())
 
 
 def _engine(attention, dtype="bfloat16", cache_dtype="auto"):
@@ -32,26 +35,56 @@ def prompts():
   return [rng.integers(0, CFG.vocab_size, n).tolist() for n in (2500, 700)]
 
 
-def _assert_agree(want, got, prompts, *, uncached=True, new_tokens=16):
+# The kernels' tolerance against another backend in bf16: logits within 2e-2 of their norm, and a greedy token's
+# logit within 2e-2 of the logits' largest magnitude of the best one (bf16 and each kernel's own rounding and
+# summation order make near-ties go either way).
+TOL = 2e-2
+
+
+def _forced_logits(eng, prompt, out, *, paged: bool) -> np.ndarray:
+  """eng's logits [len(out), V] of the positions that sampled each token of `out` after `prompt`, teacher-forced:
+  one uncached forward over prompt + out, or (paged) the prompt logits of prompt + out[:i] for each i, read through
+  eng's paged cache (an fp8 cache: what its decode reads)."""
+  if not paged:
+    return eng.logits([prompt + out[:-1]])[0, len(prompt) - 1:]
+  return np.stack([eng.prompt_logits(prompt + out[:i]) for i in range(len(out))])
+
+
+def _assert_greedy_under(logits, out):
+  """Every token of `out` is a greedy choice of its row of logits [len(out), V], up to TOL near-ties."""
+  logits = np.asarray(logits, np.float64)
+  for i, (t, row) in enumerate(zip(out, logits)):
+    gap, scale = row.max() - row[t], np.abs(row).max()
+    assert gap <= TOL * scale, (i, out, int(np.argmax(row)), gap, scale)
+
+
+def _assert_agree(want, got, prompts, *, kernels, uncached=True, new_tokens=16):
   """`got` gives `want`'s results: last logits of an uncached forward (attend only) and of a chunked prefill
-  against the paged prefix (attend + paged), within 2e-2 of their norm (bf16), and the first greedy tokens."""
+  against the paged prefix (attend + paged) within TOL of their norm, and every token of got's greedy generations
+  (all `new_tokens` of them) a greedy choice of want's logits at its position, teacher-forced through want's
+  paged cache (uncached=False: an fp8 cache, which the uncached forward does not quantize) or its uncached forward.
+  `kernels`: (attention, decode kernel) that got's stats must name."""
   from tests.test_engine import _prefill_logits
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(a)
   for p in prompts:
     if uncached:
-      assert rel(want.logits([p[:1024]])[0, -1], got.logits([p[:1024]])[0, -1]) < 2e-2
-    assert rel(_prefill_logits(want, p), _prefill_logits(got, p)) < 2e-2
-  g = [r.token_ids for r in got.generate(prompts, max_new_tokens=new_tokens)]
-  w = [r.token_ids for r in want.generate(prompts, max_new_tokens=new_tokens)]
-  # bf16 near-ties can flip a token late in a greedy run; the first tokens must agree.
-  assert all(x[:4] == y[:4] for x, y in zip(g, w)), (g, w)
+      assert rel(want.logits([p[:1024]])[0, -1], got.logits([p[:1024]])[0, -1]) < TOL
+    assert rel(_prefill_logits(want, p), _prefill_logits(got, p)) < TOL
+  for p, r in zip(prompts, got.generate(prompts, max_new_tokens=new_tokens)):
+    assert (r.stats["attention"], r.stats["decode_kernel"]) == kernels, r.stats
+    assert len(r.token_ids) == new_tokens
+    _assert_greedy_under(_forced_logits(want, p, r.token_ids, paged=not uncached), r.token_ids)
+
+
+# The decode kernel each backend runs over bf16 pages (Engine.decode_kernel).
+BF16_DECODE = {"cudnn": "cudnn", "pallas": "triton"}
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
 def test_backend_engine_matches_reference(backend, prompts):
   fast = _engine(backend)
   assert fast.attention.name == backend
-  _assert_agree(_engine("reference"), fast, prompts, new_tokens=24)
+  _assert_agree(_engine("reference"), fast, prompts, kernels=(backend, BF16_DECODE[backend]), new_tokens=24)
 
 
 def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
@@ -60,7 +93,10 @@ def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
   bf16 logits (as HF's) tie often on this random-weight model. Where the two runs part, the two tokens' logits in
   the alone run are within two bf16 steps of the logit scale."""
   eng = _engine("auto")
-  together = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16)]
+  assert eng.attention.name in BF16_DECODE
+  results = eng.generate(prompts, max_new_tokens=16)
+  assert all(r.stats["decode_kernel"] == BF16_DECODE[eng.attention.name] for r in results)
+  together = [r.token_ids for r in results]
   for p, both in zip(prompts, together):
     alone = eng.generate(p, max_new_tokens=16).token_ids
     parted = [i for i, (a, b) in enumerate(zip(alone, both)) if a != b]
@@ -71,14 +107,16 @@ def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
       assert gap <= 2 ** -6 * scale, (d, alone, both, gap, scale)
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "pallas"])
-def test_fp8_cache_matches_reference(backend, prompts):
+@pytest.mark.parametrize("backend, decode", [("cudnn", "reference"), ("pallas", "mgpu-fp8")])
+def test_fp8_cache_matches_reference(backend, decode, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
   fp8 kernel of lcjax.ops.mgpu_paged, queries in two e4m3 terms) == the same cache through the reference
-  backend."""
+  backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the jnp reference, and its
+  stats say so; for it only the prefill chunks here are a fast path."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
   assert fast.attention.name == backend and fast.fp8_cache
-  _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, uncached=False)
+  _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, kernels=(backend, decode),
+                uncached=False)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
@@ -91,23 +129,29 @@ def test_mesh_engine_matches_one_gpu(backend, tensor, seq, sp_mode, prompts):
   one = _engine(backend)
   many = Engine.random(CFG, run=one.run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
   assert many.attention.name == backend
-  _assert_agree(one, many, prompts)
+  _assert_agree(one, many, prompts, kernels=(backend, BF16_DECODE[backend]))
 
 
 def test_context_cache_matches_a_cold_prefill(prompts, tmp_path):
-  """The prefix cache, a pinned context and a context restored from host memory and from disk give what a cold
-  prefill of the whole prompt gives, through the fast backend, and nothing is left held."""
+  """The prefix cache, a pinned context and a context restored from host memory and from disk give what the
+  uncached forward gives, through the fast backend: the prompt's logits through cached pages within TOL of the
+  uncached forward's (and of a cold prefill's), every generated token greedy under the uncached forward's logits
+  teacher-forced; and nothing is left held."""
   from tests.test_engine import _prefill_logits
   doc, q = prompts[0][:2000], prompts[1][:300]
   eng = _engine("auto")
+  kernels = (eng.attention.name, BF16_DECODE.get(eng.attention.name))
   cold = Engine.random(CFG, run=eng.run.replace(prefix_cache=False), seed=1)
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(a)
-  want = cold.generate(doc + q, max_new_tokens=8).token_ids
+  full = eng.logits([doc + q])[0, -1]
   eng.generate(doc + prompts[1][300:400], max_new_tokens=2)                 # caches the document's pages
   auto = eng.generate(doc + q, max_new_tokens=8)
   assert auto.stats["cached_tokens"] == len(doc) // 64 * 64
-  assert rel(_prefill_logits(cold, doc + q), _prefill_logits(eng, doc + q)) < 2e-2
+  assert (auto.stats["attention"], auto.stats["decode_kernel"]) == kernels, auto.stats
+  cached = _prefill_logits(eng, doc + q)
+  assert rel(full, cached) < TOL and rel(_prefill_logits(cold, doc + q), cached) < TOL
   ctx = eng.prefill(doc)
+  assert rel(full, eng.prompt_logits(q, context=ctx)) < TOL
   got = [eng.generate(q, max_new_tokens=8, context=ctx).token_ids]
   ctx.offload()
   eng.prefix_cache.clear()
@@ -118,6 +162,7 @@ def test_context_cache_matches_a_cold_prefill(prompts, tmp_path):
   eng.prefix_cache.clear()
   with eng.load_context(tmp_path / "ctx") as ctx:
     got.append(eng.generate(q, max_new_tokens=8, context=ctx).token_ids)
-  assert all(g[:4] == want[:4] for g in [auto.token_ids] + got), (want, auto.token_ids, got)
+  for out in (auto.token_ids, got[0]):
+    _assert_greedy_under(_forced_logits(eng, doc + q, out, paged=False), out)
   assert got[1] == got[0] == got[2]                # the same pages, moved: bit-identical
   assert eng.pool.pages_used == 0 and not eng.scheduler.pinned

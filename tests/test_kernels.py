@@ -16,6 +16,7 @@ import pytest
 from lcjax.ops import attention as ref
 from lcjax.ops import backends
 from lcjax.ops import cudnn
+from lcjax.ops import pallas_backend
 from lcjax.ops import pallas_flash
 from lcjax.ops import pallas_paged
 
@@ -284,7 +285,7 @@ def test_paged_page_offset(name):
   kv_len = jnp.array([50, 21], jnp.int32)
   q_pos = kv_len[:, None] - 1
   be = {"reference": backends.ReferenceBackend(), "dense": backends.DenseBackend(), "cudnn": EMU,
-        "pallas": pallas_flash.PallasBackend(interpret=True)}[name]
+        "pallas": pallas_backend.PallasBackend(interpret=True)}[name]
   got = be.paged(q, junk(kp), junk(vp), table, q_pos=q_pos, kv_len=kv_len, page_offset=off)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
@@ -292,7 +293,7 @@ def test_paged_page_offset(name):
 # ---------------------------------------------------------------- selection
 def test_backend_registry_and_reasons():
   assert backends.get_backend("reference").name == "reference"
-  be = pallas_flash.PallasBackend(interpret=True)
+  be = pallas_backend.PallasBackend(interpret=True)
   assert be.why_not(head_dim=128, dtype="bfloat16") is None
   assert "head_dim" in be.why_not(head_dim=96, dtype="bfloat16")
   assert "float32" in be.why_not(head_dim=128, dtype="float32")
@@ -313,7 +314,7 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   kv_len = jnp.array([47, 30], jnp.int32)
   q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
   _poison(monkeypatch, "attention_reference", "paged_attention_reference")    # cuDNN (emulated) must serve it
-  got = pallas_flash.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
+  got = pallas_backend.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
@@ -422,7 +423,7 @@ def test_routes_to_the_reference_decided_at_run_time_are_announced(backend, monk
           "noncontiguous": jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [16 + t for t in range(T)]], jnp.int32),
           "before-first-key": jnp.array([[t - 3 for t in range(T)], [16 + t for t in range(T)]], jnp.int32)}
   monkeypatch.setattr(pallas_flash, "flash_attention", _flash_in_jnp)
-  be = EMU if backend == "cudnn" else pallas_flash.PallasBackend(interpret=True)
+  be = EMU if backend == "cudnn" else pallas_backend.PallasBackend(interpret=True)
   _poison(monkeypatch, "attention_reference")
 
   def run(name):

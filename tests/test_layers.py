@@ -85,3 +85,119 @@ def test_tools_and_configs_sit_above_the_package():
       if imp.startswith(("tests", "configs")) or (imp.startswith("tools") and imp not in ("tools.benchlib",)):
         bad.append(f"tools/{path.name} imports {imp}")
   assert not bad, "\n".join(bad)
+
+
+def _module_graph(package: pathlib.Path) -> dict[str, set[str]]:
+  """{module: the modules of `package` it imports}, counting imports inside functions too (a deferred import
+  still ties the two modules together)."""
+  modules = {}
+  for path in package.rglob("*.py"):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+  graph = {}
+  for module, path in modules.items():
+    deps = set()
+    for imp in _imports(path, module):
+      # `from lcjax.ops.fp8 import E4M3` names lcjax.ops.fp8.E4M3: the module is its longest known prefix.
+      parts = imp.split(".")
+      hit = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+      if hit is not None and hit != module and not module.startswith(hit + "."):
+        deps.add(hit)
+    graph[module] = deps
+  return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle of `graph` as [a, b, ..., a], or None."""
+  state = {}                         # module -> 1 while on the depth-first path, 2 once finished
+  path = []
+
+  def visit(m):
+    state[m] = 1
+    path.append(m)
+    for d in sorted(graph[m]):
+      if state.get(d) == 1:
+        return path[path.index(d):] + [d]
+      if d not in state and (found := visit(d)):
+        return found
+    path.pop()
+    state[m] = 2
+    return None
+
+  for m in sorted(graph):
+    if m not in state and (found := visit(m)):
+      return found
+  return None
+
+
+def test_import_cycle_finder():
+  assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles():
+  """Modules import in one direction inside a layer too, deferred imports included: in lcjax.ops the kernels, the
+  Mosaic GPU helpers they share (mgpu_common) and the backends that choose between kernels (pallas_backend,
+  backends)."""
+  graph = _module_graph(ROOT)
+  assert {"lcjax.ops.pallas_flash", "lcjax.ops.mgpu_common"} <= graph["lcjax.ops.pallas_backend"] | \
+      graph["lcjax.ops.pallas_flash"], sorted(graph)
+  cycle = import_cycle(graph)
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Import names of the distributions in pyproject's `dependencies` whose name differs from the distribution's.
+_IMPORT_NAMES = {"orbax-checkpoint": "orbax", "absl-py": "absl"}
+
+
+def _required_imports(repo: pathlib.Path) -> set[str]:
+  import re
+  import tomllib
+  deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+  names = {re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in deps}
+  return {_IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names}
+
+
+def _top_level_imports(path: pathlib.Path):
+  """(line, top-level package) of the imports a module runs when it is imported, in order: statements at module
+  level and in module-level if/with/try blocks, not those inside functions or classes. A package that a
+  module-level pytest.importorskip("package") call has checked before is not listed: the module skips without it."""
+  checked = set()
+
+  def walk(body):
+    for node in body:
+      if isinstance(node, ast.Import):
+        yield from ((node.lineno, a.name.split(".")[0]) for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        yield node.lineno, node.module.split(".")[0]
+      elif isinstance(node, (ast.If, ast.With, ast.Try)):
+        for part in (node.body, getattr(node, "orelse", []), *(h.body for h in getattr(node, "handlers", [])),
+                     getattr(node, "finalbody", [])):
+          yield from walk(part)
+      elif isinstance(node, (ast.Expr, ast.Assign)) and isinstance(node.value, ast.Call):
+        f, args = node.value.func, node.value.args
+        if isinstance(f, ast.Attribute) and f.attr == "importorskip" and args and isinstance(args[0], ast.Constant):
+          checked.add(args[0].value.split(".")[0])
+
+  yield from ((line, top) for line, top in walk(ast.parse(path.read_text()).body) if top not in checked)
+
+
+def test_test_modules_import_without_optional_packages():
+  """pytest collects every test module with only the required dependencies installed: an optional package (the
+  `test`, `plot` extras: hypothesis, torch, transformers, matplotlib, nbclient, ...) is imported inside the tests
+  that use it, or through pytest.importorskip, which skips the module with its reason."""
+  repo = ROOT.parent
+  allowed = _required_imports(repo) | set(sys.stdlib_module_names) | {"pytest", "lcjax", "tests", "tools"}
+  assert {"jax", "orbax", "absl", "numpy"} <= allowed
+  bad = []
+  for path in sorted((repo / "tests").glob("*.py")):
+    for line, top in _top_level_imports(path):
+      if top not in allowed:
+        bad.append(f"tests/{path.name}:{line} imports {top} at module level")
+    # The tools a test module imports at module level must import without optional packages too.
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tools."):
+        tool = repo / (node.module.replace(".", "/") + ".py")
+        bad.extend(f"tools/{tool.name}:{line} imports {top} at module level (imported by tests/{path.name})"
+                   for line, top in _top_level_imports(tool) if top not in allowed)
+  assert not bad, "optional packages need pytest.importorskip(..., reason=...):\n" + "\n".join(bad)

@@ -6,8 +6,10 @@ import json
 import os
 import sys
 
-import nbclient
-import nbformat
+import pytest
+
+INSTALL = "pip install -e '.[test]'"
+nbformat = pytest.importorskip("nbformat", reason=f"the notebook is read by nbformat: {INSTALL}")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
@@ -36,6 +38,8 @@ def _kernel_spec(path) -> None:
 def test_quickstart_notebook_runs(tmp_path, monkeypatch, smollm2_checkpoint):
   # The kernel inherits the run's LCJAX_CACHE_DIR: the notebook's bundled_checkpoint() finds the run's conversion
   # of the bundled model there (tests/conftest.py) instead of converting it again.
+  nbclient = pytest.importorskip("nbclient", reason=f"the notebook runs in nbclient: {INSTALL}")
+  pytest.importorskip("ipykernel", reason=f"the notebook's kernel is ipykernel: {INSTALL}")
   assert os.path.dirname(smollm2_checkpoint) == os.environ["LCJAX_CACHE_DIR"]
   _kernel_spec(tmp_path / "jupyter")
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))

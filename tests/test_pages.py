@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 import pytest
+
+pytest.importorskip("hypothesis", reason="the state machine runs under hypothesis: pip install -e '.[test]'")
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)

@@ -152,3 +152,16 @@ def test_golden_partition_specs():
   assert got["smollm2-135m"]["tensor=3 seq=2"]["kv_replication"] == 1
   assert got["tiny"]["tensor=8 seq=1"]["error"].startswith("n_heads=4 is not divisible by tensor=8")
   assert got["tiny"]["tensor=4 seq=2"]["kv_replication"] == 2 and got["tiny"]["tensor=4 seq=2"]["kv_heads"] == 4
+
+
+def test_engine_random_refuses_a_plan_that_does_not_fit_before_allocating():
+  """Engine.random checks the memory plan against the device as Engine.load and the CLI do: a 70B at 128k tokens
+  on this machine is one ConfigError, and nothing was allocated."""
+  from lcjax.config import ConfigError, RunConfig, preset
+  from lcjax.engine.engine import Engine
+  before = len(jax.live_arrays())
+  with pytest.raises(ConfigError) as e:
+    Engine.random(preset("llama3.1-70b"), run=RunConfig(max_context=131072))
+  msg = str(e.value)
+  assert "\n" not in msg and "max_context=131072 x max_batch=4 does not fit: the memory plan needs" in msg, msg
+  assert len(jax.live_arrays()) == before

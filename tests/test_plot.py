@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-import matplotlib
 import pytest
 
+matplotlib = pytest.importorskip("matplotlib", reason="lcjax.plot draws with matplotlib: pip install -e '.[plot]'")
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 

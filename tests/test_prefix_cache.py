@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="the state machine runs under hypothesis: pip install -e '.[test]'")
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
@@ -168,11 +170,23 @@ def test_cache_state_machine():
 
 
 def test_keys_chain_and_salt():
-  a = page_keys([1, 2, 3, 4, 5], 2, b"m")
-  assert len(a) == 2 and a == page_keys([1, 2, 3, 4, 9], 2, b"m")     # the partly filled page is not named
-  assert page_keys([1, 2, 3, 5], 2, b"m")[0] == a[0] != page_keys([1, 2, 3, 5], 2, b"m")[1]
-  assert page_keys([9, 2, 3, 4], 2, b"m")[1] != a[1]                   # a page's key names everything before it
-  assert page_keys([1, 2, 3, 4], 2, b"other model")[0] != a[0]
+  """A full page's key changes with each of its tokens (and their order), with every token of every earlier page,
+  and with the salt; it does not change with anything after the page, and the partly filled last page has none."""
+  Z, tokens = 3, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]             # 3 full pages and one token
+  keys = page_keys(tokens, Z, b"m")
+  assert len(keys) == 3 and len(set(keys)) == 3
+  assert page_keys(tokens[:9] + [99, 98], Z, b"m") == keys         # the partly filled page is not named
+  assert page_keys(tokens, Z, b"m", n_pages=2) == keys[:2]
+  for i in range(9):
+    changed = tokens[:i] + [tokens[i] + 100] + tokens[i + 1:]
+    other = page_keys(changed, Z, b"m")
+    page = i // Z
+    assert other[:page] == keys[:page], i                           # pages before the token keep their keys
+    assert all(other[m] != keys[m] for m in range(page, 3)), i      # its page and every later page change
+  swapped = [6, 5] + tokens[2:]                                     # the same tokens in another order
+  assert all(x != y for x, y in zip(page_keys(swapped, Z, b"m"), keys))
+  assert all(x != y for x, y in zip(page_keys(tokens, Z, b"other model"), keys))
+  assert page_keys(tokens[3:], Z, b"m")[0] != keys[1]               # the same tokens at another position
 
 
 def test_eviction_only_when_needed_and_lru_tail_first():

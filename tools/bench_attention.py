@@ -39,6 +39,7 @@ from lcjax.ops import attention as ref  # noqa: E402
 from lcjax.ops import cudnn, cudnn_calls  # noqa: E402
 from lcjax.ops import fp8 as fp8_ops  # noqa: E402
 from lcjax.ops import mgpu_paged  # noqa: E402
+from lcjax.ops import pallas_backend  # noqa: E402
 from lcjax.ops import pallas_flash  # noqa: E402
 from lcjax.ops import pallas_paged  # noqa: E402
 from tools import benchlib  # noqa: E402
@@ -209,15 +210,15 @@ def prefill_impls():
   scale = 1.0 / math.sqrt(H)
   impls = {
       "lcjax-cudnn": (True, lambda q, k, v: cudnn.CudnnBackend().attend(q, k, v, causal=True)),
-      "lcjax-pallas": (True, lambda q, k, v: pallas_flash.PallasBackend().attend(q, k, v, causal=True)),
+      "lcjax-pallas": (True, lambda q, k, v: pallas_backend.PallasBackend().attend(q, k, v, causal=True)),
       "lcjax-pallas-nolse": (True, lambda q, k, v: pallas_flash.flash_attention(q, k, v, causal=True,
                                                                                save_lse=False)[0]),
       # The engine's call: explicit positions, so the backend picks its kernel with a lax.cond on them (whose
       # reference branch holds the run-time announcement); "-quiet" is the same graph without that callback.
       "lcjax-cudnn-positions": (True, _positioned(cudnn.CudnnBackend())),
       "lcjax-cudnn-positions-quiet": (True, _quiet(_positioned(cudnn.CudnnBackend()))),
-      "lcjax-pallas-positions": (True, _positioned(pallas_flash.PallasBackend())),
-      "lcjax-pallas-positions-quiet": (True, _quiet(_positioned(pallas_flash.PallasBackend()))),
+      "lcjax-pallas-positions": (True, _positioned(pallas_backend.PallasBackend())),
+      "lcjax-pallas-positions-quiet": (True, _quiet(_positioned(pallas_backend.PallasBackend()))),
       "cudnn-public": (False, lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                            implementation="cudnn")),
       "cudnn-public-lse": (False, lambda q, k, v: jax.nn.dot_product_attention(

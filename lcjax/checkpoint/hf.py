@@ -128,10 +128,12 @@ class SafetensorsFile:
       if len(raw) < 8:
         raise CheckpointError(f"{path}: truncated safetensors file ({self.size} bytes, no header)")
       (n,) = struct.unpack("<Q", raw)
-      if n > self.size - 8:
-        raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file {self.size})")
-      header = json.loads(f.read(n))
+      if n > self.size - 8 or n > MAX_HEADER:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes, file "
+                              f"{self.size}, at most {MAX_HEADER})")
+      header = _parse_header(path, f.read(n))
     self.data_start = 8 + n
+    check_header(path, header, self.size - self.data_start)
     self.tensors: dict[str, _TensorInfo] = {}
     for name, h in header.items():
       if name == "__metadata__":
@@ -153,16 +155,86 @@ class SafetensorsFile:
     return np.fromfile(self.path, dtype=t.dtype, count=count, offset=self.data_start + t.begin).reshape(t.shape)
 
 
+# -- validation: every field of a header, config or index is checked before it is used -----------------------------
+
+MAX_HEADER = 100 << 20          # bytes of a safetensors JSON header (the format's own limit)
+
+
+def _parse_header(path: str, raw: bytes) -> dict:
+  try:
+    header = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path}: corrupt safetensors header ({type(e).__name__}: {str(e)[:100]})") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
+  return header
+
+
+def check_header(path: str, header: dict, data_bytes: int) -> None:
+  """Every tensor entry of a safetensors header: a dtype string, a shape of non-negative integers, and
+  data_offsets [begin, end] with 0 <= begin <= end <= the data section's size, spanning shape x itemsize bytes
+  where lcjax knows the dtype."""
+  for name, h in header.items():
+    if name == "__metadata__":
+      continue
+    if not isinstance(h, dict):
+      raise CheckpointError(f"{path}: tensor {name}: header entry {str(h)[:60]!r} is not an object")
+    dtype, shape, offsets = h.get("dtype"), h.get("shape"), h.get("data_offsets")
+    if not isinstance(dtype, str):
+      raise CheckpointError(f"{path}: tensor {name} has no dtype string (dtype={str(dtype)[:40]!r})")
+    if (not isinstance(shape, list) or len(shape) > 8
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+      raise CheckpointError(f"{path}: tensor {name} has shape {str(shape)[:60]}, not a list of at most 8 "
+                            "non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets {str(offsets)[:60]}, not [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}] outside the data section "
+                            f"[0, {data_bytes}] (the file is truncated or its header corrupt)")
+    if dtype in _DTYPES:
+      count = int(np.prod(shape, dtype=object)) if shape else 1
+      if end - begin != count * _DTYPES[dtype].itemsize:
+        raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes, shape {tuple(shape)} of {dtype} "
+                              f"needs {count * _DTYPES[dtype].itemsize}")
+
+
+def check_weight_map(index: str, src: str, weight_map) -> None:
+  """An index's weight_map: tensor name -> a shard file name inside the checkpoint folder (no path that leads out
+  of it, no link to elsewhere)."""
+  if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in weight_map.items()):
+    raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+  root = os.path.realpath(src)
+  for tensor, fname in weight_map.items():
+    where = os.path.realpath(os.path.join(src, fname))
+    if os.path.isabs(fname) or os.path.dirname(where) != root:
+      raise CheckpointError(f"{index}: shard {fname!r} (holding tensor {tensor}) is not a file of the checkpoint "
+                            f"folder {src}")
+
+
 def _read_json(path: str):
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path} is corrupt ({type(e).__name__}: {str(e)[:100]})") from None
+
+
+def _read_object(path: str) -> dict:
+  d = _read_json(path)
+  if not isinstance(d, dict):
+    raise CheckpointError(f"{path} holds a JSON {type(d).__name__}, not an object")
+  return d
 
 
 def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
   """The safetensors files of a folder, and the index's tensor -> file map when there is one."""
   index = os.path.join(src, "model.safetensors.index.json")
   if os.path.exists(index):
-    weight_map = _read_json(index)["weight_map"]
+    weight_map = _read_object(index).get("weight_map")
+    check_weight_map(index, src, weight_map)
     files = sorted(set(weight_map.values()))
     for fname in files:
       if not os.path.exists(os.path.join(src, fname)):
@@ -184,7 +256,7 @@ def hf_model_config(src: str) -> ModelConfig:
   path = os.path.join(src, "config.json")
   if not os.path.exists(path):
     raise CheckpointError(f"{path}: missing (not an HF model folder)")
-  hf = _read_json(path)
+  hf = _read_object(path)
   try:
     cfg = ModelConfig.from_hf(hf, name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(src)))
   except ConfigError as e:
@@ -192,12 +264,15 @@ def hf_model_config(src: str) -> ModelConfig:
   eos = list(cfg.eos_ids)
   gen = os.path.join(src, "generation_config.json")
   if os.path.exists(gen):
-    g = _read_json(gen).get("eos_token_id")
+    g = _read_object(gen).get("eos_token_id")
     for e in (g if isinstance(g, list) else [] if g is None else [g]):
       if e not in eos:
         eos.append(e)
   add_bos = tok.infer_add_bos(src)
-  return dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
+  try:
+    return dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
+  except ConfigError as e:
+    raise CheckpointError(f"{gen}: {e}") from None
 
 
 # The lcjax input-scale tensor each HF projection's static input scale joins (the fused projections share their

@@ -43,7 +43,8 @@ class CheckpointWriter:
 
   def __enter__(self) -> "CheckpointWriter":
     self._dir = AtomicDirectory(self.dst, MANIFEST_FILE, overwrite=self.overwrite, exists_error=CheckpointError(
-        f"{self.dst} already exists; pass --overwrite to replace it")).__enter__()
+        f"{self.dst} already exists; pass --overwrite to replace it"), error=CheckpointError,
+        what="lcjax checkpoint").__enter__()
     os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
     self._ckptr = ocp.PyTreeCheckpointer()
     return self

@@ -43,7 +43,7 @@ flags.DEFINE_float("top_p", 1.0, "1 = off")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_bool("stream", True, "print text as it is generated, up to --config.stream_decode_steps tokens at a "
                   "time")
-flags.DEFINE_bool("warmup", True, "compile with an untimed pass over short prompts of the same chunk shapes first, "
+flags.DEFINE_bool("warmup", True, "compile the run's prefill chunk and decode programs first, without running them, "
                   "so the stats are steady-state")
 flags.DEFINE_string("context_file", None, "a UTF-8 document to prefill once as a pinned context; --prompt (or each "
                     "--interactive line) is a question about it")
@@ -69,22 +69,33 @@ def demo_prompt(words: int) -> tuple[str, str]:
   return f"{doc}\n\nWhat is the password?", "PELICAN-42"
 
 
-def _stats_table(engine, res, warmup_s) -> str:
+def _model_name() -> str:
+  """The model as the command line named it: the --checkpoint given (a directory, HF folder or GGUF file), the
+  bundled model, or the preset."""
+  if FLAGS.preset is not None:
+    return f"preset {FLAGS.preset} (random weights)"
+  if FLAGS.checkpoint:
+    return FLAGS.checkpoint
+  from lcjax.checkpoint.bundled import BUNDLED_NAME
+  return f"{BUNDLED_NAME} (bundled)"
+
+
+def _stats_table(engine, res, warmup) -> str:
   s = res.stats
   gib = 1024 ** 3
-  rows = [("model", f"{engine.cfg.name}, {engine.run.dtype} weights, {engine.run.resolved_cache_dtype} KV cache, "
-                    f"attention {engine.attention.name}"),
+  rows = [("model", f"{_model_name()}, {engine.weights.describe(engine.run.dtype)} weights, "
+                    f"{engine.run.resolved_cache_dtype} KV cache, attention {engine.attention.name}"),
           ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the cache, "
                             f"{s['prefill_tokens']:,} prefilled)"),
           ("new tokens", f"{s['new_tokens']:,}"),
-          ("warm-up", "off (prefill and decode include XLA compilation)" if warmup_s is None
-           else f"{warmup_s:.2f} s (XLA compilation over short prompts of the same shapes)"),
+          ("warm-up", "off (prefill and decode include XLA compilation)" if warmup is None
+           else f"{warmup[0]:.2f} s (compiling this run's {warmup[1]} programs without running them)"),
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']})"),
-          ("peak device memory", f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
-           else "n/a on this backend"),
+          ("peak device memory", (f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
+                                  else "n/a on this backend") + f" (memory plan: {engine.plan.total / gib:.2f} GiB)"),
           ("peak host memory", f"{s['peak_host_bytes'] / gib:.2f} GiB")]
   w = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
@@ -117,7 +128,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if key not in known:
       _refuse(f"unknown run config key {key!r} in {a}; known keys: {known}")
   if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
-    _refuse(f"{overrides[0]} overrides a config file: add --config=configs/default.py")
+    argv = [argv[0], f"--config={RUN_DEFAULTS}", *argv[1:]]     # the overrides apply to RunConfig's defaults
   try:
     rest = FLAGS(argv)
     if FLAGS.config is not None:
@@ -136,6 +147,28 @@ class UsageError(ValueError):
   """A bad flag value found before anything is imported or loaded."""
 
 
+RUN_DEFAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_defaults.py")
+
+
+class _names_flag:
+  """Re-raise a refusal (ValueError) or file error (OSError) inside the block as one naming --flag=value."""
+
+  def __init__(self, flag: str):
+    self.flag = flag
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, e, tb):
+    if e is None or not isinstance(e, (ValueError, OSError)):
+      return False
+    named = f"--{self.flag}={FLAGS[self.flag].value}"
+    msg = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename}"
+    if msg.startswith(f"--{self.flag}"):
+      return False
+    raise UsageError(f"{named}: {msg}") from None
+
+
 def _prompt_ids(text: str) -> list[int]:
   ids = []
   for x in re.split(r"[,\s]+", text.strip()):
@@ -150,8 +183,10 @@ def _prompt_ids(text: str) -> list[int]:
 def _read_text(flag: str) -> str:
   """The UTF-8 text of the file that flag --`flag` names."""
   path = FLAGS[flag].value
+  with _names_flag(flag):
+    f = open(path, encoding="utf-8")
   try:
-    with open(path, encoding="utf-8") as f:
+    with f:
       return f.read()
   except UnicodeDecodeError as e:
     raise UsageError(f"--{flag}={path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
@@ -199,8 +234,12 @@ def _model(run):
   from lcjax.checkpoint.bundled import bundled_checkpoint
   from lcjax.checkpoint.sources import resolve_checkpoint
   # An HF folder or a GGUF file is converted once into the user cache (with a progress bar).
-  ckpt = resolve_checkpoint(FLAGS.checkpoint) if FLAGS.checkpoint else bundled_checkpoint()
-  return load_config(ckpt), ckpt
+  if not FLAGS.checkpoint:
+    ckpt = bundled_checkpoint()
+    return load_config(ckpt), ckpt
+  with _names_flag("checkpoint"):
+    ckpt = resolve_checkpoint(FLAGS.checkpoint)
+    return load_config(ckpt), ckpt
 
 
 def _generate() -> None:
@@ -220,6 +259,8 @@ def _generate() -> None:
 
   import jax
   from lcjax.engine import compile_cache, placement
+  from lcjax.checkpoint.layout import checkpoint_format
+  from lcjax.config import WeightFormat
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
@@ -229,8 +270,10 @@ def _generate() -> None:
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   check_context_length(model_cfg, run)
-  plan = planlib.plan(model_cfg, run)
-  print(plan.table(), file=sys.stderr)
+  weights = WeightFormat().for_run(run.weight_dtype) if ckpt is None else checkpoint_format(ckpt).for_run(
+      run.weight_dtype)
+  plan = planlib.plan(model_cfg, run, weights=weights)
+  print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
 
   tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
@@ -238,55 +281,71 @@ def _generate() -> None:
     raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
                        "tokenizer.model): give the prompt as --prompt_ids")
   limits = Limits.of(model_cfg, run, plan.num_pages)
-  ctx_ids, question_tail = _context_ids(tokenizer, limits)
+  doc = _context(tokenizer, limits)
+  prompt, chat = (ids, False) if ids is not None else (None, False)
   if text is not None:
-    ids = _question_ids(tokenizer, text, question_tail) if ctx_ids is not None else _prompt_text_ids(tokenizer, text)
+    prompt, chat, ids = _question(tokenizer, text, doc) if doc is not None else _prompt_text(tokenizer, text)
   if ids is not None:
-    limits.check(0, (ctx_ids or []) + ids, max_new, prefix_len=len(ctx_ids or []))
+    head = doc.ids if doc is not None else []
+    limits.check(0, head + ids, max_new, prefix_len=len(head))
 
   engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
-  warmup_s = None
+  warmup = None
   if FLAGS.warmup:
     t0 = time.perf_counter()
-    prefilled = ctx_ids if ctx_ids is not None and not FLAGS.load_context else ids
-    _warm_up(engine, len(prefilled or [1]), sampling, _decode_steps(engine, tokenizer))
-    warmup_s = time.perf_counter() - t0
-  ctx = None
-  if ctx_ids is not None:
-    ctx = _open_context(engine, ctx_ids, question_tail)
-  if ids is not None:
-    res = _answer(engine, ids, max_new, sampling, ctx, tokenizer)
-    print("\nstats\n" + _stats_table(engine, res, warmup_s))
-    print(engine.plan.table(measured_peak=res.stats["peak_device_bytes"]))
+    programs = _warm_up(engine, doc, ids, sampling, _decode_steps(engine, tokenizer))
+    warmup = (time.perf_counter() - t0, programs)
+  ctx = _open_context(engine, doc) if doc is not None else None
+  if prompt is not None:
+    res = _answer(engine, prompt, chat, len(ids), max_new, sampling, ctx, tokenizer)
+    print("\nstats\n" + _stats_table(engine, res, warmup))
     if answer is not None:
       print(f"\nneedle {'FOUND' if answer in res.text else 'not found'}: expected {answer!r}")
   if FLAGS.interactive:
-    _interactive(engine, ctx, question_tail, tokenizer, limits, max_new, sampling)
+    _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling)
   if ctx is not None:
     ctx.close()
 
 
-def _prompt_text_ids(tokenizer, text: str) -> list[int]:
+def _uses_chat(tokenizer) -> bool:
+  """--chat and the checkpoint has a template; --chat without one says so on stderr (the prompt goes as text)."""
+  if FLAGS.chat and not tokenizer.chat_template:
+    print(f"note: {_model_name()} has no chat template: the prompt is plain text (--nochat says so)",
+          file=sys.stderr)
+  return FLAGS.chat and bool(tokenizer.chat_template)
+
+
+def _prompt_text(tokenizer, text: str) -> tuple[list[int], bool, list[int]]:
+  """(the prompt's ids, False, the same ids): a chat turn through the checkpoint's template, or plain text."""
   from lcjax.engine.requests import RequestError
-  if FLAGS.chat and tokenizer.chat_template:
+  if _uses_chat(tokenizer):
     ids = tokenizer.encode_chat([{"role": "user", "content": text}])     # the template writes its own BOS
   else:
     ids = tokenizer.encode(text)
   if not ids:
     raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
                        "tokenizer's vocabulary")
-  return ids
+  return ids, False, ids
 
 
-def _question_ids(tokenizer, question: str, tail: str) -> list[int]:
-  """A question continuing a context: no BOS, a blank line before it, and the chat turn's closing text after."""
+PLAIN_QUESTION = "\n\n{}\n"     # a question about a plain-text (not chat) context
+
+
+def _question(tokenizer, question: str, doc) -> tuple[str | list[int], bool, list[int]]:
+  """(what generate() takes with context=, its chat flag, the ids it appends to the context) for a question: a
+  chat context's question as text with chat=True (Engine.generate turns it into the rest of the chat turn), a
+  plain context's as the ids of a blank line, the question and a newline."""
   from lcjax.engine.requests import RequestError
   if tokenizer is None:
     raise RequestError("this model has no tokenizer: questions about a context must be text")
-  ids = tokenizer.encode("\n\n" + question + tail, add_bos=False)
+  if doc.chat is not None:
+    ids, prompt, chat = tokenizer.encode(doc.chat.text(question), add_bos=False), question, True
+  else:
+    ids = tokenizer.encode(PLAIN_QUESTION.format(question), add_bos=False)
+    prompt, chat = ids, False
   if not ids:
     raise RequestError(f"the question {question[:40]!r} encodes to no tokens")
-  return ids
+  return prompt, chat, ids
 
 
 def _check_context_flags() -> None:
@@ -297,43 +356,58 @@ def _check_context_flags() -> None:
                      "--context_file=DOC or --load_context=DIR")
 
 
-def _context_ids(tokenizer, limits) -> tuple[list[int] | None, str]:
-  """(token ids of the context, text that closes a question) from --context_file or --load_context."""
-  from lcjax.engine.context import read_meta
+@dataclasses.dataclass
+class _Document:
+  """The context of a run: its ids, and for a chat context how questions continue it (ChatContinuation)."""
+  ids: list[int]
+  chat: object = None
+  text: str | None = None          # --context_file's text (None: --load_context)
+
+
+def _context(tokenizer, limits) -> _Document | None:
+  """The context from --context_file (a chat context when --chat and the template allow, as
+  Engine.prefill(text, chat=True) makes it) or --load_context, checked against the limits."""
+  from lcjax.engine.context import read_meta, read_tokens
   from lcjax.engine.requests import RequestError
+  from lcjax.tokenizer import ChatContinuation
   if not (FLAGS.context_file or FLAGS.load_context):
-    return None, ""
+    return None
   if FLAGS.load_context:
-    meta = read_meta(os.path.abspath(FLAGS.load_context))
-    import numpy as np
-    ids = np.load(os.path.join(FLAGS.load_context, "tokens.npy")).tolist()
+    with _names_flag("load_context"):
+      path = os.path.abspath(FLAGS.load_context)
+      meta = read_meta(path)
+      ids = read_tokens(path, meta)
     limits.check(0, ids, 1)
-    return ids, (meta.get("meta") or {}).get("question_tail", "\n")
+    return _Document(ids, ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None)
   if tokenizer is None:
     raise RequestError("--context_file needs a checkpoint with a tokenizer")
-  doc = _read_text("context_file")
-  if not doc:
+  text = _read_text("context_file")
+  if not text:
     raise UsageError(f"--context_file={FLAGS.context_file} is empty")
-  split = tokenizer.chat_context(doc) if FLAGS.chat else None
-  head, tail = split if split else (doc, "\n")
-  ids = tokenizer.encode(head, add_bos=None if split is None else False)   # a template writes its own BOS
-  limits.check(0, ids, 1)
-  return ids, tail
+  if _uses_chat(tokenizer):
+    with _names_flag("context_file"):
+      split = tokenizer.chat_document(text)
+    doc = _Document(split.ids, split.continuation, text)
+  else:
+    doc = _Document(tokenizer.encode(text), None, text)
+  limits.check(0, doc.ids, 1)
+  return doc
 
 
-def _open_context(engine, ids, question_tail):
+def _open_context(engine, doc: _Document):
   t0 = time.perf_counter()
   if FLAGS.load_context:
-    ctx = engine.load_context(FLAGS.load_context)
+    with _names_flag("load_context"):
+      ctx = engine.load_context(FLAGS.load_context)
     how = f"restored from {FLAGS.load_context}"
   else:
-    with _progress_bar(len(ids), engine.run.prefill_chunk, "context") as bar:
-      ctx = engine.prefill(ids, on_progress=bar)
-    ctx.meta["question_tail"] = question_tail
+    with _progress_bar(len(doc.ids), engine.run.prefill_chunk, "context") as bar:
+      ctx = engine.prefill(doc.text, chat=doc.chat is not None, on_progress=bar)
     how = f"prefilled ({ctx.stats['cached_tokens']:,} tokens from the prefix cache)"
   print(f"context: {len(ctx):,} tokens {how} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
   if FLAGS.save_context:
-    dt = ctx.save(FLAGS.save_context, overwrite=True)
+    with _names_flag("save_context"):
+      dt = ctx.save(FLAGS.save_context, overwrite=True)
     print(f"context: saved to {FLAGS.save_context} in {dt:.2f} s", file=sys.stderr)
   return ctx
 
@@ -347,25 +421,20 @@ def _decode_steps(engine, tokenizer) -> int:
   return engine.run.stream_steps if _streams(tokenizer) else engine.run.decode_steps
 
 
-def _answer(engine, ids, max_new, sampling, ctx, tokenizer):
-  """Generate and print one answer; returns its result with the wall time to the first token in its stats."""
-  t0 = time.perf_counter()
-  first = None
-  if _streams(tokenizer):
-    with _progress_bar(len(ids), engine.run.prefill_chunk, "prefill") as bar:
-      for _, delta in engine.generate_stream(ids, max_new_tokens=max_new, sampling=sampling, context=ctx,
-                                             on_progress=bar):
-        if first is None:
-          bar.close()
-          first = time.perf_counter()
+def _answer(engine, prompt, chat, n_ids, max_new, sampling, ctx, tokenizer):
+  """Generate and print one answer (streamed when --stream) for a prompt of n_ids tokens (ids, or with chat a
+  question about the chat context); returns its result."""
+  with _progress_bar(n_ids, engine.run.prefill_chunk, "prefill") as bar:
+    if _streams(tokenizer):
+      for _, delta in engine.generate_stream(prompt, max_new_tokens=max_new, sampling=sampling, context=ctx,
+                                             chat=chat, on_progress=bar):
+        bar.close()
         print(delta, end="", flush=True)
-    print()
-    res = engine.last_results[0]
-  else:
-    with _progress_bar(len(ids), engine.run.prefill_chunk, "prefill") as bar:
-      res = engine.generate(ids, max_new_tokens=max_new, sampling=sampling, context=ctx, on_progress=bar)
-    print(res.text if tokenizer is not None else f"token ids: {res.token_ids}")
-  res.stats["time_to_first_token_s"] = (first - t0) if first else res.stats["prefill_s"]
+      print()
+      return engine.last_results[0]
+    res = engine.generate(prompt, max_new_tokens=max_new, sampling=sampling, context=ctx, chat=chat,
+                          on_progress=bar)
+  print(res.text if tokenizer is not None else f"token ids: {res.token_ids}")
   return res
 
 
@@ -396,7 +465,9 @@ class _progress_bar:
     self.close()
 
 
-def _interactive(engine, ctx, tail, tokenizer, limits, max_new, sampling):
+def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
+  """Answer questions read from stdin, one per line: the transcript is `Q: question`, `A: answer` (a note when
+  the answer was cut at max_new_tokens) and a blank line, on stdout; each answer's stats on stderr."""
   from lcjax.engine.requests import RequestError
   print("ask a question per line (Ctrl-D to end)", file=sys.stderr)
   for line in sys.stdin:
@@ -404,27 +475,33 @@ def _interactive(engine, ctx, tail, tokenizer, limits, max_new, sampling):
     if not question:
       continue
     try:
-      ids = _question_ids(tokenizer, question, tail)
+      prompt, chat, ids = _question(tokenizer, question, doc)
       limits.check(0, ctx.token_ids + ids, max_new, prefix_len=len(ctx))
     except RequestError as e:
       print(f"error: {e}", file=sys.stderr)
       continue
-    res = _answer(engine, ids, max_new, sampling, ctx, tokenizer)
+    print(f"Q: {question}")
+    print("A: ", end="", flush=True)
+    res = _answer(engine, prompt, chat, len(ids), max_new, sampling, ctx, tokenizer)
+    if res.finish_reason == "length":
+      print(f"[cut at max_new_tokens={max_new}]")
+    print(flush=True)
     s = res.stats
     print(f"[time to first token {s['time_to_first_token_s']:.3f} s; {s['cached_tokens']:,} tokens from the "
           f"context, {s['prefill_tokens']:,} prefilled; {s['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
 
 
-def _warm_up(engine, n_tokens: int, sampling, decode_steps: int) -> None:
-  """Compile every step a prompt of n_tokens uses with a short prompt of the same chunk shapes: a full chunk and
-  the last, partly filled one (whose bucket depends only on n_tokens mod prefill_chunk), then two decode steps
-  with the same sampling and decode_steps (greedy and sampled batches, and each number of steps per call, decode
-  in differently compiled loops)."""
-  C = engine.run.prefill_chunk
-  n = min(n_tokens, C + (n_tokens % C or C)) if n_tokens > C else n_tokens
-  filler = [engine.cfg.bos_id or 0] * n
-  engine.generate(filler, max_new_tokens=2 if n + 2 <= engine.max_context else 1, sampling=sampling,
-                  decode_steps=decode_steps)
+QUESTION_BUCKETS = (16, 32, 64, 128, 256)   # padded prefill lengths of --interactive questions compiled ahead
+
+
+def _warm_up(engine, doc, ids, sampling, decode_steps: int) -> int:
+  """Compile, without running anything, the programs of this run (Engine.warm_up): the context's prefill chunks
+  (unless it is loaded), the prompt's, its first token, its decode loop, and with --interactive the chunks of
+  questions of up to 256 tokens. Returns the number of programs."""
+  more = [b for b in QUESTION_BUCKETS if b <= engine.run.prefill_chunk] if FLAGS.interactive else ()
+  return engine.warm_up(len(ids) if ids is not None else None, context_tokens=len(doc.ids) if doc else 0,
+                        prefill_context=not FLAGS.load_context, sampling=sampling, decode_steps=decode_steps,
+                        more_buckets=more)
 
 
 def main(argv):

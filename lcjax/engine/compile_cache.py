@@ -7,6 +7,8 @@ second, while reading one back takes milliseconds. Where the user set JAX's own 
 (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES) they are kept.
 
 The cache is trusted code: a directory others can write to lets them run code in this process (JAX's warning).
+lcjax makes its cache directory private (0700); a directory that is owned by another user or writable by its group
+or all users is not used under "auto" (logged), and used with a warning that says why when it is named.
 
 Several processes (jax.distributed): "auto" turns the cache off. JAX writes entries from process 0 only, and the
 other processes' cache keys differ from process 0's (checked on CPUs with gloo collectives: 25 of 25 programs
@@ -60,7 +62,7 @@ def enable(setting: str) -> str | None:
   its cache directory at the first compile that uses it, so the first engine's setting holds for the process and a
   later, different one is logged and ignored. Returns the directory in use, None when off."""
   global _applied
-  from lcjax.checkpoint.sources import user_cache_dir
+  from lcjax.checkpoint.sources import make_private_dir, unsafe_dir, user_cache_dir
   with _lock:
     processes = jax.process_count()
     path = resolve(setting, jax_dir=jax.config.jax_compilation_cache_dir,
@@ -80,8 +82,17 @@ def enable(setting: str) -> str | None:
                      "engine (compile_cache=%r: %s)", setting, _applied["setting"], _applied["dir"] or "off")
       return _applied["dir"]
     if path is not None:
+      reason = unsafe_dir(path)
+      if reason and setting == "auto":
+        _log.warning("the JAX compilation cache is off: %s is unsafe to run programs from, %s; "
+                     "--config.compile_cache=DIR names a directory to use anyway", path, reason)
+        path = None
+      elif reason:
+        _log.warning("compile_cache=%s is used as named, but it is unsafe: %s, so others can plant programs this "
+                     "process runs", path, reason)
+    if path is not None:
       try:
-        os.makedirs(path, exist_ok=True)
+        make_private_dir(path)
       except OSError as e:
         if setting != "auto":
           raise ConfigError(f"compile_cache={setting!r}: cannot create the directory {path}: {e.strerror}") from None

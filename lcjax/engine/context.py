@@ -9,21 +9,27 @@ prefix cache still holds.
 
 fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
 
-On disk a context is a directory, written as `DST.tmp-<pid>` and renamed when complete (lcjax.checkpoint.atomic:
-a killed save leaves nothing that loads, and the next save to DST removes what it left):
+On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk and renamed when complete
+(lcjax.checkpoint.atomic: a killed save leaves nothing that loads, and the next save to DST removes what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
-                 count and layout; written last
+                 count and layout, a chat context's continuation (lcjax.tokenizer.ChatContinuation), the checksums
+                 of the other files, and `digest`, the checksum of its own other fields; written last
   tokens.npy     int32 token ids
   kv.bin         for each layer, K then V pages [n_pages, Z, K, H] in the cache dtype, raw (streamed in and out
-                 at disk speed; one layer in host memory at a time)
+                 at disk speed; one layer in host memory at a time), checksummed per block of `block_pages`
   scales.npy     fp8 caches: the pages' K and V scales [L, 2, n_pages, K] float32
-Format lcjax-context-v1 (before per-page scales) is read too: its fp8 pages were stored with one scale per
-(layer, kv head), context.json's k_scale / v_scale [L, K], which every page of the layer takes.
+Checksums are blake2b-128, computed from the bytes as they are written and checked as they are read back: a
+context that fails a check, or whose context.json is not of this format's shape, is refused with a ContextError,
+and nothing of it reaches the prefix cache (its pages join it only after every block was read and checked). The
+checksums find damage and edits made without lcjax, not a forger who rewrites them too. Formats lcjax-context-v1
+and v2 carried no checksums: they are refused (save the context again).
 
 Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -40,11 +46,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory
 from lcjax.engine.requests import RequestError
+from lcjax.tokenizer import ChatContinuation
 
-FORMAT = "lcjax-context-v2"
-FORMATS = ("lcjax-context-v1", FORMAT)      # read
+FORMAT = "lcjax-context-v3"
+UNCHECKED_FORMATS = ("lcjax-context-v1", "lcjax-context-v2")     # earlier formats, without checksums: refused
 META_FILE = "context.json"
+TOKENS_FILE = "tokens.npy"
+KV_FILE = "kv.bin"
 SCALES_FILE = "scales.npy"
+ALGORITHM = "blake2b-128"
+FP8 = "float8_e4m3fn"
+# context.json's fields and their types (int: an integer >= 1)
+_FIELDS = dict(format=str, fingerprint=dict, tokens=int, pages=int, page_size=int, layers=int, kv_heads=int,
+               head_dim=int, dtype=str, meta=dict, checksums=dict, digest=str)
 
 
 class ContextError(ValueError):
@@ -214,12 +228,15 @@ def _prefetch(it, depth: int = 2):
 
 class Context:
   """A prefilled, pinned context (see `Engine.prefill`). Holds its pages until `close()`; usable as a context
-  manager. `len(ctx)` is its token count; `ctx.stats` says how it was made."""
+  manager. `len(ctx)` is its token count; `ctx.stats` says how it was made (`seconds`: the prefill or restore
+  time it paid, reported here and in no generation's stats); `ctx.chat` is set for a chat context
+  (`Engine.prefill(..., chat=True)`)."""
 
   def __init__(self, engine, token_ids: list[int], seq: int, *, cached_tokens: int = 0, source: str = "prefill",
-               seconds: float = 0.0):
+               seconds: float = 0.0, chat: ChatContinuation | None = None):
     self.engine = engine
     self.token_ids = list(token_ids)
+    self.chat = chat              # set: the context is a chat's open user turn, continued by questions (chat=True)
     self.seq: int | None = None
     self._finalizer = None
     self._hold(seq)
@@ -307,40 +324,107 @@ class Context:
 
   # -- disk ---------------------------------------------------------------------------------------------------
   def save(self, path, *, overwrite: bool = False) -> float:
-    """Write the context to directory `path` (atomic: a killed save leaves nothing that loads). Returns the
-    seconds taken."""
+    """Write the context to directory `path` (atomic: a killed save leaves nothing that loads) with a checksum of
+    every file and of every block of kv.bin. overwrite=True replaces a saved context at `path`, never anything
+    else. Returns the seconds taken."""
     self._check_usable()
     eng = self.engine
-    dst = os.path.abspath(path)
+    dst = os.path.abspath(os.fspath(path))
     t0 = time.perf_counter()
-    with AtomicDirectory(dst, META_FILE, overwrite=overwrite, exists_error=ContextError(
-        f"{dst} already exists: pass overwrite=True to replace it")) as out:
+    with AtomicDirectory(dst, META_FILE, overwrite=overwrite, error=ContextError, what="saved context",
+                         exists_error=ContextError(f"{dst} already exists: pass overwrite=True to replace it")) as out:
       with eng.scheduler.lock:
         pages = self.pages()
-        np.save(os.path.join(out.tmp, "tokens.npy"), np.asarray(self.token_ids, np.int32))
+        n, B, L = len(pages), _block(len(pages)), eng.cfg.n_layers
+        files = {TOKENS_FILE: _write_npy(os.path.join(out.tmp, TOKENS_FILE), np.asarray(self.token_ids, np.int32))}
         cache = eng.scheduler.cache
-        scales = np.zeros((eng.cfg.n_layers, 2, len(pages), eng.cfg.n_kv_heads), np.float32)
-        with open(os.path.join(out.tmp, "kv.bin"), "wb") as f:
+        scales = np.zeros((L, 2, n, eng.cfg.n_kv_heads), np.float32)
+        blocks = [[[], []] for _ in range(L)]        # [L][K, V][block]: blake2b of each block's bytes
+        with open(os.path.join(out.tmp, KV_FILE), "wb") as f:
           layer = []                                 # one layer's blocks: its K pages are written before its V
           for l, s, parts in _blocks_out(eng, pages):
             layer.append(parts)
             if cache.quantized:
               scales[l, :, s:s + len(parts[0])] = parts[2:]
-            if len(layer) * _block(len(pages)) >= len(pages):
+            if len(layer) * B >= n:
               for part in (0, 1):
                 for kv in layer:
-                  f.write(np.ascontiguousarray(kv[part]).view(np.uint8))
+                  data = np.ascontiguousarray(kv[part]).reshape(-1).view(np.uint8)
+                  f.write(data)
+                  blocks[l][part].append(_digest(data))
               layer = []
+          _sync(f)
+        files[KV_FILE] = dict(block_pages=B, blocks=blocks)
         if cache.quantized:
-          np.save(os.path.join(out.tmp, SCALES_FILE), scales)
-        meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages),
-                    page_size=eng.run.page_size, layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads,
-                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta)
+          files[SCALES_FILE] = _write_npy(os.path.join(out.tmp, SCALES_FILE), scales)
+        meta = dict(format=FORMAT, fingerprint=eng.fingerprint, tokens=len(self), pages=n,
+                    page_size=eng.run.page_size, layers=L, kv_heads=eng.cfg.n_kv_heads,
+                    head_dim=eng.cfg.head_dim, dtype=str(cache.k.dtype), meta=self.meta,
+                    chat=self.chat.to_dict() if self.chat is not None else None,
+                    checksums=dict(algorithm=ALGORITHM, files=files))
+      meta = json.loads(json.dumps(meta))      # as it reads back (tuples as lists): the digest below is of that
+      meta["digest"] = _meta_digest(meta)
       with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
+        _sync(f)
       out.commit()
     return time.perf_counter() - t0
 
+
+# -- checksums ----------------------------------------------------------------------------------------------------
+
+def _digest(data) -> str:
+  """blake2b-128 of a bytes-like object (a C-contiguous uint8 array included), hex."""
+  return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+  """The digest of context.json's fields but `digest` itself (keys sorted)."""
+  body = {k: v for k, v in meta.items() if k != "digest"}
+  return _digest(json.dumps(body, sort_keys=True).encode())
+
+
+def _sync(f) -> None:
+  f.flush()
+  os.fsync(f.fileno())
+
+
+def _write_npy(path: str, array: np.ndarray) -> str:
+  """Save `array` as .npy (flushed to disk); returns the file's checksum."""
+  buf = io.BytesIO()
+  np.save(buf, array, allow_pickle=False)
+  data = buf.getvalue()
+  with open(path, "wb") as f:
+    f.write(data)
+    _sync(f)
+  return _digest(data)
+
+
+def _mismatch_line(path: str, got: str, want: str, what: str = "") -> ContextError:
+  return ContextError(f"{path}{what} does not match its checksum (blake2b {got[:16]}, context.json says "
+                      f"{want[:16]}): it was changed or damaged after the save; save the context again")
+
+
+def _read_npy(ctx_path: str, name: str, meta: dict) -> np.ndarray:
+  """A .npy file of a saved context, read once and checked against its checksum before it is parsed."""
+  path = os.path.join(ctx_path, name)
+  want = meta["checksums"]["files"][name]
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    raise ContextError(f"{ctx_path} has no {name}: save the context again") from None
+  got = _digest(data)
+  if got != want:
+    raise _mismatch_line(path, got, want, f" ({len(data)} bytes)")
+  try:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+  except (ValueError, EOFError, OSError) as e:
+    raise ContextError(f"{path} is not a readable .npy file ({type(e).__name__}: {e}): save the context "
+                       "again") from None
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
 
 def _mismatch(saved: dict, mine: dict, where: str = "") -> str | None:
   """The first field where two fingerprints differ, as 'name: saved X, this engine Y'."""
@@ -355,82 +439,162 @@ def _mismatch(saved: dict, mine: dict, where: str = "") -> str | None:
   return None
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_fields(meta_path: str, meta: dict) -> None:
+  """context.json's fields of the types and shapes this format writes (checked after its digest)."""
+  def bad(what):
+    return ContextError(f"{meta_path}: {what}: save the context again")
+
+  for key, kind in _FIELDS.items():
+    if key not in meta:
+      raise bad(f"no {key!r} field")
+    ok = _is_int(meta[key]) and meta[key] >= 1 if kind is int else isinstance(meta[key], kind)
+    if not ok:
+      raise bad(f"{key}={repr(meta[key])[:60]} is not {'an integer >= 1' if kind is int else kind.__name__}")
+  chat = meta.get("chat")
+  if chat is not None and not (isinstance(chat, dict) and all(isinstance(chat.get(k), str)
+                                                              for k in ("held", "tail", "separator"))):
+    raise bad(f"chat={repr(chat)[:60]} is not a chat continuation (held, tail and separator texts)")
+  sums = meta["checksums"]
+  if sums.get("algorithm") != ALGORITHM or not isinstance(sums.get("files"), dict):
+    raise bad(f"checksums of algorithm {str(sums.get('algorithm'))[:40]!r}, this lcjax writes {ALGORITHM!r}")
+  files = sums["files"]
+  names = [TOKENS_FILE] + ([SCALES_FILE] if meta["dtype"] == FP8 else [])
+  for name in names:
+    if not isinstance(files.get(name), str):
+      raise bad(f"no checksum of {name}")
+  kv = files.get(KV_FILE)
+  n, L = meta["pages"], meta["layers"]
+  B = _block(n)
+  shape = (L, 2, -(-n // B))
+  if (not isinstance(kv, dict) or kv.get("block_pages") != B or not isinstance(kv.get("blocks"), list)
+      or len(kv["blocks"]) != L
+      or not all(isinstance(x, list) and len(x) == 2 and all(isinstance(y, list) and len(y) == shape[2]
+                                                             and all(isinstance(z, str) for z in y) for y in x)
+                 for x in kv["blocks"])):
+    raise bad(f"the checksums of {KV_FILE} are not {shape[0]} layers x 2 x {shape[2]} blocks of {B} pages")
+
+
 def read_meta(path: str) -> dict:
+  """context.json of a saved context, checked: of this format, matching its digest, every field of its type."""
   meta_path = os.path.join(path, META_FILE)
   if not os.path.isdir(path):
     raise ContextError(f"{path}: no such context directory")
   if not os.path.isfile(meta_path):
     raise ContextError(f"{path} is not a complete saved context (no {META_FILE}): save it again")
   try:
-    with open(meta_path) as f:
+    with open(meta_path, encoding="utf-8") as f:
       meta = json.load(f)
   except json.JSONDecodeError as e:
     raise ContextError(f"{meta_path} is corrupt ({e.msg} at line {e.lineno}): save the context again") from None
-  if meta.get("format") not in FORMATS:
-    raise ContextError(f"{path} has format {meta.get('format')!r}, this lcjax reads {' and '.join(FORMATS)}")
+  except UnicodeDecodeError as e:
+    raise ContextError(f"{meta_path} is corrupt (not UTF-8: byte {e.start}): save the context again") from None
+  if not isinstance(meta, dict):
+    raise ContextError(f"{meta_path} holds a JSON {type(meta).__name__}, not an object: save the context again")
+  fmt = meta.get("format")
+  if fmt in UNCHECKED_FORMATS:
+    raise ContextError(f"{path} has format {fmt!r}, saved without checksums; this lcjax reads {FORMAT} only "
+                       "(every file checksummed): save the context again")
+  if fmt != FORMAT:
+    raise ContextError(f"{path} has format {str(fmt)[:60]!r}, this lcjax reads {FORMAT}")
+  got = _meta_digest(meta)
+  if meta.get("digest") != got:
+    raise _mismatch_line(meta_path, got, str(meta.get("digest")))
+  _check_fields(meta_path, meta)
   return meta
 
 
+def read_tokens(path: str, meta: dict) -> list[int]:
+  """The token ids of a saved context (tokens.npy checked against its checksum, its shape against context.json)."""
+  ids = _read_npy(path, TOKENS_FILE, meta)
+  n, Z = meta["pages"], meta["page_size"]
+  if ids.dtype != np.int32 or ids.ndim != 1 or len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
+    raise ContextError(f"{path}: {TOKENS_FILE} holds {ids.dtype} {ids.shape}, context.json says {meta['tokens']} "
+                       f"int32 tokens in {n} pages of {Z}: save the context again")
+  return ids.tolist()
+
+
 def _saved_scales(path: str, meta: dict) -> np.ndarray:
-  """The fp8 scales of a saved context's pages, [L, 2, n, K] float32 (v1: its per-layer scales on every page)."""
+  """The fp8 scales of a saved context's pages, [L, 2, n, K] float32."""
   L, n, K = meta["layers"], meta["pages"], meta["kv_heads"]
-  if meta["format"] == "lcjax-context-v1":
-    per_layer = np.stack([np.asarray(meta["k_scale"]), np.asarray(meta["v_scale"])], 1).astype(np.float32)
-    if per_layer.shape != (L, 2, K):
-      raise ContextError(f"{path}: fp8 scales of shape {per_layer.shape}, expected {(L, 2, K)}: save it again")
-    return np.broadcast_to(per_layer[:, :, None], (L, 2, n, K))
-  scales_path = os.path.join(path, SCALES_FILE)
-  if not os.path.isfile(scales_path):
-    raise ContextError(f"{path} holds fp8 pages but no {SCALES_FILE}: save the context again")
-  scales = np.load(scales_path)
+  scales = _read_npy(path, SCALES_FILE, meta)
   if scales.shape != (L, 2, n, K) or scales.dtype != np.float32:
-    raise ContextError(f"{scales_path} holds {scales.dtype} {scales.shape}, {n} pages need float32 "
-                       f"{(L, 2, n, K)}: save the context again")
+    raise ContextError(f"{os.path.join(path, SCALES_FILE)} holds {scales.dtype} {scales.shape}, {n} pages need "
+                       f"float32 {(L, 2, n, K)}: save the context again")
+  if not np.all(np.isfinite(scales) & (scales >= 0)):
+    raise ContextError(f"{os.path.join(path, SCALES_FILE)} holds negative or non-finite scales: save the context "
+                       "again")
   return scales
 
 
+def _kv_blocks(path: str, meta: dict, dtype: np.dtype):
+  """Yield (layer, first page index, (K, V)) of kv.bin, blocks of `block_pages` pages [b, Z, K, H], each checked
+  against its checksum before it is handed over."""
+  n, Z, K, H, L = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"], meta["layers"]
+  kv = meta["checksums"]["files"][KV_FILE]
+  B, sums = kv["block_pages"], kv["blocks"]
+  page_bytes = Z * K * H * dtype.itemsize
+  kv_path = os.path.join(path, KV_FILE)
+  with open(kv_path, "rb") as f:
+    for l in range(L):
+      for j, s in enumerate(range(0, n, B)):
+        b = min(B, n - s)
+        parts = []
+        for part in range(2):
+          f.seek((2 * l + part) * n * page_bytes + s * page_bytes)
+          raw = np.empty(b * page_bytes, np.uint8)
+          got = f.readinto(raw)
+          digest = _digest(raw[:got])
+          if got != raw.size or digest != sums[l][part][j]:
+            raise _mismatch_line(kv_path, digest, sums[l][part][j],
+                                 f" (layer {l} {'KV'[part]} pages {s}..{s + b - 1})")
+          parts.append(raw.view(dtype).reshape(b, Z, K, H))
+        yield l, s, tuple(parts)
+
+
 def load_context(engine, path) -> Context:
+  """Restore a saved context: every file and block is checked against its checksum as it is read, and a context
+  that fails any check leaves nothing behind (its pages join the prefix cache only once all of it was written)."""
   path = os.path.abspath(os.fspath(path))
   meta = read_meta(path)
   diff = _mismatch(meta["fingerprint"], engine.fingerprint)
   if diff:
     raise ContextError(f"the context at {path} was saved by another model or run config ({diff})")
   cache = engine.scheduler.cache
-  ids = np.load(os.path.join(path, "tokens.npy")).tolist()
-  n, Z, K, H = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"]
-  if len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
-    raise ContextError(f"{path}: tokens.npy holds {len(ids)} tokens, context.json says {meta['tokens']} in {n} "
-                       "pages: save the context again")
+  mine = dict(page_size=engine.run.page_size, layers=engine.cfg.n_layers, kv_heads=engine.cfg.n_kv_heads,
+              head_dim=engine.cfg.head_dim, dtype=str(cache.k.dtype))
+  for key, value in mine.items():
+    if meta[key] != value:
+      raise ContextError(f"{os.path.join(path, META_FILE)} says {key}={meta[key]!r}, this engine has {value!r}: "
+                         "save the context again")
+  ids = read_tokens(path, meta)
   scales = _saved_scales(path, meta) if cache.quantized else None        # [L, 2, n, K]
   engine.limits.check(0, ids, 1)
+  n, Z, K, H, L = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"], meta["layers"]
   dtype = np.dtype(cache.k.dtype)
-  layer_bytes = n * Z * K * H * dtype.itemsize
-  kv_path = os.path.join(path, "kv.bin")
-  size = os.path.getsize(kv_path) if os.path.exists(kv_path) else -1
-  if size != 2 * meta["layers"] * layer_bytes:
-    raise ContextError(f"{kv_path} holds {size} bytes, {meta['layers']} layers of {n} pages need "
-                       f"{2 * meta['layers'] * layer_bytes}: save the context again")
+  kv_path = os.path.join(path, KV_FILE)
+  if not os.path.isfile(kv_path):
+    raise ContextError(f"{path} has no {KV_FILE}: save the context again")
+  size = os.path.getsize(kv_path)
+  if size != 2 * L * n * Z * K * H * dtype.itemsize:
+    raise ContextError(f"{kv_path} holds {size} bytes, {L} layers of {n} pages need "
+                       f"{2 * L * n * Z * K * H * dtype.itemsize}: save the context again")
 
-  page_bytes = Z * K * H * dtype.itemsize
+  def blocks():
+    for l, s, parts in _kv_blocks(path, meta, dtype):
+      if scales is not None:
+        parts += (scales[l, 0, s:s + len(parts[0])], scales[l, 1, s:s + len(parts[0])])
+      yield l, s, parts
 
   def fill(pages, first):
-    def blocks():
-      B = _block(n)
-      with open(kv_path, "rb") as f:
-        for l in range(meta["layers"]):
-          for s in range(first, n, B):
-            b = min(B, n - s)
-            parts = []
-            for part in range(2):
-              f.seek((2 * l + part) * layer_bytes + s * page_bytes)
-              parts.append(np.fromfile(f, dtype, b * Z * K * H).reshape(b, Z, K, H))
-            if scales is not None:
-              parts += [scales[l, 0, s:s + b], scales[l, 1, s:s + b]]
-            yield l, s, tuple(parts)
     _write_blocks(engine, pages, _prefetch(blocks()), first)
 
   t0 = time.perf_counter()
   seq, cached = engine.scheduler.pin(ids, fill=fill)
-  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0)
-  ctx.meta = dict(meta.get("meta") or {})
+  chat = ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None
+  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0, chat=chat)
+  ctx.meta = dict(meta["meta"])
   return ctx

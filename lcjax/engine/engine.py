@@ -9,7 +9,6 @@ single-device model); the page pool is split over `seq` and KV heads over `tenso
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -31,7 +30,7 @@ from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, load_context as _load_context
 from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
-from lcjax.engine.scheduler import Request, Scheduler
+from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
 from lcjax.ops.backends import get_backend
@@ -58,21 +57,45 @@ def _peak_host_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@jax.jit
-def _weight_probe(state):
-  """16 evenly spaced values of every parameter, float32."""
-  out = []
-  for leaf in jax.tree.leaves(state):
-    flat = leaf.reshape(-1)
-    out.append(flat[::max(1, flat.size // 16)][:16].astype(jnp.float32))
-  return out
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}   # itemsize -> the bit pattern's type
+_LANES = (0x243F6A88, 0x85A308D3)         # one seed per 32-bit lane of a parameter's digest
+
+
+def _fmix32(h):
+  """MurmurHash3's finalizer: a bijection of uint32 that spreads every input bit over the output."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _bits_checksum(x) -> jax.Array:
+  """[2] uint32: over every element of x, the sum mod 2^32 of fmix32(bits ^ fmix32(position * c + seed)), one
+  seed per lane. A change of any one element changes its term (fmix32 is a bijection), so the sum; a swap or a
+  move of values changes the terms' positions. Integer sums mod 2^32 do not depend on their order: the same value
+  on every mesh, computed where the shards are."""
+  bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)   # 8 bytes: [..., 2]
+  pos = jnp.zeros(bits.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(bits.ndim)):
+    pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= bits.shape[d]
+  return jnp.stack([jnp.sum(_fmix32(bits ^ _fmix32(pos * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))),
+                            dtype=jnp.uint32) for seed in _LANES])
+
+
+_weights_checksums = jax.jit(lambda state: [_bits_checksum(leaf) for leaf in jax.tree.leaves(state)])
 
 
 def _weights_digest(params) -> str:
-  """A digest of 16 evenly spaced values of every parameter (exact values, so any mesh gives the same)."""
+  """A digest of every bit of every parameter (its name, shape and dtype too), from checksums computed on the
+  device (`_bits_checksum`): the same on any mesh, different for weights that differ in any element."""
   h = hashlib.blake2b(digest_size=16)
-  for x in _weight_probe(params):
-    h.update(np.asarray(x).tobytes())
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  for (path, leaf), sums in zip(leaves, _weights_checksums(params)):
+    h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
+    h.update(np.asarray(sums).tobytes())
   return h.hexdigest()
 
 
@@ -178,13 +201,17 @@ class Engine:
   def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None,
              mesh: jax.sharding.Mesh | None = None):
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
-    The weights depend on `seed` only, never on the mesh."""
+    The weights depend on `seed` only, never on the mesh. A run whose memory plan does not fit the devices is
+    refused (ConfigError) before anything is allocated, as `load` and the CLI refuse it."""
     run = (run or RunConfig()).for_platform(jax.default_backend())
     compile_cache.enable(run.compile_cache)
     mesh = placement.mesh_for(run, mesh)
+    check_context_length(model_cfg, run)
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
     weights = WeightFormat().for_run(run.weight_dtype)
+    planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
+                        *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
 
     @functools.partial(jax.jit, out_shardings=shardings)
@@ -231,13 +258,14 @@ class Engine:
     self.limits.check_ids(tokens.ravel().tolist())
     return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
 
-  def prompt_logits(self, prompt) -> np.ndarray:
+  def prompt_logits(self, prompt, *, context: Context | None = None) -> np.ndarray:
     """float32 logits [V] of the last position of one prompt (text or ids) through the serving path: chunked
     prefill into the paged cache with this engine's attention backend and cache dtype, i.e. what the first
-    generated token is sampled from. Its pages are released afterwards."""
-    r = self._make_requests([prompt], 1, None)[0]
+    generated token is sampled from (after `context`'s tokens when one is given, read from its pages). Its pages
+    are released afterwards."""
+    r = self._requests([prompt], 1, None, None, context)[0][0]
     sched = self.scheduler
-    with sched.lock:
+    with sched.exclusive():
       sched.check_open()
       if not sched.admit(r):
         raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
@@ -273,20 +301,34 @@ class Engine:
     self.limits.check_ids(ids)
     return ids
 
+  def _check_chat_template(self) -> None:
+    if self.tokenizer is None or not self.tokenizer.chat_template:
+      where = "this engine has no tokenizer" if self.tokenizer is None else f"{self.tokenizer.path} has none"
+      raise RequestError(f"chat=True needs a checkpoint with a chat template; {where}")
+
   def _chat_ids(self, prompt) -> list[int]:
     """A text prompt as the user turn of a chat, or a list of {"role", "content"} messages, through the
     checkpoint's chat template (which writes its own BOS)."""
-    if self.tokenizer is None or not self.tokenizer.chat_template:
-      raise RequestError("chat=True needs a checkpoint with a chat template")
+    self._check_chat_template()
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
       raise RequestError(f"a chat prompt is text or a non-empty list of {{'role', 'content'}} messages, not "
                          f"{str(prompt)[:60]!r}")
     return self.encode(self.tokenizer.encode_chat(messages))
 
-  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False
-                     ) -> list[Request]:
-    """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS)."""
+  def _question_ids(self, question, chat) -> list[int]:
+    """The ids that continue a chat context (lcjax.tokenizer.ChatContinuation) with a text question."""
+    if not isinstance(question, str):
+      raise RequestError(f"a question about a chat context is text, not {str(question)[:60]!r}")
+    if not question:
+      raise RequestError("empty question: give at least one character")
+    return self.encode(chat.text(question), add_bos=False)
+
+  def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False,
+                     continuation=None) -> list[Request]:
+    """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS), or with
+    `continuation`, questions that continue a chat context. Prompt i samples with seed `sampling.seed + i`, so
+    the prompts of a batch draw independently and a call is reproducible."""
     Limits.check_max_new(max_new_tokens)
     try:
       sp = SamplingParams.make(sampling)
@@ -295,9 +337,13 @@ class Engine:
     head = list(head)
     reqs = []
     for i, p in enumerate(prompts):
-      ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
+      if continuation is not None:
+        ids = head + self._question_ids(p, continuation)
+      else:
+        ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
       self.limits.check(i, ids, max_new_tokens, prefix_len=len(head))
-      reqs.append(Request(i, ids, int(max_new_tokens), sp, prefix_len=len(head)))
+      own = dataclasses.replace(sp, seed=(sp.seed + i) % 2**32)
+      reqs.append(Request(i, ids, int(max_new_tokens), own, prefix_len=len(head)))
     return reqs
 
   @staticmethod
@@ -318,17 +364,24 @@ class Engine:
     """(requests, single prompt?, prefix ids to pin for the call or None)."""
     if prefix is not None and context is not None:
       raise RequestError("give prefix= or context=, not both")
-    if chat and (prefix is not None or context is not None):
-      raise RequestError("chat=True renders whole conversations: give it no prefix= or context=")
+    if chat and prefix is not None:
+      raise RequestError("chat=True renders whole conversations, not a prefix=: for questions about one document, "
+                         "prefill it with engine.prefill(document, chat=True) and pass context=")
     plist, single = self._as_list(prompts)
-    if chat:
-      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
     if context is not None:
       context._check_usable(self)
-      reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids)
+      if chat and context.chat is None:
+        raise RequestError("chat=True continues a context prefilled with engine.prefill(document, chat=True); this "
+                           "one was prefilled without chat")
+      if not chat and context.chat is not None:
+        raise RequestError("this context is an open chat turn (prefilled with chat=True): ask with chat=True")
+      reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids,
+                                 continuation=context.chat)
       for r in reqs:
         r.prefix_seq = context.seq
       return reqs, single, None
+    if chat:
+      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
     head = self.encode(prefix) if prefix is not None else []
     return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
 
@@ -338,20 +391,26 @@ class Engine:
     """Generate for one prompt (str or token ids) or a list of them. Returns one result or a list.
 
     `context` (from `prefill` or `load_context`) continues a pinned context: each prompt follows its tokens
-    (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call.
-    Either way the context's pages are shared by all requests (copy-on-write of the last, partly filled page).
-    sampling: None or "greedy", a SamplingParams, or a dict of its fields. chat=True: each prompt (text, or a
-    list of {"role", "content"} messages) goes through the checkpoint's chat template. on_progress(prompt index,
+    (no second BOS). `prefix` (text or ids) is prepended to every prompt and prefilled once for this call: its
+    prefill is in the stats of the first result (prefill_s, prefill_tokens, shared_prefix_prefill_s), the others
+    count it as cached. Either way the context's pages are shared by all requests (copy-on-write of the last,
+    partly filled page). sampling: None or "greedy", a SamplingParams, or a dict of its fields; prompt i draws
+    with seed `seed + i`. chat=True: each prompt (text, or a list of {"role", "content"} messages) goes through
+    the checkpoint's chat template; with a context prefilled with chat=True, each prompt is a question that
+    continues the context's user turn (the tokens of the cold chat of document + "\n\n" + question).
+    stats["time_to_first_token_s"]: from the call to the prompt's first token. on_progress(prompt index,
     tokens prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
     decode_steps: tokens per decode call of the device loop (default: run.decode_steps); it never changes the
     tokens, only how often the host sees them.
     """
+    t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
-    with self._progress(on_progress):
-      for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps):
-        pass
-    self.last_results = [self._result(r) for r in reqs]
+    for r in reqs:
+      r.on_progress = on_progress
+    for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
+      pass
+    self.last_results = [self._result(r, t0) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
@@ -361,10 +420,13 @@ class Engine:
     `decode_steps` tokens (default: run.stream_decode_steps, else run.decode_steps), at a time; decode_steps=1
     yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
     The other arguments are generate()'s."""
+    t0 = time.perf_counter()
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
+    for r in reqs:
+      r.on_progress = on_progress
     sent = {r.index: "" for r in reqs}
-    for r in self._progressing(self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps), on_progress):
+    for r in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
       text = self._text(r.out)
       if text != sent[r.index]:
         # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
@@ -372,7 +434,7 @@ class Engine:
         if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
           yield r.index, stable[len(sent[r.index]):]
           sent[r.index] = stable
-    self.last_results = [self._result(r) for r in reqs]
+    self.last_results = [self._result(r, t0) for r in reqs]
 
   @staticmethod
   def _decode_steps(given, default: int) -> int:
@@ -382,52 +444,84 @@ class Engine:
       raise RequestError(f"decode_steps={given!r} must be an integer >= 1")
     return int(given)
 
-  @contextlib.contextmanager
-  def _progress(self, on_progress):
-    before, self.scheduler.on_progress = self.scheduler.on_progress, on_progress
-    try:
-      yield
-    finally:
-      self.scheduler.on_progress = before
-
-  def _progressing(self, it, on_progress):
-    """Drive a generator with `on_progress` set only while it runs (a stream interleaves with other calls)."""
-    while True:
-      with self._progress(on_progress):
-        try:
-          x = next(it)
-        except StopIteration:
-          return
-      yield x
-
   def _text(self, ids) -> str:
     if self.tokenizer is None:
       return ""
     return self.tokenizer.decode([t for t in ids if t not in self.cfg.eos_ids], skip_special_tokens=True)
 
-  def _result(self, r: Request) -> GenerationResult:
+  def _result(self, r: Request, t_call: float | None = None) -> GenerationResult:
+    """r's result; its prefill stats include the shared prefix's prefill when r paid it (Scheduler.serve)."""
     n_dec = max(len(r.out) - 1, 0)
+    prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
+    ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")
     stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
                  weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
                  cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
-                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=r.cached,
-                 host_cached_tokens=r.from_host,
-                 prefill_tokens=len(r.prompt) - r.cached, prefill_s=r.prefill_s,
+                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=len(r.prompt) - prefilled,
+                 host_cached_tokens=r.from_host, prefill_tokens=prefilled,
+                 prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,
+                 time_to_first_token_s=ttft,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
 
+  def warm_up(self, prompt_tokens: int | None, *, context_tokens: int = 0, prefill_context: bool = True,
+              sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
+    """Compile, without running anything, the programs a generate of one prompt of `prompt_tokens` tokens uses
+    (after a pinned context of `context_tokens`, whose prefill's chunks are compiled too unless
+    prefill_context=False): its prefill chunks, the first token, the decode loop of its sampling and decode_steps
+    (default run.decode_steps), the copy of a context's partly filled last page, and prefill chunks of the padded
+    lengths `more_buckets` (questions to come). With a warm persistent compilation cache this is tracing and
+    lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks elsewhere). Returns the
+    number of programs compiled."""
+    try:
+      sp = SamplingParams.make(sampling)
+    except (TypeError, ValueError) as e:
+      raise RequestError(str(e)) from None
+    C, Z = self.run.prefill_chunk, self.run.page_size
+    buckets = set(more_buckets)
+    if context_tokens and prefill_context:
+      buckets |= chunk_buckets(context_tokens, C)
+    if prompt_tokens:
+      buckets |= chunk_buckets(prompt_tokens, C)
+    asks = bool(prompt_tokens or more_buckets)
+    decode = ((self._decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
+    with self.scheduler.lock:
+      self.scheduler.check_open()
+      return self.scheduler.compile_programs(buckets, decode, first_token=asks,
+                                             copies=(1,) if context_tokens % Z and asks else ())
+
   # -- contexts -----------------------------------------------------------------------------------------------
-  def prefill(self, document, *, on_progress=None) -> Context:
+  def prefill(self, document, *, chat: bool = False, system: str | None = None, on_progress=None) -> Context:
     """Prefill a document (text or ids) once and pin it: the returned Context holds its pages until
     `close()` (or the end of a `with` block); `generate(..., context=ctx)` continues it. Full pages already in
-    the prefix cache are reused, not recomputed."""
-    ids = self.encode(document)
+    the prefix cache are reused, not recomputed. Its prefill time is `ctx.stats["seconds"]`.
+
+    chat=True (text): the context is the checkpoint's chat up to the end of the document in the user turn (after a
+    system turn of `system`, or the template's default); `generate(question, context=ctx, chat=True)` continues
+    it with "\n\n" + question, the end of the turn and the assistant's prompt, in the tokens of the cold chat of
+    that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
+    question, since a tokenizer may merge them with what follows)."""
+    continuation = None
+    if chat:
+      self._check_chat_template()
+      if not isinstance(document, str):
+        raise RequestError(f"chat=True prefills a text document, not {str(document)[:60]!r}")
+      if not document:
+        raise RequestError("empty document: give at least one character")
+      try:
+        split = self.tokenizer.chat_document(document, system)
+      except ValueError as e:
+        raise RequestError(str(e)) from None
+      ids, continuation = self.encode(split.ids), split.continuation
+    elif system is not None:
+      raise RequestError(f"system={system[:40]!r} is a chat turn: give chat=True too")
+    else:
+      ids = self.encode(document)
     self.limits.check(0, ids, 1)
     t0 = time.perf_counter()
-    with self._progress(on_progress):
-      seq, cached = self.scheduler.pin(ids)
-    return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0)
+    seq, cached = self.scheduler.pin(ids, on_progress=on_progress)
+    return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0, chat=continuation)
 
   def load_context(self, path) -> Context:
     """Restore a context saved by `Context.save` onto this engine's devices (any mesh). A context saved by

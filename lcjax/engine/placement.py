@@ -104,9 +104,8 @@ def checkpoint_shardings(model_cfg: ModelConfig, mesh, dtype,
   shardings = sh.param_shardings(abstract, mesh, replicate={"kv_heads"} if rep > 1 else set())
   if rep > 1 and model_cfg.dim % T == 0:
     wqkv = abstract["layers"]["attn"]["wqkv"]                 # [L, D, K, G + 2, H], or fp8 K-major [L, K, G + 2, H, D]
-    spec = [None] * wqkv.get_value().ndim
-    spec[list(wqkv.get_metadata()["axes"]).index("embed")] = sh.TENSOR
-    shardings["layers"]["attn"]["wqkv"] = NamedSharding(mesh, PartitionSpec(*spec))
+    d = list(wqkv.get_metadata()["axes"]).index("embed")
+    shardings["layers"]["attn"]["wqkv"] = NamedSharding(mesh, PartitionSpec(*[None] * d, sh.TENSOR))
   return abstract, shardings
 
 

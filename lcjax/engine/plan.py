@@ -23,7 +23,7 @@ import math
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.ops.cudnn import FP8_BLOCK_TOKENS
-from lcjax.ops.pallas_flash import PREFIX_BLOCK_TOKENS
+from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -228,7 +228,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     if local > FP8_BLOCK_TOKENS:
       dequant += C * N_l * (H + 1) * 4
   if run.attention_dtype != "auto":
-    # 8-bit attention reads the prefix itself (lcjax.ops.pallas_flash.PallasFp8Backend): a block of up to
+    # 8-bit attention reads the prefix itself (lcjax.ops.pallas_backend.PallasFp8Backend): a block of up to
     # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K smoothed and rotated, both
     # quantized to one byte an element (e4m3, or int8 for K); the chunk's queries rotated and quantized; a longer
     # prefix adds the blocks' float32 merge.

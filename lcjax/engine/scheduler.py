@@ -15,6 +15,7 @@ request or pinned sequence admitted before it is refused (never decoded, never h
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
@@ -49,14 +50,28 @@ class Request:
   written: int = 0                 # tokens whose K/V are in the cache
   epoch: int = -1                  # the scheduler's epoch at admission (its pages are void in a later one)
   out: list[int] = dataclasses.field(default_factory=list)
-  prefill_s: float = 0.0
+  prefill_s: float = 0.0          # seconds of this request's own prefill (and first token)
+  shared_prefill_s: float = 0.0   # seconds of the call's shared prefix prefill, paid by its first request
+  shared_prefill_tokens: int = 0  # tokens of that prefix prefilled (not taken from the prefix cache)
+  first_token_at: float | None = None   # time.perf_counter() when the first token was sampled
   decode_s: float = 0.0
   finish: str | None = None        # "eos" | "length"
+  # Called after each prefill chunk of this request with (index, tokens prefilled, tokens to prefill); the chunk is
+  # waited for first, so the numbers are what the device has done. Each call's own: never another caller's.
+  on_progress: Callable[[int, int, int], None] | None = None
 
 
 def _bucket(n: int, lo: int, hi: int | None = None) -> int:
   b = max(lo, 1 << max(0, n - 1).bit_length())
   return min(b, hi) if hi else b
+
+
+def chunk_buckets(n: int, chunk: int) -> set[int]:
+  """The padded lengths of the chunks `Scheduler.prefill` runs for n tokens: whole chunks, then the rest's
+  bucket."""
+  if n <= 0:
+    return set()
+  return ({chunk} if n > chunk else set()) | {_bucket(n % chunk or chunk, 16, chunk)}
 
 
 class Scheduler:
@@ -83,10 +98,9 @@ class Scheduler:
     self.orphans: list[int] = []     # pinned sequences whose Context was dropped unclosed (unpinned under the lock)
     self.closed = False
     self.peak_pages_used = 0
-    self.lock = threading.RLock()
-    # Called after each prefill chunk with (request index, tokens prefilled, tokens to prefill) when set; the
-    # chunk is waited for first, so the numbers are what the device has done.
-    self.on_progress: Callable[[int, int, int], None] | None = None
+    self.lock = threading.RLock()          # held by one step at a time (never across a yield of `serve`)
+    self._runs: dict[object, int] = {}     # runs under way -> the thread that started each
+    self._runs_changed = threading.Condition()
 
   @property
   def table_width(self) -> int:
@@ -201,14 +215,18 @@ class Scheduler:
 
   # -- pinned sequences (contexts and shared prefixes) ---------------------------------------------------------
   def pin(self, ids: list[int], fill: Callable[[list[int], int], None] | None = None,
-          what: str = "the context") -> tuple[int, int]:
+          what: str = "the context", on_progress=None) -> tuple[int, int]:
     """A sequence of `ids` that stays until `unpin`: (sequence, tokens taken from the prefix cache). Its full
     pages already in the prefix cache are shared; the rest are prefilled, or, with `fill`, written by
     `fill(pages, first)`, which must write the K/V of the sequence's pages[first:] (restored from host or
-    disk)."""
+    disk). on_progress: the prefill's progress callback (Request.on_progress), index -1."""
+    with self.exclusive():
+      return self._pin(ids, what, fill, on_progress)
+
+  def _pin(self, ids, what, fill, on_progress) -> tuple[int, int]:
     with self.lock:
       self.check_open()
-      r = Request(-1, list(ids), 0, SamplingParams())
+      r = Request(-1, list(ids), 0, SamplingParams(), on_progress=on_progress)
       if not self.admit(r, cached_limit=len(ids)):
         raise PagePoolExhausted(self.blocked_message(r, what))
       try:
@@ -268,27 +286,71 @@ class Scheduler:
 
   # -- driving ------------------------------------------------------------------------------------------------
   def serve(self, reqs: list[Request], prefix: list[int] | None = None,
-            decode_steps: int | None = None) -> Iterator[Request]:
+            decode_steps: int | None = None, on_progress=None) -> Iterator[Request]:
     """Drive requests to completion, yielding a request each time it gains tokens. One run at a time per
-    scheduler: the cache is donated through every step, so another thread's run waits here (a run of this
-    thread, e.g. a second stream, interleaves: its pages are its own). `prefix`: token ids every request's
-    prompt starts with, prefilled once into a sequence they fork. decode_steps: tokens per decode call (None:
-    run.decode_steps)."""
-    with self.lock:
-      self.check_open()
-      base = None
-      try:
+    thread group: a run (this generator, from its first step to its end) excludes the runs of other threads, which
+    wait for it (`exclusive`); runs of its own thread, e.g. a second stream, interleave, their pages their own.
+    Each step holds the scheduler lock only while it runs, never across a yield, so the consumer may advance the
+    run from any thread, and a run dropped unfinished is ended by whichever thread closes or collects it.
+    `prefix`: token ids every request's prompt starts with, prefilled once into a sequence they fork.
+    decode_steps: tokens per decode call (None: run.decode_steps). on_progress: the prefix's prefill progress
+    callback (each request carries its own)."""
+    token = self._begin_run()
+    base = None
+    try:
+      with self.lock:
+        self.check_open()
         if prefix is not None:
-          base, _ = self.pin(prefix, what="the shared prefix")
+          t0 = time.perf_counter()
+          base, cached = self._pin(prefix, "the shared prefix", None, on_progress)
           for r in reqs:
             r.prefix_seq, r.prefix_len = base, len(prefix)
-        yield from self._drive(reqs, decode_steps or self.run.decode_steps)
-      finally:
+          if reqs:      # paid once, reported by the first request
+            reqs[0].shared_prefill_s = time.perf_counter() - t0
+            reqs[0].shared_prefill_tokens = len(prefix) - cached
+      steps = self._drive(reqs, decode_steps or self.run.decode_steps)
+      while True:
+        with self.lock:
+          r = next(steps, None)
+        if r is None:
+          return
+        yield r
+    finally:
+      with self.lock:
         for r in reqs:
           self.release(r)
         if base is not None:
           self.unpin(base)
         self.recover_cache()
+      self._end_run(token)
+
+  # -- runs of several threads -----------------------------------------------------------------------------------
+  def _begin_run(self) -> object:
+    """Wait until no run of another thread is under way, then register one of this thread."""
+    me = threading.get_ident()
+    token = object()
+    with self._runs_changed:
+      while any(owner != me for owner in self._runs.values()):
+        self._runs_changed.wait()
+      self._runs[token] = me
+    return token
+
+  def _end_run(self, token) -> None:
+    """End a run (from any thread: the one that closed or collected it)."""
+    with self._runs_changed:
+      self._runs.pop(token, None)
+      self._runs_changed.notify_all()
+
+  @contextlib.contextmanager
+  def exclusive(self):
+    """A run of this thread (as `serve` is) holding the scheduler lock throughout: for calls that do device work
+    in one go (prefill, restore, load)."""
+    token = self._begin_run()
+    try:
+      with self.lock:
+        yield
+    finally:
+      self._end_run(token)
 
   def _drive(self, reqs: list[Request], decode_steps: int) -> Iterator[Request]:
     waiting = collections.deque(reqs)
@@ -316,6 +378,40 @@ class Scheduler:
           self.release(r)
           live[b] = None
 
+  # -- ahead-of-time compilation ---------------------------------------------------------------------------------
+  def compile_programs(self, buckets=(), decode: tuple[tuple[int, bool], ...] = (), first_token: bool = False,
+                       copies: tuple[int, ...] = ()) -> int:
+    """Compile, without running them, the programs serving calls will use: the prefill chunk of each padded length
+    in `buckets`, the first-token sampler, the decode loop of each (steps, greedy) in `decode`, and the page copy
+    of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
+    the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
+    then neither trace nor compile. Returns the number of programs."""
+    i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
+    W, B, n = self.table_width, self.run.max_batch, 0
+    logits = None
+    for Tb in sorted(set(buckets)):
+      z = i32(1, Tb)
+      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, z, i32(1, W), i32(1), i32(1)).compile()
+      logits = compiled.out_info[0]
+      n += 1
+    if first_token:
+      if logits is None:
+        logits = self.steps.prefill.lower(self.params, self.cache, i32(1, 16), i32(1, 16), i32(1, 16), i32(1, W),
+                                          i32(1), i32(1)).out_info[0]
+      self.steps.first_token.lower(logits, stack_sampling([SamplingParams()]), i32(1)).compile()
+      n += 1
+    for steps, greedy in sorted(set(decode)):
+      state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
+      sp = stack_sampling([SamplingParams()] * B)
+      self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
+                              greedy=greedy).compile()
+      n += 1
+    for k in sorted(set(copies)):
+      src = jnp.asarray(tuple(range(k)), jnp.int32)
+      self.steps.copy_pages.lower(self.cache, src, src).compile()
+      n += 1
+    return n
+
   def prefill(self, r: Request, sample: bool = True):
     """Prefill r.prompt[r.cached:] in chunks (what comes before is in the cache), then sample a token (or, with
     sample=False, return the last chunk's logits [1, V], None when nothing was left to prefill)."""
@@ -336,17 +432,18 @@ class Scheduler:
           self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
           table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
       r.written = c0 + len(piece)
-      if self.on_progress is not None:
+      if r.on_progress is not None:
         jax.block_until_ready(logits)
-        self.on_progress(r.index, r.written - r.cached, n - r.cached)
+        r.on_progress(r.index, r.written - r.cached, n - r.cached)
     if not sample:
       if logits is not None:
         jax.block_until_ready(logits)
       r.prefill_s = time.perf_counter() - t0
       return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))
-    tok = int(tok[0])
-    r.prefill_s = time.perf_counter() - t0
+    tok = int(np.asarray(tok)[0])          # read on the host: indexing the device array would compile a program
+    r.first_token_at = time.perf_counter()
+    r.prefill_s = r.first_token_at - t0
     r.out.append(tok)
     if tok in self.eos_ids:
       r.finish = "eos"

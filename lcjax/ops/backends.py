@@ -5,6 +5,8 @@ A backend is a frozen (hashable) dataclass so it can sit in a jitted model as st
 `(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
 the pools (the model passes one layer's pages as an offset into the pools of every layer). `why_not(...)`
 returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
+ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn, PallasBackend and PallasFp8Backend
+in lcjax.ops.pallas_backend (apart from the kernels they choose between).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def _cudnn():
 
 
 def _pallas():
-  from lcjax.ops.pallas_flash import PallasBackend
+  from lcjax.ops.pallas_backend import PallasBackend
   return PallasBackend()
 
 
@@ -82,7 +84,7 @@ _FACTORIES = {"reference": ReferenceBackend, "dense": DenseBackend, "cudnn": _cu
 def _fp8_backend(name: str, head_dim: int, dtype, attention_dtype: str):
   """attention_dtype float8_e4m3fn or int8_fp8: the FP8 flash kernel (Q K^T in e4m3 or int8); with
   attention='auto' on a machine without a GPU, its jnp model (announced)."""
-  from lcjax.ops.pallas_flash import PallasFp8Backend
+  from lcjax.ops.pallas_backend import PallasFp8Backend
   if name not in ("auto", "pallas"):
     raise ValueError(f"attention_dtype={attention_dtype} runs on the pallas backend, not attention={name!r}")
   qk = ATTENTION_DTYPES[attention_dtype]

@@ -120,6 +120,24 @@ class CudnnBackend:
       return "cuDNN is not available in this jaxlib"
     return None
 
+  def decode_reason(self, *, page_dtype, T: int = 1) -> str | None:
+    """Why `paged` sends T query positions of a sequence (1: a decode row) over pages of `page_dtype` to the jnp
+    reference instead of cuDNN's paged kernel; None: it does not."""
+    name = jnp.dtype(page_dtype).name
+    fp8 = name == "float8_e4m3fn"
+    if fp8 and T == 1:
+      return "a decode row over fp8 pages"
+    if not (fp8 or name in calls.DTYPES):
+      return f"cuDNN reads no {name} pages"
+    if not self.emulate and not calls.has_private_paged():
+      return "this jax has no cuDNN paged attention entry"
+    return None
+
+  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'cudnn', or 'reference' (the jnp
+    reference: fp8 pages, float32 pages, or a jax without cuDNN's paged entry; the trace logs why)."""
+    return "reference" if self.decode_reason(page_dtype=page_dtype) else self.name
+
   # -- the two library calls, swappable for the CPU emulation
   def _dense(self, q, k, v, kv_seqlen, causal, scale):
     f = calls.dense_emulated if self.emulate else calls.dense
@@ -215,14 +233,11 @@ class CudnnBackend:
     page_table = page_table + page_offset
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
-    fp8 = jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
-    readable = fp8 or jnp.dtype(k_pages.dtype).name in calls.DTYPES
-    if (not self.emulate and not calls.has_private_paged()) or not readable or (fp8 and T == 1):
+    reason = self.decode_reason(page_dtype=k_pages.dtype, T=T)
+    if reason:
       # The exact jnp path: older jax has no cuDNN paged entry; cuDNN reads no float32 pages; and a decode row
       # over fp8 pages reads each page once, so dequantizing a copy of them first would double its bytes.
-      ref.routed_to_reference("cudnn", "a decode row over fp8 pages" if fp8 and T == 1 else
-                              f"cuDNN reads no {jnp.dtype(k_pages.dtype).name} pages" if not readable else
-                              "this jax has no cuDNN paged attention entry")
+      ref.routed_to_reference("cudnn", reason)
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
     if T == 1:

@@ -37,7 +37,7 @@ from jax import lax
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops import pallas_paged
-from lcjax.ops.pallas_flash import prime_ring, smem_transforms
+from lcjax.ops.mgpu_common import prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

@@ -30,6 +30,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops.mgpu_common import fill_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -70,36 +71,6 @@ def why_not(*, head_dim: int, dtype) -> str | None:
   if head_dim not in (64, 128):
     return f"the Mosaic GPU flash kernel is built for head_dim 64 or 128, got {head_dim=}"
   return None
-
-
-def smem_transforms(dtype, cols: int):
-  """Shared-memory tiling of rows of `cols` elements in swizzled chunks of up to 128 bytes, the layout a wgmma
-  reads its operands in (both operands share one swizzle)."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def prime_ring(issue, steps, slots: int):
-  """issue(i, i) for the first min(steps, slots) steps of a ring of `slots` shared-memory slots."""
-  import jax.experimental.pallas as pl
-  for i in range(slots):
-    pl.when(i < steps)(functools.partial(issue, i, i))
-
-
-def fill_ring(issue, steps, slots: int, k_free, v_free):
-  """A TMA warpgroup's loop: issue(i, slot) loads step i = 0 .. steps - 1 into a ring of `slots` shared-memory
-  slots, the first `slots` at once, then each into slot i % slots once its K and V consumers released it."""
-  import jax.experimental.pallas as pl
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  prime_ring(issue, steps, slots)
-
-  @pl.loop(slots, jnp.maximum(steps, slots))
-  def _(i):
-    slot = lax.rem(i, jnp.array(slots, i.dtype))
-    plgpu.barrier_wait(k_free.at[slot])
-    plgpu.barrier_wait(v_free.at[slot])
-    issue(i, slot)
 
 
 def _steps(q_base, block_q, block_kv, d, kvl, causal):
@@ -455,8 +426,6 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
 
 # A 4-deep K/V ring for the FP8 kernel: 732 -> 754 TFLOP/s at 128K, measured when P still went through shared memory.
 FP8_TUNING = FlashTuning(max_concurrent_steps=4)
-# Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
-PREFIX_BLOCK_TOKENS = 131072
 
 
 def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
@@ -519,181 +488,3 @@ def flash_attention_reference(q, k, v, d=None, kv_len=None, *, causal: bool = Tr
   d = jnp.full((B,), S - T, jnp.int32) if d is None else jnp.broadcast_to(d, (B,)).astype(jnp.int32)
   q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   return ref.attention_reference(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
-
-
-def _compute_capability() -> tuple[int, int] | None:
-  """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
-  cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
-  return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
-
-
-def _on_hopper() -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
-  cc = _compute_capability()
-  if cc is None or cc < (9, 0):
-    return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
-  return None
-
-
-def _on_sm90() -> str | None:
-  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
-  cc = _compute_capability()
-  if cc is None or cc[0] != 9:
-    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
-  return None
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasBackend:
-  """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
-  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mgpu_paged) over fp8
-  pages.
-
-  `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
-  no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
-
-  `attend` with positions sends blocks whose rows are not contiguous or start before the first key to the jnp
-  reference (a lax.cond on the positions), which on a GPU logs why when it runs.
-  """
-  name: str = "pallas"
-  flash: FlashTuning = FlashTuning()
-  decode: object = None                          # a pallas_paged.PagedTuning; None: its defaults
-  interpret: bool = False
-
-  def _decode_tuning(self):
-    from lcjax.ops import pallas_paged
-    return self.decode or pallas_paged.PagedTuning()
-
-  def why_not(self, *, head_dim: int, dtype) -> str | None:
-    reason = why_not(head_dim=head_dim, dtype=dtype)
-    if reason or self.interpret:
-      return reason
-    return _on_hopper()
-
-  def _kernel(self, q, k, v, kvl):
-    """kernel(d=None, *, causal): the flash kernel on these operands."""
-    return functools.partial(flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
-
-  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
-    B, T, N, H = q.shape
-    S = k.shape[1]
-    kvl = None if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
-    kernel = self._kernel(q, k, v, kvl)
-    if not causal:
-      return kernel(causal=False)
-    if q_pos is None and k_start is None:
-      if S < T:
-        # Rows before the first key would need a lower mask bound the kernel does not have.
-        ref.routed_to_reference(self.name, f"a causal block of {T} queries over {S} keys (rows before the first key)")
-        return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
-      return kernel(causal=True)
-    q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
-    d = q_pos[:, 0] - k_start
-    contiguous = ref.contiguous_rows(q_pos)
-
-    def reference():
-      # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
-      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
-      return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
-
-    return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
-
-  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
-    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mgpu_paged); None: they
-    do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
-    from lcjax.ops import mgpu_paged
-    if self.interpret:
-      return "the Mosaic GPU kernel has no interpreter (interpret=True)"
-    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype) or _on_sm90()
-
-  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
-    'triton' (lcjax.ops.pallas_paged; pages other than e4m3 always)."""
-    reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
-    return "triton" if reason else "mgpu-fp8"
-
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
-    from lcjax.ops import pallas_paged
-    B, T, N, H = q.shape
-    Z, K = k_pages.shape[1:3]
-    tuning = self._decode_tuning()
-    rows = T * (N // K)
-    fp8_pages = k_pages.dtype == fp8_ops.E4M3
-    if fp8_pages and (k_scale is None or v_scale is None):
-      raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
-    if rows <= tuning.max_rows:
-      reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
-      if reason is None:
-        from lcjax.ops import mgpu_paged
-        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-      if fp8_pages and not self.interpret:
-        ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
-                      f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
-      return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
-                                       interpret=self.interpret)
-    # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
-    # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
-    from lcjax.ops.cudnn import CudnnBackend
-    return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                                      k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasFp8Backend(PallasBackend):
-  """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
-  accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks
-  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys'
-  mean before quantization (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or
-  int8 for Q and K.
-  interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
-  name: str = "pallas-fp8"
-  flash: FlashTuning = FP8_TUNING
-  incoherent: bool = True
-  smooth_k: bool = True
-  qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T
-
-  def why_not(self, *, head_dim: int, dtype) -> str | None:
-    reason = why_not_fp8(head_dim=head_dim, tuning=self.flash)
-    if reason or self.interpret:
-      return reason
-    # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
-    return why_not(head_dim=head_dim, dtype=dtype) or _on_hopper()
-
-  def _kernel(self, q, k, v, kvl):
-    return functools.partial(flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash, incoherent=self.incoherent,
-                             smooth_k=self.smooth_k, qk_dtype=self.qk_dtype, interpret=self.interpret)
-
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
-    from lcjax.ops.cudnn import PAGED_PAST, paged_case
-    B, T, N, H = q.shape
-    K = k_pages.shape[2]
-    M, Z = page_table.shape[1], k_pages.shape[1]
-    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
-    q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
-    bf16_path = functools.partial(super().paged, q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
-                                  k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-    if T * (N // K) <= self._decode_tuning().max_rows:
-      return bf16_path()                           # decode rows: the split-K paged kernel
-    # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
-    # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
-    # many rows (rows that see part of the pages causally) take PallasBackend's path.
-    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST,
-                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale),
-                    lambda: bf16_path())
-
-  def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale):
-    """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse). The table's pages are
-    gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
-    merged by their LSE in float32; blocks past every sequence's length are skipped."""
-    B, T, N, H = q.shape
-    Z, K = k_pages.shape[1], k_pages.shape[2]
-
-    def block(ids, n):
-      k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, -1, K, H)
-      v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, -1, K, H)
-      return self._kernel(q, k, v, n)(causal=False)
-
-    return ref.over_table_blocks(block, table, lengths, Z, PREFIX_BLOCK_TOKENS, q.shape, q.dtype)

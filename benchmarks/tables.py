@@ -1,0 +1,195 @@
+"""Regenerates the measured tables of README.md and docs/*.md from the benchmarks/results JSON files they cite.
+
+A generated table sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME picks its function in TABLES,
+which reads its JSON and returns the table's lines. `python benchmarks/tables.py` rewrites every marked region in
+place; `--check` rewrites nothing and exits 1, naming each page and table whose text differs from its JSON.
+Tables without markers are hand-written (assembled from several runs, or carrying notes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+REGION = re.compile(r"^<!-- table: ([\w-]+) -->\n(.*?)^<!-- /table -->$", re.M | re.S)
+
+
+def _rows(name: str) -> list[dict]:
+  return json.loads((RESULTS / name).read_text())["rows"]
+
+
+def _one(rows: list[dict], **match) -> dict | None:
+  """The single row whose fields equal `match`; None when no row has them."""
+  hits = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+  if len(hits) > 1:
+    raise ValueError(f"{len(hits)} rows match {match}; a table cell needs exactly one")
+  return hits[0] if hits else None
+
+
+# Number formats, each the rounding the pages use for that quantity.
+def _s(x: float) -> str:
+  """Seconds: 2 decimals below 100 s, 1 from 100 s (0.22, 11.12, 143.9)."""
+  return f"{x:.2f}" if x < 100 else f"{x:.1f}"
+
+
+def _sig3(x: float) -> str:
+  """3 significant figures, trailing zeros kept (5.12, 21.0, 109)."""
+  return f"{x:#.3g}".rstrip(".")
+
+
+def _ctx(tokens: int) -> str:
+  """Context length: 8192 -> 8K, 1048576 -> 1M."""
+  return f"{tokens >> 20}M" if tokens >= 1 << 20 and tokens % (1 << 20) == 0 else f"{tokens >> 10}K"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  line = lambda cells: "| " + " | ".join(cells) + " |"
+  return [line(header), "|" + "---|" * len(header), *(line(r) for r in rows)]
+
+
+# Long context, Llama-3-8B shape: lcjax, HF and dense from the merged longctx-h200.json.
+LONGCTX = "longctx-h200.json"
+LONGCTX_S = (8192, 32768, 131072, 262144, 524288)
+LONGCTX_HEADLINE_S = (8192, 32768, 131072, 524288)
+HF_WARMUP = {8192: "†"}            # HF's first context of its run includes its warm-up (the pages' footnote)
+
+
+def _dense(rows: list[dict], S: int) -> str:
+  d = _one(rows, impl="dense", S=S)
+  if d is None:
+    return "not run"
+  if d.get("skipped"):
+    return "OOM (implied by 32K)" if "ran out of memory" in d["skipped"] else "not run"
+  if d["oom"]:
+    return "OOM"
+  return f"{_s(d['prefill_s'])} s, {d['peak_gib']:.1f} GiB"
+
+
+def _over(r: dict) -> str:
+  """Peak above weights + KV cache, GiB."""
+  return f"{r['peak_gib'] - r['weights_gib'] - r['kv_gib']:.1f}"
+
+
+def longctx_8b() -> list[str]:
+  rows = _rows(LONGCTX)
+  out = []
+  for S in LONGCTX_S:
+    lc, hf = _one(rows, impl="lcjax", S=S), _one(rows, impl="hf", S=S)
+    out.append([_ctx(S), f"{_s(lc['prefill_s'])} s ({lc['prefill_tflops']:.0f} TF/s)",
+                f"{_s(hf['prefill_s'])} s{HF_WARMUP.get(S, '')}", f"{_sig3(lc['decode_ms_per_token'])} ms/tok",
+                f"{_sig3(hf['decode_ms_per_token'])} ms/tok", f"{lc['peak_gib']:.1f} GiB (+{_over(lc)})",
+                f"{hf['peak_gib']:.1f} GiB", _dense(rows, S)])
+  r = _one(rows, impl="lcjax-fp8kv (8 of 32 layers)", S=1 << 20)
+  out.append([f"1M, fp8 KV, {r['layers']} of 32 layers", f"{_s(r['prefill_s'])} s ({r['prefill_tflops']:.0f} TF/s)",
+              "not run", f"{_sig3(r['decode_ms_per_token'])} ms/tok", "-",
+              f"{r['peak_gib']:.1f} GiB (+{_over(r)}; planned {r['planned_gib']:.1f})", "-", "not run"])
+  (r,) = _rows("longctx-fp8prefill-1m-h200.json")
+  out.append(["1M, fp8 KV + `float8_e4m3fn` attention, 32 layers ¹",
+              f"{_s(r['prefill_s'])} s ({r['prefill_tflops']:.0f} TF/s)", "not run‡",
+              f"{_sig3(r['decode_ms_per_token'])} ms/tok", "-",
+              f"{r['peak_gib']:.1f} GiB (+{_over(r)}; planned {r['planned_gib']:.1f})", "-", "not run"])
+  return _table(["context", "lcjax prefill", "HF prefill", "lcjax decode", "HF decode", "lcjax peak (W+KV+)",
+                 "HF peak", "dense"], out)
+
+
+def longctx_8b_headline() -> list[str]:
+  rows = _rows(LONGCTX)
+  out = []
+  for S in LONGCTX_HEADLINE_S:
+    lc, hf = _one(rows, impl="lcjax", S=S), _one(rows, impl="hf", S=S)
+    out.append([_ctx(S), f"{_s(lc['prefill_s'])} s", f"{_s(hf['prefill_s'])} s{HF_WARMUP.get(S, '')}",
+                f"{_sig3(lc['decode_ms_per_token'])} ms/tok", f"{_sig3(hf['decode_ms_per_token'])} ms/tok",
+                f"{lc['peak_gib']:.1f} GiB", f"{hf['peak_gib']:.1f} GiB", _dense(rows, S)])
+  return _table(["context", "lcjax prefill", "HF prefill", "lcjax decode", "HF decode", "lcjax peak", "HF peak",
+                 "dense"], out)
+
+
+# FP8 weights: one row per (file, context).
+FP8W = [("fp8w-70b-h200.json", 32768, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
+        ("fp8w-70b-h200.json", 131072, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
+        ("fp8w-8b-h200.json", 131072, "Llama-3-8B shape, fp8 weights", "FP8"),
+        ("fp8w-8b-bf16w-h200.json", 131072, "Llama-3-8B shape, bf16 weights", "FP8")]
+
+
+def _fp8w_cells(r: dict) -> list[str]:
+  return [f"{_sig3(r['prefill_s'])} s", f"{_sig3(r['decode_ms_per_token'])} ms/token",
+          f"{r['peak_gib']:.1f} / {r['planned_gib']:.1f} GiB"]
+
+
+def fp8w() -> list[str]:
+  out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows(file), S=S)), f"`{file[:-5]}.md`"]
+         for file, S, model, attention in FP8W]
+  return _table(["model", "attention", "context", "prefill", "decode", "peak / plan", "file"], out)
+
+
+def fp8w_70b_headline() -> list[str]:
+  r = _one(_rows("fp8w-70b-h200.json"), S=131072)
+  return _table(["model", "context", "prefill", "decode", "peak / planned"],
+                [["Llama-3.1-70B shape, fp8 weights, fp8 KV", _ctx(r["S"]), *_fp8w_cells(r)]])
+
+
+# Context cache: one file per row, each with one row.
+CONTEXT = ["context-h200-128k.json", "context-h200-512k-fp8.json"]
+CACHE_DTYPE = {"bfloat16": "bf16 KV", "float8_e4m3fn": "fp8 KV"}
+
+
+def context_cache() -> list[str]:
+  out = []
+  for file in CONTEXT:
+    (r,) = _rows(file)
+    out.append([f"{_ctx(r['S'])}, {CACHE_DTYPE[r['cache_dtype']]} ({r['kv_gb']:.1f} GB)", f"{r['prefill_s']:.2f} s",
+                f"{r['ttft_s']:.3f} s ({r['speedup']:.0f}x)",
+                f"{r['restore_host_s']:.2f} s, {r['restore_host_gbs']:.1f} GB/s "
+                f"({100 * r['restore_host_vs_floor']:.0f}% of {r['h2d_floor_gbs']:.1f})",
+                f"{r['restore_disk_s']:.1f} s, {r['restore_disk_gbs']:.2f} GB/s "
+                f"({100 * r['restore_disk_vs_floor']:.0f}% of {r['disk_floor_gbs']:.2f})", f"`{file[:-5]}.md`"])
+  return _table(["context", "cold prefill", "time to first token, cached", "restore from host (vs floor)",
+                 "restore from disk (vs floor)", "file"], out)
+
+
+TABLES = {"longctx-8b": longctx_8b, "longctx-8b-headline": longctx_8b_headline, "fp8w": fp8w,
+          "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache}
+
+
+def pages(repo: pathlib.Path = REPO) -> list[pathlib.Path]:
+  return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+def render(text: str, where: str = "page") -> tuple[str, list[str]]:
+  """`text` with every marked table regenerated, and the names of the tables that changed."""
+  changed = []
+
+  def one(m: re.Match) -> str:
+    name = m.group(1)
+    if name not in TABLES:
+      raise SystemExit(f"{where}: <!-- table: {name} --> names no table; known: {', '.join(TABLES)}")
+    new = "\n".join(TABLES[name]()) + "\n"
+    if new != m.group(2):
+      changed.append(name)
+    return f"<!-- table: {name} -->\n{new}<!-- /table -->"
+
+  return REGION.sub(one, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 when a table differs")
+  args = ap.parse_args(argv)
+  stale = []
+  for page in pages():
+    text = page.read_text()
+    new, changed = render(text, str(page.relative_to(REPO)))
+    stale += [f"{page.relative_to(REPO)}: table {name}" for name in changed]
+    if changed and not args.check:
+      page.write_text(new)
+  for line in stale:
+    print(("differs from its JSON: " if args.check else "rewrote ") + line)
+  return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

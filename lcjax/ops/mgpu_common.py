@@ -1,0 +1,42 @@
+"""Mosaic GPU pieces the Hopper kernels share (lcjax.ops.pallas_flash, lcjax.ops.mgpu_paged): the shared-memory
+tiling wgmma reads its operands in, and the TMA warpgroup's ring of K/V shared-memory slots.
+
+Every function here runs while a kernel body is traced; the Pallas Mosaic GPU modules are imported inside them,
+so this module imports on machines without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def smem_transforms(dtype, cols: int):
+  """Shared-memory tiling of rows of `cols` elements in swizzled chunks of up to 128 bytes, the layout a wgmma
+  reads its operands in (both operands share one swizzle)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def prime_ring(issue, steps, slots: int):
+  """issue(i, i) for the first min(steps, slots) steps of a ring of `slots` shared-memory slots."""
+  import jax.experimental.pallas as pl
+  for i in range(slots):
+    pl.when(i < steps)(functools.partial(issue, i, i))
+
+
+def fill_ring(issue, steps, slots: int, k_free, v_free):
+  """A TMA warpgroup's loop: issue(i, slot) loads step i = 0 .. steps - 1 into a ring of `slots` shared-memory
+  slots, the first `slots` at once, then each into slot i % slots once its K and V consumers released it."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  prime_ring(issue, steps, slots)
+
+  @pl.loop(slots, jnp.maximum(steps, slots))
+  def _(i):
+    slot = lax.rem(i, jnp.array(slots, i.dtype))
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+    issue(i, slot)

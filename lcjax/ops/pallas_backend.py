@@ -1,0 +1,202 @@
+"""The pallas backends: which of lcjax's own kernels serves each attention call.
+
+PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.pallas_flash); decode rows over bf16
+pages to the split-K Triton kernel (lcjax.ops.pallas_paged); decode rows over fp8 pages to the Mosaic GPU fp8
+decode kernel (lcjax.ops.mgpu_paged) where it can serve them, else to the Triton kernel; prefill chunks against
+the paged cache to cuDNN (lcjax.ops.cudnn). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
+prefill chunks over their cached prefix. Each `why_not` / `fp8_decode_reason` names why a kernel cannot serve a
+shape here; lcjax.ops.backends picks a backend by name.
+
+Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lcjax.ops import attention as ref
+from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops import mgpu_paged
+from lcjax.ops import pallas_flash
+from lcjax.ops import pallas_paged
+from lcjax.ops.cudnn import PAGED_PAST, CudnnBackend, paged_case
+
+# Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
+PREFIX_BLOCK_TOKENS = 131072
+
+
+def _compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
+  cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
+  return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
+
+
+def _on_hopper() -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
+  cc = _compute_capability()
+  if cc is None or cc < (9, 0):
+    return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
+  return None
+
+
+def _on_sm90() -> str | None:
+  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
+  cc = _compute_capability()
+  if cc is None or cc[0] != 9:
+    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBackend:
+  """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
+  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mgpu_paged) over fp8
+  pages.
+
+  `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
+  no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
+
+  `attend` with positions sends blocks whose rows are not contiguous or start before the first key to the jnp
+  reference (a lax.cond on the positions), which on a GPU logs why when it runs.
+  """
+  name: str = "pallas"
+  flash: pallas_flash.FlashTuning = pallas_flash.FlashTuning()
+  decode: object = None                          # a pallas_paged.PagedTuning; None: its defaults
+  interpret: bool = False
+
+  def _decode_tuning(self):
+    return self.decode or pallas_paged.PagedTuning()
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    reason = pallas_flash.why_not(head_dim=head_dim, dtype=dtype)
+    if reason or self.interpret:
+      return reason
+    return _on_hopper()
+
+  def _kernel(self, q, k, v, kvl):
+    """kernel(d=None, *, causal): the flash kernel on these operands."""
+    return functools.partial(pallas_flash.flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
+
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    kvl = None if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
+    kernel = self._kernel(q, k, v, kvl)
+    if not causal:
+      return kernel(causal=False)
+    if q_pos is None and k_start is None:
+      if S < T:
+        # Rows before the first key would need a lower mask bound the kernel does not have.
+        ref.routed_to_reference(self.name, f"a causal block of {T} queries over {S} keys (rows before the first key)")
+        return ref.attention_reference(q, k, v, kv_len=kvl, causal=True)
+      return kernel(causal=True)
+    q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, S)
+    d = q_pos[:, 0] - k_start
+    contiguous = ref.contiguous_rows(q_pos)
+
+    def reference():
+      # The kernel masks by one diagonal offset per sequence; other position patterns take the exact jnp path.
+      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~contiguous, ref.ROWS_BEFORE_FIRST_KEY: d < 0})
+      return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kvl, causal=True)
+
+    return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
+
+  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
+    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mgpu_paged); None: they
+    do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
+    if self.interpret:
+      return "the Mosaic GPU kernel has no interpreter (interpret=True)"
+    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype) or _on_sm90()
+
+  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
+    'triton' (lcjax.ops.pallas_paged; pages other than e4m3 always)."""
+    reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
+    return "triton" if reason else "mgpu-fp8"
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+    B, T, N, H = q.shape
+    Z, K = k_pages.shape[1:3]
+    tuning = self._decode_tuning()
+    rows = T * (N // K)
+    fp8_pages = k_pages.dtype == fp8_ops.E4M3
+    if fp8_pages and (k_scale is None or v_scale is None):
+      raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
+    if rows <= tuning.max_rows:
+      reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      if reason is None:
+        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+      if fp8_pages and not self.interpret:
+        ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
+                      f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
+      return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
+                                       interpret=self.interpret)
+    # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
+    # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
+    return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                                      k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasFp8Backend(PallasBackend):
+  """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
+  accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks
+  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys'
+  mean before quantization (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or
+  int8 for Q and K.
+  interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
+  name: str = "pallas-fp8"
+  flash: pallas_flash.FlashTuning = pallas_flash.FP8_TUNING
+  incoherent: bool = True
+  smooth_k: bool = True
+  qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T
+
+  def why_not(self, *, head_dim: int, dtype) -> str | None:
+    reason = pallas_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
+    if reason or self.interpret:
+      return reason
+    # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
+    return pallas_flash.why_not(head_dim=head_dim, dtype=dtype) or _on_hopper()
+
+  def _kernel(self, q, k, v, kvl):
+    return functools.partial(pallas_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,
+                             incoherent=self.incoherent, smooth_k=self.smooth_k, qk_dtype=self.qk_dtype,
+                             interpret=self.interpret)
+
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+    B, T, N, H = q.shape
+    K = k_pages.shape[2]
+    M, Z = page_table.shape[1], k_pages.shape[1]
+    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
+    q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
+    bf16_path = functools.partial(super().paged, q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
+                                  k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+    if T * (N // K) <= self._decode_tuning().max_rows:
+      return bf16_path()                           # decode rows: the split-K paged kernel
+    # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
+    # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
+    # many rows (rows that see part of the pages causally) take PallasBackend's path.
+    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST,
+                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale),
+                    lambda: bf16_path())
+
+  def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale):
+    """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse). The table's pages are
+    gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
+    merged by their LSE in float32; blocks past every sequence's length are skipped."""
+    B, T, N, H = q.shape
+    Z, K = k_pages.shape[1], k_pages.shape[2]
+
+    def block(ids, n):
+      k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, -1, K, H)
+      v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, -1, K, H)
+      return self._kernel(q, k, v, n)(causal=False)
+
+    return ref.over_table_blocks(block, table, lengths, Z, PREFIX_BLOCK_TOKENS, q.shape, q.dtype)

@@ -1,0 +1,95 @@
+"""The generate CLI's output, run in this process (tests.cli_inprocess): the interactive transcript against the
+Python API's answers, the memory plan printed once, the model named by its checkpoint, and `--config.FIELD=VALUE`
+without --config. Refusals are in tests/test_errors.py."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+
+import pytest
+
+from lcjax.engine.engine import Engine
+from tests import cli_inprocess
+from tests import fixtures_ckpt as fx
+from tests.test_errors import CFG, RUN, write_checkpoint
+
+NO_EOS = dataclasses.replace(CFG, name="cli-tiny", eos_ids=())     # every answer runs to max_new_tokens
+CLI_RUN = ["--config.max_context=256", "--config.page_size=16", "--config.prefill_chunk=64", "--config.max_batch=2",
+           "--config.dtype=float32", "--nowarmup"]
+DOC = "The ferry ran twice an hour. The password is PELICAN. The mill stood by the river. " * 2
+QUESTIONS = ["What is the password?", "Where was the mill?"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  fx.byte_level_tokenizer_json(str(root / "tokenizer.json"))
+  write_checkpoint(str(root / "ckpt"), NO_EOS, tokenizer_dir=str(root))
+  (root / "doc.txt").write_text(DOC, encoding="utf-8")
+  return root
+
+
+def test_interactive_transcript(ckpt, monkeypatch):
+  """Q: / A: per question, a blank line after each answer, the cut at max_new_tokens noted; the answers are the
+  API's for the same context and question (this checkpoint has no chat template: plain text, which the CLI says
+  once per prompt it builds)."""
+  monkeypatch.setattr("sys.stdin", io.StringIO(QUESTIONS[0] + "\n\n" + QUESTIONS[1] + "\n"))
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--context_file={ckpt / 'doc.txt'}",
+                                   "--interactive", "--max_new_tokens=5"])
+  assert p.returncode == 0, p.stderr[-3000:]
+  eng = Engine.load(str(ckpt / "ckpt"), run=RUN.replace(decode_steps=32))
+  with eng.prefill(DOC) as ctx:
+    answers = [eng.generate(eng.encode(f"\n\n{q}\n", add_bos=False), context=ctx, max_new_tokens=5).text
+               for q in QUESTIONS]
+  eng.close()
+  want = "".join(f"Q: {q}\nA: {a}\n[cut at max_new_tokens=5]\n\n" for q, a in zip(QUESTIONS, answers))
+  assert p.stdout == want, (p.stdout, want)
+  assert "has no chat template: the prompt is plain text" in p.stderr
+  assert p.stderr.count("time to first token") == 2
+
+
+def test_plan_once_and_the_model_named_by_its_checkpoint(ckpt):
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", "--prompt=hello", "--max_new_tokens=2",
+                                   "--nochat"])
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert (p.stdout + p.stderr).count("memory plan per device") == 1
+  model = re.search(r"^  model +(.*)$", p.stdout, re.M).group(1)
+  assert model.startswith(f"{ckpt / 'ckpt'}, float32 weights") and NO_EOS.name not in model
+  assert re.search(r"peak device memory .*\(memory plan: [0-9.]+ GiB\)", p.stdout)
+  assert re.search(r"time to first token +[0-9.]+ s", p.stdout)
+
+
+def test_config_overrides_without_a_config_file(ckpt):
+  """--config.FIELD=VALUE alone overrides RunConfig's defaults (the plan shows them)."""
+  p = cli_inprocess.run([f"--checkpoint={ckpt / 'ckpt'}", "--prompt_ids=5,6,7", "--max_new_tokens=2", "--nowarmup",
+                         "--config.max_context=128", "--config.page_size=16", "--config.prefill_chunk=32",
+                         "--config.max_batch=3"])
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "384 tokens of KV" in p.stderr                        # 3 sequences of 128 tokens
+
+
+@pytest.mark.parametrize("args", [["--prompt=hello there"], ["--context_file={doc}", "--prompt=What is it?"],
+                                  ["--context_file={doc}", "--interactive"]], ids=["prompt", "context", "interactive"])
+def test_warm_up_leaves_nothing_to_compile(ckpt, monkeypatch, args):
+  """After the CLI's warm-up (Engine.warm_up: compiled, nothing run), the run traces and compiles nothing more:
+  the context's prefill, the prompt's or questions' chunks, the first token, the streamed decode."""
+  from tests.test_engine import _Compiles
+  monkeypatch.setattr("sys.stdin", io.StringIO("Where?\n" + "Why is the mill by the river at all? " * 3 + "\n"))
+  count = {}
+  warm_up = Engine.warm_up
+
+  def spy(self, *a, **kw):
+    n = warm_up(self, *a, **kw)
+    count["after"] = _Compiles()
+    return n
+
+  monkeypatch.setattr(Engine, "warm_up", spy)
+  argv = [a.format(doc=ckpt / "doc.txt") for a in args]
+  try:
+    p = cli_inprocess.run([*CLI_RUN[:-1], f"--checkpoint={ckpt / 'ckpt'}", "--max_new_tokens=3", *argv])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert count["after"].seen == []
+  finally:
+    count["after"].close()
+  assert re.search(r"warm-up +[0-9.]+ s \(compiling this run's [0-9]+ programs", p.stdout) or "--interactive" in args

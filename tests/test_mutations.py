@@ -1,0 +1,27 @@
+"""tools/mutation_check.py: each planted bug fails every test it lists (slow: a pytest process per mutant, on a
+copy of the package), and each mutant still applies to the code as it is (fast, on every run)."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from tools.mutation_check import MUTANTS, REPO, check_text, run
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_each_mutant_applies_and_names_existing_tests(mutant):
+  check_text(mutant)
+  assert mutant.new != mutant.old and mutant.tests
+  for test in mutant.tests:
+    path, name = re.fullmatch(r"([\w/]+\.py)::(\w+)(?:\[.+\])?", test).groups()
+    with open(os.path.join(REPO, path)) as f:
+      assert f"\ndef {name}(" in f.read(), f"{test}: no such test function"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_each_planted_bug_fails_its_tests(mutant):
+  out = run(mutant)
+  assert out.caught, f"{mutant.name} ({mutant.bug}) survived: {out.passed} passed with it\n{out.output}"

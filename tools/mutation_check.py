@@ -1,0 +1,192 @@
+"""Planted bugs the tests must catch: each mutant edits one line of a temporary copy of the repository's package
+and runs the tests that name the invariant it breaks; every one of those tests must fail.
+
+  python tools/mutation_check.py                 # every mutant
+  python tools/mutation_check.py NAME [NAME...]  # some of them
+  python tools/mutation_check.py --list          # names, bugs and tests
+
+A mutant whose tests pass "survived": those tests no longer check what they name (exit status 1). A mutant whose
+`old` text is not exactly once in its file, or whose tests do not run (pytest exit status other than 0 or 1, e.g.
+a test id that no longer exists), is an error (exit status 2): the code or the tests moved, and the mutant must
+be updated to plant the same bug in the new code. tests/test_mutations.py runs every mutant (marked slow: .ci/run
+runs it) and checks on every run that each mutant's text is still in its file.
+
+Adding an invariant (or a test for one that had none)? Add a Mutant to MUTANTS below: the smallest edit that
+breaks the invariant the way a real bug would (a bound off by one, an index from the wrong base, a term left out),
+`old` exactly once in `path` (take a line or two of context to make it unique), and the ids of the tests that
+name the invariant, cheapest first; each of them must fail with the bug. Run `python tools/mutation_check.py
+NAME` (it must say "caught"), then the tests without it (they pass). Keep the tests of a mutant few and fast: each
+mutant is a pytest process of its own, and CI runs them all.
+
+Each run copies lcjax/, tests/, configs/ and pyproject.toml into a temporary directory, plants the bug there,
+checks that the copy is what `import lcjax` finds, and runs pytest on the CPU with that directory as the root.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPIED = ("lcjax", "tests", "configs", "pyproject.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  bug: str                   # what the edit breaks, in words
+  path: str                  # the file edited, relative to the repository root
+  old: str                   # text found exactly once in `path` ...
+  new: str                   # ... and what replaces it
+  tests: tuple[str, ...]     # pytest ids (file::test[params]) of tests that name the invariant: each must fail
+
+
+MUTANTS = (
+    Mutant("paged-reference-skips-key-0",
+           "the paged jnp reference never attends to a sequence's first key (position 0)",
+           "lcjax/ops/attention.py",
+           "    valid = j[None, :] < kv_len[:, None]\n    kb, vb = load(",
+           "    valid = (j[None, :] < kv_len[:, None]) & (j[None, :] > 0)\n    kb, vb = load(",
+           ("tests/test_engine.py::test_prefill_logits_match_full_forward",
+            "tests/test_context.py::test_second_question_reuses_the_document[inside-a-page]")),
+    Mutant("context-load-writes-blocks-from-page-0",
+           "a context block starting at page s > 0 is written into the pages from the context's first one",
+           "lcjax/engine/context.py",
+           "      target[i] = pages[s + i]",
+           "      target[i] = pages[i]",
+           ("tests/test_context.py::test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds[float32]",)),
+    Mutant("hash-chain-drops-last-token",
+           "a page's prefix-cache key leaves out the page's last token",
+           "lcjax/cache/prefix.py",
+           "ids[m * page_size:(m + 1) * page_size].tobytes()",
+           "ids[m * page_size:(m + 1) * page_size - 1].tobytes()",
+           ("tests/test_prefix_cache.py::test_keys_chain_and_salt",)),
+    Mutant("context-gather-drops-v-scale",
+           "fp8 pages leave the device (offload, save) with K's scales in place of V's",
+           "lcjax/engine/context.py",
+           "*(s[..., ::rep] for s in scales))",
+           "*(scales[0][..., ::rep] for s in scales))",
+           ("tests/test_context.py::test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds[fp8]",)),
+    Mutant("context-save-scales-at-page-0",
+           "a save writes each block's fp8 scales at the context's first pages (right only for one block a layer)",
+           "lcjax/engine/context.py",
+           "scales[l, :, s:s + len(parts[0])] = parts[2:]",
+           "scales[l, :, :len(parts[0])] = parts[2:]",
+           ("tests/test_context.py::test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds[fp8]",)),
+)
+
+
+class MutantError(Exception):
+  """A mutant that cannot be planted or whose tests did not run; the message says which and why."""
+
+
+@dataclasses.dataclass
+class Outcome:
+  mutant: Mutant
+  caught: bool
+  failed: dict[str, str]     # the listed tests that failed: {pytest's id: its one-line reason}
+  passed: list[str]          # the listed tests that did not fail
+  seconds: float
+  output: str                # pytest's output tail
+
+
+def plant(root: str, m: Mutant) -> None:
+  """Apply `m` to the copy of the repository at `root`."""
+  path = os.path.join(root, m.path)
+  text = check_text(m, root)
+  with open(path, "w") as f:
+    f.write(text.replace(m.old, m.new))
+
+
+def check_text(m: Mutant, repo: str = REPO) -> str:
+  """The text of `m`'s file in `repo`; MutantError unless `m.old` is exactly once in it (the mutant applies)."""
+  with open(os.path.join(repo, m.path)) as f:
+    text = f.read()
+  n = text.count(m.old)
+  if n != 1:
+    raise MutantError(f"mutant {m.name}: its text is {n} times in {m.path}, not once: plant the same bug in the "
+                      f"code as it is now ({m.old!r})")
+  return text
+
+
+def _copy(repo: str, root: str) -> None:
+  for name in COPIED:
+    src, dst = os.path.join(repo, name), os.path.join(root, name)
+    if os.path.isdir(src):
+      shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    else:
+      shutil.copy2(src, dst)
+
+
+def _failures(output: str) -> dict[str, str]:
+  """{test id: pytest's one-line reason} of the FAILED lines of pytest's -rf summary."""
+  return {m[1]: m[2] for m in re.finditer(r"^FAILED (\S+)(?: - (.*))?$", output, flags=re.M)}
+
+
+def _fails(test: str, failed) -> bool:
+  """Whether the listed id `test` failed (an id without parameters: any of its parametrizations)."""
+  return any(f == test or f.startswith(test + "[") for f in failed)
+
+
+def run(m: Mutant, repo: str = REPO, timeout: float = 900) -> Outcome:
+  """Plant `m` in a copy of `repo` and run its tests there."""
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix=f"lcjax-mutant-{m.name}-") as root:
+    _copy(repo, root)
+    plant(root, m)
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", COLUMNS="240")   # wide: -rf's reasons
+    where = subprocess.run([sys.executable, "-c", "import lcjax; print(lcjax.__file__)"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
+    if where.returncode or not os.path.realpath(where.stdout.strip()).startswith(os.path.realpath(root)):
+      raise MutantError(f"mutant {m.name}: `import lcjax` in the copy finds {where.stdout.strip() or where.stderr}, "
+                        f"not {root}/lcjax")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+  output = (p.stdout + p.stderr)[-4000:]
+  if p.returncode not in (0, 1):
+    raise MutantError(f"mutant {m.name}: pytest exited with status {p.returncode} (its tests did not run: a test "
+                      f"id that no longer exists?):\n{output}")
+  failed = _failures(p.stdout)
+  hit = {f: why for f, why in failed.items() if any(_fails(t, [f]) for t in m.tests)}
+  missed = [t for t in m.tests if not _fails(t, failed)]
+  return Outcome(m, caught=not missed, failed=hit, passed=missed, seconds=time.perf_counter() - t0, output=output)
+
+
+def main(argv: list[str]) -> int:
+  if "--list" in argv:
+    for m in MUTANTS:
+      print(f"{m.name}: {m.bug} ({m.path})")
+      for t in m.tests:
+        print(f"  {t}")
+    return 0
+  by_name = {m.name: m for m in MUTANTS}
+  unknown = [a for a in argv if a not in by_name]
+  if unknown:
+    print(f"unknown mutant(s) {unknown}; known: {sorted(by_name)}", file=sys.stderr)
+    return 2
+  status = 0
+  for m in [by_name[a] for a in argv] or MUTANTS:
+    try:
+      out = run(m)
+    except MutantError as e:
+      print(f"ERROR     {e}", flush=True)
+      status = 2
+      continue
+    if out.caught:
+      print(f"caught    {m.name} ({out.seconds:.0f} s): {m.bug}", flush=True)
+      for test, why in out.failed.items():
+        print(f"  failed  {test}: {(why or '')[:200]}", flush=True)
+    else:
+      print(f"SURVIVED  {m.name} ({out.seconds:.0f} s): {m.bug}; these tests passed with it: {out.passed}\n"
+            f"{out.output}", flush=True)
+      status = max(status, 1)
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -183,8 +183,8 @@ def checkpoint_part(work: str) -> tuple[list[dict], dict]:
            kl_max=m["kl_max"], top1=m["top1"], positions=m["positions"]),
       _row("demo prompt: greedy answer", f"lcjax generate vs transformers generate, {FLAGS.new_tokens} new tokens, "
            "same FP8-Dynamic folder (lcjax decodes with the weights widened, activations unquantized; transformers "
-           "quantizes every token's activations)", "same tokens", diff is None, tokens_lcjax=got, tokens_transformers=want,
-           first_difference=diff, transformers_margin_there=margin, text_lcjax=tok.decode(got),
+           "quantizes every token's activations)", "same tokens", diff is None, tokens_lcjax=got,
+           tokens_transformers=want, first_difference=diff, transformers_margin_there=margin, text_lcjax=tok.decode(got),
            text_transformers=tok.decode(want)),
       _row("demo prompt: logits, float64", "transformers float64 vs transformers float32, same folder and positions "
            "(one model, two roundings)", "(reported)", True, rel_max=floor["rel_max"], rel_rms=floor["rel_rms"],

@@ -148,6 +148,8 @@ def hf_model():
 
 
 def _transformers_logits(folder, ids):
+  pytest.importorskip("compressed_tensors", reason="transformers loads FP8 checkpoints through compressed-tensors "
+                      "(the test extra installs it)")
   m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
   with torch.no_grad():
     return m(torch.tensor([ids])).logits[0].numpy()

@@ -1,0 +1,249 @@
+"""Merge the part files one step of benchmarks/reproduce_h200.sh wrote into one topic file pair.
+
+  python benchmarks/merge_results.py TOPIC OUT PART [PART ...]    # PART: a part's .json, or a folder of them
+
+Each part is the `<name>.json` + `<name>.md` pair a tool wrote (its `--name`). The merge writes OUT/TOPIC.json:
+{"topic", "title", "command", "parts": [{"name", "command", "device", "versions", "commit", ... the part's own
+JSON}]} (`commit`: the part's `source`, null where it recorded none), and OUT/TOPIC.md: each part's own markdown
+under a heading of its name, its command first. Parts go in name order. The merge reads every part before it
+writes anything: a part without a command, two parts of one name or a missing markdown is one line naming it.
+
+Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
+sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",
+"goals"}, what lcjax.plot and benchmarks/tables.py read), its table in longctx.md, and the plots
+longctx-{memory,prefill}.png drawn from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# topic: title (the first line of TOPIC.md). Every result file pair under benchmarks/results is one of these.
+TOPICS = {
+  "attention": "attention kernels (bf16, 8-bit prefill, fp8 paged decode) beside cuDNN, FA3 and torch SDPA",
+  "longctx": "Llama-3-8B shape, batch 1, one H200: lcjax beside HF and the dense baseline, 8K to 1M tokens",
+  "longctx-8bit": "Llama-3-8B shape, batch 1, one H200: 8-bit attention and the fp8 KV cache end to end",
+  "exact": "logits against a float32 HF transformers oracle on the same weights",
+  "needle": "needle retrieval with the real SmolLM2-135M-Instruct",
+  "quality": "8-bit attention on FA3's outlier test, and fp8 weights against transformers",
+  "fp8w": "fp8 weights end to end (Llama-3.1-70B and Llama-3-8B shapes, one H200)",
+  "context": "the context cache: cached questions, restores from host memory and disk",
+  "startup": "CLI start-up with the compilation cache off, cold and warm",
+  "stream": "decode steps per device call: ms/token of streamed decoding",
+  "multigpu": "the 70B shape on one H200 (8 of 80 layers), and its extrapolation to 8 GPUs",
+}
+
+
+def fail(msg: str):
+  raise SystemExit(f"merge_results: {msg}")
+
+
+def _part_files(paths: list[str]) -> list[str]:
+  files = []
+  for p in paths:
+    if os.path.isdir(p):
+      files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".json"))
+    elif p.endswith(".json") and os.path.isfile(p):
+      files.append(p)
+    else:
+      fail(f"{p} is neither a part's .json file nor a folder")
+  if not files:
+    fail(f"no part files (.json) in {', '.join(paths)}")
+  return files
+
+
+def read_parts(paths: list[str]) -> list[tuple[dict, str]]:
+  """(part, markdown) for every part under `paths`, in name order; the part is the file's JSON with its name,
+  command, device, versions and commit first."""
+  seen, parts = {}, []
+  for path in _part_files(paths):
+    name = os.path.basename(path)[:-len(".json")]
+    if name in seen:
+      fail(f"two parts named {name!r}: {seen[name]} and {path}")
+    seen[name] = path
+    try:
+      with open(path) as f:
+        d = json.load(f)
+    except json.JSONDecodeError as e:
+      fail(f"{path} is not JSON: {e}")
+    if not isinstance(d, dict):
+      fail(f"{path} holds a {type(d).__name__}, not a result object")
+    if not d.get("command"):
+      fail(f"{path} has no 'command' (a part names the command that measured it; keys: {sorted(d)[:10]})")
+    for key in ("name", "commit"):
+      if key in d:
+        fail(f"{path} has its own {key!r} ({d[key]!r}); the merge sets it")
+    md = path[:-len(".json")] + ".md"
+    if not os.path.isfile(md):
+      fail(f"{path} has no markdown beside it ({md})")
+    with open(md) as f:
+      text = f.read()
+    parts.append((dict(name=name, command=d["command"], device=d.get("device"), versions=d.get("versions"),
+                       commit=d.get("source"), **{k: v for k, v in d.items() if k not in ("command", "device",
+                                                                                           "versions")}), text))
+  return sorted(parts, key=lambda p: p[0]["name"])
+
+
+def part_section(part: dict, text: str) -> list[str]:
+  """A part's markdown under `## name`: its own title line dropped, its other headings one level down, its
+  command first when its markdown does not name it."""
+  lines = text.rstrip("\n").split("\n")
+  if lines and lines[0].startswith("# "):
+    lines = lines[1:]
+  lines = ["#" + ln if re.match(r"#+ ", ln) else ln for ln in lines]
+  head = [f"## {part['name']}", ""]
+  if not any(ln.startswith("command: ") for ln in lines):
+    head += [f"command: `{part['command']}`", ""]
+  while lines and not lines[0].strip():
+    lines = lines[1:]
+  return head + lines
+
+
+def merge(topic: str, paths: list[str]) -> tuple[dict, str, dict | None]:
+  """The topic's JSON, its markdown and its combined view (None for topics without one)."""
+  if topic not in TOPICS:
+    fail(f"unknown topic {topic!r}; known: {', '.join(TOPICS)}")
+  parts = read_parts(paths)
+  names = [p["name"] for p, _ in parts]
+  result = dict(topic=topic, title=TOPICS[topic],
+                command=f"python benchmarks/merge_results.py {topic} OUT " + " ".join(names))
+  lines = [f"# {topic}: {TOPICS[topic]}", "",
+           f"Merged by `python benchmarks/merge_results.py` from the parts below (`bash benchmarks/reproduce_h200.sh "
+           f"{topic}` measures them); each part keeps its own command, device, versions and commit (`source:`), and "
+           f"`{topic}.json` holds each part's JSON under `parts`.", ""]
+  lines += [f"- `{p['name']}` ({p.get('date') or 'no date'}): `{p['command']}`" for p, _ in parts]
+  view = VIEWS[topic]([p for p, _ in parts]) if topic in VIEWS else None
+  if view:
+    result.update(view["fields"])
+    lines += ["", *view["markdown"]]
+  result["parts"] = [p for p, _ in parts]
+  for p, text in parts:
+    lines += ["", *part_section(p, text)]
+  return result, "\n".join(lines) + "\n", view
+
+
+def write(out: str, topic: str, result: dict, markdown: str, view: dict | None) -> list[str]:
+  """Write the view's plots (drawn before any file is written), TOPIC.json and TOPIC.md under `out`, each file
+  through a temporary one."""
+  os.makedirs(out, exist_ok=True)
+  written = view["plot"](result, os.path.join(out, topic)) if view and view.get("plot") else []
+  for suffix, text in ((".json", json.dumps(result, indent=1) + "\n"), (".md", markdown)):
+    path = os.path.join(out, topic + suffix)
+    with open(path + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(path + ".tmp", path)
+    written.append(path)
+  return written
+
+
+# ---- topic longctx: the context-length sweep as one table ----
+
+# (part, implementations taken from it or None for all, contexts taken from it or None for all, what its rows'
+# impl adds). -w: the 8K-128K sweep with HF; -v: its 256K row with HF; -q: 512K with HF; -o-8layers: 1M with fp8
+# KV on 8 of the 32 layers (the layers added to impl from the part's model); -j: the dense baseline (8K ran, out of
+# memory from 32K); longctx-fp8prefill-1m-h200: 1M with all 32 layers.
+LONGCTX_VIEW = [("longctx-h200-w", None, None, None), ("longctx-h200-v", None, {262144}, None),
+                ("longctx-h200-q", None, None, None), ("longctx-h200-o-8layers", None, None, None),
+                ("longctx-h200-j", {"dense"}, None, None),
+                ("longctx-fp8prefill-1m-h200", None, None, "fp8 KV, float8_e4m3fn attention")]
+# The goals of the long-context issue (one H200, Llama-3-8B shape, batch 1, peers in the same part).
+GOALS = dict(prefill_over_hf={131072: 0.85, 262144: 0.85, 524288: 0.75}, decode_ms={131072: 9.0, 524288: 22.0},
+             overhead_gib=4.0)
+
+
+def _longctx_goals(rows: list[dict]) -> list[dict]:
+  """Each measured lcjax row against the goals; HF from the same part."""
+  out = []
+  for r in rows:
+    if not r["impl"].startswith("lcjax") or not r.get("prefill_s"):
+      continue
+    h = next((x for x in rows if x["impl"] == "hf" and x["S"] == r["S"] and x["part"] == r["part"]
+              and x.get("prefill_s")), None)
+    div = lambda k: r[k] / h[k] if h and r.get(k) and h.get(k) else None
+    out.append(dict(impl=r["impl"], S=r["S"], part=r["part"], prefill_over_hf=div("prefill_s"),
+                    decode_over_hf=div("decode_ms_per_token"), peak_over_hf=div("peak_gib"),
+                    decode_ms=r["decode_ms_per_token"], overhead_gib=r["peak_gib"] - r["weights_gib"] - r["kv_gib"],
+                    goal_prefill_over_hf=GOALS["prefill_over_hf"].get(r["S"]),
+                    goal_decode_ms=GOALS["decode_ms"].get(r["S"]), goal_overhead_gib=GOALS["overhead_gib"]))
+  return out
+
+
+def longctx_view(parts: list[dict]) -> dict:
+  """The sweep's rows from LONGCTX_VIEW's parts, as measured (planned GiB: the planner of the part's own run)."""
+  sys.path.insert(0, REPO)
+  from tools.bench_longctx import IMPLIED_OOM, markdown   # noqa: E402  (lcjax and jax only where this view runs)
+  by_name = {p["name"]: p for p in parts}
+  missing = [name for name, *_ in LONGCTX_VIEW if name not in by_name]
+  if missing:
+    fail(f"topic longctx: its table needs the parts {missing} (have {sorted(by_name)})")
+  rows = []
+  for name, impls, contexts, label in LONGCTX_VIEW:
+    part = by_name[name]
+    layers = (part.get("model") or {}).get("layers")
+    oomed = set()
+    for r in sorted(part["rows"], key=lambda r: r["S"]):
+      if (impls is not None and r["impl"] not in impls) or (contexts is not None and r["S"] not in contexts):
+        continue
+      r = dict(r, part=name)
+      if r.get("oom") and r["impl"] in oomed and not r.get("skipped"):
+        r["skipped"] = IMPLIED_OOM          # the bench's rule, for rows of runs made before it labelled them
+      if r.get("oom"):
+        oomed.add(r["impl"])
+      if layers:
+        r["layers"] = layers
+        r["impl"] = f"{r['impl']} ({layers} of 32 layers)"
+      if label:
+        r["impl"] = f"{r['impl']} ({label})"
+      if r["impl"] == "dense":
+        r.pop("planned_gib", None)        # the planner models lcjax, not the dense baseline's O(S^2) scores
+      rows.append(r)
+  rows.sort(key=lambda r: (r["impl"], r["S"]))
+  goals = _longctx_goals(rows)
+  first = by_name[LONGCTX_VIEW[0][0]]
+  fields = dict(device=first["device"], versions=first["versions"],
+                model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, page_size=64),
+                rows=rows, goals=goals)
+  fmt = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)
+  md = ["## The sweep", "",
+        "The rows of the parts named in `part` (lcjax with HF measured in the same part; the dense baseline's from "
+        "longctx-h200-j); planned GiB: the memory planner of that part's run. `longctx.json` holds them as `rows`; "
+        "`longctx-memory.png` and `longctx-prefill.png` draw them.", "", markdown(rows), "",
+        "Against the goals (lcjax / HF from the same part; overhead = peak - weights - KV cache):", "",
+        "| impl | S | part | prefill / HF (goal) | decode ms/token (goal) | decode / HF | peak / HF | "
+        "overhead GiB (goal) |", "|---|---|---|---|---|---|---|---|"]
+  for q in goals:
+    md.append(f"| {q['impl']} | {q['S']:,} | {q['part']} | "
+              f"{fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
+              f"{fmt(q['decode_ms'], '{:.2f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | "
+              f"{fmt(q['decode_over_hf'])} | {fmt(q['peak_over_hf'])} | "
+              f"{fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
+  return dict(fields=fields, markdown=md, plot=_longctx_plots)
+
+
+def _longctx_plots(result: dict, stem: str) -> list[str]:
+  from lcjax import plot   # noqa: E402  (matplotlib only where the plots are drawn)
+  return plot.save_figures(result, stem)
+
+
+VIEWS = {"longctx": longctx_view}
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("topic", help=f"one of {', '.join(TOPICS)}")
+  ap.add_argument("out", help="folder for TOPIC.json and TOPIC.md")
+  ap.add_argument("parts", nargs="+", help="the parts' .json files, or folders of them")
+  args = ap.parse_args(argv)
+  result, markdown, view = merge(args.topic, args.parts)
+  for path in write(args.out, args.topic, result, markdown, view):
+    print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

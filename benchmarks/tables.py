@@ -1,4 +1,4 @@
-"""Regenerates the measured tables of README.md and docs/*.md from the benchmarks/results JSON files they cite.
+"""Regenerates the measured tables of README.md and docs/*.md from the benchmarks/results topic files they cite.
 
 A generated table sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME picks its function in TABLES,
 which reads its JSON and returns the table's lines. `python benchmarks/tables.py` rewrites every marked region in
@@ -18,8 +18,20 @@ RESULTS = REPO / "benchmarks" / "results"
 REGION = re.compile(r"^<!-- table: ([\w-]+) -->\n(.*?)^<!-- /table -->$", re.M | re.S)
 
 
-def _rows(name: str) -> list[dict]:
-  return json.loads((RESULTS / name).read_text())["rows"]
+def _rows(topic: str, part: str | None = None) -> list[dict]:
+  """The rows of a topic file (`benchmarks/merge_results.py`): its combined rows, or those of its part `part`."""
+  d = json.loads((RESULTS / f"{topic}.json").read_text())
+  if part is None:
+    return d["rows"]
+  hits = [p for p in d["parts"] if p["name"] == part]
+  if not hits:
+    raise ValueError(f"{topic}.json has no part {part!r}; parts: {[p['name'] for p in d['parts']]}")
+  return hits[0]["rows"]
+
+
+def _file(topic: str, part: str) -> str:
+  """Where a table row's figures are: the topic's markdown and the part's heading in it."""
+  return f"`{topic}.md`, part {part}"
 
 
 def _one(rows: list[dict], **match) -> dict | None:
@@ -51,8 +63,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
   return [line(header), "|" + "---|" * len(header), *(line(r) for r in rows)]
 
 
-# Long context, Llama-3-8B shape: lcjax, HF and dense from the merged longctx-h200.json.
-LONGCTX = "longctx-h200.json"
+# Long context, Llama-3-8B shape: lcjax, HF and dense from the combined rows of longctx.json.
+LONGCTX = "longctx"
 LONGCTX_S = (8192, 32768, 131072, 262144, 524288)
 LONGCTX_HEADLINE_S = (8192, 32768, 131072, 524288)
 HF_WARMUP = {8192: "†"}            # HF's first context of its run includes its warm-up (the pages' footnote)
@@ -87,7 +99,7 @@ def longctx_8b() -> list[str]:
   out.append([f"1M, fp8 KV, {r['layers']} of 32 layers", f"{_s(r['prefill_s'])} s ({r['prefill_tflops']:.0f} TF/s)",
               "not run", f"{_sig3(r['decode_ms_per_token'])} ms/tok", "-",
               f"{r['peak_gib']:.1f} GiB (+{_over(r)}; planned {r['planned_gib']:.1f})", "-", "not run"])
-  (r,) = _rows("longctx-fp8prefill-1m-h200.json")
+  r = _one(rows, impl="lcjax-fp8 (fp8 KV, float8_e4m3fn attention)", S=1 << 20)
   out.append(["1M, fp8 KV + `float8_e4m3fn` attention, 32 layers ¹",
               f"{_s(r['prefill_s'])} s ({r['prefill_tflops']:.0f} TF/s)", "not run‡",
               f"{_sig3(r['decode_ms_per_token'])} ms/tok", "-",
@@ -108,11 +120,11 @@ def longctx_8b_headline() -> list[str]:
                  "dense"], out)
 
 
-# FP8 weights: one row per (file, context).
-FP8W = [("fp8w-70b-h200.json", 32768, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
-        ("fp8w-70b-h200.json", 131072, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
-        ("fp8w-8b-h200.json", 131072, "Llama-3-8B shape, fp8 weights", "FP8"),
-        ("fp8w-8b-bf16w-h200.json", 131072, "Llama-3-8B shape, bf16 weights", "FP8")]
+# FP8 weights: one row per (part of fp8w.json, context).
+FP8W = [("fp8w-70b-h200", 32768, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
+        ("fp8w-70b-h200", 131072, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
+        ("fp8w-8b-h200", 131072, "Llama-3-8B shape, fp8 weights", "FP8"),
+        ("fp8w-8b-bf16w-h200", 131072, "Llama-3-8B shape, bf16 weights", "FP8")]
 
 
 def _fp8w_cells(r: dict) -> list[str]:
@@ -121,32 +133,32 @@ def _fp8w_cells(r: dict) -> list[str]:
 
 
 def fp8w() -> list[str]:
-  out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows(file), S=S)), f"`{file[:-5]}.md`"]
-         for file, S, model, attention in FP8W]
+  out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows("fp8w", part), S=S)), _file("fp8w", part)]
+         for part, S, model, attention in FP8W]
   return _table(["model", "attention", "context", "prefill", "decode", "peak / plan", "file"], out)
 
 
 def fp8w_70b_headline() -> list[str]:
-  r = _one(_rows("fp8w-70b-h200.json"), S=131072)
+  r = _one(_rows("fp8w", "fp8w-70b-h200"), S=131072)
   return _table(["model", "context", "prefill", "decode", "peak / planned"],
                 [["Llama-3.1-70B shape, fp8 weights, fp8 KV", _ctx(r["S"]), *_fp8w_cells(r)]])
 
 
-# Context cache: one file per row, each with one row.
-CONTEXT = ["context-h200-128k.json", "context-h200-512k-fp8.json"]
+# Context cache: one part of context.json per row, each with one row.
+CONTEXT = ["context-h200-128k", "context-h200-512k-fp8"]
 CACHE_DTYPE = {"bfloat16": "bf16 KV", "float8_e4m3fn": "fp8 KV"}
 
 
 def context_cache() -> list[str]:
   out = []
-  for file in CONTEXT:
-    (r,) = _rows(file)
+  for part in CONTEXT:
+    (r,) = _rows("context", part)
     out.append([f"{_ctx(r['S'])}, {CACHE_DTYPE[r['cache_dtype']]} ({r['kv_gb']:.1f} GB)", f"{r['prefill_s']:.2f} s",
                 f"{r['ttft_s']:.3f} s ({r['speedup']:.0f}x)",
                 f"{r['restore_host_s']:.2f} s, {r['restore_host_gbs']:.1f} GB/s "
                 f"({100 * r['restore_host_vs_floor']:.0f}% of {r['h2d_floor_gbs']:.1f})",
                 f"{r['restore_disk_s']:.1f} s, {r['restore_disk_gbs']:.2f} GB/s "
-                f"({100 * r['restore_disk_vs_floor']:.0f}% of {r['disk_floor_gbs']:.2f})", f"`{file[:-5]}.md`"])
+                f"({100 * r['restore_disk_vs_floor']:.0f}% of {r['disk_floor_gbs']:.2f})", _file("context", part)])
   return _table(["context", "cold prefill", "time to first token, cached", "restore from host (vs floor)",
                  "restore from disk (vs floor)", "file"], out)
 

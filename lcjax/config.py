@@ -282,7 +282,7 @@ class RunConfig:
   stream_decode_steps: int = 8       # decode tokens per device call of generate_stream, i.e. the most tokens one
                                      # yield carries (0: decode_steps; 1: every token as soon as it is sampled).
                                      # Llama-3-8B on an H200: 8 costs 1.08-1.11x the ms/token of 64, 1 costs
-                                     # 1.58-1.85x (benchmarks/results/stream-h200.md)
+                                     # 1.58-1.85x (benchmarks/results/stream.md)
   decode_sync_every: int = 1         # decode steps between host checks for EOS: N > 1 saves a device-to-host
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).

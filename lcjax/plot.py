@@ -1,13 +1,14 @@
 """Figures of memory, prefill time and decode time against context length.
 
     from lcjax import plot
-    plot.overview("benchmarks/results/longctx-h200.json")          # memory, prefill and decode side by side
-    fig = plot.memory_figure("benchmarks/results/longctx-h200.json")
+    plot.overview("benchmarks/results/longctx.json")               # memory, prefill and decode side by side
+    fig = plot.memory_figure("benchmarks/results/longctx.json")
     plot.prefill_figure([engine.generate(p, max_new_tokens=8) for p in prompts], label="my run")
     plot.save_figures(result, "out/longctx")                       # out/longctx-memory.png, -prefill.png
 
-A source is a benchmark result (a JSON file written by tools/bench_longctx.py or benchmarks/merge_longctx.py, or
-the same object as a dict: {"device": ..., "rows": [...]}), a list of its rows ({"impl", "S", "prefill_s",
+A source is a benchmark result (a JSON file written by tools/bench_longctx.py, a topic file of
+benchmarks/merge_results.py that has combined rows, one of a topic file's `parts`, or the same object as a dict:
+{"device": ..., "rows": [...]}), a list of its rows ({"impl", "S", "prefill_s",
 "decode_ms_per_token", "peak_gib", ...}), or a list of `GenerationResult`s (or their `stats` dicts as a
 `{"stats": ...}` mapping), whose context is the prompt's tokens, cached ones included (its prefill time covers
 the tokens it prefilled: `stats["prefill_tokens"]`), and whose memory is the peak device memory (none on a CPU).
@@ -104,6 +105,10 @@ def load(source, *, label: str = "lcjax") -> Results:
     except json.JSONDecodeError as e:
       raise ValueError(f"{name} is not JSON: {e}") from None
   if isinstance(source, dict):
+    if not isinstance(source.get("rows"), list) and isinstance(source.get("parts"), list):
+      names = [p.get("name") for p in source["parts"] if isinstance(p, dict)]
+      raise ValueError(f"{name} is a topic file without combined rows: draw one of its parts (its 'parts' list: "
+                       f"{names})")
     if not isinstance(source.get("rows"), list):
       raise ValueError(f"{name} has no 'rows' list (a benchmark result is {{'device': ..., 'rows': [{{'impl', "
                        f"'S', ...}}]}}; it has {sorted(source)[:8]})")

@@ -18,8 +18,14 @@ from lcjax import plot  # noqa: E402
 from lcjax.engine.engine import GenerationResult  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LONGCTX = os.path.join(REPO, "benchmarks", "results", "longctx-h200.json")
-MULTI = os.path.join(REPO, "benchmarks", "results", "8xh200-predicted.json")
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+LONGCTX = os.path.join(RESULTS, "longctx.json")        # a topic file with combined rows
+
+
+def _part(topic: str, name: str) -> dict:
+  """One part of a committed topic file (benchmarks/merge_results.py): a result dict with its own rows."""
+  (part,) = [p for p in json.load(open(os.path.join(RESULTS, f"{topic}.json")))["parts"] if p["name"] == name]
+  return part
 
 
 def _lines(fig) -> dict:
@@ -52,7 +58,8 @@ def test_figures_plot_the_committed_h200_rows(kind, key):
   fig = getattr(plot, f"{kind}_figure")(LONGCTX, ax=_new_ax())
   lines = _lines(fig)
   want = _expected(res["rows"], key)
-  assert {"lcjax", "hf", "dense", "lcjax-fp8kv (predicted)"} <= set(want)
+  assert {"lcjax", "hf", "dense", "lcjax-fp8kv (8 of 32 layers)", "lcjax-fp8 (fp8 KV, float8_e4m3fn attention)"} \
+    <= set(want)
   for impl, pts in want.items():
     assert lines[impl] == pts, impl
   # dense ran out of memory from 32K: a vertical line there, no point.
@@ -60,7 +67,7 @@ def test_figures_plot_the_committed_h200_rows(kind, key):
   assert all(s != 32768 for s, _ in lines["dense"])
   ax = fig.axes[0]
   assert ax.get_xscale() == "log" and ax.get_title() == "llama3-8b, NVIDIA H200"
-  # Times spanning decades (0.22 s to 537 s of prefill) get a log scale; memory stays linear.
+  # Times spanning decades (0.22 s to 396 s of prefill) get a log scale; memory stays linear.
   assert ax.get_yscale() == ("linear" if kind == "memory" else "log")
   if kind == "memory":
     assert lines["lcjax planned"] == [(r["S"], r["planned_gib"]) for r in res["rows"] if r["impl"] == "lcjax"]
@@ -74,12 +81,16 @@ def test_figures_plot_the_committed_h200_rows(kind, key):
 
 
 def test_rows_of_several_meshes_are_separate_lines():
-  res = json.load(open(MULTI))
-  lines = _lines(plot.prefill_figure(MULTI, ax=_new_ax()))
-  mesh = lambda t, s: sorted((r["S"], r["prefill_s"]) for r in res["rows"] if (r["tensor"], r["seq"]) == (t, s))
-  for t, s in ((2, 4), (4, 2), (8, 1)):
-    assert lines[f"lcjax (tensor={t}, seq={s})"] == mesh(t, s)
-  assert lines["lcjax"] == mesh(1, 1)
+  res = _part("multigpu", "8xh200-predicted")
+  for kind, key in (("prefill", "prefill_s"), ("memory", "peak_gib")):
+    lines = _lines(getattr(plot, f"{kind}_figure")(res, ax=_new_ax()))
+    # A predicted row without a measured peak is drawn at its planned memory.
+    value = lambda r: r[key] if r.get(key) is not None or not r.get("predicted") else r["planned_gib"]
+    mesh = lambda t, s: sorted((r["S"], value(r)) for r in res["rows"] if (r["tensor"], r["seq"]) == (t, s))
+    for t, s in ((2, 4), (4, 2), (8, 1)):
+      assert lines[f"lcjax (tensor={t}, seq={s})"] == mesh(t, s)
+    assert lines["lcjax"] == mesh(1, 1)
+  assert any(r.get("predicted") and r.get("peak_gib") is None for r in res["rows"])
 
 
 def _result(prompt_tokens, prefill_s, decode_ms, peak):
@@ -154,9 +165,12 @@ def test_bad_input_is_one_line_naming_what_is_missing(tmp_path):
   _one_line_error([dict(S=8, prefill_s=1.0)], "row 0 has no 'impl'", "prefill")
   _one_line_error([dict(impl="a", S="8K", prefill_s=1.0)], r"row 0: 'S' \(the context length\) is '8K'", "prefill")
   # A committed file of another benchmark (kernel timings: no prefill seconds, no peak memory).
-  attention = os.path.join(REPO, "benchmarks", "results", "attention-h200.json")
+  attention = _part("attention", "attention-h200")
   _one_line_error(attention, r"no row has 'prefill_s': nothing to draw the prefill figure", "prefill")
   _one_line_error(attention, r"no row has 'peak_gib' or 'planned_gib'", "memory")
+  # A topic file without combined rows: its parts are what can be drawn.
+  msg = _one_line_error(os.path.join(RESULTS, "attention.json"), "a topic file without combined rows", "prefill")
+  assert "'attention-h200'" in msg
   _one_line_error([_result(8, 1.0, 1.0, None).stats | {"prefill_s": 1.0}], "no 'impl'", "prefill")
   _one_line_error([{"stats": {"prefill_s": 1.0}}], "the stats have no 'prompt_tokens'", "prefill")
   _one_line_error([], "nothing to draw", "prefill")

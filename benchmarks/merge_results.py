@@ -175,8 +175,9 @@ def _longctx_goals(rows: list[dict]) -> list[dict]:
 
 def longctx_view(parts: list[dict]) -> dict:
   """The sweep's rows from LONGCTX_VIEW's parts, as measured (planned GiB: the planner of the part's own run)."""
-  sys.path.insert(0, REPO)
-  from tools.bench_longctx import IMPLIED_OOM, markdown   # noqa: E402  (lcjax and jax only where this view runs)
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+  from tools.benchlib import IMPLIED_OOM, longctx_markdown as markdown   # noqa: E402
   by_name = {p["name"]: p for p in parts}
   missing = [name for name, *_ in LONGCTX_VIEW if name not in by_name]
   if missing:

@@ -1,9 +1,9 @@
 """README.md and docs/: a short README, links that resolve, result files that exist, no lab history.
 
 Every relative link of README.md and docs/*.md names a file of the repository and, with `#anchor`, one of its
-headings (GitHub's anchor rule); every benchmark result file they name (`benchmarks/results/...` or a bare
-`name-h200.md`, with `{a,b}` and `*` patterns) exists; history ("previous kernel", "session 3", "other run")
-belongs in benchmarks/NOTES-*.md."""
+headings (GitHub's anchor rule); every benchmark result file they name (`benchmarks/results/...`, a bare topic
+file `exact.md` or a bare `name-h200.md`, with `{a,b}` and `*` patterns) exists; history ("previous kernel",
+"session 3", "other run") belongs in benchmarks/NOTES-*.md."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,13 +54,23 @@ def test_links_resolve():
   assert not bad, "\n".join(bad)
 
 
+def _load(name: str, path: pathlib.Path):
+  """A module of benchmarks/, loaded from its path (benchmarks/ is not a package)."""
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
 def test_named_result_files_exist():
   names = set(p.name for p in RESULTS.iterdir())
+  topics = _load("lcjax_bench_merge_results", REPO / "benchmarks" / "merge_results.py").TOPICS
   bad = []
   for page in PAGES:
     for prefix, ref in re.findall(r"(?<![\w/{},*.-])(benchmarks/results/)?([\w{},*.-]+\.(?:md|json|png|txt))\b",
                                   page.read_text()):
-      if not prefix and not re.search(r"h200|-cpu|fp8-quality|predicted", ref):
+      if not prefix and ref.rsplit(".", 1)[0] not in topics and not re.search(r"h200|-cpu|fp8-quality|predicted",
+                                                                                ref):
         continue                     # a bare name that is not a result file's (README.md, NOTES-fp8.md, ...)
       for name in _expand(ref):
         if not any(pathlib.PurePath(n).match(name) for n in names):
@@ -76,11 +86,7 @@ def test_no_lab_history_in_the_guide():
 
 
 def _tables():
-  """benchmarks/tables.py, loaded from its path (benchmarks/ is not a package)."""
-  spec = importlib.util.spec_from_file_location("lcjax_bench_tables", REPO / "benchmarks" / "tables.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return _load("lcjax_bench_tables", REPO / "benchmarks" / "tables.py")
 
 
 def test_tables_match_their_json():

@@ -37,6 +37,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lcjax.engine import plan as planlib  # noqa: E402
 from tools import benchlib  # noqa: E402
+from tools.benchlib import IMPLIED_OOM, longctx_markdown as markdown  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
@@ -104,9 +105,6 @@ def _limit(impl: str) -> int:
     if name == impl:
       return int(value)
   return 1 << 62
-
-
-IMPLIED_OOM = "not run: a shorter context ran out of memory"
 
 
 def _skip(impl: str, S: int, failed: bool, last) -> bool:
@@ -224,20 +222,6 @@ def worker_hf():
 
 
 # -- orchestration ------------------------------------------------------------------------------------------
-
-def markdown(rows) -> str:
-  lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
-           "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    def f(k, fmt):
-      return fmt.format(r[k]) if r.get(k) is not None else "-"
-    note = (("OOM (implied)" if r.get("skipped") else "OOM") if r.get("oom") else
-            (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60]))
-    lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
-                 f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | {f('peak_gib', '{:.1f}')} | "
-                 f"{f('planned_gib', '{:.1f}')} | {note} |")
-  return "\n".join(lines)
-
 
 def orchestrate():
   importlib.import_module("lcjax.plot")   # needs matplotlib: refuse before any worker runs, not after

@@ -1,6 +1,6 @@
 """What every benchmark shares: the device and versions it records beside its rows, the worker subprocess that
-measures rows in a process of its own (so its peak memory is its own) and how it reports them, and the writer of
-the JSON + markdown result files."""
+measures rows in a process of its own (so its peak memory is its own) and how it reports them, the writer of the
+JSON + markdown result files, and the long-context table (tools/bench_longctx.py's, benchmarks/merge_results.py's)."""
 from __future__ import annotations
 
 import json
@@ -166,3 +166,23 @@ def variant(entry: str) -> dict:
     set_by[field] = extra
     fields[field] = value
   return fields
+
+
+# A long-context row (tools/bench_longctx.py) not run because a shorter context of its implementation ran out
+# of memory.
+IMPLIED_OOM = "not run: a shorter context ran out of memory"
+
+
+def longctx_markdown(rows) -> str:
+  """The table of tools/bench_longctx.py's rows (and of the combined rows of benchmarks/merge_results.py)."""
+  lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    def f(k, fmt):
+      return fmt.format(r[k]) if r.get(k) is not None else "-"
+    note = (("OOM (implied)" if r.get("skipped") else "OOM") if r.get("oom") else
+            (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60]))
+    lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
+                 f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | "
+                 f"{f('peak_gib', '{:.1f}')} | {f('planned_gib', '{:.1f}')} | {note} |")
+  return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""benchmarks/merge_results.py and benchmarks/results: parts merge into one topic file with every part's JSON and
+table kept; bad parts are one line naming them and write nothing; each committed topic file is what the merger
+makes of its own parts; every file under benchmarks/results is one that reproduce_h200.sh's header names."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import pathlib
+import re
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SCRIPT = REPO / "benchmarks" / "reproduce_h200.sh"
+
+
+def _merger():
+  """benchmarks/merge_results.py, loaded from its path (benchmarks/ is not a package)."""
+  spec = importlib.util.spec_from_file_location("lcjax_bench_merge_results", REPO / "benchmarks" / "merge_results.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _write_part(folder: pathlib.Path, name: str, d: dict, md: str | None = None) -> pathlib.Path:
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / f"{name}.json").write_text(json.dumps(d))
+  (folder / f"{name}.md").write_text(md if md is not None else f"# {name}\n\ncommand: `{d.get('command')}`\n")
+  return folder / f"{name}.json"
+
+
+BENCH = dict(command="bench_x.py --n=2 --name=b-part", device="GPU X", versions={"jax": "0"}, source="abc123",
+             date="2026-01-02", rows=[dict(impl="lcjax", S=8, ms=1.5), dict(impl="peer", S=8, ms=2.25)])
+PROBE = dict(command="probe.py --name=a-part", rows=[dict(op="gemv", tb_per_s=3.1)], extra={"k": [1, 2]})
+B_MD = ("# b-part\n\ndevice: GPU X\n\ncommand: `bench_x.py --n=2 --name=b-part`\n\n### detail\n\n"
+        "| impl | S | ms |\n|---|---|---|\n| lcjax | 8 | 1.5 |\n| peer | 8 | 2.25 |\n")
+A_MD = "# a-part\n\n| op | TB/s |\n|---|---|\n| gemv | 3.1 |\n"
+
+
+def test_parts_merge_into_one_topic_with_every_row_kept(tmp_path):
+  m = _merger()
+  _write_part(tmp_path / "parts", "b-part", BENCH, B_MD)
+  _write_part(tmp_path / "parts", "a-part", PROBE, A_MD)
+  assert m.main(["stream", str(tmp_path / "out"), str(tmp_path / "parts")]) == 0
+  topic = json.loads((tmp_path / "out" / "stream.json").read_text())
+  assert topic["topic"] == "stream" and topic["title"] == m.TOPICS["stream"]
+  a, b = topic["parts"]                               # in name order
+  assert a["name"] == "a-part" and b["name"] == "b-part"
+  # Each part is its own JSON, every key and row as written, with its name and commit beside them.
+  assert {k: b[k] for k in BENCH} == BENCH and b["commit"] == "abc123"
+  assert {k: a[k] for k in PROBE} == PROBE and a["commit"] is None and a["device"] is None
+  assert list(b)[:5] == ["name", "command", "device", "versions", "commit"]
+  md = (tmp_path / "out" / "stream.md").read_text()
+  assert md.startswith(f"# stream: {m.TOPICS['stream']}\n")
+  # Each part's table under a heading of its name; its command first (from its JSON where its markdown has none).
+  a_at, b_at = md.index("\n## a-part\n"), md.index("\n## b-part\n")
+  assert a_at < md.index("command: `probe.py --name=a-part`") < md.index("| gemv | 3.1 |") < b_at
+  assert md.index("command: `bench_x.py --n=2 --name=b-part`", b_at) < md.index("| peer | 8 | 2.25 |", b_at)
+  assert "\n#### detail\n" in md and "\n# b-part" not in md          # its own headings one level down
+  for line in (A_MD + B_MD).splitlines():
+    if line.startswith("|"):
+      assert line in md
+  # Files are named as parts too.
+  assert m.main(["stream", str(tmp_path / "out2"), str(tmp_path / "parts" / "b-part.json")]) == 0
+  assert [p["name"] for p in json.loads((tmp_path / "out2" / "stream.json").read_text())["parts"]] == ["b-part"]
+
+
+def _one_line_error(m, argv, match, out):
+  with pytest.raises(SystemExit) as e:
+    m.main(argv)
+  msg = str(e.value)
+  assert re.search(match, msg) and "\n" not in msg and msg.startswith("merge_results: "), msg
+  assert not out.exists() or not list(out.iterdir()), "a failed merge wrote files"
+  return msg
+
+
+def test_bad_parts_are_one_line_and_write_nothing(tmp_path):
+  m = _merger()
+  out = tmp_path / "out"
+  good = _write_part(tmp_path / "p1", "b-part", BENCH, B_MD)
+  no_cmd = _write_part(tmp_path / "p2", "c-part", {k: v for k, v in BENCH.items() if k != "command"})
+  msg = _one_line_error(m, ["stream", str(out), str(good), str(no_cmd)], r"c-part\.json has no 'command'", out)
+  assert "'rows'" in msg                               # the keys it has
+  twin = _write_part(tmp_path / "p3", "b-part", PROBE, A_MD)
+  msg = _one_line_error(m, ["stream", str(out), str(tmp_path / "p1"), str(twin)], r"two parts named 'b-part'", out)
+  assert str(good) in msg and str(twin) in msg
+  no_md = _write_part(tmp_path / "p4", "d-part", PROBE)
+  no_md.with_suffix(".md").unlink()
+  _one_line_error(m, ["stream", str(out), str(no_md)], r"d-part\.json has no markdown beside it", out)
+  named = _write_part(tmp_path / "p5", "e-part", dict(PROBE, name="other"))
+  _one_line_error(m, ["stream", str(out), str(named)], r"e-part\.json has its own 'name' \('other'\)", out)
+  listed = tmp_path / "p6" / "f-part.json"
+  listed.parent.mkdir()
+  listed.write_text("[1, 2]")
+  _one_line_error(m, ["stream", str(out), str(listed)], r"f-part\.json holds a list", out)
+  _one_line_error(m, ["nosuch", str(out), str(good)], r"unknown topic 'nosuch'; known: attention, longctx", out)
+  (tmp_path / "empty").mkdir()
+  _one_line_error(m, ["stream", str(out), str(tmp_path / "empty")], r"no part files", out)
+  # The long-context topic's combined table needs its parts.
+  _one_line_error(m, ["longctx", str(out), str(good)], r"topic longctx: its table needs the parts \['longctx-h200-w'",
+                  out)
+
+
+def _topics() -> dict[str, dict]:
+  out = {}
+  for path in sorted(RESULTS.glob("*.json")):
+    d = json.loads(path.read_text())
+    assert "topic" in d and "parts" in d, f"{path.name} is not a topic file of benchmarks/merge_results.py"
+    assert path.stem == d["topic"], f"{path.name} holds topic {d['topic']!r}"
+    out[d["topic"]] = d
+  return out
+
+
+def test_each_committed_topic_file_is_the_merge_of_its_parts(tmp_path):
+  """The parts of every committed topic file, written back out and merged again, give the same JSON: no row or
+  combined figure of a topic file was edited by hand (and the long-context view is computed as committed)."""
+  m = _merger()
+  topics = _topics()
+  assert set(topics) == set(m.TOPICS)
+  for name, committed in topics.items():
+    folder = tmp_path / name
+    for p in committed["parts"]:
+      _write_part(folder, p["name"], {k: v for k, v in p.items() if k not in ("name", "commit")})
+    result, markdown, _ = m.merge(name, [str(folder)])
+    assert result == committed, f"{name}.json differs from the merge of its own parts"
+    text = (RESULTS / f"{name}.md").read_text()
+    assert [ln for ln in text.splitlines() if ln.startswith("- `")] == \
+      [ln for ln in markdown.splitlines() if ln.startswith("- `")], f"{name}.md lists other parts than its JSON"
+
+
+def _expand(token: str) -> list[str]:
+  """`a-{x,y}.{json,md}` -> [a-x.json, a-x.md, a-y.json, a-y.md]."""
+  parts = re.split(r"\{([^}]*)\}", token)
+  return ["".join(c) for c in itertools.product(*[[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)])]
+
+
+def test_every_result_file_is_named_by_the_reproduce_script():
+  """An orphan (a file under benchmarks/results that no step of reproduce_h200.sh writes or names) fails, and so
+  does a topic part the header does not list."""
+  lines = SCRIPT.read_text().splitlines()
+  header = "\n".join(ln for ln in itertools.takewhile(lambda ln: ln.startswith("#"), lines))
+  named = {w.strip(",.:;") for tok in re.findall(r"[\w.{},-]+", header) for w in _expand(tok)}
+  files = sorted(p.name for p in RESULTS.rglob("*") if p.is_file())
+  orphans = [f for f in files if f not in named]
+  assert not orphans, f"files under benchmarks/results that reproduce_h200.sh's header does not name: {orphans}"
+  unlisted = [f"{t}: {p['name']}" for t, d in _topics().items() for p in d["parts"] if p["name"] not in named]
+  assert not unlisted, f"topic parts reproduce_h200.sh's header does not list: {unlisted}"
+  (steps,) = re.findall(r"^all=\(([^)]*)\)", SCRIPT.read_text(), flags=re.M)
+  assert set(steps.split()) - {"tables"} == set(_merger().TOPICS), "one step per topic of merge_results.TOPICS"

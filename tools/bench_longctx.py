@@ -37,7 +37,6 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lcjax.engine import plan as planlib  # noqa: E402
 from tools import benchlib  # noqa: E402
-from tools.benchlib import IMPLIED_OOM, longctx_markdown as markdown  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3-8b", "model preset (random weights made on the device)")
@@ -113,7 +112,7 @@ def _skip(impl: str, S: int, failed: bool, last) -> bool:
   if not (failed or _too_late(S, last) or S > _limit(impl)):
     return False
   benchlib.emit_row(impl=impl, S=S, oom=failed,
-                    skipped=IMPLIED_OOM if failed else "limit" if S > _limit(impl) else "time budget")
+                    skipped=benchlib.IMPLIED_OOM if failed else "limit" if S > _limit(impl) else "time budget")
   return True
 
 
@@ -250,7 +249,7 @@ def orchestrate():
 
 def write_results(rows):
   rows = sorted(rows, key=lambda r: (r["impl"], r["S"]))
-  table = markdown(rows)
+  table = benchlib.longctx_markdown(rows)
   result = benchlib.write_result(
       FLAGS.out, FLAGS.name, rows, table,
       model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype, decode_steps=FLAGS.decode_steps,

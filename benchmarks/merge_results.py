@@ -177,7 +177,7 @@ def longctx_view(parts: list[dict]) -> dict:
   """The sweep's rows from LONGCTX_VIEW's parts, as measured (planned GiB: the planner of the part's own run)."""
   if REPO not in sys.path:
     sys.path.insert(0, REPO)
-  from tools.benchlib import IMPLIED_OOM, longctx_markdown as markdown   # noqa: E402
+  from tools.benchlib import IMPLIED_OOM, cell, longctx_markdown as markdown   # noqa: E402
   by_name = {p["name"]: p for p in parts}
   missing = [name for name, *_ in LONGCTX_VIEW if name not in by_name]
   if missing:
@@ -209,7 +209,6 @@ def longctx_view(parts: list[dict]) -> dict:
   fields = dict(device=first["device"], versions=first["versions"],
                 model=dict(preset="llama3-8b", dtype="bfloat16", weights="random", batch=1, page_size=64),
                 rows=rows, goals=goals)
-  fmt = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)
   md = ["## The sweep", "",
         "The rows of the parts named in `part` (lcjax with HF measured in the same part; the dense baseline's from "
         "longctx-h200-j); planned GiB: the memory planner of that part's run. `longctx.json` holds them as `rows`; "
@@ -219,10 +218,10 @@ def longctx_view(parts: list[dict]) -> dict:
         "overhead GiB (goal) |", "|---|---|---|---|---|---|---|---|"]
   for q in goals:
     md.append(f"| {q['impl']} | {q['S']:,} | {q['part']} | "
-              f"{fmt(q['prefill_over_hf'])} ({fmt(q['goal_prefill_over_hf'])}) | "
-              f"{fmt(q['decode_ms'], '{:.2f}')} ({fmt(q['goal_decode_ms'], '{:.0f}')}) | "
-              f"{fmt(q['decode_over_hf'])} | {fmt(q['peak_over_hf'])} | "
-              f"{fmt(q['overhead_gib'], '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
+              f"{cell(q, 'prefill_over_hf', '{:.2f}')} ({cell(q, 'goal_prefill_over_hf', '{:.2f}')}) | "
+              f"{cell(q, 'decode_ms', '{:.2f}')} ({cell(q, 'goal_decode_ms', '{:.0f}')}) | "
+              f"{cell(q, 'decode_over_hf', '{:.2f}')} | {cell(q, 'peak_over_hf', '{:.2f}')} | "
+              f"{cell(q, 'overhead_gib', '{:.1f}')} ({q['goal_overhead_gib']:.0f}) |")
   return dict(fields=fields, markdown=md, plot=_longctx_plots)
 
 

@@ -233,16 +233,15 @@ def markdown(rows) -> str:
   lines = ["| mesh (T x S) | S | batch | prefill s | TFLOP/s | decode ms/tok | peak GiB | planned GiB | note |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    def f(k, fmt):
-      return fmt.format(r[k]) if r.get(k) is not None else "-"
     note = ("PREDICTED" if r.get("predicted") else "OOM" if r.get("oom") else
             f"{r['kind']}, efficiency {r['efficiency']:.0%}"
             + (f", plain/zigzag time {r['zigzag_gain']:.2f}x" if r.get("zigzag_gain") else "")
             if r.get("efficiency") is not None else
             (r.get("error") or "")[:60])
-    lines.append(f"| {r['tensor']} x {r['seq']} | {r['S']:,} | {r['batch']} | {f('prefill_s', '{:.2f}')} | "
-                 f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.2f}')} | "
-                 f"{f('peak_gib', '{:.1f}')} | {f('planned_gib', '{:.1f}')} | {note} |")
+    cell = benchlib.cell
+    lines.append(f"| {r['tensor']} x {r['seq']} | {r['S']:,} | {r['batch']} | {cell(r, 'prefill_s', '{:.2f}')} | "
+                 f"{cell(r, 'prefill_tflops', '{:.0f}')} | {cell(r, 'decode_ms_per_token', '{:.2f}')} | "
+                 f"{cell(r, 'peak_gib', '{:.1f}')} | {cell(r, 'planned_gib', '{:.1f}')} | {note} |")
   return "\n".join(lines)
 
 

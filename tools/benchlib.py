@@ -173,16 +173,20 @@ def variant(entry: str) -> dict:
 IMPLIED_OOM = "not run: a shorter context ran out of memory"
 
 
+def cell(row: dict, key: str, spec: str) -> str:
+  """A table cell: row[key] formatted by `spec`, "-" where the row has no value."""
+  return spec.format(row[key]) if row.get(key) is not None else "-"
+
+
 def longctx_markdown(rows) -> str:
   """The table of tools/bench_longctx.py's rows (and of the combined rows of benchmarks/merge_results.py)."""
   lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    def f(k, fmt):
-      return fmt.format(r[k]) if r.get(k) is not None else "-"
     note = (("OOM (implied)" if r.get("skipped") else "OOM") if r.get("oom") else
             (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60]))
-    lines.append(f"| {r['impl']} | {r['S']:,} | {f('prefill_s', '{:.2f}')} | {f('prefill_tok_s', '{:,.0f}')} | "
-                 f"{f('prefill_tflops', '{:.0f}')} | {f('decode_ms_per_token', '{:.1f}')} | "
-                 f"{f('peak_gib', '{:.1f}')} | {f('planned_gib', '{:.1f}')} | {note} |")
+    lines.append(f"| {r['impl']} | {r['S']:,} | {cell(r, 'prefill_s', '{:.2f}')} | "
+                 f"{cell(r, 'prefill_tok_s', '{:,.0f}')} | {cell(r, 'prefill_tflops', '{:.0f}')} | "
+                 f"{cell(r, 'decode_ms_per_token', '{:.1f}')} | {cell(r, 'peak_gib', '{:.1f}')} | "
+                 f"{cell(r, 'planned_gib', '{:.1f}')} | {note} |")
   return "\n".join(lines)

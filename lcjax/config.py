@@ -221,6 +221,8 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
 ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": "int8"}
 # RunConfig.weight_dtype: "bfloat16" names the run's dtype (float32 on CPUs), i.e. unquantized weights.
 WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
+# RunConfig.linear_kernel: what multiplies fp8 weights in decode-sized calls (lcjax.engine.placement.decode_linear).
+LINEAR_KERNELS = ("auto", "xla", "pallas", "pallas-interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +274,10 @@ class RunConfig:
                                      # "float8_e4m3fn" (a checkpoint in dtype is quantized at load, one scale per
                                      # output channel; lcjax.ops.linear). Embeddings, norms and the LM head stay
                                      # in dtype
+  linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (pallas on one GPU,
+                                     # else xla), "pallas" (lcjax.ops.fp8_gemv: reads the stacked fp8 weights in
+                                     # place, one byte a weight), "xla" (widened to dtype by XLA, a bf16 copy of
+                                     # each layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)
@@ -310,6 +316,8 @@ class RunConfig:
                         "float8_e4m3fn")
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise ConfigError(f"weight_dtype={self.weight_dtype!r} must be one of {', '.join(WEIGHT_DTYPES)}")
+    if self.linear_kernel not in LINEAR_KERNELS:
+      raise ConfigError(f"linear_kernel={self.linear_kernel!r} must be one of {', '.join(LINEAR_KERNELS)}")
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import resource
 import time
 from typing import Iterator, Sequence
@@ -35,6 +36,8 @@ from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
 
@@ -118,6 +121,9 @@ class Engine:
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
     self.weights = weight_format(params).for_run(self.run.weight_dtype)
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
+    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh, jax.default_backend())
+    if self.weights.fp8 and self.decode_linear == "xla":
+      _log.info("decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention, self.weights)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
@@ -176,7 +182,9 @@ class Engine:
     if not self.weights.fp8:
       return self.run.dtype
     acts = "static" if self.weights.static_inputs else "per-token"
-    return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else fp8 widened to {self.run.dtype}"
+    small = {"xla": f"fp8 widened to {self.run.dtype} by XLA", "pallas": "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)",
+             "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[self.decode_linear]
+    return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else {small}"
 
   def close(self) -> None:
     """Free the engine's device memory (weights, cache, contexts); later calls are refused."""

@@ -73,13 +73,42 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
   return serving, rep
 
 
+def decode_linear(run: RunConfig, weights: WeightFormat, mesh, platform: str) -> tuple[str, str]:
+  """(Llama's decode_linear for RunConfig.linear_kernel, why): what multiplies fp8 weights in decode-sized
+  calls. A kernel asked for by name that cannot serve raises ConfigError; "auto" says why it took "xla"."""
+  ask = run.linear_kernel
+  named = ask in ("pallas", "pallas-interpret")
+  if not weights.fp8:
+    if named:
+      raise ConfigError(f"linear_kernel={ask!r} multiplies fp8 weights, and these are {run.dtype} "
+                        f"(weight_dtype={run.weight_dtype!r})")
+    return "xla", "the weights are not fp8"
+  if mesh is not None and mesh.size > 1:
+    why = f"the fp8 GEMV kernel runs on one device, not a mesh of {dict(mesh.shape)}"
+    if named:
+      raise ConfigError(f"linear_kernel={ask!r}: {why}")
+    return "xla", why
+  gpu = platform in ("gpu", "cuda")
+  if ask == "pallas" and not gpu:
+    raise ConfigError(f"linear_kernel='pallas' needs a CUDA GPU, not {platform!r} ('pallas-interpret' runs it in "
+                      "the Pallas interpreter)")
+  if ask == "auto":
+    return ("pallas", "linear_kernel='auto' on a GPU") if gpu else (
+        "xla", f"linear_kernel='auto' on {platform!r}: the fp8 GEMV kernel needs a CUDA GPU")
+  return ask, f"linear_kernel={ask!r}"
+
+
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
                   weights: WeightFormat = WeightFormat()) -> Llama:
-  """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh and sp_mode."""
+  """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode and the kernel of
+  decode-sized fp8 products."""
   serving, _ = serving_config(model_cfg, run)
-  run = run.for_platform(jax.default_backend())
+  platform = jax.default_backend()
+  run = run.for_platform(platform)
+  mesh = mesh if mesh is not None and mesh.size > 1 else None
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               weights=weights, rngs=rngs or nnx.Rngs(0))
+               weights=weights, decode_linear=decode_linear(run, weights, mesh, platform)[0],
+               rngs=rngs or nnx.Rngs(0))
 
 
 def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None,

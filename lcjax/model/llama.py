@@ -48,7 +48,8 @@ from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
-from lcjax.ops.linear import dense, dequantize_weight, kmajor_axes, quantize_weight
+from lcjax.ops.fp8_gemv import gemv_stacked
+from lcjax.ops.linear import WIDEN_MAX_ROWS, dense, dequantize_weight, kmajor_axes, quantize_weight
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax.sharding import SEQ, TENSOR, constrain
@@ -99,11 +100,14 @@ def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights
     setattr(module, name + "_in_scale", nnx.Param(jnp.ones((*lead, 1), jnp.float32), axes=(*laxes[:len(lead)], None)))
 
 
-def _apply(module, name, x, spec):
-  """einsum(spec, x, weight `name`) for a weight set by `_linear`."""
+def _apply(module, name, x, spec, gemv=None):
+  """einsum(spec, x, weight `name`) for a weight set by `_linear`. gemv: for fp8 weights held whole by the layer
+  scan (stacked [L, ...]), the product of this layer's slice (`Llama._gemv`)."""
   w = getattr(module, name)[...]
   if not hasattr(module, name + "_scale"):
     return jnp.einsum(spec, x, w)
+  if gemv is not None:
+    return gemv(x, w, getattr(module, name + "_scale")[...], spec)
   in_scale = getattr(module, name + "_in_scale", None)
   return dense(x, w, getattr(module, name + "_scale")[...], spec,
                in_scale=None if in_scale is None else in_scale[...])
@@ -142,17 +146,17 @@ class Attention(nnx.Module):
     _linear(self, "wo", rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers,
             self.OUT, weights)
 
-  def qkv(self, x, rope):
+  def qkv(self, x, rope, gemv=None):
     """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
     B, T, _ = x.shape
-    qkv = _apply(self, "wqkv", x, self.QKV)                    # [B, T, K, G + 2, H]
+    qkv = _apply(self, "wqkv", x, self.QKV, gemv)              # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
-  def out(self, o):
-    return _apply(self, "wo", o, self.OUT)
+  def out(self, o, gemv=None):
+    return _apply(self, "wo", o, self.OUT, gemv)
 
 
 class MLP(nnx.Module):
@@ -166,9 +170,9 @@ class MLP(nnx.Module):
             weights)
     _linear(self, "w_down", rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers, self.DOWN, weights)
 
-  def __call__(self, x):
-    gu = _apply(self, "w_gate_up", x, self.GATE_UP)            # [B, T, 2, F]
-    return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN)
+  def __call__(self, x, gemv=None):
+    gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv)      # [B, T, 2, F]
+    return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN, gemv)
 
 
 class Block(nnx.Module):
@@ -211,6 +215,10 @@ def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -
 # The linear layers' weights (checkpoint names) and the einsum each is the second operand of.
 LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "layers/mlp/w_gate_up": MLP.GATE_UP,
           "layers/mlp/w_down": MLP.DOWN}
+# The fp8 weights and scales a decode-sized call's layer scan holds whole for the GEMV kernel (Llama._gemv).
+_HELD = frozenset(n.split("/")[-1] + sfx for n in LINEAR for sfx in ("", "_scale"))
+# Llama(decode_linear=...): the product decode-sized calls over fp8 weights run.
+DECODE_LINEAR = ("xla", "pallas", "pallas-interpret")
 
 
 def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
@@ -283,11 +291,20 @@ def repeat_kv_heads(params, rep: int):
 
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
-               sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), rngs: nnx.Rngs):
+               sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), decode_linear: str = "xla",
+               rngs: nnx.Rngs):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
-    are the same draw as in the parameter dtype, quantized."""
+    are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
+    of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
+    layer's slice), "pallas" (lcjax.ops.fp8_gemv's kernel on the stacked weights; one device) or
+    "pallas-interpret" (that kernel in the Pallas interpreter, for CPUs)."""
+    if decode_linear not in DECODE_LINEAR:
+      raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
+    if decode_linear != "xla" and mesh is not None and mesh.size > 1:
+      raise ValueError(f"{decode_linear=} runs on one device, not a mesh of {dict(mesh.shape)}")
     self.cfg = cfg
     self.weights = weights
+    self.decode_linear = decode_linear
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
@@ -410,13 +427,30 @@ class Llama(nnx.Module):
   def _constrain(self, x, axes):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
 
-  def _layer(self, block: Block, x, step: CallContext, cache_l):
+  def _layer(self, block: Block, x, step: CallContext, cache_l, gemv=None):
     h = block.attn_norm(x)
-    q, k, v = block.attn.qkv(h, step.rope)
+    q, k, v = block.attn.qkv(h, step.rope, gemv)
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
-    x = self._constrain(x + block.attn.out(o), self._x_axes(step))
-    x = self._constrain(x + block.mlp(block.mlp_norm(x)), self._x_axes(step))
+    x = self._constrain(x + block.attn.out(o, gemv), self._x_axes(step))
+    x = self._constrain(x + block.mlp(block.mlp_norm(x), gemv), self._x_axes(step))
     return x, new_cache_l
+
+  def holds_weights(self, rows: int) -> bool:
+    """Whether a call of `rows` rows (batch x tokens) runs its fp8 products through the GEMV kernel: the layer
+    scan then holds the fp8 weights and scales whole, and the kernel reads layer i's slice in place."""
+    return self.weights.fp8 and self.decode_linear != "xla" and rows <= WIDEN_MAX_ROWS
+
+  def _gemv(self, layer):
+    """The product `_apply` runs for layer `layer` over the whole stacked fp8 weights."""
+    interpret = self.decode_linear == "pallas-interpret"
+    return lambda x, w8, scale, spec: gemv_stacked(x, w8, scale, layer, spec, interpret=interpret)
+
+  def _split_layers(self, rows: int):
+    """(graphdef, the layer state the scan slices, the state it holds whole) of the stacked layers."""
+    if not self.holds_weights(rows):
+      graphdef, scanned = nnx.split(self.layers)
+      return graphdef, scanned, None
+    return nnx.split(self.layers, lambda path, _: str(path[-1]) not in _HELD, ...)
 
   @staticmethod
   def _x_axes(step: CallContext):
@@ -452,22 +486,30 @@ class Llama(nnx.Module):
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 
-    graphdef, layer_state = nnx.split(self.layers)
+    graphdef, layer_state, held = self._split_layers(B * T)
 
+    def block_and_gemv(layer_params, i):
+      if held is None:
+        return nnx.merge(graphdef, layer_params), None
+      return nnx.merge(graphdef, layer_params, held), self._gemv(i)
+
+    layer_ids = jnp.arange(self.cfg.n_layers)
     if cache is None:
-      def body(x, layer_params):
-        x, _ = self._layer(nnx.merge(graphdef, layer_params), x, step, None)
+      def body(x, xs):
+        block, gemv = block_and_gemv(*xs)
+        x, _ = self._layer(block, x, step, None, gemv)
         return x, None
-      x, _ = jax.lax.scan(body, x, layer_state)
+      x, _ = jax.lax.scan(body, x, (layer_state, layer_ids))
     else:
       def body(carry, xs):
         x, parts = carry
         layer_params, i = xs
+        block, gemv = block_and_gemv(layer_params, i)
         k_all, v_all, k_scale, v_scale = parts
-        x, parts = self._layer(nnx.merge(graphdef, layer_params), x, step, (k_all, v_all, i, k_scale, v_scale))
+        x, parts = self._layer(block, x, step, (k_all, v_all, i, k_scale, v_scale), gemv)
         return (x, parts), None
       (x, parts), _ = jax.lax.scan(body, (x, (cache.k, cache.v, cache.k_scale, cache.v_scale)),
-                                   (layer_state, jnp.arange(self.cfg.n_layers)))
+                                   (layer_state, layer_ids))
       k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in parts[:2])
       k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in parts[2:])
       cache = kvc.PagedKV(k_all, v_all, k_scale, v_scale)

@@ -1,0 +1,176 @@
+"""Decode-sized products over stacked fp8 weights: a Pallas kernel (Triton lowering) that reads one byte a weight.
+
+A decode step multiplies a few rows of activations by every weight of every layer once, so it is bound by the
+bytes of the weights. XLA cannot give fp8 weights that speed inside the model's layer scan: it slices the layer
+out of the stacked [L, ...] weight and widens the slice to bf16 in a buffer of its own before cuBLAS reads it
+(5 bytes moved a weight, 155 ms a token for the 70B shape; benchmarks/NOTES-fp8w.md). This kernel takes the whole
+stacked weight and the layer index instead: nothing is sliced, copied or widened outside registers.
+
+`gemv_stacked(x, w8, scale, layer, spec)` computes einsum(spec, x, w8[layer] * scale[layer]) for x of at most
+`GemvTuning.max_rows` rows, the weights K-major as lcjax.ops.linear holds them ([L, outs..., ins...], one float32
+scale per output channel). With N the output channels and Kd the contracted length (each axis group flattened, a
+free reshape), the kernel's program (n, s) multiplies the row block x [Rp, Kd] by the weight rows
+[n * bn, (n + 1) * bn) over its share s of Kd (split-K, so that a short N still fills the GPU), bk columns a step:
+each [bn, bk] e4m3 tile is widened to float16 in registers (one hardware convert per pair on Hopper; e4m3 -> bf16
+goes through float32) and multiplied on the tensor cores with float32 accumulation. XLA then sums the splits,
+applies the row and channel scales and casts: one small fusion.
+
+The widening is exact: every e4m3 value is a float16. The activations become float16 exactly too: each row is
+first divided by a power of two that brings its absmax to at most 2^14 (bf16's 8 significant bits fit float16's
+11; only values below 2^-28 of the row's absmax, too small to change any sum, lose bits), and the kernel's sums
+are multiplied back. float32 activations (runs in float32, the CPU tests) are split into two float16 parts,
+x = hi + lo, each multiplied by the tile: 22 significant bits. So the kernel computes the widened product of
+lcjax.ops.linear.dense (x times the dequantized weight, float32 sums) and differs from `gemv_stacked_reference` by
+summation order (and for float32 activations the last two bits of x) only.
+
+Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
+N output channels, Kd contracted length, bn / bk the tile, S splits of Kd.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
+
+_X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTuning:
+  """Static knobs of the kernel (part of the jit cache key)."""
+  block_n: int = 64              # bn: weight rows (output channels) per program
+  block_k: int = 256             # bk: columns per step; a [bn, bk] e4m3 tile is bn * bk bytes
+  target_programs: int = 132 * 4 # programs aimed at by the split-K heuristic (132 SMs on an H200)
+  min_steps: int = 4             # the fewest bk steps a split keeps (its loop has loads to pipeline)
+  num_splits: int | None = None  # S; None: the heuristic
+  num_warps: int = 4
+  num_stages: int = 3
+  max_rows: int = WIDEN_MAX_ROWS # more rows than this is not decode-shaped: the fp8 x fp8 GEMM serves it
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap that divides n."""
+  return math.gcd(n, 1 << (max(1, cap).bit_length() - 1))
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The kernel's shapes for one call."""
+  R: int
+  Rp: int
+  N: int
+  Kd: int
+  bn: int
+  bk: int
+  S: int
+
+  @property
+  def steps(self) -> int:
+    """bk steps per split."""
+    return self.Kd // (self.bk * self.S)
+
+
+def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
+  """Tiles and splits for x [R, Kd] times a weight of N rows of Kd."""
+  if R > tuning.max_rows:
+    raise ValueError(f"{R} rows exceed GemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
+  bn, bk = _pow2_divisor(N, tuning.block_n), _pow2_divisor(Kd, tuning.block_k)
+  if tuning.num_splits is not None:
+    S = tuning.num_splits
+    if (Kd // bk) % S:
+      raise ValueError(f"num_splits={S} does not divide the {Kd // bk} steps of {bk} columns of Kd={Kd}")
+  else:
+    S, steps = 1, Kd // bk
+    while (N // bn) * S < tuning.target_programs and steps % 2 == 0 and steps // 2 >= tuning.min_steps:
+      S, steps = S * 2, steps // 2
+  return Plan(R=R, Rp=max(16, _next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
+
+
+def _layout(x_shape, w_shape, spec: str):
+  """(R, N, Kd, output shape) of einsum(spec) for x and a stacked K-major weight [L, outs..., ins...]. The
+  product is a [R, Kd] x [N, Kd]^T GEMM when x's contracted labels trail in the weight's order and the output is
+  x's other labels then the weight's outputs (true of every spec the model uses)."""
+  xs, ws, out = contracted(spec)
+  kw = "".join(ws[i] for i in kmajor_order(spec))
+  nk = len(quantize_axes(spec))
+  outs, ins = kw[:len(kw) - nk], kw[len(kw) - nk:]
+  keep = xs[:len(xs) - nk]
+  if xs != keep + ins or out != keep + outs or len(w_shape) != len(kw) + 1:
+    raise ValueError(f"einsum {spec!r} over a stacked weight {tuple(w_shape)} is not a row-major [R, Kd] x "
+                     f"[N, Kd]^T product")
+  R = math.prod(x_shape[:len(keep)])
+  N = math.prod(w_shape[1:1 + len(outs)])
+  Kd = math.prod(w_shape[1 + len(outs):])
+  return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  n, s = pl.program_id(0), pl.program_id(1)
+  layer = layer_ref[0]
+  k0 = s * (steps * bk)
+
+  def step(i, acc):
+    k = k0 + i * bk
+    wk = w_ref[layer, pl.ds(n * bn, bn), pl.ds(k, bk)].astype(jnp.float16)   # [bn, bk], e4m3 widened exactly
+    for part in range(x_ref.shape[0]):
+      xk = x_ref[part, :, pl.ds(k, bk)]                                # [Rp, bk] f16
+      acc = acc + pltriton.dot(xk, wk, trans_b=True)                   # [Rp, bn] f32
+    return acc
+
+  o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
+
+
+def scale_rows(x2):
+  """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (module docstring),
+  the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
+  xf = x2.astype(jnp.float32)
+  m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+  e = jnp.where(m > 0, jnp.ceil(jnp.log2(jnp.where(m > 0, m, 1.0))) - _X_ABSMAX_LOG2, 0.0)
+  s = jnp.exp2(e)
+  xf = xf / s
+  hi = xf.astype(jnp.float16)
+  if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:
+    return hi[None], s
+  return jnp.stack([hi, (xf - hi.astype(jnp.float32)).astype(jnp.float16)]), s
+
+
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False):
+  """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
+  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  L = w8.shape[0]
+  R, N, Kd, out_shape = _layout(x.shape, w8.shape, spec)
+  p = plan(R, N, Kd, tuning)
+  x16, xs = scale_rows(x.reshape(R, Kd))
+  x16 = jnp.pad(x16, ((0, 0), (0, p.Rp - R), (0, 0)))
+  whole = pl.no_block_spec
+  parts = pl.pallas_call(
+      lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps),
+      grid=(N // p.bn, p.S),
+      in_specs=[whole, whole, whole],
+      out_specs=pl.BlockSpec((None, p.Rp, p.bn), lambda n, s: (s, 0, n)),
+      out_shape=jax.ShapeDtypeStruct((p.S, p.Rp, N), jnp.float32),
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+      interpret=interpret,
+      name="lcjax_fp8_gemv",
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd))
+  w_scale = jax.lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)     # [N]
+  y = jnp.sum(parts[:, :R], axis=0) * xs * w_scale
+  return y.reshape(out_shape).astype(x.dtype)
+
+
+def gemv_stacked_reference(x, w8, scale, layer, spec: str):
+  """The float32 model of `gemv_stacked`: lcjax.ops.linear's widened product of layer `layer`."""
+  w, s = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (w8, scale))
+  return dense_reference(x, w, s, spec, path="widened")

@@ -1,0 +1,221 @@
+"""The fp8 GEMV kernel (lcjax.ops.fp8_gemv) and the model's decode-sized products through it.
+
+Oracles: numpy float64 products of the dequantized weights (written here, not lcjax's reference); the model and the
+engine with linear_kernel="xla" (XLA's widened product on each layer's slice) for the same weights. On CPUs the
+kernel runs in the Pallas interpreter; the gpu tests compile it.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lcjax
+from lcjax.config import ConfigError, RunConfig, WeightFormat, preset
+from lcjax.engine import placement
+from lcjax.model.llama import LINEAR, Llama
+from lcjax.ops import fp8_gemv, linear
+
+L = 3
+# Model-layout weight shapes of a small model: D 64, 2 KV heads of 2 query heads, head dim 16, F 128.
+SHAPES = {"layers/attn/wqkv": (64, 2, 4, 16), "layers/attn/wo": (4, 16, 64), "layers/mlp/w_gate_up": (64, 2, 128),
+          "layers/mlp/w_down": (128, 64)}
+SMALL_TILES = fp8_gemv.GemvTuning(block_n=32, block_k=16, min_steps=1)   # several programs and splits
+
+
+def _stacked(name, rng):
+  spec = LINEAR[name]
+  w = jnp.asarray(rng.standard_normal((L, *SHAPES[name])) * 0.1, jnp.float32)
+  return jax.vmap(lambda a: linear.quantize_weight(a, spec))(w)
+
+
+def _x(name, rows, rng, dtype):
+  """x of `rows` rows (as [2, rows / 2] or [1, rows]), one row at 1e6 (past float16's range) and one at 1e-6."""
+  spec = LINEAR[name]
+  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+  sizes = {"b": 1, "t": rows, **dict(zip(ws, SHAPES[name]))}
+  x = rng.standard_normal([sizes[c] for c in xs])
+  flat = x.reshape(rows, -1)
+  flat[0] *= 1e6
+  if rows > 1:
+    flat[-1] *= 1e-6
+  return jnp.asarray(x, dtype)
+
+
+def _numpy_product(x, w8, scale, layer, spec):
+  """einsum(spec, x, dequantized weight of `layer`) in float64, from the K-major bytes and scales."""
+  xs, ws, out = linear.contracted(spec)
+  kw = "".join(ws[i] for i in linear.kmajor_order(spec))
+  w = np.asarray(w8[layer].astype(jnp.float32), np.float64) * np.asarray(scale[layer], np.float64)
+  return np.einsum(f"{xs},{kw}->{out}", np.asarray(x.astype(jnp.float32), np.float64), w)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("rows", [1, 64])
+def test_kernel_against_numpy(name, rows):
+  """Every layer of the stack, rows up to the decode limit, rows past float16's range and far below it: bf16 x
+  exactly as float64 up to float32 sums (the output rounded to bf16); float32 x within its hi + lo split."""
+  rng = np.random.default_rng(rows)
+  w8, scale = _stacked(name, rng)
+  spec = LINEAR[name]
+  for dtype, rtol in ((jnp.bfloat16, 2 ** -8), (jnp.float32, 2e-6)):
+    x = _x(name, rows, rng, dtype)
+    for layer in range(L):
+      got = fp8_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=SMALL_TILES, interpret=True)
+      assert got.dtype == x.dtype
+      err = _row_errors(got, _numpy_product(x, w8, scale, layer, spec), rows)
+      assert np.all(err <= rtol), (dtype, layer, err)
+
+
+def _row_errors(got, want, rows):
+  """max |got - want| / max |want| per row (the test rows differ by 12 orders of magnitude)."""
+  got, want = np.asarray(got, np.float64).reshape(rows, -1), np.asarray(want, np.float64).reshape(rows, -1)
+  return np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
+
+
+def test_reference_is_the_widened_product():
+  rng = np.random.default_rng(0)
+  name = "layers/mlp/w_down"
+  w8, scale = _stacked(name, rng)
+  x = _x(name, 5, rng, jnp.float32)
+  got = fp8_gemv.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
+  assert np.all(_row_errors(got, _numpy_product(x, w8, scale, 2, LINEAR[name]), 5) < 1e-6)
+
+
+@pytest.mark.parametrize("R,N,Kd", [(1, 6144, 4096), (8, 28672, 4096), (1, 4096, 14336), (64, 10240, 8192),
+                                    (3, 128, 64)])
+def test_plan_tiles_and_splits(R, N, Kd):
+  """Tiles divide the weight; splits divide the columns' steps, keep min_steps each, and stop once the programs
+  reach the target."""
+  t = fp8_gemv.GemvTuning()
+  p = fp8_gemv.plan(R, N, Kd, t)
+  assert N % p.bn == 0 and Kd % (p.bk * p.S) == 0 and p.Rp >= max(R, 16) and p.Rp & (p.Rp - 1) == 0
+  assert p.steps >= min(t.min_steps, Kd // p.bk)
+  more = (N // p.bn) * p.S * 2
+  assert (N // p.bn) * p.S >= t.target_programs or p.steps // 2 < t.min_steps or p.steps % 2, (p, more)
+
+
+def test_plan_refusals():
+  with pytest.raises(ValueError, match="65 rows exceed GemvTuning.max_rows=64"):
+    fp8_gemv.plan(65, 128, 64)
+  with pytest.raises(ValueError, match="num_splits=3 does not divide the 16 steps"):
+    fp8_gemv.plan(1, 128, 4096, fp8_gemv.GemvTuning(num_splits=3))
+  w8 = jnp.zeros((2, 8, 16), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="not a row-major"):
+    fp8_gemv.gemv_stacked(jnp.zeros((1, 16, 1)), w8, jnp.ones((2, 8, 1)), 0, "bdt,fd->btf", interpret=True)
+
+
+def test_model_holds_weights_for_decode_sized_calls():
+  """The model with decode_linear="pallas-interpret": a call of <= 64 rows runs the kernel on the stacked weights
+  (its logits equal XLA's widened product's), a larger one does not hold them."""
+  cfg = preset("tiny")
+  state = nnx.state(Llama(cfg, dtype=jnp.float32, weights=WeightFormat(fp8=True), rngs=nnx.Rngs(0)))
+  models = {k: Llama(cfg, dtype=jnp.float32, weights=WeightFormat(fp8=True), decode_linear=k, rngs=nnx.Rngs(0))
+            for k in ("xla", "pallas-interpret")}
+  assert models["pallas-interpret"].holds_weights(64) and not models["pallas-interpret"].holds_weights(65)
+  assert not models["xla"].holds_weights(1)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 7)), jnp.int32)
+  logits = {}
+  for k, m in models.items():
+    nnx.update(m, state)
+    logits[k], _ = m(tokens)
+  np.testing.assert_allclose(logits["pallas-interpret"], logits["xla"], rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="decode_linear='pallas' runs on one device"):
+    from lcjax import sharding
+    Llama(cfg, weights=WeightFormat(fp8=True), decode_linear="pallas", mesh=sharding.make_mesh(tensor=2, seq=1),
+          rngs=nnx.Rngs(0))
+
+
+def _count_kernel_calls(monkeypatch):
+  """Count the model's traced calls of the kernel, by weight einsum and interpret flag."""
+  from lcjax.model import llama
+  calls = []
+
+  def counted(x, w8, scale, layer, spec, **kw):
+    calls.append((spec, kw.get("interpret", False)))
+    return fp8_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
+
+  monkeypatch.setattr(llama, "gemv_stacked", counted)
+  return calls
+
+
+def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
+  """Greedy tokens through the kernel (interpreted) equal those of XLA's product, prompts of two lengths in one
+  batch; the decode step traces the kernel for all four weights, and the stats name the product."""
+  cfg = preset("tiny")
+  run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
+  prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
+  with caplog.at_level(logging.INFO, logger="lcjax.engine.engine"):
+    xla = lcjax.Engine.random(cfg, run=run, seed=0)
+  assert "the fp8 GEMV kernel needs a CUDA GPU" in caplog.text            # auto on a CPU, and the log says why
+  kern = lcjax.Engine.random(cfg, run=run.replace(linear_kernel="pallas-interpret"), seed=0)
+  calls = _count_kernel_calls(monkeypatch)
+  a = xla.generate(prompts, max_new_tokens=6)
+  assert not calls
+  b = kern.generate(prompts, max_new_tokens=6)
+  assert {spec for spec, interpret in calls if interpret} == set(LINEAR.values())
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  assert a[0].stats["linear"].endswith("else fp8 widened to float32 by XLA")
+  assert b[0].stats["linear"].endswith("else the fp8 GEMV kernel in the Pallas interpreter")
+
+
+def test_linear_kernel_refusals():
+  run = RunConfig(dtype="float32", linear_kernel="pallas")
+  fp8 = WeightFormat(fp8=True)
+  with pytest.raises(ConfigError, match="linear_kernel='pallas' needs a CUDA GPU, not 'cpu'"):
+    placement.decode_linear(run, fp8, None, "cpu")
+  with pytest.raises(ConfigError, match="linear_kernel='pallas' multiplies fp8 weights, and these are float32"):
+    placement.decode_linear(run, WeightFormat(), None, "gpu")
+  from lcjax import sharding
+  with pytest.raises(ConfigError, match="runs on one device, not a mesh"):
+    placement.decode_linear(run, fp8, sharding.make_mesh(tensor=2, seq=1), "gpu")
+  assert placement.decode_linear(run, fp8, None, "gpu")[0] == "pallas"
+  assert placement.decode_linear(run.replace(linear_kernel="auto"), fp8, None, "gpu")[0] == "pallas"
+  with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, pallas, pallas-interpret"):
+    RunConfig(linear_kernel="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset_name", ["llama3-8b", "llama3.1-70b"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_kernel_at_model_shapes(preset_name, rows):
+  """Compiled on the GPU at real shapes: against the float32 reference, bf16 activations."""
+  cfg = preset(preset_name)
+  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+  shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+            "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+  key = jax.random.PRNGKey(0)
+  for name, shape in shapes.items():
+    spec = LINEAR[name]
+    w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
+        jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)
+    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
+    x = jax.random.normal(key, [sizes[c] for c in xs], jnp.bfloat16)
+    fn = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))
+    assert "lcjax_fp8_gemv" in fn.lower(x, w8, scale, jnp.int32(1)).as_text()
+    got = fn(x, w8, scale, jnp.int32(1)).astype(jnp.float32)
+    want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 2 ** -8, (name, err)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_decode_runs_the_kernel(monkeypatch):
+  """On a GPU, linear_kernel="auto" decodes fp8 weights through the compiled kernel (float32 activations: its
+  hi + lo split), with the greedy tokens of linear_kernel="xla"."""
+  cfg = preset("tiny")
+  run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
+  kern = lcjax.Engine.random(cfg, run=run, seed=0)
+  assert kern.decode_linear == "pallas"
+  xla = lcjax.Engine.random(cfg, run=run.replace(linear_kernel="xla"), seed=0)
+  prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
+  calls = _count_kernel_calls(monkeypatch)
+  a, b = xla.generate(prompts, max_new_tokens=8), kern.generate(prompts, max_new_tokens=8)
+  assert {spec for spec, interpret in calls if not interpret} == set(LINEAR.values())
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  assert b[0].stats["linear"].endswith("else the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")

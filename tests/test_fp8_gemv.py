@@ -6,6 +6,7 @@ kernel runs in the Pallas interpreter; the gpu tests compile it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -55,17 +56,19 @@ def _numpy_product(x, w8, scale, layer, spec):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("rows", [1, 64])
-def test_kernel_against_numpy(name, rows):
+@pytest.mark.parametrize("rows,pack", [(1, 1), (64, 1), (5, 2)])
+def test_kernel_against_numpy(name, rows, pack):
   """Every layer of the stack, rows up to the decode limit, rows past float16's range and far below it: bf16 x
-  exactly as float64 up to float32 sums (the output rounded to bf16); float32 x within its hi + lo split."""
+  exactly as float64 up to float32 sums (the output rounded to bf16); float32 x within its hi + lo split. pack 2
+  reads the weight as uint16 pairs (what weights of 2 to 4 GiB take)."""
   rng = np.random.default_rng(rows)
   w8, scale = _stacked(name, rng)
   spec = LINEAR[name]
+  tuning = dataclasses.replace(SMALL_TILES, pack=pack)
   for dtype, rtol in ((jnp.bfloat16, 2 ** -8), (jnp.float32, 2e-6)):
     x = _x(name, rows, rng, dtype)
     for layer in range(L):
-      got = fp8_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=SMALL_TILES, interpret=True)
+      got = fp8_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=tuning, interpret=True)
       assert got.dtype == x.dtype
       err = _row_errors(got, _numpy_product(x, w8, scale, layer, spec), rows)
       assert np.all(err <= rtol), (dtype, layer, err)
@@ -97,6 +100,12 @@ def test_plan_tiles_and_splits(R, N, Kd):
   assert p.steps >= min(t.min_steps, Kd // p.bk)
   more = (N // p.bn) * p.S * 2
   assert (N // p.bn) * p.S >= t.target_programs or p.steps // 2 < t.min_steps or p.steps % 2, (p, more)
+
+
+def test_pack_for_sizes():
+  """uint16 pairs exactly where the lowering's 32-bit offsets would pass 2^31 one-byte elements."""
+  assert [fp8_gemv.pack_for(n) for n in (2 ** 31 - 1, 2 ** 31, 32 * 28672 * 4096, 2 ** 32, 2 ** 32 + 1)] == \
+      [1, 2, 2, 2, 1]
 
 
 def test_plan_refusals():
@@ -202,6 +211,22 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
     want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 2 ** -8, (name, err)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_reads_the_top_of_a_3_gib_stack():
+  """A stack of 2 to 4 GiB (Llama-3-8B's w_gate_up over 26 layers: 3.05 GiB), read as uint16 pairs: its last
+  layer, whose bytes lie past 2^31, against the reference (one-byte offsets wrapped there)."""
+  spec, shape, L_ = LINEAR["layers/mlp/w_gate_up"], (4096, 2, 14336), 26
+  key = jax.random.PRNGKey(0)
+  w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
+      jax.random.normal(key, (L_, *shape), jnp.bfloat16) * 0.02)
+  assert fp8_gemv.pack_for(w8.size) == 2
+  x = jax.random.normal(key, (1, 1, 4096), jnp.bfloat16)
+  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
+  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  assert err < 2 ** -8, err
 
 
 @pytest.mark.gpu

@@ -23,8 +23,14 @@ x = hi + lo, each multiplied by the tile: 22 significant bits. So the kernel com
 lcjax.ops.linear.dense (x times the dequantized weight, float32 sums) and differs from `gemv_stacked_reference` by
 summation order (and for float32 activations the last two bits of x) only.
 
+Weights of 2 to 4 GiB are read as uint16 pairs of e4m3 bytes (`pack` 2): the Triton lowering addresses an array
+of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31 elements (a Llama-3-8B w_gate_up stack
+is 3.5 GiB: CUDA_ERROR_ILLEGAL_ADDRESS on its upper layers); two-byte elements keep every offset below 2^31. Each
+pair is split into its two bytes in registers (little-endian: column 2c is the low byte), and x arrives with its
+even and odd columns apart. Larger arrays get 64-bit offsets from the lowering and are read byte by byte.
+
 Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
-N output channels, Kd contracted length, bn / bk the tile, S splits of Kd.
+N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.
 """
 from __future__ import annotations
 
@@ -50,6 +56,12 @@ class GemvTuning:
   num_warps: int = 4
   num_stages: int = 3
   max_rows: int = WIDEN_MAX_ROWS # more rows than this is not decode-shaped: the fp8 x fp8 GEMM serves it
+  pack: int | None = None        # e4m3 values per loaded element, 1 or 2; None: `pack_for` the weight's size
+
+
+def pack_for(nbytes: int) -> int:
+  """e4m3 values per element the kernel loads from a stacked weight of `nbytes` bytes (module docstring)."""
+  return 2 if 2 ** 31 <= nbytes <= 2 ** 32 else 1
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -112,7 +124,9 @@ def _layout(x_shape, w_shape, spec: str):
   return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
+  """Program (n, s): o [Rp, bn] = sum over its steps of x [Rp, bk] times the weight tile [bn, bk]^T, columns counted
+  in loaded elements (`pack` e4m3 values each); x_ref [P, pack, Rp, Kd / pack] holds x's columns j mod pack at j."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   n, s = pl.program_id(0), pl.program_id(1)
@@ -121,13 +135,20 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps):
 
   def step(i, acc):
     k = k0 + i * bk
-    wk = w_ref[layer, pl.ds(n * bn, bn), pl.ds(k, bk)].astype(jnp.float16)   # [bn, bk], e4m3 widened exactly
-    for part in range(x_ref.shape[0]):
-      xk = x_ref[part, :, pl.ds(k, bk)]                                # [Rp, bk] f16
-      acc = acc + pltriton.dot(xk, wk, trans_b=True)                   # [Rp, bn] f32
+    wk = w_ref[layer, pl.ds(n * bn, bn), pl.ds(k, bk)]                 # [bn, bk] e4m3, or uint16 pairs
+    for j in range(pack):
+      if pack == 1:
+        wj = wk
+      else:
+        byte = jax.lax.shift_right_logical(wk, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
+        wj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+      wj = wj.astype(jnp.float16)                                      # widened exactly
+      for part in range(x_ref.shape[0]):
+        xk = x_ref[part, j, :, pl.ds(k, bk)]                           # [Rp, bk] f16
+        acc = acc + pltriton.dot(xk, wj, trans_b=True)                 # [Rp, bn] f32
     return acc
 
-  o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
+  o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[2], bn), jnp.float32))
 
 
 def scale_rows(x2):
@@ -151,12 +172,19 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   from jax.experimental.pallas import triton as pltriton
   L = w8.shape[0]
   R, N, Kd, out_shape = _layout(x.shape, w8.shape, spec)
-  p = plan(R, N, Kd, tuning)
+  pack = tuning.pack or pack_for(w8.size * w8.dtype.itemsize)
+  if pack not in (1, 2) or Kd % pack:
+    raise ValueError(f"pack={pack} must be 1 or 2 and divide the contracted length Kd={Kd}")
+  p = plan(R, N, Kd // pack, dataclasses.replace(tuning, block_k=max(1, tuning.block_k // pack)))
   x16, xs = scale_rows(x.reshape(R, Kd))
-  x16 = jnp.pad(x16, ((0, 0), (0, p.Rp - R), (0, 0)))
+  x16 = jnp.pad(x16, ((0, 0), (0, p.Rp - R), (0, 0)))                 # [P, Rp, Kd]
+  x16 = jnp.moveaxis(x16.reshape(x16.shape[0], p.Rp, Kd // pack, pack), 3, 1)   # [P, pack, Rp, Kd / pack]
+  w = w8.reshape(L, N, Kd)
+  if pack == 2:
+    w = jax.lax.bitcast_convert_type(w.reshape(L, N, Kd // 2, 2), jnp.uint16)   # a view: the same bytes
   whole = pl.no_block_spec
   parts = pl.pallas_call(
-      lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps),
+      lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),
       grid=(N // p.bn, p.S),
       in_specs=[whole, whole, whole],
       out_specs=pl.BlockSpec((None, p.Rp, p.bn), lambda n, s: (s, 0, n)),
@@ -164,7 +192,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
       interpret=interpret,
       name="lcjax_fp8_gemv",
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd))
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w)
   w_scale = jax.lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)     # [N]
   y = jnp.sum(parts[:, :R], axis=0) * xs * w_scale
   return y.reshape(out_shape).astype(x.dtype)

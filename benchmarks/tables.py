@@ -120,11 +120,10 @@ def longctx_8b_headline() -> list[str]:
                  "dense"], out)
 
 
-# FP8 weights: one row per (part of fp8w.json, context).
-FP8W = [("fp8w-70b-h200", 32768, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
-        ("fp8w-70b-h200", 131072, "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
-        ("fp8w-8b-h200", 131072, "Llama-3-8B shape, fp8 weights", "FP8"),
-        ("fp8w-8b-bf16w-h200", 131072, "Llama-3-8B shape, bf16 weights", "FP8")]
+# FP8 weights: one row per (part of fp8w.json, context, implementation).
+FP8W = [("fp8w-70b-h200", 131072, "lcjax-fp8w-fp8kv", "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
+        ("fp8w-8b-h200", 131072, "lcjax-fp8w-fp8", "Llama-3-8B shape, fp8 weights", "FP8"),
+        ("fp8w-8b-bf16w-h200", 131072, "lcjax-fp8", "Llama-3-8B shape, bf16 weights", "FP8")]
 
 
 def _fp8w_cells(r: dict) -> list[str]:
@@ -133,8 +132,8 @@ def _fp8w_cells(r: dict) -> list[str]:
 
 
 def fp8w() -> list[str]:
-  out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows("fp8w", part), S=S)), _file("fp8w", part)]
-         for part, S, model, attention in FP8W]
+  out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows("fp8w", part), S=S, impl=impl)), _file("fp8w", part)]
+         for part, S, impl, model, attention in FP8W]
   return _table(["model", "attention", "context", "prefill", "decode", "peak / plan", "file"], out)
 
 

@@ -6,8 +6,13 @@ run (the xdist workers, and through the environment the processes that tests sta
 ends: engines built with the same model and run config compile each program once per run, not once per engine,
 and nothing is read from or written to the user's cache directory (RunConfig.compile_cache "auto" defers to
 JAX_COMPILATION_CACHE_DIR). Tracing and lowering still run for every engine; only the XLA compilation of an
-identical program is read back. A size limit turns on JAX's file lock, which orders the processes' reads and
-writes. Tests of the cache itself remove these variables and name their own temporary directories.
+identical program is read back. In the test processes a size limit turns on JAX's file lock, which orders the
+processes' reads and writes, and the eviction that comes with it is skipped: before each write it stats every entry
+of the directory and reads its access time, and the run writes thousands of programs (quadratic: test_ring.py
+alone spent 6 of its 32 s there; the run's temporary cache never nears the limit). The processes tests start
+inherit no limit (-1: no lock, no eviction, JAX's default): they write a few dozen programs each, and a write they
+race with is at worst a read that JAX warns about and compiles instead. Tests of the cache itself remove these
+variables and name their own temporary directories.
 
 The run also has its own lcjax user cache (LCJAX_CACHE_DIR, a second temporary directory, removed at the end):
 the bundled SmolLM2 is converted into it once per run (the `smollm2_checkpoint` fixture, under a file lock that
@@ -32,7 +37,7 @@ if _OWN_CACHE:
   os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="lcjax-test-xla-cache-")
   os.environ[_RUN_HOME] = tempfile.mkdtemp(prefix="lcjax-test-user-cache-")
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)
-os.environ.update(zip(CACHE_ENV, (os.environ[_RUN_CACHE], "0", str(8 << 30))))
+os.environ.update(zip(CACHE_ENV, (os.environ[_RUN_CACHE], "0", "-1")))
 os.environ["LCJAX_CACHE_DIR"] = os.environ[_RUN_HOME]
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -40,6 +45,16 @@ jax.config.update("jax_enable_compilation_cache", True)
 jax.config.update("jax_compilation_cache_dir", os.environ[_RUN_CACHE])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
+
+def _no_eviction() -> None:
+  """JAX's LRU cache with its lock but without the per-write scan of every entry (see the docstring)."""
+  from jax._src import lru_cache
+  if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
+    lru_cache.LRUCache._evict_if_needed = lambda self, *, additional_size=0: None
+
+
+_no_eviction()
 # XLA compiles the test processes' programs with most of its optimizations off (jax_disable_most_optimizations:
 # backend optimization level 0, LLVM's expensive passes skipped). The suite's time is mostly the compilation of
 # tiny models' programs, and this cuts their compile CPU time by about 40%; the programs are the same HLO, computing

@@ -2,7 +2,7 @@
 processes that must not use it; the test processes' XLA optimization setting, for the processes that share it."""
 from __future__ import annotations
 
-# Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, a size limit.
+# Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, no size limit.
 CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
              "JAX_COMPILATION_CACHE_MAX_SIZE")
 # Set by conftest for every process of the run: the XLA CPU flags the run compiles with ("" where XLA lacks them).

@@ -30,9 +30,8 @@
 #   fp8w          fp8w.{json,md}: fp8 weights: fp8w-70b-h200 (Llama-3.1-70B shape, all 80 layers, fp8 KV),
 #                 fp8w-8b-h200 (Llama-3-8B shape beside bf16 weights and HF), linear-fp8-h200 (the products alone)
 #                                                                                             ~2.5 + 4 + 4 min
-#                 The committed fp8w.md holds fp8w-70b-h200 at 128K only, fp8w-8b-bf16w-h200 (the bf16-weight
-#                 rows of an earlier call of the fp8w-8b-h200 command), an fp8w-8b-h200 measured before the fp8
-#                 GEMV kernel, and linear-fp8-h200 of the 8B preset only (benchmarks/NOTES-fp8w.md, calls 6-7).
+#                 The committed fp8w.md holds shorter calls of these commands: fp8w-70b-h200 at 128K only,
+#                 fp8w-8b-h200 at 128K without hf, linear-fp8-h200 of the 8B preset only (NOTES-fp8w.md, calls 6-8).
 #   context       context.{json,md}: the context cache: context-h200-128k, context-h200-512k-fp8 and (CPU, the
 #                 bundled SmolLM2) context-smollm2-cpu                                              ~3 + 5 min, CPU
 #   startup       startup.{json,md}: startup-h200, CLI starts with the compilation cache off, cold and warm

@@ -123,7 +123,7 @@ def longctx_8b_headline() -> list[str]:
 # FP8 weights: one row per (part of fp8w.json, context, implementation).
 FP8W = [("fp8w-70b-h200", 131072, "lcjax-fp8w-fp8kv", "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
         ("fp8w-8b-h200", 131072, "lcjax-fp8w-fp8", "Llama-3-8B shape, fp8 weights", "FP8"),
-        ("fp8w-8b-bf16w-h200", 131072, "lcjax-fp8", "Llama-3-8B shape, bf16 weights", "FP8")]
+        ("fp8w-8b-h200", 131072, "lcjax-fp8", "Llama-3-8B shape, bf16 weights", "FP8")]
 
 
 def _fp8w_cells(r: dict) -> list[str]:

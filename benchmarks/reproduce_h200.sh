@@ -138,7 +138,8 @@ for step in "${steps[@]}"; do
         --name=fp8w-70b-h200
       python3 tools/bench_longctx.py --impls=lcjax-fp8,lcjax-fp8w-fp8,hf --contexts=32768,131072 --decode_steps=32 \
         --limits=hf:131072 --time_budget_s=400 --out="$P" --name=fp8w-8b-h200
-      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --out="$P" --name=linear-fp8-h200 ;;
+      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --gemv_tunings=default,pack=2 \
+        --out="$P" --name=linear-fp8-h200 ;;
     context)
       python3 tools/bench_context.py --contexts=131072 --out="$P" --name=context-h200-128k
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \

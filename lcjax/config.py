@@ -276,8 +276,8 @@ class RunConfig:
                                      # in dtype
   linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (pallas on one GPU,
                                      # else xla), "pallas" (lcjax.ops.fp8_gemv: reads the stacked fp8 weights in
-                                     # place, one byte a weight), "xla" (widened to dtype by XLA, a bf16 copy of
-                                     # each layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
+                                     # place, one byte a weight), "xla" (widened by XLA: a copy in dtype of each
+                                     # layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)

@@ -89,17 +89,18 @@ def test_reference_is_the_widened_product():
   assert np.all(_row_errors(got, _numpy_product(x, w8, scale, 2, LINEAR[name]), 5) < 1e-6)
 
 
-@pytest.mark.parametrize("R,N,Kd", [(1, 6144, 4096), (8, 28672, 4096), (1, 4096, 14336), (64, 10240, 8192),
-                                    (3, 128, 64)])
-def test_plan_tiles_and_splits(R, N, Kd):
-  """Tiles divide the weight; splits divide the columns' steps, keep min_steps each, and stop once the programs
-  reach the target."""
-  t = fp8_gemv.GemvTuning()
-  p = fp8_gemv.plan(R, N, Kd, t)
-  assert N % p.bn == 0 and Kd % (p.bk * p.S) == 0 and p.Rp >= max(R, 16) and p.Rp & (p.Rp - 1) == 0
-  assert p.steps >= min(t.min_steps, Kd // p.bk)
-  more = (N // p.bn) * p.S * 2
-  assert (N // p.bn) * p.S >= t.target_programs or p.steps // 2 < t.min_steps or p.steps % 2, (p, more)
+@pytest.mark.parametrize("R,N,Kd,want", [
+    (1, 6144, 4096, (16, 64, 256, 4)),      # Llama-3-8B wqkv: 96 column blocks; 16 steps split to 4 of 4 steps
+    (8, 28672, 4096, (16, 64, 256, 2)),     # w_gate_up: 448 blocks < 528, so 2 splits (896 programs)
+    (1, 4096, 14336, (16, 64, 256, 8)),     # w_down: 64 blocks; 56 steps halve to 28, 14, 7 (odd: stop)
+    (64, 10240, 8192, (64, 64, 256, 4)),    # 70B wqkv at 64 rows: 160 blocks x 4 splits = 640 >= 528
+    (3, 128, 64, (16, 64, 64, 1)),          # the tiny model: Kd is one step, nothing to split
+])
+def test_plan_tiles_and_splits(R, N, Kd, want):
+  """The default tiles, and splits doubled while the programs are short of the target and each split keeps
+  min_steps: worked out by hand for the model shapes."""
+  p = fp8_gemv.plan(R, N, Kd)
+  assert (p.Rp, p.bn, p.bk, p.S) == want
 
 
 def test_pack_for_sizes():
@@ -175,17 +176,31 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
 def test_linear_kernel_refusals():
   run = RunConfig(dtype="float32", linear_kernel="pallas")
   fp8 = WeightFormat(fp8=True)
-  with pytest.raises(ConfigError, match="linear_kernel='pallas' needs a CUDA GPU, not 'cpu'"):
-    placement.decode_linear(run, fp8, None, "cpu")
+  cpu = "the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"
+  with pytest.raises(ConfigError, match="linear_kernel='pallas': the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"):
+    placement.decode_linear(run, fp8, None, cpu)
   with pytest.raises(ConfigError, match="linear_kernel='pallas' multiplies fp8 weights, and these are float32"):
-    placement.decode_linear(run, WeightFormat(), None, "gpu")
+    placement.decode_linear(run, WeightFormat(), None, None)
   from lcjax import sharding
   with pytest.raises(ConfigError, match="runs on one device, not a mesh"):
-    placement.decode_linear(run, fp8, sharding.make_mesh(tensor=2, seq=1), "gpu")
-  assert placement.decode_linear(run, fp8, None, "gpu")[0] == "pallas"
-  assert placement.decode_linear(run.replace(linear_kernel="auto"), fp8, None, "gpu")[0] == "pallas"
+    placement.decode_linear(run, fp8, sharding.make_mesh(tensor=2, seq=1), None)
+  assert placement.decode_linear(run, fp8, None, None)[0] == "pallas"
+  auto = run.replace(linear_kernel="auto")
+  assert placement.decode_linear(auto, fp8, None, None)[0] == "pallas"
+  assert placement.decode_linear(auto, fp8, None, cpu) == ("xla", f"linear_kernel='auto': {cpu}")
+  assert fp8_gemv.unsupported() == cpu                        # this test runs on CPUs
   with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, pallas, pallas-interpret"):
     RunConfig(linear_kernel="fast")
+  with pytest.raises(ValueError, match="multiplies fp8 weights; these are in the parameter dtype"):
+    Llama(preset("tiny"), decode_linear="pallas-interpret", rngs=nnx.Rngs(0))
+
+
+def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeypatch):
+  """Engine.random refuses linear_kernel='pallas' on a CPU before it draws any weight."""
+  from lcjax.engine import engine
+  monkeypatch.setattr(engine, "Llama", None)      # drawing weights would call it
+  with pytest.raises(ConfigError, match="linear_kernel='pallas': the fp8 GEMV kernel needs a CUDA GPU"):
+    lcjax.Engine.random(preset("tiny"), run=RunConfig(weight_dtype="float8_e4m3fn", linear_kernel="pallas"))
 
 
 @pytest.mark.gpu
@@ -211,6 +226,22 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
     want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 2 ** -8, (name, err)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_reads_the_top_of_a_4_gib_stack():
+  """A stack over 4 GiB (the 70B's w_gate_up over 10 layers: 4.4 GiB), whose offsets the lowering makes 64-bit:
+  its last layer against the reference."""
+  spec, shape, L_ = LINEAR["layers/mlp/w_gate_up"], (8192, 2, 28672), 10
+  key = jax.random.PRNGKey(0)
+  w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
+      jax.random.normal(key, (L_, *shape), jnp.bfloat16) * 0.02)
+  assert w8.size > 2 ** 32 and fp8_gemv.pack_for(w8.size) == 1
+  x = jax.random.normal(key, (1, 1, 8192), jnp.bfloat16)
+  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
+  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  assert err < 2 ** -8, err
 
 
 @pytest.mark.gpu

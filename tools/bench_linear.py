@@ -116,11 +116,12 @@ def main(argv):
 
     @jax.jit
     def gemv_error(xs, w):
-      """max over the weights of |gemv - widened| / absmax(widened), layer L - 1."""
+      """max over the weights of |gemv - widened| / absmax(widened), layer L - 1, the first tuning."""
       errs = []
+      first = tunings[FLAGS.gemv_tunings[0]]
       for n in LINEAR:
         ref = linear.dense(xs[n], w[n][0][L - 1], w[n][1][L - 1], LINEAR[n], path="widened").astype(jnp.float32)
-        got = fp8_gemv.gemv_stacked(xs[n], *w[n], jnp.int32(L - 1), LINEAR[n]).astype(jnp.float32)
+        got = fp8_gemv.gemv_stacked(xs[n], *w[n], jnp.int32(L - 1), LINEAR[n], tuning=first).astype(jnp.float32)
         errs.append(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
       return jnp.max(jnp.stack(errs))
 

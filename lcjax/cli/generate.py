@@ -264,6 +264,7 @@ def _generate() -> None:
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
+  from lcjax.ops import fp8_gemv
   from lcjax.tokenizer import find_tokenizer
   run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
   compile_cache.enable(run.compile_cache)         # before anything compiles
@@ -272,6 +273,7 @@ def _generate() -> None:
   check_context_length(model_cfg, run)
   weights = WeightFormat().for_run(run.weight_dtype) if ckpt is None else checkpoint_format(ckpt).for_run(
       run.weight_dtype)
+  placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # a linear kernel that cannot serve
   plan = planlib.plan(model_cfg, run, weights=weights)
   print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))

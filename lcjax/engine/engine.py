@@ -34,6 +34,7 @@ from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
+from lcjax.ops import fp8_gemv
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
@@ -121,9 +122,11 @@ class Engine:
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
     self.weights = weight_format(params).for_run(self.run.weight_dtype)
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
-    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh, jax.default_backend())
+    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh, fp8_gemv.unsupported())
     if self.weights.fp8 and self.decode_linear == "xla":
-      _log.info("decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
+      # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
+      _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
+               "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention, self.weights)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
@@ -218,6 +221,7 @@ class Engine:
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
     weights = WeightFormat().for_run(run.weight_dtype)
+    placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
@@ -252,6 +256,7 @@ class Engine:
     weights = checkpoint_format(ckpt_dir).for_run(run.weight_dtype)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
+    placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # and a linear kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)

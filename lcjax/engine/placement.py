@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
+from lcjax.ops import fp8_gemv
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -73,9 +74,10 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
   return serving, rep
 
 
-def decode_linear(run: RunConfig, weights: WeightFormat, mesh, platform: str) -> tuple[str, str]:
+def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: str | None) -> tuple[str, str]:
   """(Llama's decode_linear for RunConfig.linear_kernel, why): what multiplies fp8 weights in decode-sized
-  calls. A kernel asked for by name that cannot serve raises ConfigError; "auto" says why it took "xla"."""
+  calls. no_kernel: why the fp8 GEMV kernel cannot run on this machine (lcjax.ops.fp8_gemv.unsupported), None
+  when it can. A kernel asked for by name that cannot serve raises ConfigError; "auto" says why it took "xla"."""
   ask = run.linear_kernel
   named = ask in ("pallas", "pallas-interpret")
   if not weights.fp8:
@@ -88,13 +90,10 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, platform: str) ->
     if named:
       raise ConfigError(f"linear_kernel={ask!r}: {why}")
     return "xla", why
-  gpu = platform in ("gpu", "cuda")
-  if ask == "pallas" and not gpu:
-    raise ConfigError(f"linear_kernel='pallas' needs a CUDA GPU, not {platform!r} ('pallas-interpret' runs it in "
-                      "the Pallas interpreter)")
+  if ask == "pallas" and no_kernel:
+    raise ConfigError(f"linear_kernel='pallas': {no_kernel} ('pallas-interpret' runs it in the Pallas interpreter)")
   if ask == "auto":
-    return ("pallas", "linear_kernel='auto' on a GPU") if gpu else (
-        "xla", f"linear_kernel='auto' on {platform!r}: the fp8 GEMV kernel needs a CUDA GPU")
+    return ("xla", f"linear_kernel='auto': {no_kernel}") if no_kernel else ("pallas", "linear_kernel='auto'")
   return ask, f"linear_kernel={ask!r}"
 
 
@@ -103,11 +102,10 @@ def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, 
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode and the kernel of
   decode-sized fp8 products."""
   serving, _ = serving_config(model_cfg, run)
-  platform = jax.default_backend()
-  run = run.for_platform(platform)
+  run = run.for_platform(jax.default_backend())
   mesh = mesh if mesh is not None and mesh.size > 1 else None
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               weights=weights, decode_linear=decode_linear(run, weights, mesh, platform)[0],
+               weights=weights, decode_linear=decode_linear(run, weights, mesh, fp8_gemv.unsupported())[0],
                rngs=rngs or nnx.Rngs(0))
 
 

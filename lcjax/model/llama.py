@@ -300,6 +300,8 @@ class Llama(nnx.Module):
     "pallas-interpret" (that kernel in the Pallas interpreter, for CPUs)."""
     if decode_linear not in DECODE_LINEAR:
       raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
+    if decode_linear != "xla" and not weights.fp8:
+      raise ValueError(f"{decode_linear=} multiplies fp8 weights; these are in the parameter dtype")
     if decode_linear != "xla" and mesh is not None and mesh.size > 1:
       raise ValueError(f"{decode_linear=} runs on one device, not a mesh of {dict(mesh.shape)}")
     self.cfg = cfg

@@ -19,15 +19,19 @@ The widening is exact: every e4m3 value is a float16. The activations become flo
 first divided by a power of two that brings its absmax to at most 2^14 (bf16's 8 significant bits fit float16's
 11; only values below 2^-28 of the row's absmax, too small to change any sum, lose bits), and the kernel's sums
 are multiplied back. float32 activations (runs in float32, the CPU tests) are split into two float16 parts,
-x = hi + lo, each multiplied by the tile: 22 significant bits. So the kernel computes the widened product of
-lcjax.ops.linear.dense (x times the dequantized weight, float32 sums) and differs from `gemv_stacked_reference` by
-summation order (and for float32 activations the last two bits of x) only.
+x = hi + lo, each multiplied by the tile: 22 significant bits for values down to 2^-17 of the row's absmax, an
+absolute error under 2^-39 of it below (lo is then a float16 subnormal). So the kernel computes the widened
+product of lcjax.ops.linear.dense (x times the dequantized weight, float32 sums) and differs from
+`gemv_stacked_reference` by summation order (and for float32 activations the last bits of x) only.
 
 Weights of 2 to 4 GiB are read as uint16 pairs of e4m3 bytes (`pack` 2): the Triton lowering addresses an array
 of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31 elements (a Llama-3-8B w_gate_up stack
 is 3.5 GiB: CUDA_ERROR_ILLEGAL_ADDRESS on its upper layers); two-byte elements keep every offset below 2^31. Each
 pair is split into its two bytes in registers (little-endian: column 2c is the low byte), and x arrives with its
-even and odd columns apart. Larger arrays get 64-bit offsets from the lowering and are read byte by byte.
+even and odd columns apart. Larger arrays get 64-bit offsets from the lowering and are read byte by byte. The
+uint16 operand is XLA's bitcast_convert of the e4m3 stack, which changes the element width: XLA may expand it
+into a copy of the stack (outside the layer scan, once per decode call; not in the memory plan), unchecked on a
+GPU so far (benchmarks/NOTES-fp8w.md).
 
 Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
 N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.
@@ -41,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
+from lcjax.ops.pallas_backend import compute_capability
 
 _X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
 
@@ -57,6 +62,17 @@ class GemvTuning:
   num_stages: int = 3
   max_rows: int = WIDEN_MAX_ROWS # more rows than this is not decode-shaped: the fp8 x fp8 GEMM serves it
   pack: int | None = None        # e4m3 values per loaded element, 1 or 2; None: `pack_for` the weight's size
+
+
+def unsupported() -> str | None:
+  """Why the kernel cannot be compiled here (None: it can): it needs a CUDA GPU that converts e4m3 in hardware
+  (sm_89+; measured on sm_90)."""
+  if jax.default_backend() != "gpu":
+    return f"the fp8 GEMV kernel needs a CUDA GPU, not {jax.default_backend()!r}"
+  cc = compute_capability()
+  if cc is None or cc < (8, 9):
+    return f"the fp8 GEMV kernel needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
+  return None
 
 
 def pack_for(nbytes: int) -> int:
@@ -156,8 +172,7 @@ def scale_rows(x2):
   the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
   xf = x2.astype(jnp.float32)
   m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-  e = jnp.where(m > 0, jnp.ceil(jnp.log2(jnp.where(m > 0, m, 1.0))) - _X_ABSMAX_LOG2, 0.0)
-  s = jnp.exp2(e)
+  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - _X_ABSMAX_LOG2)       # m / s in [2^13, 2^14): exact exponent
   xf = xf / s
   hi = xf.astype(jnp.float16)
   if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:
@@ -176,6 +191,9 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   if pack not in (1, 2) or Kd % pack:
     raise ValueError(f"pack={pack} must be 1 or 2 and divide the contracted length Kd={Kd}")
   p = plan(R, N, Kd // pack, dataclasses.replace(tuning, block_k=max(1, tuning.block_k // pack)))
+  if not interpret and min(p.bn, p.bk) < 16:
+    raise ValueError(f"tiles bn={p.bn} x bk={p.bk} of N={N}, Kd={Kd} (pack {pack}) are under the tensor-core dot's "
+                     "16: N and Kd / pack need a power-of-two factor of 16")
   x16, xs = scale_rows(x.reshape(R, Kd))
   x16 = jnp.pad(x16, ((0, 0), (0, p.Rp - R), (0, 0)))                 # [P, Rp, Kd]
   x16 = jnp.moveaxis(x16.reshape(x16.shape[0], p.Rp, Kd // pack, pack), 3, 1)   # [P, pack, Rp, Kd / pack]

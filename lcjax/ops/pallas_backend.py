@@ -29,7 +29,7 @@ from lcjax.ops.cudnn import PAGED_PAST, CudnnBackend, paged_case
 PREFIX_BLOCK_TOKENS = 131072
 
 
-def _compute_capability() -> tuple[int, int] | None:
+def compute_capability() -> tuple[int, int] | None:
   """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
   cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
   return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
@@ -38,7 +38,7 @@ def _compute_capability() -> tuple[int, int] | None:
 def _on_hopper() -> str | None:
   if jax.default_backend() != "gpu":
     return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
-  cc = _compute_capability()
+  cc = compute_capability()
   if cc is None or cc < (9, 0):
     return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
   return None
@@ -46,7 +46,7 @@ def _on_hopper() -> str | None:
 
 def _on_sm90() -> str | None:
   """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
-  cc = _compute_capability()
+  cc = compute_capability()
   if cc is None or cc[0] != 9:
     return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
   return None

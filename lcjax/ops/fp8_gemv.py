@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
 from lcjax.ops.pallas_backend import compute_capability
+from lcjax.ops.pallas_paged import next_pow2
 
 _X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
 
@@ -85,10 +86,6 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return math.gcd(n, 1 << (max(1, cap).bit_length() - 1))
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The kernel's shapes for one call."""
@@ -119,7 +116,7 @@ def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
     S, steps = 1, Kd // bk
     while (N // bn) * S < tuning.target_programs and steps % 2 == 0 and steps // 2 >= tuning.min_steps:
       S, steps = S * 2, steps // 2
-  return Plan(R=R, Rp=max(16, _next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
+  return Plan(R=R, Rp=max(16, next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
 
 
 def _layout(x_shape, w_shape, spec: str):

@@ -62,7 +62,7 @@ class PagedTuning:
   max_rows: int = 64                 # above this many rows per kv head the call is prefill, not decode
 
 
-def _next_pow2(n):
+def next_pow2(n):
   return 1 << max(0, (n - 1).bit_length())
 
 
@@ -208,7 +208,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   if quantized != (v_scale is not None):
     raise ValueError(f"k_scale and v_scale come together, got {k_scale is None=} {v_scale is None=}")
   R0 = T * G
-  R = max(tuning.min_rows, _next_pow2(R0))
+  R = max(tuning.min_rows, next_pow2(R0))
   if R > tuning.max_rows:
     raise ValueError(f"{T=} * {G=} query rows per kv head exceed {tuning.max_rows=}; this is prefill, not decode")
   for name, n in (("page size Z", Z), ("head dim H", H)):
@@ -242,7 +242,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
   # Partials of S2 >= S_ splits (a power of two: the combine loads a row's splits as one block); the kernel
   # writes the S_ that run, and only their R0 real rows.
-  S2 = _next_pow2(S_)
+  S2 = next_pow2(S_)
   o, lse = pl.pallas_call(
       kernel,
       grid=(B, K, S_),

@@ -128,7 +128,8 @@ class Engine:
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
-                                                                      self.attention, self.weights)
+                                                                      self.attention, self.weights,
+                                                                      linear=self.decode_linear)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
                             cache_dtype=self.run.resolved_cache_dtype, page_size=self.run.page_size)
     if self.run.attention_dtype != "auto":

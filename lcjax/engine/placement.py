@@ -98,22 +98,22 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: str | 
 
 
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
-                  weights: WeightFormat = WeightFormat()) -> Llama:
+                  weights: WeightFormat = WeightFormat(), linear: str | None = None) -> Llama:
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode and the kernel of
-  decode-sized fp8 products."""
+  decode-sized fp8 products (`linear`: Llama's decode_linear; None: `decode_linear` decides)."""
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
-  mesh = mesh if mesh is not None and mesh.size > 1 else None
+  if linear is None:
+    linear, _ = decode_linear(run, weights, mesh, fp8_gemv.unsupported())
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               weights=weights, decode_linear=decode_linear(run, weights, mesh, fp8_gemv.unsupported())[0],
-               rngs=rngs or nnx.Rngs(0))
+               weights=weights, decode_linear=linear, rngs=rngs or nnx.Rngs(0))
 
 
 def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None,
-                      weights: WeightFormat = WeightFormat()):
+                      weights: WeightFormat = WeightFormat(), linear: str | None = None):
   """(graphdef, NamedSharding of every parameter) of the serving model on `mesh`, allocating nothing."""
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention,
-                                                                      weights=weights)), nnx.Param)
+                                                                      weights=weights, linear=linear)), nnx.Param)
   return graphdef, sh.param_shardings(abstract, mesh)
 
 

@@ -229,31 +229,18 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_reads_the_top_of_a_4_gib_stack():
-  """A stack over 4 GiB (the 70B's w_gate_up over 10 layers: 4.4 GiB), whose offsets the lowering makes 64-bit:
-  its last layer against the reference."""
-  spec, shape, L_ = LINEAR["layers/mlp/w_gate_up"], (8192, 2, 28672), 10
+@pytest.mark.parametrize("D,F,L_,min_bytes,pack", [
+    (8192, 28672, 10, 2 ** 32 + 1, 1),   # the 70B's w_gate_up over 10 layers, 4.4 GiB: 64-bit offsets, bytes
+    (4096, 14336, 26, 2 ** 31, 2),       # Llama-3-8B's over 26 layers, 3.05 GiB: uint16 pairs (one-byte offsets
+])                                       # wrapped past 2^31 there)
+def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
+  """The last layer of a stack over 2 GiB, whose bytes lie past 2^31, against the reference."""
+  spec, shape = LINEAR["layers/mlp/w_gate_up"], (D, 2, F)
   key = jax.random.PRNGKey(0)
   w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
       jax.random.normal(key, (L_, *shape), jnp.bfloat16) * 0.02)
-  assert w8.size > 2 ** 32 and fp8_gemv.pack_for(w8.size) == 1
-  x = jax.random.normal(key, (1, 1, 8192), jnp.bfloat16)
-  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
-  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
-  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-  assert err < 2 ** -8, err
-
-
-@pytest.mark.gpu
-def test_gpu_kernel_reads_the_top_of_a_3_gib_stack():
-  """A stack of 2 to 4 GiB (Llama-3-8B's w_gate_up over 26 layers: 3.05 GiB), read as uint16 pairs: its last
-  layer, whose bytes lie past 2^31, against the reference (one-byte offsets wrapped there)."""
-  spec, shape, L_ = LINEAR["layers/mlp/w_gate_up"], (4096, 2, 14336), 26
-  key = jax.random.PRNGKey(0)
-  w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
-      jax.random.normal(key, (L_, *shape), jnp.bfloat16) * 0.02)
-  assert fp8_gemv.pack_for(w8.size) == 2
-  x = jax.random.normal(key, (1, 1, 4096), jnp.bfloat16)
+  assert w8.size >= min_bytes and fp8_gemv.pack_for(w8.size) == pack
+  x = jax.random.normal(key, (1, 1, D), jnp.bfloat16)
   got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
   want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))

@@ -145,8 +145,8 @@ def main(argv):
       if not (("_decode" in name or "_prefill" in name) and name.endswith("after_optimizations.txt")):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   print(f"{FLAGS.phase} at {FLAGS.context:,} ({eng.attention.name}, {res.stats['linear']}, "
-        f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, traced {traced_ms:.2f}" + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode"
-                                                               else ""))
+        f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, traced {traced_ms:.2f}"
+        + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode" else ""))
   for line, rep in report["lines"].items():
     print(f"  [{line}] {rep['total_ms_per_token']:.3f} ms/token of device time in {rep['events']} kinds")
     for e in rep["kernels"][:FLAGS.top]:

@@ -27,11 +27,12 @@
 #                 kernel's jnp model, CPU), fp8-weights-quality (fp8 weights against transformers, CPU; needs
 #                 LLMCOMPRESSOR_PYTHON, a Python with llm-compressor: tools/eval_fp8_weights.py)
 #                                                                                 ~1 min, CPU ~10 + 30 min
-#   fp8w          fp8w.{json,md}: fp8 weights: fp8w-70b-h200 (Llama-3.1-70B shape, all 80 layers, fp8 KV),
-#                 fp8w-8b-h200 (Llama-3-8B shape beside bf16 weights and HF), linear-fp8-h200 (the products alone)
-#                                                                                             ~2.5 + 4 + 4 min
-#                 The committed fp8w.md holds shorter calls of these commands: fp8w-70b-h200 at 128K only,
-#                 fp8w-8b-h200 at 128K without hf, linear-fp8-h200 of the 8B preset only (NOTES-fp8w.md, calls 6-8).
+#   fp8w          fp8w.{json,md}: fp8 weights: the Llama-3.1-70B shape (all 80 layers) with fp8 KV at 128K
+#                 (fp8w-70b-h200), with bf16 and fp8 KV at 32K and bf16 KV at 128K (fp8w-70b-kv-h200), with fp8 KV
+#                 at 256K (fp8w-70b-256k-h200); the Llama-3-8B shape beside bf16 weights and HF (fp8w-8b-h200) and
+#                 at 512K (fp8w-8b-512k-h200); linear-fp8-h200 (the products alone)     ~1 + 2.5 + 4 + 2 + 2 + 4 min
+#                 The committed linear-fp8-h200 is a shorter call of its command: the 8B preset only (NOTES-fp8w.md,
+#                 call 6).
 #   context       context.{json,md}: the context cache: context-h200-128k, context-h200-512k-fp8 and (CPU, the
 #                 bundled SmolLM2) context-smollm2-cpu                                              ~3 + 5 min, CPU
 #   startup       startup.{json,md}: startup-h200, CLI starts with the compilation cache off, cold and warm
@@ -133,11 +134,17 @@ for step in "${steps[@]}"; do
         --work="$P/fp8-weights-work" --out="$P" --name=fp8-weights-quality
       rm -rf "$P/fp8-weights-work" ;;
     fp8w)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --preset=llama3.1-70b \
-        --impls=lcjax-fp8w-fp8kv --contexts=32768,131072 --decode_steps=16 --time_budget_s=240 --out="$P" \
-        --name=fp8w-70b-h200
-      python3 tools/bench_longctx.py --impls=lcjax-fp8,lcjax-fp8w-fp8,hf --contexts=32768,131072 --decode_steps=32 \
-        --limits=hf:131072 --time_budget_s=400 --out="$P" --name=fp8w-8b-h200
+      for args in "--impls=lcjax-fp8w-fp8kv --contexts=131072 --time_budget_s=260 --name=fp8w-70b-h200" \
+          "--impls=lcjax-fp8w,lcjax-fp8w-fp8kv --contexts=32768,131072 --limits=lcjax-fp8w-fp8kv:32768 \
+           --time_budget_s=460 --name=fp8w-70b-kv-h200" \
+          "--impls=lcjax-fp8w-fp8kv --contexts=262144 --time_budget_s=400 --name=fp8w-70b-256k-h200"; do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --preset=llama3.1-70b --decode_steps=16 \
+          --out="$P" $args
+      done
+      python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8,lcjax-fp8,hf --contexts=32768,131072 --decode_steps=32 \
+        --limits=hf:131072 --time_budget_s=290 --out="$P" --name=fp8w-8b-h200
+      python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 --contexts=524288 --decode_steps=32 --time_budget_s=200 \
+        --out="$P" --name=fp8w-8b-512k-h200
       python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --gemv_tunings=default,pack=2 \
         --out="$P" --name=linear-fp8-h200 ;;
     context)

@@ -121,20 +121,31 @@ def longctx_8b_headline() -> list[str]:
 
 
 # FP8 weights: one row per (part of fp8w.json, context, implementation).
-FP8W = [("fp8w-70b-h200", 131072, "lcjax-fp8w-fp8kv", "Llama-3.1-70B shape, all 80 layers, fp8 weights", "bf16"),
-        ("fp8w-8b-h200", 131072, "lcjax-fp8w-fp8", "Llama-3-8B shape, fp8 weights", "FP8"),
-        ("fp8w-8b-h200", 131072, "lcjax-fp8", "Llama-3-8B shape, bf16 weights", "FP8")]
+L70, L8 = "Llama-3.1-70B shape, all 80 layers, fp8 weights", "Llama-3-8B shape"
+FP8W = [("fp8w-70b-kv-h200", 32768, "lcjax-fp8w", L70, "bf16 KV, bf16"),
+        ("fp8w-70b-kv-h200", 32768, "lcjax-fp8w-fp8kv", L70, "fp8 KV, bf16"),
+        ("fp8w-70b-kv-h200", 131072, "lcjax-fp8w", L70, "bf16 KV, bf16"),
+        ("fp8w-70b-h200", 131072, "lcjax-fp8w-fp8kv", L70, "fp8 KV, bf16"),
+        ("fp8w-70b-256k-h200", 262144, "lcjax-fp8w-fp8kv", L70, "fp8 KV, bf16"),
+        ("fp8w-8b-h200", 32768, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8"),
+        ("fp8w-8b-h200", 32768, "lcjax-fp8", L8 + ", bf16 weights", "fp8 KV, FP8"),
+        ("fp8w-8b-h200", 32768, "hf", L8 + ", HF transformers (bf16)", "bf16 KV, SDPA"),
+        ("fp8w-8b-h200", 131072, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8"),
+        ("fp8w-8b-h200", 131072, "lcjax-fp8", L8 + ", bf16 weights", "fp8 KV, FP8"),
+        ("fp8w-8b-h200", 131072, "hf", L8 + ", HF transformers (bf16)", "bf16 KV, SDPA"),
+        ("fp8w-8b-512k-h200", 524288, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8")]
 
 
 def _fp8w_cells(r: dict) -> list[str]:
+  plan = "-" if r.get("planned_gib") is None else f"{r['planned_gib']:.1f}"
   return [f"{_sig3(r['prefill_s'])} s", f"{_sig3(r['decode_ms_per_token'])} ms/token",
-          f"{r['peak_gib']:.1f} / {r['planned_gib']:.1f} GiB"]
+          f"{r['peak_gib']:.1f} / {plan} GiB"]
 
 
 def fp8w() -> list[str]:
   out = [[model, attention, _ctx(S), *_fp8w_cells(_one(_rows("fp8w", part), S=S, impl=impl)), _file("fp8w", part)]
          for part, S, impl, model, attention in FP8W]
-  return _table(["model", "attention", "context", "prefill", "decode", "peak / plan", "file"], out)
+  return _table(["model", "KV, attention", "context", "prefill", "decode", "peak / plan", "file"], out)
 
 
 def fp8w_70b_headline() -> list[str]:

@@ -779,8 +779,11 @@ def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
   _idle(eng)
 
 
+# The child compiles as the test processes do (XLA's optimizations off, tests/conftest.py): only its save matters.
 _KILLED_SAVE = """
 import sys, time
+import jax
+jax.config.update("jax_disable_most_optimizations", True)
 from lcjax.config import preset, RunConfig
 from lcjax.engine import context as ctxlib
 from lcjax.engine.engine import Engine
@@ -811,8 +814,7 @@ def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
   p.send_signal(signal.SIGKILL)
   p.wait()
   assert os.path.isdir(tmp) and not dst.exists(), p.stderr.read()[-2000:]
-  eng = Engine.random(TINY, run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
-                                          prefill_chunk=32))
+  eng = _engine(max_batch=1)            # the programs of the other max_batch=1 engine here: compiled once
   for path, why in ((dst, "no such context directory"), (tmp, "not a complete saved context")):
     with pytest.raises(ContextError, match=why) as e:
       eng.load_context(path)

@@ -87,6 +87,20 @@ def part_bytes(request, monkeypatch):
   return request.param
 
 
+_CONVERTED: dict = {}
+
+
+@pytest.fixture
+def converted(hf_dirs, part_bytes, tmp_path_factory):
+  """The single-file HF model converted once per part_bytes setting (the module's tests that only read it share
+  it; a test that converts for its own checks, or damages what it converted, converts its own)."""
+  if part_bytes not in _CONVERTED:
+    dst = str(tmp_path_factory.mktemp(f"converted-{part_bytes}") / "ckpt")
+    convert_hf(hf_dirs[1], dst, progress=False)
+    _CONVERTED[part_bytes] = dst
+  return _CONVERTED[part_bytes]
+
+
 def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path, part_bytes):
   model, single, _ = hf_dirs
   dst = str(tmp_path / "ckpt")
@@ -148,13 +162,11 @@ def test_bfloat16_cast_and_restore_dtype(hf_dirs, tmp_path):
   np.testing.assert_array_equal(got32["layers/attn/wqkv"], w.astype(np.float32))
 
 
-def _restore_with_specs(hf_dirs, tmp_path, mesh, specs):
-  """Convert the single-file HF model, restore it with `specs` (name -> PartitionSpec, others replicated) on
+def _restore_with_specs(hf_dirs, dst, mesh, specs):
+  """Restore dst (the single-file HF model converted) with `specs` (name -> PartitionSpec, others replicated) on
   `mesh`, and check every array's sharding and values against the oracle."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  model, single, _ = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(single, dst, progress=False)
+  model = hf_dirs[0]
   abstract = _abstract(CFG)
   shardings = jax.tree_util.tree_map_with_path(
       lambda p, v: NamedSharding(mesh, specs.get("/".join(k.key for k in p), P())), abstract,
@@ -168,29 +180,27 @@ def _restore_with_specs(hf_dirs, tmp_path, mesh, specs):
     np.testing.assert_array_equal(np.asarray(arr), want[name], err_msg=name)
 
 
-def test_restore_places_arrays_with_their_sharding(hf_dirs, tmp_path, part_bytes):
+def test_restore_places_arrays_with_their_sharding(hf_dirs, converted):
   from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((2, 2), ("seq", "tensor"), devices=jax.devices()[:4])
-  _restore_with_specs(hf_dirs, tmp_path, mesh, {
+  _restore_with_specs(hf_dirs, converted, mesh, {
       "embed/embedding": P("tensor", None), "layers/attn/wqkv": P(None, None, "tensor", None, None),
       "layers/mlp/w_gate_up": P(None, None, None, "tensor"), "layers/mlp/w_down": P(None, "tensor", None)})
 
 
-def test_restore_on_explicit_mesh_with_parts_that_do_not_split(hf_dirs, tmp_path, part_bytes):
+def test_restore_on_explicit_mesh_with_parts_that_do_not_split(hf_dirs, converted):
   """jax.make_mesh's Explicit axes: the vocab (320) splits over tensor=5 but a 32-row stored part does not, so
   the part is read whole on that axis and placed into the split array."""
   from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((1, 5), ("seq", "tensor"), devices=jax.devices()[:5])
   assert jax.sharding.AxisType.Explicit in mesh.axis_types
-  _restore_with_specs(hf_dirs, tmp_path, mesh, {"embed/embedding": P("tensor", None)})
+  _restore_with_specs(hf_dirs, converted, mesh, {"embed/embedding": P("tensor", None)})
 
 
-def test_load_checkpoint_on_a_mesh(hf_dirs, tmp_path, part_bytes):
+def test_load_checkpoint_on_a_mesh(hf_dirs, converted):
   from lcjax.checkpoint import load_checkpoint
   from lcjax.sharding import make_mesh, param_shardings
-  model, single, _ = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(single, dst, progress=False)
+  model, dst = hf_dirs[0], converted
   mesh = make_mesh(tensor=2, seq=2, devices=jax.devices()[:4])
   cfg, params, tok = load_checkpoint(dst, dtype="float32", mesh=mesh, progress=False)
   assert cfg == load_config(dst) and tok.bos_id == 0

@@ -31,8 +31,8 @@
 #                 (fp8w-70b-h200), with bf16 and fp8 KV at 32K and bf16 KV at 128K (fp8w-70b-kv-h200), with fp8 KV
 #                 at 256K (fp8w-70b-256k-h200); the Llama-3-8B shape beside bf16 weights and HF (fp8w-8b-h200) and
 #                 at 512K (fp8w-8b-512k-h200); linear-fp8-h200 (the products alone)     ~1 + 2.5 + 4 + 2 + 2 + 4 min
-#                 The committed linear-fp8-h200 is a shorter call of its command: the 8B preset only (NOTES-fp8w.md,
-#                 call 6).
+#                 The committed linear-fp8-h200 was made by another command (recorded in the part: more
+#                 tunings, prefill rows), cut off before the 70B preset (NOTES-fp8w.md, call 6).
 #   context       context.{json,md}: the context cache: context-h200-128k, context-h200-512k-fp8 and (CPU, the
 #                 bundled SmolLM2) context-smollm2-cpu                                              ~3 + 5 min, CPU
 #   startup       startup.{json,md}: startup-h200, CLI starts with the compilation cache off, cold and warm

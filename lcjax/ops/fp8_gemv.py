@@ -29,9 +29,8 @@ of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31 elemen
 is 3.5 GiB: CUDA_ERROR_ILLEGAL_ADDRESS on its upper layers); two-byte elements keep every offset below 2^31. Each
 pair is split into its two bytes in registers (little-endian: column 2c is the low byte), and x arrives with its
 even and odd columns apart. Larger arrays get 64-bit offsets from the lowering and are read byte by byte. The
-uint16 operand is XLA's bitcast_convert of the e4m3 stack, which changes the element width: XLA may expand it
-into a copy of the stack (outside the layer scan, once per decode call; not in the memory plan), unchecked on a
-GPU so far (benchmarks/NOTES-fp8w.md).
+uint16 operand is XLA's bitcast_convert of the e4m3 stack, which the GPU compiler makes a bitcast of the same
+buffer, not a copy (the optimized HLO of a Llama-3-8B decode step: benchmarks/NOTES-fp8w.md, call 9).
 
 Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
 N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.

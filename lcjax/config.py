@@ -223,6 +223,8 @@ ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": 
 WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
 # RunConfig.linear_kernel: what multiplies fp8 weights in decode-sized calls (lcjax.engine.placement.decode_linear).
 LINEAR_KERNELS = ("auto", "xla", "pallas", "pallas-interpret")
+# RunConfig.page_write: what writes a decode step's K and V into fp8 pages (lcjax.engine.placement.page_write).
+PAGE_WRITES = ("auto", "xla", "pallas", "pallas-interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +280,9 @@ class RunConfig:
                                      # else xla), "pallas" (lcjax.ops.fp8_gemv: reads the stacked fp8 weights in
                                      # place, one byte a weight), "xla" (widened by XLA: a copy in dtype of each
                                      # layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
+  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas on a GPU, else
+                                     # xla), "pallas" (lcjax.ops.fp8_page_write: K, V and their page scales in
+                                     # one kernel), "xla" (nine small XLA kernels a layer), "pallas-interpret"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)
@@ -318,6 +323,8 @@ class RunConfig:
       raise ConfigError(f"weight_dtype={self.weight_dtype!r} must be one of {', '.join(WEIGHT_DTYPES)}")
     if self.linear_kernel not in LINEAR_KERNELS:
       raise ConfigError(f"linear_kernel={self.linear_kernel!r} must be one of {', '.join(LINEAR_KERNELS)}")
+    if self.page_write not in PAGE_WRITES:
+      raise ConfigError(f"page_write={self.page_write!r} must be one of {', '.join(PAGE_WRITES)}")
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")

@@ -1,4 +1,5 @@
-"""fp8 page scales set by the writes (lcjax.cache.kv) against a numpy oracle.
+"""fp8 page scales set by the writes (lcjax.cache.kv) against a numpy oracle, through XLA and through the page-write
+kernel (lcjax.ops.fp8_page_write, in the Pallas interpreter: `kernel="pallas-interpret"`).
 
 Oracle: after any sequence of writes, a page's scale is the smallest power of two >= (max |x| over the tokens its
 sequence wrote into it) / 448, and every stored token dequantizes to its float value within e4m3's rounding (no
@@ -6,6 +7,8 @@ clipping). Whatever the split of a sequence into calls (token by token as decode
 or both), the stored values are the same wherever they are e4m3 normals.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +40,13 @@ def _empty():
   return kvc.init_cache(L, P, Z, K, H, "float8_e4m3fn")
 
 
-@jax.jit
-def _write(cache, x, slots):
-  """Write x [B, T, K, H] at slots [B, T] into layer LAYER of K (and -x into V)."""
+@functools.partial(jax.jit, static_argnames="kernel")
+def _write(cache, x, slots, kernel="xla"):
+  """Write x [B, T, K, H] at slots [B, T] into layer LAYER of K (and -x into V); `kernel`: write_kv's, for decode
+  calls (T = 1)."""
   pages = kvc.written_pages(slots, Z)
-  k, ks = kvc.write_layer(cache.k, cache.k_scale, x, slots, pages, LAYER)
-  v, vs = kvc.write_layer(cache.v, cache.v_scale, -x, slots, pages, LAYER)
-  return kvc.PagedKV(k, v, ks, vs)
+  return kvc.PagedKV(*kvc.write_kv(cache.k, cache.v, cache.k_scale, cache.v_scale, x, -x, slots, pages, LAYER,
+                                   kernel=kernel))
 
 
 def _call(seqs, start: list[int], count: list[int], T: int, pad_value=100.0):
@@ -58,13 +61,13 @@ def _call(seqs, start: list[int], count: list[int], T: int, pad_value=100.0):
   return jnp.asarray(x), jnp.asarray(slots)
 
 
-def _run(cache, seqs, schedule):
+def _run(cache, seqs, schedule, kernel="xla"):
   """Write every sequence by the chunk sizes of `schedule` (a row past its sequence's end is all padding)."""
   pos = 0
   for c in schedule:
     T = max(4, 1 << (c - 1).bit_length()) if c > 1 else 1      # chunk calls padded like the engine's buckets
     counts = [max(0, min(c, len(vals) - pos)) for _, vals in seqs]
-    cache = _write(cache, *_call(seqs, [pos] * len(seqs), counts, T))
+    cache = _write(cache, *_call(seqs, [pos] * len(seqs), counts, T), kernel=kernel)
     pos += c
   return cache
 
@@ -89,9 +92,10 @@ def _check_against_oracle(cache, seqs, sign=1.0, pool="k"):
   assert not np.any(np.asarray(arr[1 - LAYER], np.float32)) and not np.any(scales[1 - LAYER])
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_scales_follow_the_tokens_whatever_the_write_pattern(schedule):
-  cache = _run(_empty(), SEQS, SCHEDULES[schedule])
+@pytest.mark.parametrize("schedule,kernel", [(s, "xla") for s in SCHEDULES]
+                         + [(s, "pallas-interpret") for s in ("decode", "mixed", "chunk-then-decode")])
+def test_scales_follow_the_tokens_whatever_the_write_pattern(schedule, kernel):
+  cache = _run(_empty(), SEQS, SCHEDULES[schedule], kernel)
   _check_against_oracle(cache, SEQS)
   _check_against_oracle(cache, SEQS, -1.0, "v")
   # The 10x token (page 6) would be clipped at the scale of the page's earlier tokens: the oracle check above
@@ -109,7 +113,8 @@ def test_scales_follow_the_tokens_whatever_the_write_pattern(schedule):
     np.testing.assert_array_equal(np.asarray(cache.k_scale)[LAYER, table], np.asarray(one.k_scale)[LAYER, table])
 
 
-def test_a_reused_page_starts_from_its_new_tokens_scale():
+@pytest.mark.parametrize("kernel", ["xla", "pallas-interpret"])
+def test_a_reused_page_starts_from_its_new_tokens_scale(kernel):
   """A page freed by one sequence and handed to another: the first write at offset 0 drops the old owner's much
   larger scale (kept, it would push the new tokens into e4m3's subnormals)."""
   rng = np.random.default_rng(1)
@@ -118,7 +123,7 @@ def test_a_reused_page_starts_from_its_new_tokens_scale():
   assert np.asarray(cache.k_scale)[LAYER, 2].min() > 1.0
   new = [([2, 4], _tokens(7, rng))]
   for schedule in ([7], [1] * 7, [2, 5]):
-    got = _run(cache, new, schedule)
+    got = _run(cache, new, schedule, kernel)
     _check_against_oracle(got, new)
   # Copy-on-write of the new sequence's partly filled last page (4: 3 tokens), then the copy grows on its own.
   cache = kvc.copy_pages(got, jnp.asarray([4]), jnp.asarray([5]))
@@ -127,15 +132,16 @@ def test_a_reused_page_starts_from_its_new_tokens_scale():
   tail = _tokens(8, rng, big=[(7, 20.0)])
   tail[:7] = new[0][1]
   fork = [([2, 5], tail)]
-  cache = _write(cache, *_call(fork, [7], [1], 1))
+  cache = _write(cache, *_call(fork, [7], [1], 1), kernel=kernel)
   _check_against_oracle(cache, fork)
   _check_against_oracle(cache, [([4], new[0][1][4:])])          # the original page is untouched
 
 
-@pytest.mark.parametrize("schedule", ["unaligned", "chunk-then-decode"])
-def test_a_seq_shard_writes_its_own_pages_as_one_pool_does(schedule):
-  """write_shard on each of 2 shards (pages split in halves) == write_layer on the whole pool, for chunks and for
-  decode's one token per row (its own write path)."""
+@pytest.mark.parametrize("schedule,kernel", [("unaligned", "xla"), ("chunk-then-decode", "xla"),
+                                             ("chunk-then-decode", "pallas-interpret")])
+def test_a_seq_shard_writes_its_own_pages_as_one_pool_does(schedule, kernel):
+  """write_kv on each of 2 shards (pages split in halves) == on the whole pool, for chunks and for decode's one
+  token per row (its own write path, and the kernel's), the shard index traced as inside shard_map."""
   S, Pl = 2, P // 2
   whole = _run(_empty(), SEQS, SCHEDULES[schedule])
 
@@ -144,18 +150,30 @@ def test_a_seq_shard_writes_its_own_pages_as_one_pool_does(schedule):
     pages = kvc.written_pages(slots, Z)
     out = []
     for d in range(S):
-      k, ks = (p[:, d * Pl:(d + 1) * Pl] for p in parts)
-      out.append(kvc.write_shard(k, ks, x, slots, pages, d, LAYER))
+      k, v, ks, vs = (p[:, d * Pl:(d + 1) * Pl] for p in parts)
+      out.append(kvc.write_kv(k, v, ks, vs, x, -x, slots, pages, LAYER, shard=jnp.int32(d) + 0 * slots[0, 0],
+                              kernel=kernel))
     return tuple(jnp.concatenate(a, axis=1) for a in zip(*out))
 
-  parts = (_empty().k, _empty().k_scale)
+  parts = (_empty().k, _empty().v, _empty().k_scale, _empty().v_scale)
   pos = 0
   for c in SCHEDULES[schedule]:
     counts = [max(0, min(c, len(vals) - pos)) for _, vals in SEQS]
     parts = write(parts, *_call(SEQS, [pos] * 2, counts, max(4, 1 << (c - 1).bit_length()) if c > 1 else 1))
     pos += c
-  np.testing.assert_array_equal(np.asarray(parts[1]), np.asarray(whole.k_scale))
-  np.testing.assert_array_equal(np.asarray(parts[0], np.float32), np.asarray(whole.k, np.float32))
+  for got, want in zip(parts, (whole.k, whole.v, whole.k_scale, whole.v_scale)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_the_kernel_writes_what_xla_writes_bit_for_bit():
+  """Decode through the kernel and through XLA from the same chunked start: every real page's bytes and scales
+  equal (page 0, the null page, takes the padding rows of both, in whatever order)."""
+  for schedule in ("decode", "chunk-then-decode"):
+    a, b = (_run(_empty(), SEQS, SCHEDULES[schedule], kernel) for kernel in ("xla", "pallas-interpret"))
+    for x, y in zip(a.parts(), b.parts()):
+      np.testing.assert_array_equal(np.asarray(x, np.float32)[:, 1:], np.asarray(y, np.float32)[:, 1:])
+  with pytest.raises(ValueError, match="kernel='fast' must be one of xla, pallas, pallas-interpret"):
+    _write(_empty(), *_call(SEQS, [0, 0], [1, 1], 1), kernel="fast")
 
 
 def test_pages_move_with_their_scales():

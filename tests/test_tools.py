@@ -103,10 +103,12 @@ def test_check_exact_with_fp8_weights_keeps_the_oracle_unquantized(tmp_path):
 
 def test_profile_step_reports(tmp_path):
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
-           "--prefill_chunk=128", "--weight_dtype=float8_e4m3fn", f"--out={tmp_path}", "--name=prof")
+           "--prefill_chunk=128", "--weight_dtype=float8_e4m3fn", "--cache_dtype=float8_e4m3fn",
+           "--page_write=pallas-interpret", f"--out={tmp_path}", "--name=prof")
   rep = json.load(open(tmp_path / "prof.json"))
   assert rep["context"] == 200 and rep["wall_ms_per_token"] > 0 and rep["attention"] == "reference"
   assert rep["weight_dtype"].startswith("float8_e4m3fn") and "widened" in rep["linear"], rep
+  assert (rep["cache_dtype"], rep["page_write"]) == ("float8_e4m3fn", "pallas-interpret"), rep
   assert "decode at 200" in p.stdout
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--phase=prefill", "--page_size=16",
            "--prefill_chunk=128", f"--out={tmp_path}", "--name=pre")

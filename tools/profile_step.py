@@ -39,6 +39,7 @@ flags.DEFINE_string("attention", "auto", "attention backend")
 flags.DEFINE_string("attention_dtype", "auto", "auto | float8_e4m3fn | int8_fp8 (RunConfig.attention_dtype)")
 flags.DEFINE_string("weight_dtype", "auto", "auto | bfloat16 | float8_e4m3fn (RunConfig.weight_dtype)")
 flags.DEFINE_string("linear_kernel", "auto", "auto | xla | pallas (RunConfig.linear_kernel)")
+flags.DEFINE_string("page_write", "auto", "auto | xla | pallas (RunConfig.page_write)")
 flags.DEFINE_integer("prefill_chunk", 32768, "prefill chunk")
 flags.DEFINE_integer("page_size", 64, "page size")
 flags.DEFINE_integer("top", 25, "kernels printed (the JSON keeps every kernel)")
@@ -86,7 +87,7 @@ def main(argv):
                   decode_sync_every=FLAGS.decode_sync_every,
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
                   cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype,
-                  weight_dtype=FLAGS.weight_dtype, linear_kernel=FLAGS.linear_kernel,
+                  weight_dtype=FLAGS.weight_dtype, linear_kernel=FLAGS.linear_kernel, page_write=FLAGS.page_write,
                   # A traced prefill repeats the warm-up's prompt: with the prefix cache it would prefill nothing.
                   prefix_cache=FLAGS.phase == "decode")
   eng = Engine.random(cfg, run=run, seed=0)
@@ -128,6 +129,7 @@ def main(argv):
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
                 steps=FLAGS.steps, decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
                 attention=eng.attention.name, weight_dtype=res.stats["weight_dtype"], linear=res.stats["linear"],
+                cache_dtype=res.stats["cache_dtype"], page_write=res.stats["page_write"],
                 source=benchlib.source_revision(),
                 wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
                 floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})
@@ -145,6 +147,7 @@ def main(argv):
       if not (("_decode" in name or "_prefill" in name) and name.endswith("after_optimizations.txt")):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   print(f"{FLAGS.phase} at {FLAGS.context:,} ({eng.attention.name}, {res.stats['linear']}, "
+        f"{res.stats['cache_dtype']} KV written by {res.stats['page_write']}, "
         f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, traced {traced_ms:.2f}"
         + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode" else ""))
   for line, rep in report["lines"].items():

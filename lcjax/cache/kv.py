@@ -26,12 +26,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lcjax.ops import fp8_page_write
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 2.0 ** -32    # the smallest page scale (an all-zero page's)
 POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")    # [L, P, Z, K, H]
 SCALE_AXES = ("layers", "pages", "kv_heads")                     # [L, P, K]
+# write_kv(kernel=...): what writes a decode step's token per row into fp8 pools (RunConfig.page_write).
+WRITE_KERNELS = ("xla", "pallas", "pallas-interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -177,6 +180,28 @@ def write_layer(pool, scale, new, slots, pages, layer):
   [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
   otherwise). Returns (pool, scale)."""
   return _write(pool, scale, new, slots, pages, layer)
+
+
+def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla"):
+  """K and V [B, T, K, H] into layer `layer` of their pools: `write_layer` of each (shard None), or `write_shard`
+  of each on seq shard `shard`'s local pools. kernel: what writes a decode step (one token a row, T = 1) into fp8
+  pools: "xla" (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas"
+  (lcjax.ops.fp8_page_write: K, V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that
+  kernel in the Pallas interpreter). Other writes take `_write` whatever `kernel` says. Returns (k_all, v_all,
+  k_scale, v_scale)."""
+  if kernel not in WRITE_KERNELS:
+    raise ValueError(f"{kernel=} must be one of {', '.join(WRITE_KERNELS)}")
+  first = 0 if shard is None else shard * k_all.shape[1]
+  if kernel != "xla" and k_scale is not None and slots.shape[1] == 1:
+    Pl, Z = k_all.shape[1:3]
+    s = slots[:, 0]
+    page = s // Z - first
+    page = jnp.where((page >= 0) & (page < Pl), page, Pl)           # out of bounds: written nowhere
+    return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, s % Z, layer,
+                                      interpret=kernel == "pallas-interpret")
+  k_all, k_scale = _write(k_all, k_scale, k, slots, pages, layer, first)
+  v_all, v_scale = _write(v_all, v_scale, v, slots, pages, layer, first)
+  return k_all, v_all, k_scale, v_scale
 
 
 def copy_pages(cache: PagedKV, src, dst) -> PagedKV:

@@ -93,7 +93,8 @@ def _stats_table(engine, res, warmup) -> str:
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
-          ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']})"),
+          ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']}"
+                     + (f", fp8 page write: {s['page_write']})" if s["cache_dtype"] == "float8_e4m3fn" else ")")),
           ("peak device memory", (f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
                                   else "n/a on this backend") + f" (memory plan: {engine.plan.total / gib:.2f} GiB)"),
           ("peak host memory", f"{s['peak_host_bytes'] / gib:.2f} GiB")]
@@ -264,7 +265,6 @@ def _generate() -> None:
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
-  from lcjax.ops import fp8_gemv
   from lcjax.tokenizer import find_tokenizer
   run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
   compile_cache.enable(run.compile_cache)         # before anything compiles
@@ -273,7 +273,7 @@ def _generate() -> None:
   check_context_length(model_cfg, run)
   weights = WeightFormat().for_run(run.weight_dtype) if ckpt is None else checkpoint_format(ckpt).for_run(
       run.weight_dtype)
-  placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # a linear kernel that cannot serve
+  placement.check_kernels(model_cfg, run, weights, mesh)   # a kernel the run names that cannot serve
   plan = planlib.plan(model_cfg, run, weights=weights)
   print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))

@@ -127,9 +127,14 @@ class Engine:
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
+    self.page_write, why = placement.page_write(self.run, self.serving_cfg.head_dim)
+    if self.fp8_cache and self.page_write == "xla":
+      _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
+               "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", why)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention, self.weights,
-                                                                      linear=self.decode_linear)
+                                                                      linear=self.decode_linear,
+                                                                      page=self.page_write)
     self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
                             cache_dtype=self.run.resolved_cache_dtype, page_size=self.run.page_size)
     if self.run.attention_dtype != "auto":
@@ -222,7 +227,7 @@ class Engine:
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
     weights = WeightFormat().for_run(run.weight_dtype)
-    placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # refuse a kernel that cannot serve
+    placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
@@ -257,7 +262,7 @@ class Engine:
     weights = checkpoint_format(ckpt_dir).for_run(run.weight_dtype)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
-    placement.decode_linear(run, weights, mesh, fp8_gemv.unsupported())   # and a linear kernel that cannot serve
+    placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
@@ -471,6 +476,7 @@ class Engine:
     stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
                  weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
                  cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
+                 page_write=self.page_write,
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=len(r.prompt) - prefilled,
                  host_cached_tokens=r.from_host, prefill_tokens=prefilled,
                  prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,

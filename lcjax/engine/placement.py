@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
-from lcjax.ops import fp8_gemv
+from lcjax.ops import fp8_gemv, fp8_page_write
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -97,23 +97,60 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: str | 
   return ask, f"linear_kernel={ask!r}"
 
 
+def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
+  """(Llama's page_write for RunConfig.page_write, why): what writes a decode step's K and V into the cache's
+  pages (lcjax.cache.kv.write_kv). A kernel asked for by name that cannot serve raises ConfigError; "auto" says
+  why it took "xla"."""
+  ask = run.page_write
+  cache = run.for_platform(jax.default_backend()).resolved_cache_dtype
+  if cache != "float8_e4m3fn":
+    if ask in ("pallas", "pallas-interpret"):
+      raise ConfigError(f"page_write={ask!r} writes fp8 pages, and the cache holds {cache} "
+                        f"(cache_dtype={run.cache_dtype!r})")
+    return "xla", f"{cache} pages take one XLA scatter"
+  if ask == "xla":
+    return ask, "page_write='xla'"
+  if ask == "pallas-interpret":
+    no_kernel = fp8_page_write.unsupported_shape(run.page_size, head_dim)
+  else:
+    no_kernel = fp8_page_write.unsupported(run.page_size, head_dim)
+  if no_kernel and ask != "auto":
+    hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
+    raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")
+  if no_kernel:
+    return "xla", f"page_write='auto': {no_kernel}"
+  return ("pallas" if ask == "auto" else ask), f"page_write={ask!r}"
+
+
+def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat, mesh) -> None:
+  """Refuse (ConfigError) a kernel the run names that cannot serve it here: RunConfig.linear_kernel and
+  RunConfig.page_write. For the checks before any weight is read or made."""
+  decode_linear(run, weights, mesh, fp8_gemv.unsupported())
+  page_write(run, model_cfg.head_dim)
+
+
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
-                  weights: WeightFormat = WeightFormat(), linear: str | None = None) -> Llama:
-  """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode and the kernel of
-  decode-sized fp8 products (`linear`: Llama's decode_linear; None: `decode_linear` decides)."""
+                  weights: WeightFormat = WeightFormat(), linear: str | None = None,
+                  page: str | None = None) -> Llama:
+  """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode, the kernel of
+  decode-sized fp8 products (`linear`: Llama's decode_linear; None: `decode_linear` decides) and of fp8 page
+  writes (`page`: Llama's page_write; None: `page_write` decides)."""
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
   if linear is None:
     linear, _ = decode_linear(run, weights, mesh, fp8_gemv.unsupported())
+  if page is None:
+    page, _ = page_write(run, serving.head_dim)
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               weights=weights, decode_linear=linear, rngs=rngs or nnx.Rngs(0))
+               weights=weights, decode_linear=linear, page_write=page, rngs=rngs or nnx.Rngs(0))
 
 
 def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None,
-                      weights: WeightFormat = WeightFormat(), linear: str | None = None):
+                      weights: WeightFormat = WeightFormat(), linear: str | None = None, page: str | None = None):
   """(graphdef, NamedSharding of every parameter) of the serving model on `mesh`, allocating nothing."""
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention,
-                                                                      weights=weights, linear=linear)), nnx.Param)
+                                                                      weights=weights, linear=linear, page=page)),
+                                 nnx.Param)
   return graphdef, sh.param_shardings(abstract, mesh)
 
 

@@ -292,12 +292,13 @@ def repeat_kv_heads(params, rep: int):
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
                sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), decode_linear: str = "xla",
-               rngs: nnx.Rngs):
+               page_write: str = "xla", rngs: nnx.Rngs):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
     are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
     of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
     layer's slice), "pallas" (lcjax.ops.fp8_gemv's kernel on the stacked weights; one device) or
-    "pallas-interpret" (that kernel in the Pallas interpreter, for CPUs)."""
+    "pallas-interpret" (that kernel in the Pallas interpreter, for CPUs). page_write: what writes a decode
+    step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel)."""
     if decode_linear not in DECODE_LINEAR:
       raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
     if decode_linear != "xla" and not weights.fp8:
@@ -307,6 +308,9 @@ class Llama(nnx.Module):
     self.cfg = cfg
     self.weights = weights
     self.decode_linear = decode_linear
+    if page_write not in kvc.WRITE_KERNELS:
+      raise ValueError(f"{page_write=} must be one of {', '.join(kvc.WRITE_KERNELS)}")
+    self.page_write = page_write
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
@@ -347,8 +351,8 @@ class Llama(nnx.Module):
     # [L, P, K] are read the same way, as [L*P, K].
     k_all, v_all, layer, k_scale, v_scale = cache_l
     L, P = k_all.shape[:2]
-    k_all, k_scale = kvc.write_layer(k_all, k_scale, k, step.slots, step.pages, layer)
-    v_all, v_scale = kvc.write_layer(v_all, v_scale, v, step.slots, step.pages, layer)
+    k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
+                                                  layer, kernel=self.page_write)
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
     offset = layer * P                      # layer `layer`'s page p is pool page offset + p
     ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
@@ -401,8 +405,8 @@ class Llama(nnx.Module):
       gather = (lambda x: lax.all_gather(x, SEQ, axis=1, tiled=True)) if split else (lambda x: x)
       pages, ks, vs = fp8 if fp8 else (None, None, None)
       slots_all = gather(slots)
-      k_all, ks = kvc.write_shard(k_all, ks, gather(k), slots_all, pages, d, layer)
-      v_all, vs = kvc.write_shard(v_all, vs, gather(v), slots_all, pages, d, layer)
+      k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), slots_all, pages, layer,
+                                          shard=d, kernel=self.page_write)
       kp, vp = (a.reshape(L * Pl, *a.shape[2:]) for a in (k_all, v_all))
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)

@@ -1,0 +1,158 @@
+"""A decode step's K and V into fp8 pages in one kernel (Pallas, Triton lowering), pages and scales in place.
+
+`lcjax.cache.kv` stores fp8 pages as x / scale, one power-of-two float32 scale per (layer, page, kv head), and a
+decode step writes one token per row: the row's page scale becomes the max of the one it had (none when the token
+opens the page) and the token's own, the values already in the page are multiplied by old / new scale (a power of
+two, exact; 1 where the scale did not grow), and the token is quantized with the new scale. In XLA that is nine
+small kernels a layer (the pages read, the token's absmax, the scales, two page and two scale writes: about 0.4 ms
+of a Llama-3-8B token; benchmarks/NOTES-fp8w.md). Here one program per (row b, kv head h) does all of it for K and
+V: it reads the token and the old scale, computes the new scale by `scale_for`'s rule from the absmax's bits,
+rewrites the head's [Z, H] page slice and stores the scale. Pools and scales are the call's
+outputs aliased to its inputs, so nothing is copied.
+
+The result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power of two, divisions
+are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32 -> e4m3 convert
+rounds to nearest even, as XLA's does (values are clipped to +-448 first).
+
+Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.fp8_gemv.pack_for`): the
+Triton lowering addresses arrays of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31
+elements; two-byte elements keep every offset below 2^31. The pair's low byte is head-dim column 2c, so the token
+is read as its even and odd columns (strided loads). Larger pools get 64-bit offsets and are read byte by byte.
+
+Rows whose page is `Pl` (the pool's page count: a token of another shard's page, or a padding row's) write
+nothing. Two rows must not write the same page, as for `_write_one_token`, except padding rows writing the null
+page, which is never read unmasked: their races leave each byte some row's valid value.
+
+Legend: L layers, Pl pages (of this shard), Z page size, K kv heads, H head dim, B rows, `pack` e4m3 values per
+loaded element.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lcjax.ops.fp8 import E4M3_MAX
+from lcjax.ops.fp8_gemv import pack_for
+from lcjax.ops.pallas_backend import compute_capability
+
+_SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32
+_MANTISSA = (1 << 23) - 1
+_MANTISSA_1_75 = 3 << 21        # mantissa bits of 1.75
+
+
+def unsupported_shape(page_size: int, head_dim: int) -> str | None:
+  """Why the kernel cannot write pages of this shape (None: it can): Triton tensors need power-of-two sides."""
+  for name, n in (("page_size", page_size), ("head_dim", head_dim)):
+    if n < 2 or n & (n - 1):
+      return f"the fp8 page-write kernel needs a power-of-two {name}, got {n}"
+  return None
+
+
+def unsupported(page_size: int, head_dim: int) -> str | None:
+  """Why the kernel cannot be compiled here for pages of this shape (None: it can): a CUDA GPU that converts e4m3
+  in hardware (sm_89+; measured on sm_90) and `unsupported_shape`."""
+  if jax.default_backend() != "gpu":
+    return f"the fp8 page-write kernel needs a CUDA GPU, not {jax.default_backend()!r}"
+  cc = compute_capability()
+  if cc is None or cc < (8, 9):
+    return f"the fp8 page-write kernel needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
+  return unsupported_shape(page_size, head_dim)
+
+
+def _token_scale(absmax):
+  """lcjax.cache.kv.scale_for(absmax) for float32 absmax >= 0, from its bits: absmax = m 2^E with 448 = 1.75 2^8,
+  so the smallest power of two s with absmax <= 448 s is 2^(E-8) for m <= 1.75 and 2^(E-7) above, at least 2^-32.
+  No division: scale_for's absmax / 448 rounds to nearest, and never onto a power of two from above (the
+  smallest excess, 1.75 2^E (1 + 2^-23) / 448, is 0.57 ulp), so both rules give the same scale."""
+  bits = jax.lax.bitcast_convert_type(absmax, jnp.int32)
+  e = jnp.where((bits & _MANTISSA) <= _MANTISSA_1_75, (bits >> 23) - 8, (bits >> 23) - 7)
+  return jax.lax.bitcast_convert_type(jnp.maximum(e, _SCALE_FLOOR_EXP) << 23, jnp.float32)
+
+
+def _reciprocal(s):
+  """1 / s for a float32 power of two s in [2^-126, 2^126], exact."""
+  return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
+
+
+def _kernel(layer_ref, page_ref, offset_ref, kx_ref, vx_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref,
+            *, pages: int, pack: int):
+  """Program (b, h): row b's token of kv head h into its page (K then V). x_ref [B, K, pack, H / pack] holds the
+  token's columns j mod pack at j; pool refs [L, Pl, Z, K, H / pack], scale refs [L, Pl, K]."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  del k_in, v_in, ks_in, vs_in                       # aliased to the outputs
+  b, h = pl.program_id(0), pl.program_id(1)
+  layer, page, offset = layer_ref[0], page_ref[b], offset_ref[b]
+  keep = page < pages                                # False for rows that write nothing here
+  pc = jnp.minimum(page, pages - 1)
+
+  for x_ref, pool_ref, scale_ref in ((kx_ref, k_ref, ks_ref), (vx_ref, v_ref, vs_ref)):
+    xs = [x_ref[b, h, j, :].astype(jnp.float32) for j in range(pack)]        # pack x [H / pack]
+    absmax = jnp.abs(xs[0]).max()
+    for xj in xs[1:]:
+      absmax = jnp.maximum(absmax, jnp.abs(xj).max())
+    old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])              # 0: the token opens the page
+    new = jnp.maximum(old, _token_scale(absmax))
+    inv = _reciprocal(new)
+    ratio = old * inv
+    stored = pool_ref[layer, pc, :, h, :]                                    # [Z, H / pack]
+    here = jax.lax.broadcasted_iota(jnp.int32, stored.shape, 0) == offset
+    out = None
+    for j in range(pack):
+      if pack == 1:
+        sj = stored
+      else:
+        byte = jax.lax.shift_right_logical(stored, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
+        sj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+      y = jnp.clip(xs[j] * inv, -E4M3_MAX, E4M3_MAX)                        # [H / pack]
+      vj = jnp.where(here, jnp.broadcast_to(y[None, :], stored.shape), sj.astype(jnp.float32) * ratio)
+      vj = vj.astype(jnp.float8_e4m3fn)
+      if pack == 1:
+        out = vj
+      else:
+        part = jax.lax.bitcast_convert_type(vj, jnp.uint8).astype(jnp.uint16) << jnp.uint16(8 * j)
+        out = part if out is None else out | part
+    pltriton.store(pool_ref.at[layer, pc, :, h, :], out, mask=jnp.broadcast_to(keep, out.shape))
+    pltriton.store(scale_ref.at[layer, pc, h], new, mask=keep)
+
+
+def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer, *, num_warps: int = 4,
+                pack: int | None = None, interpret: bool = False):
+  """Row b's token k_new[b], v_new[b] [K, H] into page page[b] (local; Pl: written nowhere) at offset[b] of layer
+  `layer` of fp8 pools [L, Pl, Z, K, H] with scales [L, Pl, K]. Returns (k_pool, v_pool, k_scale, v_scale), the
+  pools updated in place (donate them). pack: e4m3 values per loaded element, 1 or 2 (None: `pack_for` the
+  pool's size)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+  L, Pl, Z, K, H = k_pool.shape
+  B = k_new.shape[0]
+  why = unsupported_shape(Z, H)
+  if why:
+    raise ValueError(why)
+  if k_pool.dtype != jnp.float8_e4m3fn or v_pool.shape != k_pool.shape or k_new.shape != (B, K, H):
+    raise ValueError(f"pools {k_pool.dtype}{tuple(k_pool.shape)} / {v_pool.dtype}{tuple(v_pool.shape)} and tokens "
+                     f"{tuple(k_new.shape)}: need float8_e4m3fn pools [L, Pl, Z, K, H] and tokens [B, K, H]")
+  pack = pack or pack_for(k_pool.size)
+  if pack not in (1, 2):
+    raise ValueError(f"pack={pack} must be 1 or 2")
+  pools = (k_pool, v_pool)
+  if pack == 2:
+    pools = tuple(jax.lax.bitcast_convert_type(p.reshape(L, Pl, Z, K, H // 2, 2), jnp.uint16) for p in pools)
+  xs = tuple(jnp.moveaxis(x.reshape(B, K, H // pack, pack), 3, 2) for x in (k_new, v_new))   # [B, K, pack, H/pack]
+  whole = pl.no_block_spec
+  out = pl.pallas_call(
+      lambda *refs: _kernel(*refs, pages=Pl, pack=pack),
+      grid=(B, K),
+      in_specs=[whole] * 9,
+      out_specs=[whole] * 4,
+      out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*pools, k_scale, v_scale)],
+      input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3},
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="lcjax_fp8_page_write",
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), page.astype(jnp.int32), offset.astype(jnp.int32), *xs, *pools,
+    k_scale, v_scale)
+  k_out, v_out, ks, vs = out
+  if pack == 2:
+    k_out, v_out = (jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn).reshape(L, Pl, Z, K, H) for p in (k_out, v_out))
+  return k_out, v_out, ks, vs

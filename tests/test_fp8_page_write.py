@@ -1,0 +1,177 @@
+"""The fp8 page-write kernel (lcjax.ops.fp8_page_write) and the engine's decode steps through it.
+
+Oracles: XLA's write of the same tokens (lcjax.cache.kv._write_one_token, bit for bit), whose scales and values
+tests/test_kv.py checks against numpy for both paths; the engine with page_write="xla" for the same model. On
+CPUs the kernel runs in the Pallas interpreter; the gpu tests compile it.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lcjax
+from lcjax.cache import kv as kvc
+from lcjax.config import ConfigError, RunConfig, preset
+from lcjax.engine import placement
+from lcjax.ops import fp8_page_write
+
+
+def _case(L, P, Z, K, H, B, seed=0):
+  """fp8 pools with scales, and B decode tokens: row 0 opens page 1, row 1 brings a 1000x token into page 4 (its
+  scale grows), row 2 writes nowhere (page P), the others small tokens (scales kept) into pages P-1, P-2, ...
+  (skipping 1 and 4: rows write distinct pages)."""
+  rng = np.random.default_rng(seed)
+  pools = [jnp.asarray(rng.normal(size=(L, P, Z, K, H)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
+           for _ in range(2)]
+  scales = [jnp.asarray(2.0 ** rng.integers(-6, 2, size=(L, P, K)), jnp.float32) for _ in range(2)]
+  toks = rng.normal(size=(2, B, K, H))
+  toks[:, 1] *= 1000.0
+  toks[:, 3:] *= 0.01
+  page = np.array([1, 4, P] + [p for p in range(P - 1, 0, -1) if p not in (1, 4)][:B - 3], np.int32)
+  offset = np.array([0] + [(3 * i + 1) % Z for i in range(1, B)], np.int32)
+  k, v = (jnp.asarray(t, jnp.bfloat16) for t in toks)
+  return (*pools, *scales, k, v, jnp.asarray(page), jnp.asarray(offset))
+
+
+def _reference(k_pool, v_pool, ks, vs, k, v, page, offset, layer):
+  kp, ks = kvc._write_one_token(k_pool, ks, k.astype(jnp.float32), page, offset, layer)
+  vp, vs = kvc._write_one_token(v_pool, vs, v.astype(jnp.float32), page, offset, layer)
+  return kp, vp, ks, vs
+
+
+def _assert_same(got, want):
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("pack", [1, 2])
+def test_kernel_writes_what_xla_writes(pack):
+  """Both element widths (bytes; uint16 pairs for 2-4 GiB pools) against XLA's write, bit for bit: a page opened,
+  a scale grown (the page requantized), one kept, a row dropped."""
+  case = _case(L=3, P=9, Z=8, K=2, H=16, B=5)
+  want = jax.jit(_reference)(*case, jnp.int32(2))
+  got = fp8_page_write.write_token(*case, jnp.int32(2), pack=pack, interpret=True)
+  _assert_same(got, want)
+  ks_before, ks_after = np.asarray(case[2]), np.asarray(want[2])
+  assert np.all(ks_after[2, 4] > ks_before[2, 4])                       # row 1's page: its scale grew
+  assert np.array_equal(ks_after[:2], ks_before[:2])                    # other layers untouched
+
+
+def test_kernel_refuses_what_it_cannot_write():
+  case = _case(L=1, P=4, Z=6, K=1, H=16, B=3)
+  with pytest.raises(ValueError, match="needs a power-of-two page_size, got 6"):
+    fp8_page_write.write_token(*case, jnp.int32(0), interpret=True)
+  k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=4, Z=8, K=1, H=16, B=3)
+  with pytest.raises(ValueError, match=r"need float8_e4m3fn pools \[L, Pl, Z, K, H\] and tokens \[B, K, H\]"):
+    fp8_page_write.write_token(k_pool.astype(jnp.bfloat16), v_pool, ks, vs, k, v, page, offset, jnp.int32(0),
+                               interpret=True)
+
+
+def test_page_write_choice_and_refusals():
+  """placement.page_write: auto takes the kernel where it compiles and says why not elsewhere; a named kernel that
+  cannot serve is refused with the reason; pages that are not fp8 need no kernel."""
+  fp8 = RunConfig(dtype="float32", cache_dtype="float8_e4m3fn")
+  cpu = "the fp8 page-write kernel needs a CUDA GPU, not 'cpu'"
+  assert fp8_page_write.unsupported(64, 128) == cpu                    # this test runs on CPUs
+  assert placement.page_write(fp8, 128) == ("xla", f"page_write='auto': {cpu}")
+  assert placement.page_write(fp8.replace(page_write="pallas-interpret"), 128)[0] == "pallas-interpret"
+  assert placement.page_write(fp8.replace(page_write="xla"), 128)[0] == "xla"
+  with pytest.raises(ConfigError, match=f"page_write='pallas': {cpu} \\('pallas-interpret' runs it"):
+    placement.page_write(fp8.replace(page_write="pallas"), 128)
+  with pytest.raises(ConfigError, match="page_write='pallas-interpret': .* power-of-two head_dim, got 96"):
+    placement.page_write(fp8.replace(page_write="pallas-interpret"), 96)
+  with pytest.raises(ConfigError, match="page_write='pallas' writes fp8 pages, and the cache holds float32"):
+    placement.page_write(RunConfig(dtype="float32", page_write="pallas"), 128)
+  assert placement.page_write(RunConfig(dtype="float32"), 128)[0] == "xla"
+  with pytest.raises(ConfigError, match="page_write='fast' must be one of auto, xla, pallas, pallas-interpret"):
+    RunConfig(page_write="fast")
+
+
+def test_engine_refuses_the_kernel_before_making_weights(monkeypatch):
+  from lcjax.engine import engine
+  monkeypatch.setattr(engine, "Llama", None)      # drawing weights would call it
+  with pytest.raises(ConfigError, match="page_write='pallas': the fp8 page-write kernel needs a CUDA GPU"):
+    lcjax.Engine.random(preset("tiny"), run=RunConfig(cache_dtype="float8_e4m3fn", page_write="pallas"))
+
+
+def _count_kernel_calls(monkeypatch):
+  calls, write = [], fp8_page_write.write_token
+
+  def counted(*a, **kw):
+    calls.append(kw.get("interpret", False))
+    return write(*a, **kw)
+
+  monkeypatch.setattr(kvc.fp8_page_write, "write_token", counted)
+  return calls
+
+
+def _engines(run, xla, kernel):
+  """Two engines of the same random model, page_write `xla` and `kernel`."""
+  return (lcjax.Engine.random(preset("tiny"), run=run.replace(page_write=xla), seed=0),
+          lcjax.Engine.random(preset("tiny"), run=run.replace(page_write=kernel), seed=0))
+
+
+def _decode_both(xla, kern, calls, prompts, steps):
+  a = xla.generate(prompts, max_new_tokens=steps)
+  assert not calls
+  b = kern.generate(prompts, max_new_tokens=steps)
+  assert calls, "the decode step did not trace the kernel"
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  # The sequences' pages (freed, their bytes left in the pool) hold the same bytes and scales after both runs.
+  for x, y in zip(xla.cache.parts(), kern.cache.parts()):
+    np.testing.assert_array_equal(np.asarray(x, np.float32)[:, 1:], np.asarray(y, np.float32)[:, 1:])
+  return a, b
+
+
+def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
+  """Two prompts decoded together through the kernel (interpreted): the greedy tokens and every page XLA's write
+  gives; the stats and the log name the write."""
+  run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32", page_size=16)
+  with caplog.at_level(logging.INFO, logger="lcjax.engine.engine"):
+    xla, kern = _engines(run, "auto", "pallas-interpret")
+  assert ("decode steps write fp8 pages in XLA (nine small kernels a layer): page_write='auto': the fp8 "
+          "page-write kernel needs a CUDA GPU, not 'cpu'") in caplog.text
+  calls = _count_kernel_calls(monkeypatch)
+  a, b = _decode_both(xla, kern, calls, [[5, 6, 7, 8, 9] * 5, [3, 4, 5]], 20)
+  assert all(calls)
+  assert (a[0].stats["page_write"], b[0].stats["page_write"]) == ("xla", "pallas-interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L,P,min_bytes,pack", [
+    (32, 130, 0, 1),                    # Llama-3-8B's heads and pages, a small pool
+    (32, 1280, 2 ** 31, 2),             # 2.5 GiB (Llama-3-8B at 80K tokens): uint16 pairs
+    (80, 900, 2 ** 32 + 1, 1),          # 4.4 GiB over 80 layers: 64-bit offsets, bytes
+])
+def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
+  """Compiled on the GPU at the models' page shape (Z 64, K 8, H 128), rows writing the last layer's top pages:
+  bit for bit XLA's write."""
+  k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=8, Z=64, K=8, H=128, B=8)
+  big = [jnp.zeros((L, P, 64, 8, 128), jnp.float8_e4m3fn).at[L - 1, P - 8:].set(p[0]) for p in (k_pool, v_pool)]
+  scales = [jnp.zeros((L, P, 8), jnp.float32).at[L - 1, P - 8:].set(s[0]) for s in (ks, vs)]
+  assert big[0].size >= min_bytes and fp8_page_write.pack_for(big[0].size) == pack
+  page = jnp.where(page < 8, page + P - 8, P)
+  layer = jnp.int32(L - 1)
+  want = jax.jit(_reference)(*big, *scales, k, v, page, offset, layer)
+  want = [np.asarray(w[L - 1, P - 8:], np.float32) for w in want]
+  fn = jax.jit(fp8_page_write.write_token, donate_argnums=(0, 1, 2, 3))
+  assert "lcjax_fp8_page_write" in fn.lower(*big, *scales, k, v, page, offset, layer).as_text()
+  got = fn(*big, *scales, k, v, page, offset, layer)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g[L - 1, P - 8:], np.float32), w)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_decodes_through_the_kernel(monkeypatch):
+  """On a GPU, page_write="auto" decodes through the compiled kernel: the greedy tokens and pages of XLA's."""
+  run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
+  xla, kern = _engines(run, "xla", "auto")
+  assert kern.page_write == "pallas"
+  calls = _count_kernel_calls(monkeypatch)
+  _decode_both(xla, kern, calls, [[5, 6, 7, 8, 9] * 5, [3, 4, 5]], 20)
+  assert not any(calls)

@@ -176,9 +176,8 @@ def derive(version: str, sdist: str | None = None) -> dict:
     hf.chat_template = LLAMA3_TEMPLATE
     chat_ids = [list(hf.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
                 for c in CHATS]
-    meta = {k: g.get(k) for k in g.reader.fields if not k.startswith(("GGUF.", "tokenizer.ggml.tokens",
-                                                                        "tokenizer.ggml.token_type",
-                                                                        "tokenizer.ggml.merges"))}
+    meta = {k: g.get(k) for k in g.keys() if not k.startswith(("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                                                                 "tokenizer.ggml.merges"))}
     fix = {
         "source": {"package": "llama-cpp-python", "version": version, "sdist_sha256": _sha256(sdist),
                    "file": MEMBER, "file_sha256": _sha256(path)},

@@ -205,3 +205,96 @@ def test_bpe_vocabularies_add_bos_as_llama_cpp_does(tmp_path, pre, key, want):
   fx.write_gguf(path, cfg=preset("tiny"), tokenizer=tok)
   cfg = gguf_model_config(GGUFFile(path))
   assert (cfg.bos_id, cfg.add_bos) == (0, want)
+
+
+def _every_kind_gguf(path: str) -> None:
+  """A GGUF (gguf.GGUFWriter) with a metadata value of every scalar type, strings, arrays of ints, floats, bools
+  and strings, and tensors of plain types and of block-quantized ones."""
+  import gguf
+  from gguf import GGMLQuantizationType as Q, GGUFValueType as V
+  w = gguf.GGUFWriter(path, "llama")
+  for key, value, vtype in [("u8", 200, V.UINT8), ("i8", -5, V.INT8), ("u16", 60000, V.UINT16),
+                            ("i16", -300, V.INT16), ("u32", 4000000000, V.UINT32), ("i32", -7, V.INT32),
+                            ("f32", 1e-5, V.FLOAT32), ("u64", 2**40 + 3, V.UINT64), ("i64", -2**40, V.INT64),
+                            ("f64", 0.1, V.FLOAT64), ("yes", True, V.BOOL), ("no", False, V.BOOL),
+                            ("text", "héllo wörld ✓", V.STRING)]:
+    w.add_key_value(f"t.{key}", value, vtype)
+  w.add_key_value("t.u16s", [1, 2, 65535], V.ARRAY, sub_type=V.UINT16)
+  w.add_key_value("t.f32s", [0.5, -1.25, 3e-8], V.ARRAY, sub_type=V.FLOAT32)
+  w.add_key_value("t.bools", [True, False, True], V.ARRAY, sub_type=V.BOOL)
+  w.add_token_list(["a", "Ġb", "<|x|>", "ü"])
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((4, 64)).astype(np.float32)
+  w.add_tensor("f32", x)
+  w.add_tensor("f16", x.astype(np.float16))
+  for q in (Q.Q8_0, Q.Q4_1, Q.Q5_0):
+    w.add_tensor(q.name.lower(), gguf.quants.quantize(x, q), raw_dtype=q)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_reader_matches_the_gguf_package(tmp_path):
+  """GGUFFile's own header reader against gguf.GGUFReader: every metadata value (type and value) and every
+  tensor's dequantized data equal."""
+  import gguf
+  from lcjax.checkpoint.gguf import GGUFFile
+  path = str(tmp_path / "kinds.gguf")
+  _every_kind_gguf(path)
+  g, ref = GGUFFile(path), gguf.GGUFReader(path)
+  keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+  assert g.keys() == keys and len(keys) == 18
+  for k in keys:
+    want, got = ref.fields[k].contents(), g.get(k)
+    assert type(got) is type(want) and got == want, (k, got, want)
+    if isinstance(want, list):
+      assert [type(v) for v in got] == [type(v) for v in want], k
+  assert list(g.tensors) == [t.name for t in ref.tensors] == ["f32", "f16", "q8_0", "q4_1", "q5_0"]
+  for t in ref.tensors:
+    want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    got = g.read(t.name)
+    assert got.dtype == np.float32 and got.shape == want.shape == (4, 64), t.name
+    np.testing.assert_array_equal(got, want, err_msg=t.name)
+    assert tuple(g.tensors[t.name].shape) == tuple(int(d) for d in t.shape)
+  assert g.get("t.missing", "default") == "default"
+
+
+def _raw_gguf(path, kv=(), tensors=(), data=b"") -> str:
+  """GGUF v3 bytes written by hand: kv (key, value type, packed value), tensors (name, dims, ggml type, offset)."""
+  import struct
+  s = lambda b: struct.pack("<Q", len(b)) + b
+  out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
+  for key, vtype, payload in kv:
+    out += s(key.encode()) + struct.pack("<I", vtype) + payload
+  for name, dims, ttype, offset in tensors:
+    out += s(name.encode()) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ttype, offset)
+  path.write_bytes(out + b"\0" * (-len(out) % 32) + data)
+  return str(path)
+
+
+def test_reader_refuses_what_the_gguf_package_refused_in_one_line(tmp_path):
+  """Keys or tensor names twice, a general.alignment that is not a uint32, rows that are not whole blocks of a
+  quantized type: one-line CheckpointErrors naming the field. A value that is not UTF-8 fails when it is read."""
+  import struct
+  from lcjax.checkpoint.gguf import GGUFFile
+  u32 = lambda v: (4, struct.pack("<I", v))
+  f32 = lambda name, offset: (name, [4], 0, offset)
+  cases = [
+      (dict(kv=[("a", *u32(1)), ("a", *u32(2))]), "metadata key a appears twice"),
+      (dict(tensors=[f32("w", 0), f32("w", 16)], data=bytes(32)), "tensor name w appears twice"),
+      (dict(kv=[("general.alignment", 10, struct.pack("<Q", 32))]),
+       "general.alignment has value type 10, not uint32 (4)"),
+      (dict(tensors=[("q", [16, 4], 8, 0)], data=bytes(68)),    # Q8_0: blocks of 32 elements in 34 bytes
+       "tensor q has shape [16, 4]: 64 elements in rows of 16, not positive whole blocks of its type's 32"),
+  ]
+  for i, (kw, want) in enumerate(cases):
+    path = _raw_gguf(tmp_path / f"{i}.gguf", **kw)
+    with pytest.raises(CheckpointError) as e:
+      GGUFFile(path)
+    assert f"{path}: malformed GGUF header: {want} (at byte " in str(e.value) and "\n" not in str(e.value)
+  not_utf8 = (8, struct.pack("<Q", 2) + b"\xff\xfe")
+  g = GGUFFile(_raw_gguf(tmp_path / "utf8.gguf", kv=[("bad", *not_utf8), ("ok", *u32(7))]))
+  assert g.get("ok") == 7
+  with pytest.raises(CheckpointError, match=r"utf8.gguf: metadata bad cannot be read: UnicodeDecodeError"):
+    g.get("bad")

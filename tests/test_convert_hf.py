@@ -389,8 +389,11 @@ print(json.dumps({"peak": int(hwm.split()[1]) * 1024}))
 
 def _random_float16(rng, shape):
   """Random finite float16 values in (-1, 1) from random bits (sign, mantissa and the exponent's three low bits): as
-  incompressible as normal draws, made at memory speed instead of 750M normal draws (~20 s)."""
-  bits = np.frombuffer(rng.bytes(2 * int(np.prod(shape))), np.uint16) & np.uint16(0xBBFF)
+  incompressible as normal draws, made at memory speed instead of 750M normal draws (~20 s). The bits are the
+  generator's raw 64-bit words (Generator.bytes makes the same number of bytes 11x slower: 8 s for this model)."""
+  n = int(np.prod(shape))
+  words = rng.bit_generator.random_raw(-(-n // 4))
+  bits = words.view(np.uint16)[:n] & np.uint16(0xBBFF)
   return bits.view(np.float16).reshape(shape)
 
 

@@ -210,7 +210,7 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   writing with clipped per-layer scales errs far more."""
   from lcjax.cache import kv as kvc
   from tests.patch_kv import scale_kv_by_position
-  real_write = kvc.write_layer
+  real_write = kvc.write_kv
   four_after_first_page = lambda p: jnp.where(p >= 8, 4.0, 1.0)      # noqa: E731
   scale_kv_by_position(monkeypatch, four_after_first_page, four_after_first_page)
   prompt = list(np.random.default_rng(7).integers(3, TINY.vocab_size, 120))
@@ -228,18 +228,17 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
 
   def rounded(scale_of):
     """A float32 engine whose K, V writes are rounded to e4m3 at scale_of(x [B, T, K, H], layer, is_v)."""
-    calls = []
+    def round_e4m3(new, s):
+      return (jnp.clip(new / s, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s).astype(new.dtype)
 
-    def write(pool, scale, new, slots, pages, layer):
-      s = scale_of(new, layer, len(calls) % 2)      # the model writes K, then V
-      calls.append(1)
-      x = (jnp.clip(new / s, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s).astype(new.dtype)
-      return real_write(pool, scale, x, slots, pages, layer)
-    monkeypatch.setattr(kvc, "write_layer", write)
+    def write(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, **kw):
+      k, v = (round_e4m3(x, scale_of(x, layer, is_v)) for is_v, x in enumerate((k, v)))
+      return real_write(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, **kw)
+    monkeypatch.setattr(kvc, "write_kv", write)
     try:
       return _prefill_logits(_engine(prefill_chunk=32), prompt)
     finally:
-      monkeypatch.setattr(kvc, "write_layer", real_write)
+      monkeypatch.setattr(kvc, "write_kv", real_write)
 
   def per_page(x, layer, is_v):
     B, T, K, H = x.shape

@@ -16,7 +16,7 @@ offset 0) drops the scale of the page's previous owner.
 On a mesh the pools shard pages on `seq` and kv heads on `tensor` (`POOL_AXES`, scales `SCALE_AXES`). Shard d of
 S holds the global pages [d * P/S, (d+1) * P/S) as its local pages 0 .. P/S - 1, local page 0 being its null page,
 and by the host allocator's placement policy (lcjax.cache.pages) page-table slot m of every sequence lives on
-shard m % S. Inside shard_map, `shard_table`, `shard_lengths` and `write_shard` turn the global page table,
+shard m % S. Inside shard_map, `shard_table`, `shard_lengths` and `write_kv(shard=...)` turn the global page table,
 lengths and slots into this shard's view, so the attention kernels see an ordinary (smaller) paged cache.
 """
 from __future__ import annotations
@@ -175,20 +175,15 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
-def write_layer(pool, scale, new, slots, pages, layer):
-  """Write new [B, T, K, H] (activation dtype) into layer `layer` of the whole pool [L, P, Z, K, H] at flat slots
-  [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
-  otherwise). Returns (pool, scale)."""
-  return _write(pool, scale, new, slots, pages, layer)
-
-
 def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla"):
-  """K and V [B, T, K, H] into layer `layer` of their pools: `write_layer` of each (shard None), or `write_shard`
-  of each on seq shard `shard`'s local pools. kernel: what writes a decode step (one token a row, T = 1) into fp8
-  pools: "xla" (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas"
-  (lcjax.ops.fp8_page_write: K, V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that
-  kernel in the Pallas interpreter). Other writes take `_write` whatever `kernel` says. Returns (k_all, v_all,
-  k_scale, v_scale)."""
+  """K and V [B, T, K, H] (activation dtype) into layer `layer` of their pools [L, P, Z, K, H] at flat slots
+  [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
+  otherwise). With `shard` (inside shard_map over `seq`), the pools are that shard's local [L, P/S, Z, K, H] (and
+  scales [L, P/S, K]) while slots and pages stay global: the tokens and written pages of other shards are dropped
+  here (they write them). kernel: what writes a decode step (one token a row, T = 1) into fp8 pools: "xla"
+  (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas" (lcjax.ops.fp8_page_write: K,
+  V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that kernel in the Pallas
+  interpreter). Other writes take `_write` whatever `kernel` says. Returns (k_all, v_all, k_scale, v_scale)."""
   if kernel not in WRITE_KERNELS:
     raise ValueError(f"{kernel=} must be one of {', '.join(WRITE_KERNELS)}")
   first = 0 if shard is None else shard * k_all.shape[1]
@@ -244,10 +239,3 @@ def shard_lengths(kv_len, shard, n_shards: int, width: int, page_size: int):
   holding tokens from (shard + j * S) * Z. Tokens fill slots in order, so they are a prefix of the local slots."""
   m = shard + n_shards * jnp.arange(width, dtype=jnp.int32)
   return jnp.clip(kv_len[:, None] - m[None, :] * page_size, 0, page_size).sum(axis=1).astype(jnp.int32)
-
-
-def write_shard(pool, scale, new, slots, pages, shard, layer):
-  """`write_layer` on this shard's local pool [L, P/S, Z, K, H] (and scales [L, P/S, K]): the tokens and written
-  pages whose global page lies on this shard; other shards' are dropped here (they write them). new [B, T, K, H],
-  slots [B, T] and pages [B, J] global. Returns (pool, scale)."""
-  return _write(pool, scale, new, slots, pages, layer, shard * pool.shape[1])

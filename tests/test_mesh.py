@@ -150,13 +150,16 @@ def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode, ca
   read by zigzag-gathered rows, the split chunk, decode rows) under shard_map, with a jnp model of cuDNN's masks
   in place of the library (the GPU runs the library: tests/test_gpu_engine.py). bf16, as cuDNN takes it; the
   oracle is the same backend on one device: prompts of several chunks, so later chunks read a sharded prefix
-  (fp8: dequantized and read 16 keys at a time, so a shard's prefix takes several blocks)."""
+  (fp8: dequantized and read 16 keys at a time, so a shard's prefix takes several blocks; the mesh's decode steps
+  write their pages through the page-write kernel, interpreted, each shard its own, where the oracle takes XLA's
+  write)."""
   from lcjax.ops import backends, cudnn
   monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True, fp8_block_tokens=16))
   run = RUN.replace(dtype="bfloat16", attention="cudnn", cache_dtype=cache)
   want = _fast_path_oracle(run)
-  eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode), seed=1)
-  assert eng.attention.name == "cudnn" and eng.attention.emulate
+  page_write = "pallas-interpret" if cache == "float8_e4m3fn" else "auto"
+  eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode, page_write=page_write), seed=1)
+  assert eng.attention.name == "cudnn" and eng.attention.emulate and eng.page_write == page_write.replace("auto", "xla")
   assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), want["logits"]) <= 2e-2
   assert rel(prefill(eng, PROMPTS[0])[0], want["prefill"]) <= 2e-2
   got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=8)]

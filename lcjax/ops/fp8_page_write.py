@@ -5,10 +5,11 @@ decode step writes one token per row: the row's page scale becomes the max of th
 opens the page) and the token's own, the values already in the page are multiplied by old / new scale (a power of
 two, exact; 1 where the scale did not grow), and the token is quantized with the new scale. In XLA that is nine
 small kernels a layer (the pages read, the token's absmax, the scales, two page and two scale writes: about 0.4 ms
-of a Llama-3-8B token; benchmarks/NOTES-fp8w.md). Here one program per (row b, kv head h) does all of it for K and
-V: it reads the token and the old scale, computes the new scale by `scale_for`'s rule from the absmax's bits,
-rewrites the head's [Z, H] page slice and stores the scale. Pools and scales are the call's
-outputs aliased to its inputs, so nothing is copied.
+of a Llama-3-8B token; benchmarks/NOTES-fp8w.md). Here one launch does all of it, one program per (row b, kv head
+h, K or V): it reads the token and the old scale, computes the new scale by `scale_for`'s rule from the absmax's
+bits, stores it and the token's row, and reads and rewrites the head's [Z, H] page slice only when the scale grew
+(or the token opens the page). Pools and scales are the call's outputs aliased to its inputs, so nothing is
+copied.
 
 The result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power of two, divisions
 are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32 -> e4m3 convert
@@ -74,46 +75,55 @@ def _reciprocal(s):
   return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
 
 
-def _kernel(layer_ref, page_ref, offset_ref, kx_ref, vx_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref,
-            *, pages: int, pack: int):
-  """Program (b, h): row b's token of kv head h into its page (K then V). x_ref [B, K, pack, H / pack] holds the
-  token's columns j mod pack at j; pool refs [L, Pl, Z, K, H / pack], scale refs [L, Pl, K]."""
-  from jax.experimental import pallas as pl
+def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: int, pack: int):
+  """Row b's token of kv head h into its page of one pool (pool ref [L, Pl, Z, K, H / pack], scale ref [L, Pl, K];
+  x_ref [B, K, pack, H / pack] holds the token's columns j mod pack at j). The page's other rows are read and
+  rewritten only when its scale grows (or the token opens it: they are zeroed); otherwise the scale and the
+  token's row are the only stores, so a step costs one round trip to memory."""
   from jax.experimental.pallas import triton as pltriton
-  del k_in, v_in, ks_in, vs_in                       # aliased to the outputs
-  b, h = pl.program_id(0), pl.program_id(1)
-  layer, page, offset = layer_ref[0], page_ref[b], offset_ref[b]
   keep = page < pages                                # False for rows that write nothing here
   pc = jnp.minimum(page, pages - 1)
+  xs = [x_ref[b, h, j, :].astype(jnp.float32) for j in range(pack)]          # pack x [H / pack]
+  absmax = jnp.abs(xs[0]).max()
+  for xj in xs[1:]:
+    absmax = jnp.maximum(absmax, jnp.abs(xj).max())
+  old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])                # 0: the token opens the page
+  new = jnp.maximum(old, _token_scale(absmax))
+  inv = _reciprocal(new)
+  ratio = old * inv                                  # 1: the page keeps its values
+  slot = pool_ref.at[layer, pc, :, h, :]             # [Z, H / pack]
+  shape = slot.shape
+  grew = jnp.broadcast_to(keep & (ratio != 1.0), shape)
+  stored = pltriton.load(slot, mask=grew, other=jnp.zeros((), pool_ref.dtype))
+  here = jax.lax.broadcasted_iota(jnp.int32, shape, 0) == offset
+  out = None
+  for j in range(pack):
+    if pack == 1:
+      sj = stored
+    else:
+      byte = jax.lax.shift_right_logical(stored, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
+      sj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+    y = jnp.clip(xs[j] * inv, -E4M3_MAX, E4M3_MAX)                          # [H / pack]
+    vj = jnp.where(here, jnp.broadcast_to(y[None, :], shape), sj.astype(jnp.float32) * ratio)
+    vj = vj.astype(jnp.float8_e4m3fn)
+    if pack == 1:
+      out = vj
+    else:
+      part = jax.lax.bitcast_convert_type(vj, jnp.uint8).astype(jnp.uint16) << jnp.uint16(8 * j)
+      out = part if out is None else out | part
+  pltriton.store(slot, out, mask=grew | (here & keep))
+  pltriton.store(scale_ref.at[layer, pc, h], new, mask=keep)
 
-  for x_ref, pool_ref, scale_ref in ((kx_ref, k_ref, ks_ref), (vx_ref, v_ref, vs_ref)):
-    xs = [x_ref[b, h, j, :].astype(jnp.float32) for j in range(pack)]        # pack x [H / pack]
-    absmax = jnp.abs(xs[0]).max()
-    for xj in xs[1:]:
-      absmax = jnp.maximum(absmax, jnp.abs(xj).max())
-    old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])              # 0: the token opens the page
-    new = jnp.maximum(old, _token_scale(absmax))
-    inv = _reciprocal(new)
-    ratio = old * inv
-    stored = pool_ref[layer, pc, :, h, :]                                    # [Z, H / pack]
-    here = jax.lax.broadcasted_iota(jnp.int32, stored.shape, 0) == offset
-    out = None
-    for j in range(pack):
-      if pack == 1:
-        sj = stored
-      else:
-        byte = jax.lax.shift_right_logical(stored, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
-        sj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
-      y = jnp.clip(xs[j] * inv, -E4M3_MAX, E4M3_MAX)                        # [H / pack]
-      vj = jnp.where(here, jnp.broadcast_to(y[None, :], stored.shape), sj.astype(jnp.float32) * ratio)
-      vj = vj.astype(jnp.float8_e4m3fn)
-      if pack == 1:
-        out = vj
-      else:
-        part = jax.lax.bitcast_convert_type(vj, jnp.uint8).astype(jnp.uint16) << jnp.uint16(8 * j)
-        out = part if out is None else out | part
-    pltriton.store(pool_ref.at[layer, pc, :, h, :], out, mask=jnp.broadcast_to(keep, out.shape))
-    pltriton.store(scale_ref.at[layer, pc, h], new, mask=keep)
+
+def _kernel(layer_ref, page_ref, offset_ref, kx_ref, vx_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref,
+            *, pages: int, pack: int):
+  """Program (b, h, c): row b's token of kv head h into its K page (c = 0) or its V page (c = 1)."""
+  from jax.experimental import pallas as pl
+  del k_in, v_in, ks_in, vs_in                       # aliased to the outputs
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  args = (b, h, layer_ref[0], page_ref[b], offset_ref[b])
+  for i, refs in enumerate(((kx_ref, k_ref, ks_ref), (vx_ref, v_ref, vs_ref))):
+    pl.when(c == i)(lambda refs=refs: _write_one(*args, *refs, pages=pages, pack=pack))
 
 
 def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer, *, num_warps: int = 4,
@@ -142,7 +152,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   whole = pl.no_block_spec
   out = pl.pallas_call(
       lambda *refs: _kernel(*refs, pages=Pl, pack=pack),
-      grid=(B, K),
+      grid=(B, K, 2),
       in_specs=[whole] * 9,
       out_specs=[whole] * 4,
       out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*pools, k_scale, v_scale)],

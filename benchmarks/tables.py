@@ -133,7 +133,8 @@ FP8W = [("fp8w-70b-kv-h200", 32768, "lcjax-fp8w", L70, "bf16 KV, bf16"),
         ("fp8w-8b-h200", 131072, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8"),
         ("fp8w-8b-h200", 131072, "lcjax-fp8", L8 + ", bf16 weights", "fp8 KV, FP8"),
         ("fp8w-8b-h200", 131072, "hf", L8 + ", HF transformers (bf16)", "bf16 KV, SDPA"),
-        ("fp8w-8b-512k-h200", 524288, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8")]
+        ("fp8w-8b-512k-h200", 524288, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8"),
+        ("fp8w-8b-1m-h200", 1048576, "lcjax-fp8w-fp8", L8 + ", fp8 weights", "fp8 KV, FP8")]
 
 
 def _fp8w_cells(r: dict) -> list[str]:

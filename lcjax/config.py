@@ -280,9 +280,10 @@ class RunConfig:
                                      # else xla), "pallas" (lcjax.ops.fp8_gemv: reads the stacked fp8 weights in
                                      # place, one byte a weight), "xla" (widened by XLA: a copy in dtype of each
                                      # layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
-  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas on a GPU, else
-                                     # xla), "pallas" (lcjax.ops.fp8_page_write: K, V and their page scales in
-                                     # one kernel), "xla" (nine small XLA kernels a layer), "pallas-interpret"
+  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
+                                     # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
+                                     # "pallas" (lcjax.ops.fp8_page_write: K, V and their page scales in one
+                                     # kernel), "xla" (nine small XLA kernels a layer), "pallas-interpret"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)

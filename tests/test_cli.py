@@ -58,6 +58,11 @@ def test_plan_once_and_the_model_named_by_its_checkpoint(ckpt):
   assert model.startswith(f"{ckpt / 'ckpt'}, float32 weights") and NO_EOS.name not in model
   assert re.search(r"peak device memory .*\(memory plan: [0-9.]+ GiB\)", p.stdout)
   assert re.search(r"time to first token +[0-9.]+ s", p.stdout)
+  assert re.search(r"^  decode +[0-9.]+ ms/token \(kernel: reference\)$", p.stdout, re.M), p.stdout
+  fp8 = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", "--prompt=hello", "--max_new_tokens=2",
+                                     "--nochat", "--config.cache_dtype=float8_e4m3fn"])
+  assert fp8.returncode == 0, fp8.stderr[-3000:]
+  assert re.search(r"^  decode +[0-9.]+ ms/token \(kernel: reference, fp8 page write: xla\)$", fp8.stdout, re.M)
 
 
 def test_config_overrides_without_a_config_file(ckpt):

@@ -23,7 +23,8 @@ from lcjax.ops import fp8_page_write
 def _case(L, P, Z, K, H, B, seed=0):
   """fp8 pools with scales, and B decode tokens: row 0 opens page 1, row 1 brings a 1000x token into page 4 (its
   scale grows), row 2 writes nowhere (page P), the others small tokens (scales kept) into pages P-1, P-2, ...
-  (skipping 1 and 4: rows write distinct pages)."""
+  (skipping 1 and 4: rows write distinct pages); row 3 is all zeros, and row 4's absmax is exactly 448 x 2^-3 (the
+  edge of its scale rule) in every head."""
   rng = np.random.default_rng(seed)
   pools = [jnp.asarray(rng.normal(size=(L, P, Z, K, H)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
            for _ in range(2)]
@@ -31,6 +32,10 @@ def _case(L, P, Z, K, H, B, seed=0):
   toks = rng.normal(size=(2, B, K, H))
   toks[:, 1] *= 1000.0
   toks[:, 3:] *= 0.01
+  if B > 3:
+    toks[:, 3] = 0.0
+  if B > 4:
+    toks[:, 4, :, 0] = 448.0 * 2.0 ** -3
   page = np.array([1, 4, P] + [p for p in range(P - 1, 0, -1) if p not in (1, 4)][:B - 3], np.int32)
   offset = np.array([0] + [(3 * i + 1) % Z for i in range(1, B)], np.int32)
   k, v = (jnp.asarray(t, jnp.bfloat16) for t in toks)
@@ -43,10 +48,27 @@ def _reference(k_pool, v_pool, ks, vs, k, v, page, offset, layer):
   return kp, vp, ks, vs
 
 
+def _bits(x):
+  """The bytes of x (bits compare -0 with 0 and NaN payloads, which float comparisons do not)."""
+  return np.asarray(x).view(np.uint8)
+
+
 def _assert_same(got, want):
   for g, w in zip(got, want):
     assert g.dtype == w.dtype and g.shape == w.shape
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_token_scale_is_scale_for_bit_for_bit():
+  """The kernel's scale rule from the absmax's bits against lcjax.cache.kv.scale_for: every exponent at the 1.75
+  mantissa (absmax = 448 x 2^k) and one ulp either side, 0, subnormals, the floor's edge, inf and NaN."""
+  assert 2.0 ** (fp8_page_write._SCALE_FLOOR_EXP - 127) == kvc.SCALE_FLOOR
+  edge = np.arange(1, 255, dtype=np.int32) << 23 | fp8_page_write._MANTISSA_1_75         # 1.75 x 2^E
+  bits = np.concatenate([edge, edge - 1, edge + 1, np.arange(0, 1 << 12, dtype=np.int32) * 2047,
+                         np.array([0x7F800000, 0x7FC00000], np.int32)])
+  a = jnp.asarray(bits.view(np.float32))
+  a = a.at[-4:-2].set(jnp.asarray([448 * 2.0 ** -32, np.nextafter(np.float32(448 * 2.0 ** -32), np.float32(1))]))
+  np.testing.assert_array_equal(_bits(fp8_page_write._token_scale(a)), _bits(kvc.scale_for(a)))
 
 
 @pytest.mark.parametrize("pack", [1, 2])
@@ -64,12 +86,17 @@ def test_kernel_writes_what_xla_writes(pack):
 
 def test_kernel_refuses_what_it_cannot_write():
   case = _case(L=1, P=4, Z=6, K=1, H=16, B=3)
-  with pytest.raises(ValueError, match="needs a power-of-two page_size, got 6"):
+  with pytest.raises(ValueError, match="needs a power-of-two page_size of at least 2, got 6"):
     fp8_page_write.write_token(*case, jnp.int32(0), interpret=True)
   k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=4, Z=8, K=1, H=16, B=3)
-  with pytest.raises(ValueError, match=r"need float8_e4m3fn pools \[L, Pl, Z, K, H\] and tokens \[B, K, H\]"):
+  with pytest.raises(ValueError, match=r"pools bfloat16\(1, 4, 8, 1, 16\) / float8_e4m3fn.*: need float8_e4m3fn pools "
+                     r"\[L, Pl, Z, K, H\], float32 scales \[L, Pl, K\], tokens \[B, K, H\], pages and offsets \[B\]"):
     fp8_page_write.write_token(k_pool.astype(jnp.bfloat16), v_pool, ks, vs, k, v, page, offset, jnp.int32(0),
                                interpret=True)
+  with pytest.raises(ValueError, match=r"tokens \(3, 1, 16\) / \(2, 1, 16\)"):
+    fp8_page_write.write_token(k_pool, v_pool, ks, vs, k, v[:2], page, offset, jnp.int32(0), interpret=True)
+  with pytest.raises(ValueError, match="pack=3 for pools of 512 bytes: 1 or 2"):
+    fp8_page_write.write_token(k_pool, v_pool, ks, vs, k, v, page, offset, jnp.int32(0), pack=3, interpret=True)
 
 
 def test_page_write_choice_and_refusals():
@@ -83,7 +110,7 @@ def test_page_write_choice_and_refusals():
   assert placement.page_write(fp8.replace(page_write="xla"), 128)[0] == "xla"
   with pytest.raises(ConfigError, match=f"page_write='pallas': {cpu} \\('pallas-interpret' runs it"):
     placement.page_write(fp8.replace(page_write="pallas"), 128)
-  with pytest.raises(ConfigError, match="page_write='pallas-interpret': .* power-of-two head_dim, got 96"):
+  with pytest.raises(ConfigError, match="page_write='pallas-interpret': .* power-of-two head_dim of at least 2, got 96"):
     placement.page_write(fp8.replace(page_write="pallas-interpret"), 96)
   with pytest.raises(ConfigError, match="page_write='pallas' writes fp8 pages, and the cache holds float32"):
     placement.page_write(RunConfig(dtype="float32", page_write="pallas"), 128)
@@ -124,7 +151,7 @@ def _decode_both(xla, kern, calls, prompts, steps):
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   # The sequences' pages (freed, their bytes left in the pool) hold the same bytes and scales after both runs.
   for x, y in zip(xla.cache.parts(), kern.cache.parts()):
-    np.testing.assert_array_equal(np.asarray(x, np.float32)[:, 1:], np.asarray(y, np.float32)[:, 1:])
+    np.testing.assert_array_equal(_bits(np.asarray(x)[:, 1:]), _bits(np.asarray(y)[:, 1:]))
   return a, b
 
 
@@ -158,18 +185,21 @@ def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
   page = jnp.where(page < 8, page + P - 8, P)
   layer = jnp.int32(L - 1)
   want = jax.jit(_reference)(*big, *scales, k, v, page, offset, layer)
-  want = [np.asarray(w[L - 1, P - 8:], np.float32) for w in want]
   fn = jax.jit(fp8_page_write.write_token, donate_argnums=(0, 1, 2, 3))
-  assert "lcjax_fp8_page_write" in fn.lower(*big, *scales, k, v, page, offset, layer).as_text()
+  compiled = fn.lower(*big, *scales, k, v, page, offset, layer).compile()
+  assert "lcjax_fp8_page_write" in compiled.as_text()
+  # In place: no pool-sized buffer besides the donated pools (the uint16 view of 2-4 GiB pools included).
+  assert compiled.memory_analysis().temp_size_in_bytes < big[0].size // 8, compiled.memory_analysis()
   got = fn(*big, *scales, k, v, page, offset, layer)
+  u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)      # noqa: E731 - bits, on the device
   for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g[L - 1, P - 8:], np.float32), w)
+    assert bool(jnp.array_equal(u8(g), u8(w)))
 
 
 @pytest.mark.gpu
 def test_gpu_engine_decodes_through_the_kernel(monkeypatch):
   """On a GPU, page_write="auto" decodes through the compiled kernel: the greedy tokens and pages of XLA's."""
-  run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
+  run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32", page_size=16)
   xla, kern = _engines(run, "xla", "auto")
   assert kern.page_write == "pallas"
   calls = _count_kernel_calls(monkeypatch)

@@ -4,16 +4,16 @@
 decode step writes one token per row: the row's page scale becomes the max of the one it had (none when the token
 opens the page) and the token's own, the values already in the page are multiplied by old / new scale (a power of
 two, exact; 1 where the scale did not grow), and the token is quantized with the new scale. In XLA that is nine
-small kernels a layer (the pages read, the token's absmax, the scales, two page and two scale writes: about 0.4 ms
-of a Llama-3-8B token; benchmarks/NOTES-fp8w.md). Here one launch does all of it, one program per (row b, kv head
-h, K or V): it reads the token and the old scale, computes the new scale by `scale_for`'s rule from the absmax's
-bits, stores it and the token's row, and reads and rewrites the head's [Z, H] page slice only when the scale grew
-(or the token opens the page). Pools and scales are the call's outputs aliased to its inputs, so nothing is
-copied.
+small kernels a layer (0.42 ms of a Llama-3-8B token at 128K in one trace; replacing them saved 0.2 ms a token on
+the 8B and 0.5 ms on the 70B: benchmarks/NOTES-fp8w.md, calls 9, 15 and 16). Here one launch does all of it, one
+program per (row b, kv head h, K or V): it reads the token and the old scale, computes the new scale by
+`scale_for`'s rule from the absmax's bits, stores it and the token's row, and reads and rewrites the head's [Z, H]
+page slice only when the scale grew (or the token opens the page). Pools and scales are the call's outputs
+aliased to its inputs, so nothing is copied.
 
-The result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power of two, divisions
-are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32 -> e4m3 convert
-rounds to nearest even, as XLA's does (values are clipped to +-448 first).
+For finite tokens the result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power
+of two, divisions are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32
+-> e4m3 convert rounds to nearest even, as XLA's does (values are clipped to +-448 first).
 
 Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.fp8_gemv.pack_for`): the
 Triton lowering addresses arrays of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31
@@ -45,7 +45,7 @@ def unsupported_shape(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot write pages of this shape (None: it can): Triton tensors need power-of-two sides."""
   for name, n in (("page_size", page_size), ("head_dim", head_dim)):
     if n < 2 or n & (n - 1):
-      return f"the fp8 page-write kernel needs a power-of-two {name}, got {n}"
+      return f"the fp8 page-write kernel needs a power-of-two {name} of at least 2, got {n}"
   return None
 
 
@@ -64,10 +64,12 @@ def _token_scale(absmax):
   """lcjax.cache.kv.scale_for(absmax) for float32 absmax >= 0, from its bits: absmax = m 2^E with 448 = 1.75 2^8,
   so the smallest power of two s with absmax <= 448 s is 2^(E-8) for m <= 1.75 and 2^(E-7) above, at least 2^-32.
   No division: scale_for's absmax / 448 rounds to nearest, and never onto a power of two from above (the
-  smallest excess, 1.75 2^E (1 + 2^-23) / 448, is 0.57 ulp), so both rules give the same scale."""
+  smallest excess, (1.75 + 2^-23) 2^E / 448 = 2^(E-8) (1 + 2^-23 / 1.75), is 0.57 ulp), so both rules give the
+  same scale. An infinite or NaN absmax gets 1, as from scale_for."""
   bits = jax.lax.bitcast_convert_type(absmax, jnp.int32)
   e = jnp.where((bits & _MANTISSA) <= _MANTISSA_1_75, (bits >> 23) - 8, (bits >> 23) - 7)
-  return jax.lax.bitcast_convert_type(jnp.maximum(e, _SCALE_FLOOR_EXP) << 23, jnp.float32)
+  e = jnp.where((bits >> 23) == 255, 127, jnp.maximum(e, _SCALE_FLOOR_EXP))
+  return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
 
 
 def _reciprocal(s):
@@ -75,19 +77,21 @@ def _reciprocal(s):
   return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
 
 
-def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: int, pack: int):
+def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):
   """Row b's token of kv head h into its page of one pool (pool ref [L, Pl, Z, K, H / pack], scale ref [L, Pl, K];
   x_ref [B, K, pack, H / pack] holds the token's columns j mod pack at j). The page's other rows are read and
   rewritten only when its scale grows (or the token opens it: they are zeroed); otherwise the scale and the
   token's row are the only stores, so a step costs one round trip to memory."""
   from jax.experimental.pallas import triton as pltriton
-  keep = page < pages                                # False for rows that write nothing here
-  pc = jnp.minimum(page, pages - 1)
+  keep = (page >= 0) & (page < pages)                # False for rows that write nothing here
+  pc = jnp.clip(page, 0, pages - 1)
+  old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])                # 0: the token opens the page
+  if not interpret:     # every thread loads the scale, one stores the new one below: all loads come first
+    pltriton.debug_barrier()
   xs = [x_ref[b, h, j, :].astype(jnp.float32) for j in range(pack)]          # pack x [H / pack]
   absmax = jnp.abs(xs[0]).max()
   for xj in xs[1:]:
     absmax = jnp.maximum(absmax, jnp.abs(xj).max())
-  old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])                # 0: the token opens the page
   new = jnp.maximum(old, _token_scale(absmax))
   inv = _reciprocal(new)
   ratio = old * inv                                  # 1: the page keeps its values
@@ -116,14 +120,14 @@ def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: 
 
 
 def _kernel(layer_ref, page_ref, offset_ref, kx_ref, vx_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref,
-            *, pages: int, pack: int):
+            *, pages: int, pack: int, interpret: bool):
   """Program (b, h, c): row b's token of kv head h into its K page (c = 0) or its V page (c = 1)."""
   from jax.experimental import pallas as pl
   del k_in, v_in, ks_in, vs_in                       # aliased to the outputs
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   args = (b, h, layer_ref[0], page_ref[b], offset_ref[b])
   for i, refs in enumerate(((kx_ref, k_ref, ks_ref), (vx_ref, v_ref, vs_ref))):
-    pl.when(c == i)(lambda refs=refs: _write_one(*args, *refs, pages=pages, pack=pack))
+    pl.when(c == i)(lambda refs=refs: _write_one(*args, *refs, pages=pages, pack=pack, interpret=interpret))
 
 
 def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer, *, num_warps: int = 4,
@@ -139,19 +143,25 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   why = unsupported_shape(Z, H)
   if why:
     raise ValueError(why)
-  if k_pool.dtype != jnp.float8_e4m3fn or v_pool.shape != k_pool.shape or k_new.shape != (B, K, H):
-    raise ValueError(f"pools {k_pool.dtype}{tuple(k_pool.shape)} / {v_pool.dtype}{tuple(v_pool.shape)} and tokens "
-                     f"{tuple(k_new.shape)}: need float8_e4m3fn pools [L, Pl, Z, K, H] and tokens [B, K, H]")
+  e4m3, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
+  if ((k_pool.dtype, v_pool.dtype, k_scale.dtype, v_scale.dtype) != (e4m3, e4m3, f32, f32)
+      or not (v_pool.shape == k_pool.shape and k_scale.shape == v_scale.shape == (L, Pl, K)
+              and k_new.shape == v_new.shape == (B, K, H) and page.shape == offset.shape == (B,))):
+    raise ValueError(f"pools {k_pool.dtype}{tuple(k_pool.shape)} / {v_pool.dtype}{tuple(v_pool.shape)}, scales "
+                     f"{k_scale.dtype}{tuple(k_scale.shape)} / {v_scale.dtype}{tuple(v_scale.shape)}, tokens "
+                     f"{tuple(k_new.shape)} / {tuple(v_new.shape)}, pages {tuple(page.shape)}, offsets "
+                     f"{tuple(offset.shape)}: need float8_e4m3fn pools [L, Pl, Z, K, H], float32 scales [L, Pl, K], "
+                     "tokens [B, K, H], pages and offsets [B]")
   pack = pack or pack_for(k_pool.size)
-  if pack not in (1, 2):
-    raise ValueError(f"pack={pack} must be 1 or 2")
+  if pack not in (1, 2) or (pack == 1 and pack_for(k_pool.size) == 2 and not interpret):
+    raise ValueError(f"pack={pack} for pools of {k_pool.size} bytes: 1 or 2, and 2 for pools of 2 to 4 GiB")
   pools = (k_pool, v_pool)
   if pack == 2:
     pools = tuple(jax.lax.bitcast_convert_type(p.reshape(L, Pl, Z, K, H // 2, 2), jnp.uint16) for p in pools)
   xs = tuple(jnp.moveaxis(x.reshape(B, K, H // pack, pack), 3, 2) for x in (k_new, v_new))   # [B, K, pack, H/pack]
   whole = pl.no_block_spec
   out = pl.pallas_call(
-      lambda *refs: _kernel(*refs, pages=Pl, pack=pack),
+      lambda *refs: _kernel(*refs, pages=Pl, pack=pack, interpret=interpret),
       grid=(B, K, 2),
       in_specs=[whole] * 9,
       out_specs=[whole] * 4,

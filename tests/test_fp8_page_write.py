@@ -110,7 +110,8 @@ def test_page_write_choice_and_refusals():
   assert placement.page_write(fp8.replace(page_write="xla"), 128)[0] == "xla"
   with pytest.raises(ConfigError, match=f"page_write='pallas': {cpu} \\('pallas-interpret' runs it"):
     placement.page_write(fp8.replace(page_write="pallas"), 128)
-  with pytest.raises(ConfigError, match="page_write='pallas-interpret': .* power-of-two head_dim of at least 2, got 96"):
+  with pytest.raises(ConfigError, match="page_write='pallas-interpret': .* power-of-two head_dim of at least 2, "
+                                        "got 96"):
     placement.page_write(fp8.replace(page_write="pallas-interpret"), 96)
   with pytest.raises(ConfigError, match="page_write='pallas' writes fp8 pages, and the cache holds float32"):
     placement.page_write(RunConfig(dtype="float32", page_write="pallas"), 128)

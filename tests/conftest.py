@@ -61,8 +61,8 @@ _no_eviction()
 # the same operations (no fast math either way), and every comparison in a test process is between programs
 # compiled this way or against a torch / numpy oracle. A test that runs a real model long enough for optimized code
 # to pay back is marked `optimized_xla`. The processes tests start run with the defaults, as a user runs them (the
-# CLI, the notebook kernel), except test_multihost's, which compile as their oracle here does, and test_tools' runs
-# of the tools on the tiny preset (tests.run_cache.with_test_xla_optimizations).
+# CLI, the notebook kernel), except test_multihost's, which compile as their oracle here does, test_tools' runs
+# of the tools on the tiny preset and test_compile_cache's processes (tests.run_cache.with_test_xla_optimizations).
 jax.config.update("jax_disable_most_optimizations", True)
 # And XLA generates their CPU code with its classic emitters (the newer fusion emitters compile the suite's
 # programs slower) in one LLVM module, not split for parallel compilation, under its default HLO scheduler rather

@@ -15,7 +15,7 @@ import pytest
 
 from lcjax.config import ConfigError, RunConfig
 from lcjax.engine.compile_cache import resolve
-from tests.run_cache import without_run_cache
+from tests.run_cache import with_test_xla_optimizations, without_run_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,8 +34,10 @@ print("RESULT " + json.dumps(dict(stats=compile_cache.stats(), again=again)))
 
 
 def _env(cache_home, **kw):
+  # XLA's optimizations as in the test processes (tests/conftest.py): compiling the tiny model is most of each
+  # process's time, and what is written to and read from the cache does not depend on them.
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="", LCJAX_CACHE_DIR=str(cache_home), **kw)
-  return without_run_cache(env)       # the suite's run cache (tests/conftest.py); these use lcjax's default
+  return with_test_xla_optimizations(without_run_cache(env))   # without the suite's run cache: lcjax's default
 
 
 def _cli(cache_home, **env):

@@ -13,6 +13,7 @@ and exhaustion is judged per shard (the model knows each abstract page's shard f
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -179,23 +180,27 @@ class PoolMachine(RuleBasedStateMachine):
     assert all(p % self.Pl for p in pages), "a null page was handed out"
     assert pool.pages_free + len(pages) == pool.pages_allocatable == self.P - self.S
     assert pool.pages_used == len(pages)
+    holders = collections.Counter(pid for ids in self.ids.values() for pid in set(ids))   # = self._holders(pid)
     for pid, page in phys_of.items():
-      assert pool.refcount(page) == self._holders(pid)
+      assert pool.refcount(page) == holders[pid]
     assert pool.refcount(0) == 0
+    # Every sequence at once: row r of the table array and the tokens of seqs[r], concatenated.
     seqs = sorted(self.ids)
     width = 1 + max((len(ids) for ids in self.ids.values()), default=0)
     tables = pool.page_table_array(seqs, width)                  # [len(seqs), M]
-    for row, seq in enumerate(seqs):
-      tags = self.tokens[seq]
-      slots = pool.slot_mapping(seq, 0, len(tags))
-      _assert_equal(self.device[slots], tags)
-      # The layout paged attention reads: table slot m holds tokens m*Z .. m*Z+Z-1 in order.
-      pos = np.arange(len(tags))
-      _assert_equal(slots, tables[row, pos // self.Z] * self.Z + pos % self.Z)
-      assert (tables[row, len(self.ids[seq]):] == 0).all()
-      # The placement policy the device relies on: slot m on seq shard m % S.
-      m = np.arange(len(self.ids[seq]))
-      _assert_equal(tables[row, m] // self.Pl, m % self.S)
+    lengths = [len(self.tokens[seq]) for seq in seqs]
+    tags = np.array([t for seq in seqs for t in self.tokens[seq]], dtype=np.int64)                 # [T]
+    slots = np.concatenate([pool.slot_mapping(seq, 0, n) for seq, n in zip(seqs, lengths)] + [np.zeros(0, int)])
+    _assert_equal(self.device[slots], tags)
+    # The layout paged attention reads: table slot m holds tokens m*Z .. m*Z+Z-1 in order.
+    row = np.repeat(np.arange(len(seqs)), lengths)                                                  # [T]
+    pos = np.arange(len(tags)) - np.repeat(np.cumsum([0] + lengths)[:-1], lengths)                    # [T]
+    _assert_equal(slots, tables[row, pos // self.Z] * self.Z + pos % self.Z)
+    held = np.arange(width)[None, :] < np.array([len(self.ids[seq]) for seq in seqs], int)[:, None]  # [len(seqs), M]
+    assert (tables[~held] == 0).all()
+    # The placement policy the device relies on: slot m on seq shard m % S.
+    m = np.broadcast_to(np.arange(width), tables.shape)
+    _assert_equal(tables[held] // self.Pl, m[held] % self.S)
 
 
 def test_pool_state_machine():

@@ -73,32 +73,28 @@ def test_profile_prefill_summarizes_the_step_phases():
     summarize([ev(1, "qk", "B", 0.0)])
 
 
-def test_check_exact_over_the_last_positions(tmp_path):
-  # float32 weights and cache: each of the last 3 positions, reached through the prefix cache's pages, matches the
-  # oracle's logits at the same position (a shift by one position would not).
-  _run("check_exact.py", "--preset=tiny", "--contexts=96,200", "--caches=float32", "--positions=3",
-       "--dtype=float32", "--prefill_chunk=64", "--page_size=16", f"--out={tmp_path}", "--name=ex")
-  res = json.load(open(tmp_path / "ex.json"))
-  for r in res["rows"]:
-    m = r["vs_oracle"]
-    assert m["positions"] == 3 and m["top1"] == 1.0 and m["rel_max"] < 1e-5 and m["kl_max"] < 1e-9, r
-  assert "| 200 | float32 | oracle |" in (tmp_path / "ex.md").read_text()
-
-
-def test_check_exact_with_fp8_weights_keeps_the_oracle_unquantized(tmp_path):
-  # '+fp8w' quantizes the weights at load (prefill chunks of 96 and 128 rows: the fp8 x fp8 product); the oracle
-  # and the first entry keep them as drawn, so float32 still matches the oracle and fp8 weights differ by e4m3's
-  # error.
-  _run("check_exact.py", "--preset=tiny", "--contexts=96,200", "--caches=float32,float32+fp8w", "--positions=2",
+def test_check_exact_over_the_last_positions_and_with_fp8_weights(tmp_path):
+  # One run of the tool for two claims (its start and the float32 oracle are most of the time).
+  # 1. float32 weights and cache: each of the last 3 positions, reached through the prefix cache's pages, matches
+  # the oracle's logits at the same position (a shift by one position would not).
+  # 2. '+fp8w' quantizes the weights at load (prefill chunks of 96 and 128 rows, over lcjax.ops.linear's
+  # WIDEN_MAX_ROWS: the fp8 x fp8 product); the oracle and the first entry keep them as drawn, so float32 still
+  # matches the oracle and fp8 weights differ by e4m3's error.
+  _run("check_exact.py", "--preset=tiny", "--contexts=96,200", "--caches=float32,float32+fp8w", "--positions=3",
        "--dtype=float32", "--prefill_chunk=128", "--page_size=16", f"--out={tmp_path}", "--name=ex")
   res = json.load(open(tmp_path / "ex.json"))
   rows = {(r["S"], r["cache"]): r for r in res["rows"]}
+  assert sorted(rows) == [(S, c) for S in (96, 200) for c in ("float32", "float32+fp8w")]
   for S in (96, 200):
-    assert rows[S, "float32"]["weights"] == "float32" and rows[S, "float32"]["vs_oracle"]["rel_max"] < 1e-5
+    r = rows[S, "float32"]
+    m = r["vs_oracle"]
+    assert m["positions"] == 3 and m["top1"] == 1.0 and m["rel_max"] < 1e-5 and m["kl_max"] < 1e-9, r
+    assert r["weights"] == "float32"
     fp8 = rows[S, "float32+fp8w"]
-    assert fp8["weights"].startswith("float8_e4m3fn")
+    assert fp8["weights"].startswith("float8_e4m3fn") and fp8["vs_oracle"]["positions"] == 3
     assert 1e-3 < fp8["vs_oracle"]["rel_max"] < 0.1 and fp8["vs_oracle"]["kl"] < 1e-2, fp8
     assert fp8["vs_float32"]["rel_max"] == pytest.approx(fp8["vs_oracle"]["rel_max"], rel=0.05)
+  assert "| 200 | float32 | oracle |" in (tmp_path / "ex.md").read_text()
 
 
 def test_profile_step_reports(tmp_path):

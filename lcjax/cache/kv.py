@@ -116,6 +116,13 @@ def written_pages(slots, page_size: int):
   return jnp.take_along_axis(slots, idx, axis=1) // Z
 
 
+def _local_pages(global_pages, first, pages: int):
+  """Global page ids (any shape) -> ids in a pool holding the global pages first .. first + pages - 1; pages
+  outside it -> `pages` (out of bounds: dropped by the writes)."""
+  page = global_pages - first
+  return jnp.where((page >= 0) & (page < pages), page, pages)
+
+
 def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
   """Write new [B, T, K, H] at global slots [B, T] into layer `layer` of a pool [L, Pl, Z, K, H] holding the
   global pages first .. first + Pl - 1 (tokens of other pages are dropped). Returns (pool, scale).
@@ -132,8 +139,7 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
     3. the new tokens are quantized with their page's new scale and scattered."""
   Pl, Z = pool.shape[1:3]
   s = slots.reshape(-1)
-  page = s // Z - first
-  page = jnp.where((page >= 0) & (page < Pl), page, Pl)            # out of bounds: dropped
+  page = _local_pages(s // Z, first, Pl)
   x = new.reshape(-1, *pool.shape[3:])                              # [N, K, H]
   if scale is None:
     return pool.at[layer, page, s % Z].set(x.astype(pool.dtype), mode="drop"), None
@@ -142,8 +148,7 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
     return _write_one_token(pool, scale, x, page, s % Z, layer)
   starts = jnp.where(s % Z == 0, page, Pl)
   scale = scale.at[layer, starts].set(0.0, mode="drop")
-  wp = pages.reshape(-1) - first                                    # [M] written pages, local
-  wp = jnp.where((wp >= 0) & (wp < Pl), wp, Pl)
+  wp = _local_pages(pages.reshape(-1), first, Pl)                   # [M] written pages, local
   wpc = jnp.minimum(wp, Pl - 1)
   old = scale[layer, wpc]                                           # [M, K]
   scale = scale.at[layer, page].max(scale_for(jnp.abs(x).max(axis=-1)), mode="drop")
@@ -190,8 +195,7 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   if kernel != "xla" and k_scale is not None and slots.shape[1] == 1:
     Pl, Z = k_all.shape[1:3]
     s = slots[:, 0]
-    page = s // Z - first
-    page = jnp.where((page >= 0) & (page < Pl), page, Pl)           # out of bounds: written nowhere
+    page = _local_pages(s // Z, first, Pl)
     return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, s % Z, layer,
                                       interpret=kernel == "pallas-interpret")
   k_all, k_scale = _write(k_all, k_scale, k, slots, pages, layer, first)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
-from lcjax.ops.pallas_backend import compute_capability
+from lcjax.ops.pallas_backend import fp8_convert_reason
 from lcjax.ops.pallas_paged import next_pow2
 
 _X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
@@ -67,17 +67,23 @@ class GemvTuning:
 def unsupported() -> str | None:
   """Why the kernel cannot be compiled here (None: it can): it needs a CUDA GPU that converts e4m3 in hardware
   (sm_89+; measured on sm_90)."""
-  if jax.default_backend() != "gpu":
-    return f"the fp8 GEMV kernel needs a CUDA GPU, not {jax.default_backend()!r}"
-  cc = compute_capability()
-  if cc is None or cc < (8, 9):
-    return f"the fp8 GEMV kernel needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
-  return None
+  return fp8_convert_reason("fp8 GEMV kernel")
 
 
 def pack_for(nbytes: int) -> int:
-  """e4m3 values per element the kernel loads from a stacked weight of `nbytes` bytes (module docstring)."""
+  """e4m3 values per element a Triton kernel loads from an e4m3 array of `nbytes` bytes (module docstring)."""
   return 2 if 2 ** 31 <= nbytes <= 2 ** 32 else 1
+
+
+def as_pairs(x8):
+  """An e4m3 array [..., 2n] viewed as uint16 [..., n], each element a pair of adjacent values (a bitcast)."""
+  return jax.lax.bitcast_convert_type(x8.reshape(*x8.shape[:-1], x8.shape[-1] // 2, 2), jnp.uint16)
+
+
+def pair_value(pairs, j: int):
+  """Value j (0: the low byte, the even column) of each uint16 pair of e4m3 values, as e4m3."""
+  byte = jax.lax.shift_right_logical(pairs, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
+  return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -149,12 +155,7 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
     k = k0 + i * bk
     wk = w_ref[layer, pl.ds(n * bn, bn), pl.ds(k, bk)]                 # [bn, bk] e4m3, or uint16 pairs
     for j in range(pack):
-      if pack == 1:
-        wj = wk
-      else:
-        byte = jax.lax.shift_right_logical(wk, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
-        wj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
-      wj = wj.astype(jnp.float16)                                      # widened exactly
+      wj = (wk if pack == 1 else pair_value(wk, j)).astype(jnp.float16)   # widened exactly
       for part in range(x_ref.shape[0]):
         xk = x_ref[part, j, :, pl.ds(k, bk)]                           # [Rp, bk] f16
         acc = acc + pltriton.dot(xk, wj, trans_b=True)                 # [Rp, bn] f32
@@ -195,7 +196,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   x16 = jnp.moveaxis(x16.reshape(x16.shape[0], p.Rp, Kd // pack, pack), 3, 1)   # [P, pack, Rp, Kd / pack]
   w = w8.reshape(L, N, Kd)
   if pack == 2:
-    w = jax.lax.bitcast_convert_type(w.reshape(L, N, Kd // 2, 2), jnp.uint16)   # a view: the same bytes
+    w = as_pairs(w)                                                    # a view: the same bytes
   whole = pl.no_block_spec
   parts = pl.pallas_call(
       lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops.fp8 import E4M3_MAX
-from lcjax.ops.fp8_gemv import pack_for
-from lcjax.ops.pallas_backend import compute_capability
+from lcjax.ops.fp8_gemv import as_pairs, pack_for, pair_value
+from lcjax.ops.pallas_backend import fp8_convert_reason
 
 _SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32
 _MANTISSA = (1 << 23) - 1
@@ -52,12 +52,7 @@ def unsupported_shape(page_size: int, head_dim: int) -> str | None:
 def unsupported(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot be compiled here for pages of this shape (None: it can): a CUDA GPU that converts e4m3
   in hardware (sm_89+; measured on sm_90) and `unsupported_shape`."""
-  if jax.default_backend() != "gpu":
-    return f"the fp8 page-write kernel needs a CUDA GPU, not {jax.default_backend()!r}"
-  cc = compute_capability()
-  if cc is None or cc < (8, 9):
-    return f"the fp8 page-write kernel needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
-  return unsupported_shape(page_size, head_dim)
+  return fp8_convert_reason("fp8 page-write kernel") or unsupported_shape(page_size, head_dim)
 
 
 def _token_scale(absmax):
@@ -102,11 +97,7 @@ def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: 
   here = jax.lax.broadcasted_iota(jnp.int32, shape, 0) == offset
   out = None
   for j in range(pack):
-    if pack == 1:
-      sj = stored
-    else:
-      byte = jax.lax.shift_right_logical(stored, jnp.uint16(8 * j)) & jnp.uint16(0xFF)
-      sj = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+    sj = stored if pack == 1 else pair_value(stored, j)
     y = jnp.clip(xs[j] * inv, -E4M3_MAX, E4M3_MAX)                          # [H / pack]
     vj = jnp.where(here, jnp.broadcast_to(y[None, :], shape), sj.astype(jnp.float32) * ratio)
     vj = vj.astype(jnp.float8_e4m3fn)
@@ -157,7 +148,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
     raise ValueError(f"pack={pack} for pools of {k_pool.size} bytes: 1 or 2, and 2 for pools of 2 to 4 GiB")
   pools = (k_pool, v_pool)
   if pack == 2:
-    pools = tuple(jax.lax.bitcast_convert_type(p.reshape(L, Pl, Z, K, H // 2, 2), jnp.uint16) for p in pools)
+    pools = tuple(as_pairs(p) for p in pools)
   xs = tuple(jnp.moveaxis(x.reshape(B, K, H // pack, pack), 3, 2) for x in (k_new, v_new))   # [B, K, pack, H/pack]
   whole = pl.no_block_spec
   out = pl.pallas_call(

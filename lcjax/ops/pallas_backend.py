@@ -35,6 +35,17 @@ def compute_capability() -> tuple[int, int] | None:
   return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
 
 
+def fp8_convert_reason(kernel: str) -> str | None:
+  """Why `kernel` (named in the message) cannot be compiled here (None: it can): it needs a CUDA GPU that converts
+  e4m3 in hardware (sm_89+; measured on sm_90)."""
+  if jax.default_backend() != "gpu":
+    return f"the {kernel} needs a CUDA GPU, not {jax.default_backend()!r}"
+  cc = compute_capability()
+  if cc is None or cc < (8, 9):
+    return f"the {kernel} needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
+  return None
+
+
 def _on_hopper() -> str | None:
   if jax.default_backend() != "gpu":
     return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"

@@ -33,23 +33,23 @@ flags.DEFINE_integer("layers", 8, "stacked layers scanned over in the decode row
 flags.DEFINE_integer("reps", 20, "timed repetitions")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "linear-fp8-h200", "output file stem")
-flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning overrides per gemv row: 'default' or "
-                  "FIELD=VALUE pairs joined by '+' (block_n=128+block_k=512)")
+flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning per gemv row: 'default' (tuning_for the "
+                  "batch) or FIELD=VALUE pairs joined by '+' over GemvTuning() (products=fma+block_n=16)")
 
 
 def gemv_tuning(text: str):
-  """A GemvTuning from a --gemv_tunings entry."""
+  """A GemvTuning from a --gemv_tunings entry (None for 'default': the kernel's tuning_for the rows)."""
   import dataclasses
   from lcjax.ops.fp8_gemv import GemvTuning
   if text == "default":
-    return GemvTuning()
+    return None
   fields = {f.name for f in dataclasses.fields(GemvTuning)}
   kw = {}
   for item in text.split("+"):
     k, _, v = item.partition("=")
     if k not in fields or not v:
       raise ValueError(f"--gemv_tunings entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
-    kw[k] = int(v)
+    kw[k] = v if k == "products" else int(v)
   return GemvTuning(**kw)
 
 

@@ -4,7 +4,9 @@ same GGUF (logits, config, tokenizer, chat template), plus a small sentencepiece
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +38,30 @@ TOKENIZER_TEXTS = fx.TEXTS + [
 ]
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+  """transformers' GGUF loading with the gguf package's GGUFReader built once per file and its tensor name map once
+  per (architecture, layers), for the duration of the block. transformers imports both from the gguf module at
+  each call: the config, the weights and the tokenizer each parse the whole file again (about 4 s each for
+  SmolLM2's 49,152-token vocabulary), and the weights' name mapping builds the same map for each of the HF model's
+  397 modules (about 6 s). Readers and maps are read, never written, by their callers: the values transformers
+  loads are the gguf package's, as without the block."""
+  import gguf
+  readers = {}
+  reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+  def reader(path, mode="r"):
+    key = (os.path.realpath(path), mode)
+    if key not in readers:
+      readers[key] = reader_cls(path, mode)
+    return readers[key]
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(gguf, "GGUFReader", reader)
+    mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))
+    yield
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_checkpoint):
   """(lcjax ckpt dir, HF model, HF tokenizer): the GGUF converted by convert_gguf (once per test run, shared with
@@ -46,8 +72,9 @@ def smollm2(smollm2_checkpoint):
   path = smollm2_gguf_path()
   dst = smollm2_checkpoint
   folder, fname = os.path.split(path)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
-  hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+  with _gguf_parsed_once():
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=fname)
   return dst, hf, hf_tok
 
 

@@ -203,6 +203,28 @@ def test_result_files_name_the_source_revision(tmp_path, monkeypatch):
   assert benchlib.source_revision() == "unknown"
 
 
+def test_versions_of_modules_a_run_did_not_import_come_from_their_metadata():
+  """benchlib.versions() imports none of the modules it reports (a tool that never uses torch does not pay its
+  start): the versions are those the modules report once imported (here, in this process)."""
+  import platform
+  import flax
+  import jax
+  import jaxlib
+  import torch
+  import transformers
+  code = ("import json, sys; from tools import benchlib; v = benchlib.versions(); "
+          "print(json.dumps([v, [m for m in ('jax', 'jaxlib', 'flax', 'torch', 'transformers') if m in sys.modules]]))")
+  p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  got, imported = json.loads(p.stdout)
+  assert imported == []
+  assert got == {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                 "flax": flax.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+  from tools import benchlib
+  assert benchlib.versions(("jax", "no_such_module_here")) == {"python": platform.python_version(),
+                                                               "jax": jax.__version__}
+
+
 def test_variant_entries_name_cache_attention_and_weight_dtypes():
   from lcjax.config import RunConfig
   from tools import benchlib

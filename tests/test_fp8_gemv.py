@@ -56,16 +56,15 @@ def _numpy_product(x, w8, scale, layer, spec):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("products,rows,pack", [("dot", 1, 1), ("dot", 64, 1), ("dot", 5, 2), ("fma", 1, 1),
-                                                ("fma", 2, 2), ("fma", 3, 1)])
-def test_kernel_against_numpy(name, products, rows, pack):
+@pytest.mark.parametrize("rows,pack", [(1, 1), (64, 1), (5, 2)])
+def test_kernel_against_numpy(name, rows, pack):
   """Every layer of the stack, rows up to the decode limit, rows past float16's range and far below it: bf16 x
-  exactly as float64 up to float32 sums (the output rounded to bf16); float32 x within its hi + lo split ("dot")
-  or float32 sums ("fma"). pack 2 reads the weight as uint16 pairs (what weights of 2 to 4 GiB take)."""
+  exactly as float64 up to float32 sums (the output rounded to bf16); float32 x within its hi + lo split. pack 2
+  reads the weight as uint16 pairs (what weights of 2 to 4 GiB take)."""
   rng = np.random.default_rng(rows)
   w8, scale = _stacked(name, rng)
   spec = LINEAR[name]
-  tuning = dataclasses.replace(SMALL_TILES, pack=pack, products=products)
+  tuning = dataclasses.replace(SMALL_TILES, pack=pack)
   for dtype, rtol in ((jnp.bfloat16, 2 ** -8), (jnp.float32, 2e-6)):
     x = _x(name, rows, rng, dtype)
     for layer in range(L):
@@ -98,18 +97,10 @@ def test_reference_is_the_widened_product():
     (3, 128, 64, (16, 64, 64, 1)),          # the tiny model: Kd is one step, nothing to split
 ])
 def test_plan_tiles_and_splits(R, N, Kd, want):
-  """The "dot" tiles, and splits doubled while the programs are short of the target and each split keeps
+  """The default tiles, and splits doubled while the programs are short of the target and each split keeps
   min_steps: worked out by hand for the model shapes."""
-  p = fp8_gemv.plan(R, N, Kd, fp8_gemv.DOT)
+  p = fp8_gemv.plan(R, N, Kd)
   assert (p.Rp, p.bn, p.bk, p.S) == want
-
-
-def test_default_tuning_by_rows():
-  """FMA (rows unpadded) up to FMA_MAX_ROWS rows, the tensor-core dot (rows padded to 16) past it."""
-  small, large = fp8_gemv.FMA_MAX_ROWS, fp8_gemv.FMA_MAX_ROWS + 1
-  assert fp8_gemv.tuning_for(small).products == "fma" and fp8_gemv.tuning_for(large).products == "dot"
-  assert fp8_gemv.plan(small, 4096, 4096, fp8_gemv.tuning_for(small)).Rp == small
-  assert fp8_gemv.plan(large, 4096, 4096, fp8_gemv.tuning_for(large)).Rp == 16
 
 
 def test_pack_for_sizes():
@@ -123,8 +114,6 @@ def test_plan_refusals():
     fp8_gemv.plan(65, 128, 64)
   with pytest.raises(ValueError, match="num_splits=3 does not divide the 16 steps"):
     fp8_gemv.plan(1, 128, 4096, fp8_gemv.GemvTuning(num_splits=3))
-  with pytest.raises(ValueError, match="GemvTuning.products='mma' must be 'dot' or 'fma'"):
-    fp8_gemv.plan(1, 128, 4096, fp8_gemv.GemvTuning(products="mma"))
   w8 = jnp.zeros((2, 8, 16), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="not a row-major"):
     fp8_gemv.gemv_stacked(jnp.zeros((1, 16, 1)), w8, jnp.ones((2, 8, 1)), 0, "bdt,fd->btf", interpret=True)
@@ -216,10 +205,9 @@ def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset_name", ["llama3-8b", "llama3.1-70b"])
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
-  """Compiled on the GPU at real shapes, the default tuning of each row count (1, 2: FMA; 8: dot): against the
-  float32 reference, bf16 activations."""
+  """Compiled on the GPU at real shapes: against the float32 reference, bf16 activations."""
   cfg = preset(preset_name)
   D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
   shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
@@ -241,12 +229,11 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [fp8_gemv.DOT, fp8_gemv.FMA], ids=["dot", "fma"])
 @pytest.mark.parametrize("D,F,L_,min_bytes,pack", [
     (8192, 28672, 10, 2 ** 32 + 1, 1),   # the 70B's w_gate_up over 10 layers, 4.4 GiB: 64-bit offsets, bytes
     (4096, 14336, 26, 2 ** 31, 2),       # Llama-3-8B's over 26 layers, 3.05 GiB: uint16 pairs (one-byte offsets
 ])                                       # wrapped past 2^31 there)
-def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack, tuning):
+def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
   """The last layer of a stack over 2 GiB, whose bytes lie past 2^31, against the reference."""
   spec, shape = LINEAR["layers/mlp/w_gate_up"], (D, 2, F)
   key = jax.random.PRNGKey(0)
@@ -254,8 +241,7 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack, tu
       jax.random.normal(key, (L_, *shape), jnp.bfloat16) * 0.02)
   assert w8.size >= min_bytes and fp8_gemv.pack_for(w8.size) == pack
   x = jax.random.normal(key, (1, 1, D), jnp.bfloat16)
-  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning))(
-      x, w8, scale, jnp.int32(L_ - 1))
+  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
   want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err

@@ -36,23 +36,23 @@ flags.DEFINE_string("name", "linear-fp8-h200", "output file stem")
 flags.DEFINE_list("products", ["bf16", "widened", "fp8", "gemv"], "decode products measured (module docstring)")
 flags.DEFINE_list("options", ["decode", "xla-defaults"], "XLA options of the decode rows: the decode step's, XLA's "
                   "defaults (gemv rows: the decode step's only)")
-flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning per gemv row: 'default' (tuning_for the "
-                  "batch) or FIELD=VALUE pairs joined by '+' over GemvTuning() (products=fma+block_n=16)")
+flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning overrides per gemv row: 'default' or "
+                  "FIELD=VALUE pairs joined by '+' (block_n=128+block_k=512)")
 
 
 def gemv_tuning(text: str):
-  """A GemvTuning from a --gemv_tunings entry (None for 'default': the kernel's tuning_for the rows)."""
+  """A GemvTuning from a --gemv_tunings entry."""
   import dataclasses
   from lcjax.ops.fp8_gemv import GemvTuning
   if text == "default":
-    return None
+    return GemvTuning()
   fields = {f.name for f in dataclasses.fields(GemvTuning)}
   kw = {}
   for item in text.split("+"):
     k, _, v = item.partition("=")
     if k not in fields or not v:
       raise ValueError(f"--gemv_tunings entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
-    kw[k] = v if k == "products" else int(v)
+    kw[k] = int(v)
   return GemvTuning(**kw)
 
 

@@ -10,24 +10,19 @@ stacked weight and the layer index instead: nothing is sliced, copied or widened
 `GemvTuning.max_rows` rows, the weights K-major as lcjax.ops.linear holds them ([L, outs..., ins...], one float32
 scale per output channel). With N the output channels and Kd the contracted length (each axis group flattened, a
 free reshape), the kernel's program (n, s) multiplies the row block x [Rp, Kd] by the weight rows
-[n * bn, (n + 1) * bn) over its share s of Kd (split-K, so that a short N still fills the GPU), bk columns a step.
-XLA then sums the splits, applies the scales and casts: one small fusion. Each [bn, bk] e4m3 tile is widened in
-registers (one hardware convert per pair on Hopper) and multiplied in one of two ways (`GemvTuning.products`):
-  "fma"  x's rows as they are (bf16 or float32, widened to float32), each multiplied elementwise with the float32
-         tile into a [bn, bk] float32 accumulator of its own on the CUDA cores; the accumulators are summed along
-         bk once, at the end. x needs no row scale and no padding (for 1, 2 or 4 rows), and per weight byte and
-         row the product costs one FMA: the default up to FMA_MAX_ROWS rows.
-  "dot"  the tile widened to float16 and x's rows, padded to 16 (the tensor-core dot's minimum) and made float16
-         as below, multiplied on the tensor cores with float32 accumulation: the default for more rows.
+[n * bn, (n + 1) * bn) over its share s of Kd (split-K, so that a short N still fills the GPU), bk columns a step:
+each [bn, bk] e4m3 tile is widened to float16 in registers (one hardware convert per pair on Hopper; e4m3 -> bf16
+goes through float32) and multiplied on the tensor cores with float32 accumulation. XLA then sums the splits,
+applies the row and channel scales and casts: one small fusion.
 
-Both widenings are exact: every e4m3 value is a float16. For "dot" the activations become float16 exactly too: each
-row is first divided by a power of two that brings its absmax to at most 2^14 (bf16's 8 significant bits fit
-float16's 11; only values below 2^-28 of the row's absmax, too small to change any sum, lose bits), and the
-kernel's sums are multiplied back. float32 activations (runs in float32, the CPU tests) are split into two float16
-parts, x = hi + lo, each multiplied by the tile: 22 significant bits for values down to 2^-17 of the row's absmax,
-an absolute error under 2^-39 of it below (lo is then a float16 subnormal). So the kernel computes the widened
+The widening is exact: every e4m3 value is a float16. The activations become float16 exactly too: each row is
+first divided by a power of two that brings its absmax to at most 2^14 (bf16's 8 significant bits fit float16's
+11; only values below 2^-28 of the row's absmax, too small to change any sum, lose bits), and the kernel's sums
+are multiplied back. float32 activations (runs in float32, the CPU tests) are split into two float16 parts,
+x = hi + lo, each multiplied by the tile: 22 significant bits for values down to 2^-17 of the row's absmax, an
+absolute error under 2^-39 of it below (lo is then a float16 subnormal). So the kernel computes the widened
 product of lcjax.ops.linear.dense (x times the dequantized weight, float32 sums) and differs from
-`gemv_stacked_reference` by summation order (for "dot" and float32 activations, also the last bits of x) only.
+`gemv_stacked_reference` by summation order (and for float32 activations the last bits of x) only.
 
 Weights of 2 to 4 GiB are read as uint16 pairs of e4m3 bytes (`pack` 2): the Triton lowering addresses an array
 of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31 elements (a Llama-3-8B w_gate_up stack
@@ -37,7 +32,7 @@ even and odd columns apart. Larger arrays get 64-bit offsets from the lowering a
 uint16 operand is XLA's bitcast_convert of the e4m3 stack, which the GPU compiler makes a bitcast of the same
 buffer, not a copy (the optimized HLO of a Llama-3-8B decode step: benchmarks/NOTES-fp8w.md, call 9).
 
-Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two; for "dot" >= 16),
+Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
 N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.
 """
 from __future__ import annotations
@@ -58,7 +53,6 @@ _X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most
 @dataclasses.dataclass(frozen=True)
 class GemvTuning:
   """Static knobs of the kernel (part of the jit cache key)."""
-  products: str = "dot"          # "dot": tensor cores, x padded to 16 rows; "fma": CUDA cores (module docstring)
   block_n: int = 64              # bn: weight rows (output channels) per program
   block_k: int = 256             # bk: columns per step; a [bn, bk] e4m3 tile is bn * bk bytes
   target_programs: int = 132 * 4 # programs aimed at by the split-K heuristic (132 SMs on an H200)
@@ -68,16 +62,6 @@ class GemvTuning:
   num_stages: int = 3
   max_rows: int = WIDEN_MAX_ROWS # more rows than this is not decode-shaped: the fp8 x fp8 GEMM serves it
   pack: int | None = None        # e4m3 values per loaded element, 1 or 2; None: `pack_for` the weight's size
-
-
-DOT = GemvTuning()
-FMA = GemvTuning(products="fma", block_n=16, block_k=512)
-FMA_MAX_ROWS = 2               # rows up to which `tuning_for` takes FMA
-
-
-def tuning_for(rows: int) -> GemvTuning:
-  """The default tuning of a call of `rows` rows."""
-  return FMA if rows <= FMA_MAX_ROWS else DOT
 
 
 def unsupported() -> str | None:
@@ -128,8 +112,6 @@ def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
   """Tiles and splits for x [R, Kd] times a weight of N rows of Kd."""
   if R > tuning.max_rows:
     raise ValueError(f"{R} rows exceed GemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
-  if tuning.products not in ("dot", "fma"):
-    raise ValueError(f"GemvTuning.products={tuning.products!r} must be 'dot' or 'fma'")
   bn, bk = _pow2_divisor(N, tuning.block_n), _pow2_divisor(Kd, tuning.block_k)
   if tuning.num_splits is not None:
     S = tuning.num_splits
@@ -139,8 +121,7 @@ def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
     S, steps = 1, Kd // bk
     while (N // bn) * S < tuning.target_programs and steps % 2 == 0 and steps // 2 >= tuning.min_steps:
       S, steps = S * 2, steps // 2
-  return Plan(R=R, Rp=next_pow2(R) if tuning.products == "fma" else max(16, next_pow2(R)), N=N, Kd=Kd, bn=bn,
-              bk=bk, S=S)
+  return Plan(R=R, Rp=max(16, next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
 
 
 def _layout(x_shape, w_shape, spec: str):
@@ -161,7 +142,7 @@ def _layout(x_shape, w_shape, spec: str):
   return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
 
 
-def _kernel_dot(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
   """Program (n, s): o [Rp, bn] = sum over its steps of x [Rp, bk] times the weight tile [bn, bk]^T, columns counted
   in loaded elements (`pack` e4m3 values each); x_ref [P, pack, Rp, Kd / pack] holds x's columns j mod pack at j."""
   from jax.experimental import pallas as pl
@@ -183,34 +164,6 @@ def _kernel_dot(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
   o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[2], bn), jnp.float32))
 
 
-def _kernel_fma(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
-  """Program (n, s): o [Rp, bn], row r the sum over its steps of the weight tile [bn, bk] times x's row r [bk],
-  accumulated elementwise in a [bn, bk] float32 array per row and summed along bk at the end; x_ref [pack, Rp,
-  Kd / pack] in x's dtype holds x's columns j mod pack at j."""
-  from jax.experimental import pallas as pl
-  n, s = pl.program_id(0), pl.program_id(1)
-  layer = layer_ref[0]
-  rows = x_ref.shape[1]
-  k0 = s * (steps * bk)
-
-  def step(i, accs):
-    k = pl.multiple_of(k0 + i * bk, bk)
-    wk = w_ref[layer, pl.ds(n * bn, bn), pl.ds(k, bk)]                 # [bn, bk] e4m3, or uint16 pairs
-    accs = list(accs)
-    for j in range(pack):
-      wj = (wk if pack == 1 else pair_value(wk, j)).astype(jnp.float16).astype(jnp.float32)   # exact
-      for r in range(rows):
-        accs[r] = accs[r] + wj * x_ref[j, r, pl.ds(k, bk)].astype(jnp.float32)[None, :]
-    return tuple(accs)
-
-  accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bn, bk), jnp.float32) for _ in range(rows)))
-  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0)
-  o = jnp.zeros((rows, bn), jnp.float32)
-  for r in range(rows):
-    o = jnp.where(row == r, jnp.sum(accs[r], axis=1)[None, :], o)
-  o_ref[...] = o
-
-
 def scale_rows(x2):
   """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (module docstring),
   the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
@@ -224,15 +177,13 @@ def scale_rows(x2):
   return jnp.stack([hi, (xf - hi.astype(jnp.float32)).astype(jnp.float16)]), s
 
 
-def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning | None = None, interpret: bool = False):
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False):
   """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
-  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar; `tuning`
-  None: `tuning_for` x's rows."""
+  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   L = w8.shape[0]
   R, N, Kd, out_shape = _layout(x.shape, w8.shape, spec)
-  tuning = tuning or tuning_for(R)
   pack = tuning.pack or pack_for(w8.size * w8.dtype.itemsize)
   if pack not in (1, 2) or Kd % pack:
     raise ValueError(f"pack={pack} must be 1 or 2 and divide the contracted length Kd={Kd}")
@@ -240,21 +191,15 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning | None = 
   if not interpret and min(p.bn, p.bk) < 16:
     raise ValueError(f"tiles bn={p.bn} x bk={p.bk} of N={N}, Kd={Kd} (pack {pack}) are under the tensor-core dot's "
                      "16: N and Kd / pack need a power-of-two factor of 16")
-  if tuning.products == "fma":
-    kernel, xs = _kernel_fma, None
-    xk = jnp.pad(x.reshape(R, Kd), ((0, p.Rp - R), (0, 0)))             # [Rp, Kd] in x's dtype
-    xk = jnp.moveaxis(xk.reshape(p.Rp, Kd // pack, pack), 2, 0)          # [pack, Rp, Kd / pack]
-  else:
-    kernel = _kernel_dot
-    xk, xs = scale_rows(x.reshape(R, Kd))
-    xk = jnp.pad(xk, ((0, 0), (0, p.Rp - R), (0, 0)))                   # [P, Rp, Kd]
-    xk = jnp.moveaxis(xk.reshape(xk.shape[0], p.Rp, Kd // pack, pack), 3, 1)   # [P, pack, Rp, Kd / pack]
+  x16, xs = scale_rows(x.reshape(R, Kd))
+  x16 = jnp.pad(x16, ((0, 0), (0, p.Rp - R), (0, 0)))                 # [P, Rp, Kd]
+  x16 = jnp.moveaxis(x16.reshape(x16.shape[0], p.Rp, Kd // pack, pack), 3, 1)   # [P, pack, Rp, Kd / pack]
   w = w8.reshape(L, N, Kd)
   if pack == 2:
     w = as_pairs(w)                                                    # a view: the same bytes
   whole = pl.no_block_spec
   parts = pl.pallas_call(
-      lambda *refs: kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),
+      lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),
       grid=(N // p.bn, p.S),
       in_specs=[whole, whole, whole],
       out_specs=pl.BlockSpec((None, p.Rp, p.bn), lambda n, s: (s, 0, n)),
@@ -262,11 +207,9 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning | None = 
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
       interpret=interpret,
       name="lcjax_fp8_gemv",
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), xk, w)
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w)
   w_scale = jax.lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)     # [N]
-  y = jnp.sum(parts[:, :R], axis=0) * w_scale
-  if xs is not None:
-    y = y * xs
+  y = jnp.sum(parts[:, :R], axis=0) * xs * w_scale
   return y.reshape(out_shape).astype(x.dtype)
 
 

@@ -108,6 +108,8 @@ for step in "${steps[@]}"; do
         --name=exact-fp8-llama3-8b-128k-h200
       python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$P" \
         --caches=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn --name=exact-int8-llama3-8b-128k-margin-h200
+      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768,131072 --prefill_chunk=16384 --out="$P" \
+        --caches=bfloat16,bfloat16+fp8w,float8_e4m3fn+fp8attn+fp8w --name=exact-fp8w-llama3-8b-h200
       # The real SmolLM2: KL against float32 HF at its 8K context, bf16 beside FP8 attention and the fp8 cache.
       python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
         --prefill_chunk=2048 --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --out="$P" \

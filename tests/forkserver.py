@@ -40,11 +40,12 @@ _servers: dict = {}
 
 
 class Job:
-  """A running job: its pid, and (after wait) its exit status, stdout and stderr."""
+  """A running job: its pid, the files its stdout and stderr go to while it runs (out_path, err_path), and after
+  wait its exit status, stdout and stderr (the files are then removed)."""
 
   def __init__(self, server: "_Server", argv: list[str], pid: int, out: str, err: str):
     self.args, self.pid, self.returncode = argv, pid, None
-    self._server, self._out, self._err = server, out, err
+    self._server, self.out_path, self.err_path = server, out, err
     self.stdout = self.stderr = None
 
   def poll(self):
@@ -58,15 +59,19 @@ class Job:
     return self.returncode
 
   def send_signal(self, sig: int) -> None:
-    if self.returncode is None:
-      os.kill(self.pid, sig)
+    """Signal the job unless it has ended (as Popen.send_signal)."""
+    if self.poll() is None:
+      try:
+        os.kill(self.pid, sig)
+      except ProcessLookupError:       # ended since the poll
+        pass
 
   def _collect(self, timeout) -> bool:
     status = self._server.status(timeout)
     if status is None:
       return False
     self.returncode = status
-    for name, path in (("stdout", self._out), ("stderr", self._err)):
+    for name, path in (("stdout", self.out_path), ("stderr", self.err_path)):
       with open(path, encoding="utf-8", errors="replace") as f:
         setattr(self, name, f.read())
       os.unlink(path)

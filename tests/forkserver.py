@@ -5,8 +5,8 @@ of in a fresh `python` that imports them again (2-7 s a process on the CI machin
 Each job is a process of its own with the job's argv, environment, working directory, sys.path[0] and pid, its
 stdin from /dev/null, stdout and stderr captured, and its exit status as a fresh interpreter's: 0 at the end, the
 code of SystemExit, 1 with Python's traceback for an uncaught exception, minus the signal when killed (a job can be
-killed: `Job.pid` is its own process). It ends as the interpreter ends a program (threads joined, atexit handlers, streams flushed), without tearing its
-modules down.
+killed: `Job.pid` is its own process). It ends as the interpreter ends a program (threads joined, atexit handlers,
+streams flushed), without tearing its modules down. One job at a time per server.
 What it does not get afresh: the modules the server imported, in the state importing left them. So:
 - no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);
 - environment variables read at import time must be the job's: a server is started with the job's environment
@@ -75,7 +75,6 @@ class Job:
       with open(path, encoding="utf-8", errors="replace") as f:
         setattr(self, name, f.read())
       os.unlink(path)
-    self._server.busy = False
     return True
 
 
@@ -84,7 +83,7 @@ class _Server:
     self.log = tempfile.TemporaryFile()          # the server's own stderr (its imports' warnings)
     self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", *preload], env=env, cwd=REPO,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
-    self.busy = False
+    self.job = None
     self._buf = b""
     line = self._line(300)
     if line != "ready":
@@ -107,7 +106,9 @@ class _Server:
     return line.decode()
 
   def start(self, argv, env, cwd) -> Job:
-    assert not self.busy, "one job at a time per server"
+    if self.job is not None and self.job.returncode is None:     # left running by a test that failed: one at a time
+      self.job.send_signal(9)
+      self.job.wait(60)
     fd, out = tempfile.mkstemp(prefix="forkjob-out-")
     os.close(fd)
     fd, err = tempfile.mkstemp(prefix="forkjob-err-")
@@ -118,8 +119,8 @@ class _Server:
     line = self._line(60)
     if not line or not line.startswith("pid "):
       raise RuntimeError(f"forkserver did not start the job ({line!r})")
-    self.busy = True
-    return Job(self, list(argv), int(line.split()[1]), out, err)
+    self.job = Job(self, list(argv), int(line.split()[1]), out, err)
+    return self.job
 
   def status(self, timeout):
     line = self._line(timeout)

@@ -2,8 +2,9 @@
 through the Python API.
 
 CLI (its flag parser and `main`, run in this process by tests.cli_inprocess; a good run and --verbose go through
-`python -m lcjax.cli.generate` in a process of their own, forked by tests.forkserver): exit status 2, the last stderr line is the only one that starts
-with `error: `, it names the offending value and the limit, and there is no traceback unless --verbose.
+`python -m lcjax.cli.generate` in a process of their own, forked by tests.forkserver): exit status 2, the last stderr
+line is the only one that starts with `error: `, it names the offending value and the limit, and there is no
+traceback unless --verbose.
 Python API: the documented exception type (every lcjax refusal is a ValueError) with a one-line message naming
 the value and the limit; an engine that refused a request keeps no page and still answers as before.
 

@@ -68,3 +68,12 @@ def test_a_job_is_its_own_process_that_can_be_killed():
 def test_refuses_other_command_lines():
   with pytest.raises(ValueError, match="not"):
     forkserver.start([sys.executable, "-X", "importtime", "-c", "pass"], preload=PRELOAD)
+
+
+def test_a_job_left_running_is_killed_before_the_next_one_starts():
+  """A test that fails between start and wait leaves its job running; the server's next job still runs."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  left = forkserver.start([sys.executable, "-c", "import time; time.sleep(60)"], env=env, preload=PRELOAD)
+  nxt = forkserver.run([sys.executable, "-c", "print('next')"], env=env, timeout=30, preload=PRELOAD)
+  assert nxt.stdout == "next\n"
+  assert left.returncode == -signal.SIGKILL

@@ -21,6 +21,7 @@ A test whose point is a fresh interpreter (a cache across processes, several hos
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import select
@@ -36,7 +37,11 @@ FREE_ENV = ("LCJAX_CACHE_DIR", "PYTEST_CURRENT_TEST")
 # What the servers import, unless a caller names its own list.
 PRELOAD = ("jax", "numpy", "lcjax.checkpoint", "lcjax.engine.engine")
 
-_servers: dict = {}
+# Servers kept per process (the least recently used is closed for a new one): each holds its imports' memory
+# (jax and lcjax about 0.2 GB, with torch and transformers about 0.5 GB), and a module's jobs share one environment.
+MAX_SERVERS = 2
+
+_servers: collections.OrderedDict = collections.OrderedDict()
 
 
 class Job:
@@ -139,17 +144,26 @@ def _server(env: dict, preload) -> _Server:
   key = (tuple(preload), frozenset((k, v) for k, v in env.items() if k not in FREE_ENV))
   s = _servers.get(key)
   if s is None or s.proc.poll() is not None:
+    while len(_servers) >= MAX_SERVERS:
+      _close(_servers.popitem(last=False)[1])
     s = _servers[key] = _Server(env, tuple(preload))
+  _servers.move_to_end(key)
   return s
+
+
+def _close(s: _Server) -> None:
+  if s.job is not None and s.job.returncode is None:
+    s.job.send_signal(9)
+  try:
+    s.close()
+  except Exception:                    # noqa: BLE001  (a server already gone or stuck)
+    s.proc.kill()
 
 
 @atexit.register
 def _close_all():
-  for s in _servers.values():
-    try:
-      s.close()
-    except Exception:                  # noqa: BLE001  (a server already gone)
-      s.proc.kill()
+  while _servers:
+    _close(_servers.popitem()[1])
 
 
 def start(argv: list[str], env: dict | None = None, cwd: str | None = None, preload=PRELOAD) -> Job:

@@ -77,3 +77,15 @@ def test_a_job_left_running_is_killed_before_the_next_one_starts():
   nxt = forkserver.run([sys.executable, "-c", "print('next')"], env=env, timeout=30, preload=PRELOAD)
   assert nxt.stdout == "next\n"
   assert left.returncode == -signal.SIGKILL
+
+
+def test_at_most_max_servers_stay_up():
+  """Each environment has its own server; beyond MAX_SERVERS the least recently used one is closed."""
+  envs = [dict(os.environ, PYTHONPATH=REPO, FS_SERVER=str(i)) for i in range(forkserver.MAX_SERVERS + 1)]
+  procs = []
+  for env in envs:
+    assert forkserver.run([sys.executable, "-c", "import os; print(os.environ['FS_SERVER'])"], env=env,
+                          preload=PRELOAD).stdout == env["FS_SERVER"] + "\n"
+    procs.append(next(reversed(forkserver._servers.values())).proc)
+  assert len(forkserver._servers) == forkserver.MAX_SERVERS
+  assert procs[0].wait(timeout=30) == 0 and all(p.poll() is None for p in procs[1:])

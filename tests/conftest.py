@@ -90,11 +90,12 @@ if RUN_XLA_FLAGS not in os.environ:
 with_run_xla_flags(os.environ)
 
 
-# Modules whose module fixtures or module-level engine caches build engines, checkpoints or HF models: under xdist
-# each runs whole on one worker, which builds them once (see pytest_xdist_make_scheduler).
+# Modules whose module fixtures or module-level engine caches build engines, checkpoints or HF models, or whose
+# processes are forked from a tests.forkserver that imported torch and transformers (test_tools): under xdist each
+# runs whole on one worker, which builds them once (see pytest_xdist_make_scheduler).
 ONE_WORKER_MODULES = {"test_bos.py", "test_capacity.py", "test_context.py", "test_convert_gguf.py",
                       "test_convert_hf.py", "test_engine.py", "test_errors.py", "test_faults.py", "test_fuzz.py",
-                      "test_mesh.py", "test_stream.py", "test_threads.py", "test_tokenizer.py"}
+                      "test_mesh.py", "test_stream.py", "test_threads.py", "test_tokenizer.py", "test_tools.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,18 +1,19 @@
 """The caches lcjax reads programs and weights from cannot be planted: its cache directories are private (0700
 whatever the umask), a compilation-cache directory that others can write to or that another user owns is not used
 under "auto" (and used with a warning when named), and a converted checkpoint is keyed on more than size and mtime.
-The compile-cache cases run `compile_cache.enable` in a fresh process (one setting per process; no engine)."""
+The compile-cache cases run `compile_cache.enable` in a process of its own (one setting per process; no engine),
+forked from a server that has imported jax and lcjax (tests.forkserver) in the same environment."""
 from __future__ import annotations
 
 import json
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
 
 from lcjax.checkpoint import sources
+from tests import forkserver
 from tests.run_cache import without_run_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +27,7 @@ print("RESULT " + json.dumps(dict(dir=compile_cache.enable(sys.argv[1]))))
 
 def _enable(setting, home):
   env = without_run_cache(dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", LCJAX_CACHE_DIR=str(home)))
-  p = subprocess.run([sys.executable, "-c", _SCRIPT, setting], env=env, cwd=REPO, capture_output=True, text=True,
-                     timeout=120)
+  p = forkserver.run([sys.executable, "-c", _SCRIPT, setting], env=env, cwd=REPO, timeout=120)
   assert p.returncode == 0, p.stderr[-3000:]
   return json.loads(p.stdout.split("RESULT ")[-1])["dir"], p.stderr
 

@@ -680,9 +680,10 @@ def test_the_weights_fingerprint_reads_every_element():
 
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):
   """--context_file with --save_context, then --load_context: the same answer, the second without a prefill. The
-  CLI's default model is the bundled one, converted into the run's LCJAX_CACHE_DIR by the fixture (once per run)."""
-  import subprocess
+  CLI's default model is the bundled one, converted into the run's LCJAX_CACHE_DIR by the fixture (once per run).
+  Each run is `python -m lcjax.cli.generate` in a process of its own, forked by tests.forkserver."""
   import sys
+  from tests import forkserver
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   doc = tmp_path / "doc.txt"
   doc.write_text("The ferry ran twice an hour. Remember this: the password is PELICAN-42. The mill stood by the "
@@ -692,8 +693,7 @@ def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2
             "--config=" + os.path.join(repo, "configs", "default.py"), "--config.max_context=1024"]
 
   def cli(*args):
-    p = subprocess.run([sys.executable, "-m", "lcjax.cli.generate", *common, *args], env=env, cwd=repo,
-                       capture_output=True, text=True, timeout=600)
+    p = forkserver.run([sys.executable, "-m", "lcjax.cli.generate", *common, *args], env=env, cwd=repo, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout.split("\n\nstats\n")[0], p.stderr
 

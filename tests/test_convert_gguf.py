@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from lcjax.checkpoint import CheckpointError, convert_gguf, load_config
 from lcjax.checkpoint.gguf import smollm2_gguf_path
 from lcjax.config import ModelConfig, preset
 from lcjax.tokenizer import Tokenizer
-from tests import fixtures_ckpt as fx
+from tests import fixtures_ckpt as fx, forkserver
 from tests import hf_oracle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,8 +192,8 @@ def test_refuses_other_architecture_and_bad_files(tmp_path):
   fx.write_gguf(src, arch="qwen2")
   dst = str(tmp_path / "out")
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_gguf.py"), f"--src={src}",
-                      f"--dst={dst}"], env=env, capture_output=True, text=True, timeout=120)
+  p = forkserver.run([sys.executable, os.path.join(REPO, "tools", "convert_gguf.py"), f"--src={src}",
+                      f"--dst={dst}"], env=env, timeout=120)     # the tool as a process of its own, forked
   assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1] == (f"convert_gguf: error: {src}: general.architecture='qwen2'; "
                                               "lcjax converts 'llama' GGUF files only")

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -22,7 +21,7 @@ from flax import nnx
 from lcjax.checkpoint import CheckpointError, convert_hf, load_config, param_shapes, restore_params
 from lcjax.config import ModelConfig, RopeScaling
 from lcjax.model.llama import Llama
-from tests import fixtures_ckpt as fx
+from tests import fixtures_ckpt as fx, forkserver
 from tests import hf_oracle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,10 +339,13 @@ def test_failed_conversion_leaves_nothing_and_rerun_succeeds(hf_dirs, tmp_path, 
   assert load_config(dst).n_layers == CFG.n_layers
 
 
-def _tool(args, **kw):
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  return subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def _env():
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
+def _tool(args):
+  """tools/convert_hf.py ARGS started as a process of its own (forked by tests.forkserver: no import of its own)."""
+  return forkserver.start([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args], env=_env())
 
 
 def kill_mid_conversion(src: str, dst: str) -> str:
@@ -365,13 +367,15 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   assert os.path.isdir(tmp) and not os.path.exists(dst)
   _one_line_error(lambda: load_config(tmp), "incomplete")
   p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
-  out, err = p.communicate(timeout=120)
+  p.wait(timeout=120)
+  out, err = p.stdout, p.stderr
   assert p.returncode == 0, err
   assert "peak RSS" in out
   assert os.listdir(tmp_path) == ["out"]  # the dead run's temporary directory is gone
   assert load_config(dst).n_layers == CFG.n_layers
   p = _tool([f"--src={hf_dirs[2]}", f"--dst={dst}"])
-  out, err = p.communicate(timeout=120)
+  p.wait(timeout=120)
+  out, err = p.stdout, p.stderr
   assert p.returncode == 2
   assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err
 
@@ -420,11 +424,9 @@ def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
         shapes[name.replace("{i}", str(i))] = hf_shape(full[1:] if stacked else full, in_dims)
     for k, (name, shape) in enumerate(shapes.items()):   # one file per tensor keeps this process small too
       save_file({name: _random_float16(rng, shape)}, str(folder / f"t{k:03d}.safetensors"))
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
-  def peak(s, d):
-    p = subprocess.run([sys.executable, "-c", _PEAK, str(s), str(d)], env=env, capture_output=True, text=True,
-                       timeout=300)
+  def peak(s, d):     # both conversions in processes forked from one server: the same baseline
+    p = forkserver.run([sys.executable, "-c", _PEAK, str(s), str(d)], env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])["peak"]
 

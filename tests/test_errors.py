@@ -2,8 +2,9 @@
 through the Python API.
 
 CLI (its flag parser and `main`, run in this process by tests.cli_inprocess; a good run and --verbose go through
-`python -m lcjax.cli.generate` in a subprocess): exit status 2, the last stderr line is the only one that starts
-with `error: `, it names the offending value and the limit, and there is no traceback unless --verbose.
+`python -m lcjax.cli.generate` in a process of their own, forked by tests.forkserver): exit status 2, the last stderr
+line is the only one that starts with `error: `, it names the offending value and the limit, and there is no
+traceback unless --verbose.
 Python API: the documented exception type (every lcjax refusal is a ValueError) with a one-line message naming
 the value and the limit; an engine that refused a request keeps no page and still answers as before.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -33,7 +33,7 @@ from lcjax.checkpoint.hf import HF_NAMES, hf_shape
 from lcjax.config import ConfigError, ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.tokenizer import TokenizerError
-from tests import cli_inprocess
+from tests import cli_inprocess, forkserver
 from tests import fixtures_ckpt as fx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,8 +276,7 @@ def _argv(args, paths):
 
 
 def _run_cli(argv):
-  return subprocess.run([sys.executable, "-m", "lcjax.cli.generate", *argv], env=_cli_env(), cwd=REPO,
-                        capture_output=True, text=True, errors="replace", timeout=300)
+  return forkserver.run([sys.executable, "-m", "lcjax.cli.generate", *argv], env=_cli_env(), cwd=REPO, timeout=300)
 
 
 @pytest.mark.parametrize("case, args, names", CLI_CASES, ids=[c[0] for c in CLI_CASES])
@@ -316,8 +315,8 @@ def test_converter_clis_refuse_in_one_line(paths, tmp_path):
   """tools/convert_hf.py with a missing shard (the converters exit 2 with `convert_hf: error:`, like the generate CLI; convert_gguf's
   CLI refusal is tested in test_convert_gguf.py)."""
   dst = str(tmp_path / "out")
-  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={paths['hf']}",
-                      f"--dst={dst}"], env=_cli_env(), capture_output=True, text=True, timeout=300)
+  p = forkserver.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={paths['hf']}",
+                      f"--dst={dst}"], env=_cli_env(), timeout=300)
   last = p.stderr.strip().splitlines()[-1]
   assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
   assert last.startswith("convert_hf: error: ") and f"shard {paths['hf_shard']}" in last and "missing" in last

@@ -1,12 +1,13 @@
 """Faults: conversions killed with SIGKILL at many points, and generations interrupted with KeyboardInterrupt.
 
-Conversions (tools/convert_hf.py and convert_hf in a process of their own, slow): after a kill the destination holds no
-checkpoint, the complete previous one (a kill while overwriting), or the complete new one, never a partial one;
-leftovers are refused by load_config; and a rerun writes a checkpoint identical to an uninterrupted conversion,
-compared array by array (values and dtypes, read back with orbax), with equal config, manifest and tokenizer files.
+Conversions (tools/convert_hf.py and convert_hf in a process of their own, forked by tests.forkserver; slow): after a
+kill the destination holds no checkpoint, the complete previous one (a kill while overwriting), or the complete new
+one, never a partial one; leftovers are refused by load_config; and a rerun writes a checkpoint identical to an
+uninterrupted conversion, compared array by array (values and dtypes, read back with orbax), with equal config,
+manifest and tokenizer files.
 Kill points: after a random number of stored items and after a random time (seeded), fresh and overwriting, and
 exactly at the commit (manifest written, before the rename; between the two renames of an overwrite; while the
-replaced checkpoint is being removed) through a patched os.rename/shutil.rmtree in the subprocess.
+replaced checkpoint is being removed) through a patched os.rename/shutil.rmtree in the conversion's process.
 
 Generations (fast): a KeyboardInterrupt inside the donated prefill or decode step, a real SIGINT during a decode
 step, and one in the code that consumes a stream; each time the engine's pages all come back (the allocator's
@@ -31,8 +32,8 @@ from lcjax.checkpoint import CheckpointError, convert_hf, load_config
 from lcjax.checkpoint import layout
 from lcjax.config import ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine
-from tests import fault_jobs
 from tests import fixtures_ckpt as fx
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Four layers: 39 stored items, so that kill points land all through the writes.
@@ -75,7 +76,7 @@ def _items(tmp: str) -> int:
 
 
 def _wait_items(p, tmp, k, deadline):
-  while p.is_alive() and time.time() < deadline and _items(tmp) < k:
+  while p.poll() is None and time.time() < deadline and _items(tmp) < k:
     time.sleep(0.002)
 
 
@@ -111,28 +112,25 @@ def _kill_points(s) -> list[tuple[str, str, float]]:
   return pts
 
 
-def _kill(s, parent, how, mode, where, log):
-  """Start a conversion into parent/out (a process forked by tests.fault_jobs' forkserver), SIGKILL it at the
-  point; return it, ended (exitcode -9 when killed)."""
+def _kill(s, parent, how, mode, where):
+  """Start a conversion into parent/out (a process forked by tests.forkserver), SIGKILL it at the point; return
+  it, ended (returncode -9 when killed)."""
   dst = os.path.join(parent, "out")
   if mode == "overwrite":
     shutil.copytree(s["ref_old"], dst)
-  ctx = fault_jobs.context()
   if how == "hook":
-    p = ctx.Process(target=fault_jobs.convert_hooked, args=(log, s["src_new"], dst, where))
-    p.start()
+    p = forkserver.start([sys.executable, "-m", "tests.fault_jobs", s["src_new"], dst, where], env=_env(), cwd=REPO)
   else:
-    p = ctx.Process(target=fault_jobs.convert_tool, args=(log, s["src_new"], dst, mode == "overwrite"))
-    p.start()
+    p = forkserver.start([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={s['src_new']}",
+                          f"--dst={dst}"] + (["--overwrite"] if mode == "overwrite" else []), env=_env(), cwd=REPO)
     if how == "items":
       _wait_items(p, f"{dst}.tmp-{p.pid}", where, time.time() + 120)
     else:                        # seconds after the writer starts
-      while p.is_alive() and not os.path.exists(f"{dst}.tmp-{p.pid}"):
+      while p.poll() is None and not os.path.exists(f"{dst}.tmp-{p.pid}"):
         time.sleep(0.002)
       time.sleep(where)
-    if p.is_alive():
-      p.kill()
-  p.join(timeout=120)
+    p.send_signal(signal.SIGKILL)
+  p.wait(timeout=120)
   return p
 
 
@@ -143,10 +141,9 @@ def test_killed_conversions_leave_no_partial_checkpoint_and_rerun_identically(so
     parent = str(tmp_path / f"kill{i}")
     os.makedirs(parent)
     dst = os.path.join(parent, "out")
-    log = str(tmp_path / f"kill{i}.log")
-    p = _kill(sources, parent, how, mode, where, log)
+    p = _kill(sources, parent, how, mode, where)
     label = f"{how}={where} ({mode})"
-    assert p.exitcode in (-signal.SIGKILL, 0), (label, p.exitcode, open(log).read()[-2000:])
+    assert p.returncode in (-signal.SIGKILL, 0), (label, p.returncode, (p.stdout + p.stderr)[-2000:])
     # What the kill left at the destination: nothing, or a complete checkpoint (the old one or the new one).
     state = "none"
     if os.path.exists(dst):
@@ -300,7 +297,7 @@ class _ByteTokenizer:
     return "".join(chr(65 + t % 26) for t in ids)
 
 
-def test_cli_interrupted_prints_one_line_and_exits_130(tmp_path):
+def test_cli_interrupted_prints_one_line_and_exits_130():
   """SIGINT (Ctrl-C) to the CLI once it has printed its plan: `interrupted`, status 130, no traceback."""
   # The tiny preset's random weights (the CLI's seed) continue 3,4 greedily for 4,000 tokens without their EOS:
   # seconds of one-token decode calls even with every program in the run's cache. (From 5,6,7 they reach the EOS
@@ -308,17 +305,16 @@ def test_cli_interrupted_prints_one_line_and_exits_130(tmp_path):
   args = ["--preset=tiny", "--prompt_ids=3,4", "--max_new_tokens=4000", "--nowarmup",
           f"--config={os.path.join(REPO, 'configs', 'default.py')}", "--config.max_context=4096",
           "--config.max_batch=1", "--config.decode_steps=1", "--config.prefill_chunk=64"]
-  err_path = tmp_path / "stderr"
-  with open(err_path, "w") as err_file:
-    p = subprocess.Popen([sys.executable, "-m", "lcjax.cli.generate", *args], env=_env(), cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=err_file)
-    deadline = time.time() + 120
-    while "memory plan" not in err_path.read_text() and time.time() < deadline and p.poll() is None:
-      time.sleep(0.05)
-    time.sleep(1.0)
-    assert p.poll() is None, err_path.read_text()    # 4000 one-token decode calls: still running
-    p.send_signal(signal.SIGINT)
-    p.wait(timeout=120)
-  err = err_path.read_text()
+  # The CLI in a process of its own (forked by tests.forkserver), its stderr read from its file while it runs.
+  p = forkserver.start([sys.executable, "-m", "lcjax.cli.generate", *args], env=_env(), cwd=REPO)
+  read = lambda: open(p.err_path).read() if p.returncode is None else p.stderr
+  deadline = time.time() + 120
+  while "memory plan" not in read() and time.time() < deadline and p.poll() is None:
+    time.sleep(0.05)
+  time.sleep(1.0)
+  assert p.poll() is None, read()    # 4000 one-token decode calls: still running
+  p.send_signal(signal.SIGINT)
+  p.wait(timeout=120)
+  err = p.stderr
   assert p.returncode == 130, err[-2000:]
   assert err.rstrip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-2000:]

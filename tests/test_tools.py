@@ -9,17 +9,28 @@ import sys
 
 import pytest
 
+from tests import forkserver
 from tests.run_cache import with_test_xla_optimizations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tools run as scripts in processes forked from a server that has imported what they import (check_exact's
+# float32 oracle: torch and transformers' LLaMA), instead of importing it again in each (2-7 s a tool).
+TOOL_PRELOAD = forkserver.PRELOAD + ("torch", "transformers.models.llama.modeling_llama", "transformers.masking_utils")
+
+
+def _env():
+  # One CPU device (the tools' own default); XLA's optimizations as in the test processes (tests/conftest.py: the
+  # tiny models' compilation is most of each run, and what a tool computes and reports does not depend on them).
+  return with_test_xla_optimizations(dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+
+
+def _tool(tool, *args):
+  return forkserver.run([sys.executable, os.path.join(REPO, "tools", tool), *args], env=_env(), cwd=REPO,
+                        timeout=600, preload=TOOL_PRELOAD)
 
 
 def _run(tool, *args):
-  # One CPU device (the tools' own default); XLA's optimizations as in the test processes (tests/conftest.py: the
-  # tiny models' compilation is most of each run, and what a tool computes and reports does not depend on them).
-  env = with_test_xla_optimizations(dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
-  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool), *args], capture_output=True, text=True,
-                     env=env, cwd=REPO, timeout=600)
+  p = _tool(tool, *args)
   assert p.returncode == 0, p.stderr[-2000:]
   return p
 
@@ -125,9 +136,7 @@ def test_bench_multigpu_extrapolates_measured_rows(tmp_path):
   assert sorted((r["tensor"], r["seq"]) for r in pred) == [(1, 2), (2, 1)]
   assert all(r["prefill_s"] < 2.0 and r["peak_gib"] is None for r in pred)
   assert "measured on GPU X" in res["device"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_multigpu.py"), "--preset=llama3-8b",
-                      f"--measured={src}", f"--out={tmp_path}"], capture_output=True, text=True, env=env, cwd=REPO)
+  p = _tool("bench_multigpu.py", "--preset=llama3-8b", f"--measured={src}", f"--out={tmp_path}")
   assert p.returncode != 0 and "measured preset=tiny" in p.stderr
 
 

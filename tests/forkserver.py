@@ -1,0 +1,281 @@
+"""Python command lines (`-m MODULE`, `-c CODE`, `SCRIPT`, with their arguments) run in processes forked from a
+server that has already imported the modules they need (jax, lcjax's engine and checkpoint code, torch ...), instead
+of in a fresh `python` that imports them again (2-7 s a process on a 2-core machine).
+
+Each job is a process of its own with the job's argv, environment, working directory, sys.path[0] and pid, its
+stdin from /dev/null, stdout and stderr captured, and its exit status as a fresh interpreter's: 0 at the end, the
+code of SystemExit, 1 with Python's traceback for an uncaught exception, minus the signal when killed (a job can be
+killed: `Job.pid` is its own process). It ends as the interpreter ends a program (threads joined, atexit handlers,
+streams flushed), without tearing its modules down. One job at a time per server.
+What it does not get afresh: the modules the server imported, in the state importing left them. So:
+- no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);
+- environment variables read at import time must be the job's: a server is started with the job's environment
+  and serves only jobs with the same one, apart from FREE_ENV (read at call time only);
+- a module a job runs (`-m`, a script) or that defines absl flags must not be preloaded (it would run twice).
+A test whose point is a fresh interpreter (a cache across processes, several hosts, an exec's limits) starts one.
+
+  from tests import forkserver
+  p = forkserver.run([sys.executable, "-m", "lcjax.cli.generate", ...], env=env, cwd=REPO, timeout=300)
+  job = forkserver.start([...], env=env); os.kill(job.pid, signal.SIGKILL); job.wait()
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Read when called, never at import (by lcjax; pytest names the running test): a job may set them differently
+# from its server.
+FREE_ENV = ("LCJAX_CACHE_DIR", "PYTEST_CURRENT_TEST")
+# What the servers import, unless a caller names its own list.
+PRELOAD = ("jax", "numpy", "lcjax.checkpoint", "lcjax.engine.engine")
+
+# Servers kept per process (the least recently used is closed for a new one): each holds its imports' memory
+# (jax and lcjax about 0.2 GB, with torch and transformers about 0.5 GB), and a module's jobs share one environment.
+MAX_SERVERS = 2
+
+_servers: collections.OrderedDict = collections.OrderedDict()
+
+
+class Job:
+  """A running job: its pid, the files its stdout and stderr go to while it runs (out_path, err_path), and after
+  wait its exit status, stdout and stderr (the files are then removed)."""
+
+  def __init__(self, server: "_Server", argv: list[str], pid: int, out: str, err: str):
+    self.args, self.pid, self.returncode = argv, pid, None
+    self._server, self.out_path, self.err_path = server, out, err
+    self.stdout = self.stderr = None
+
+  def poll(self):
+    if self.returncode is None:
+      self._collect(0.0)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    if self.returncode is None and not self._collect(timeout):
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self.returncode
+
+  def send_signal(self, sig: int) -> None:
+    """Signal the job unless it has ended (as Popen.send_signal)."""
+    if self.poll() is None:
+      try:
+        os.kill(self.pid, sig)
+      except ProcessLookupError:       # ended since the poll
+        pass
+
+  def _collect(self, timeout) -> bool:
+    status = self._server.status(timeout)
+    if status is None:
+      return False
+    self.returncode = status
+    for name, path in (("stdout", self.out_path), ("stderr", self.err_path)):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        setattr(self, name, f.read())
+      os.unlink(path)
+    return True
+
+
+class _Server:
+  def __init__(self, env: dict, preload: tuple[str, ...]):
+    self.log = tempfile.TemporaryFile()          # the server's own stderr (its imports' warnings)
+    self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", *preload], env=env, cwd=REPO,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+    self.job = None
+    self._buf = b""
+    line = self._line(300)
+    if line != "ready":
+      self.proc.kill()
+      self.log.seek(0)
+      raise RuntimeError(f"forkserver did not start ({line!r}): {self.log.read().decode()[-3000:]}")
+
+  def _line(self, timeout):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    fd = self.proc.stdout.fileno()
+    while b"\n" not in self._buf:
+      left = None if deadline is None else max(0.0, deadline - time.monotonic())
+      if not select.select([fd], [], [], left)[0]:
+        return None
+      chunk = os.read(fd, 4096)
+      if not chunk:
+        return ""
+      self._buf += chunk
+    line, self._buf = self._buf.split(b"\n", 1)
+    return line.decode()
+
+  def start(self, argv, env, cwd) -> Job:
+    if self.job is not None and self.job.returncode is None:     # left running by a test that failed: one at a time
+      self.job.send_signal(9)
+      self.job.wait(60)
+    fd, out = tempfile.mkstemp(prefix="forkjob-out-")
+    os.close(fd)
+    fd, err = tempfile.mkstemp(prefix="forkjob-err-")
+    os.close(fd)
+    req = dict(argv=list(argv[1:]), env=env, cwd=os.path.abspath(cwd or os.getcwd()), stdout=out, stderr=err)
+    self.proc.stdin.write((json.dumps(req) + "\n").encode())
+    self.proc.stdin.flush()
+    line = self._line(60)
+    if not line or not line.startswith("pid "):
+      raise RuntimeError(f"forkserver did not start the job ({line!r})")
+    self.job = Job(self, list(argv), int(line.split()[1]), out, err)
+    return self.job
+
+  def status(self, timeout):
+    line = self._line(timeout)
+    if line is None:
+      return None
+    if not line.startswith("exit "):
+      raise RuntimeError(f"forkserver lost the job ({line!r})")
+    return int(line.split()[1])
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait(timeout=60)
+
+
+def _server(env: dict, preload) -> _Server:
+  key = (tuple(preload), frozenset((k, v) for k, v in env.items() if k not in FREE_ENV))
+  s = _servers.get(key)
+  if s is None or s.proc.poll() is not None:
+    while len(_servers) >= MAX_SERVERS:
+      _close(_servers.popitem(last=False)[1])
+    s = _servers[key] = _Server(env, tuple(preload))
+  _servers.move_to_end(key)
+  return s
+
+
+def _close(s: _Server) -> None:
+  if s.job is not None and s.job.returncode is None:
+    s.job.send_signal(9)
+  try:
+    s.close()
+  except Exception:                    # noqa: BLE001  (a server already gone or stuck)
+    s.proc.kill()
+
+
+@atexit.register
+def _close_all():
+  while _servers:
+    _close(_servers.popitem()[1])
+
+
+def start(argv: list[str], env: dict | None = None, cwd: str | None = None, preload=PRELOAD) -> Job:
+  """Start argv ([sys.executable, '-m' MODULE | '-c' CODE | SCRIPT, ARGS...]) as a forked job."""
+  if argv[0] != sys.executable or len(argv) < 2 or (argv[1].startswith("-") and argv[1] not in ("-m", "-c")):
+    raise ValueError(f"forkserver runs `{sys.executable} -m|-c|SCRIPT ...` command lines, not {argv[:3]}")
+  env = dict(os.environ if env is None else env)
+  return _server(env, preload).start(argv, env, cwd)
+
+
+def run(argv: list[str], env: dict | None = None, cwd: str | None = None, timeout: float | None = None,
+        preload=PRELOAD) -> subprocess.CompletedProcess:
+  """subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout), forked."""
+  job = start(argv, env, cwd, preload)
+  try:
+    job.wait(timeout)
+  except subprocess.TimeoutExpired:
+    job.send_signal(9)
+    job.wait()
+    raise
+  return subprocess.CompletedProcess(job.args, job.returncode, job.stdout, job.stderr)
+
+
+# -- the server (`python -m tests.forkserver MODULE...`) ------------------------------------------------------------
+
+def _child(req: dict) -> None:
+  """In the forked process: become the job, run it and end as the interpreter ends a program (never returns)."""
+  import runpy
+  import types
+  os.chdir(req["cwd"])
+  os.environ.clear()
+  os.environ.update(req["env"])
+  for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
+                          (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
+    f = os.open(path, flags)
+    os.dup2(f, fd)
+    os.close(f)
+  argv, code = req["argv"], 0
+  try:
+    if argv[0] == "-m":
+      sys.argv, sys.path[0] = [argv[1], *argv[2:]], req["cwd"]
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+      sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+      main = types.ModuleType("__main__")
+      sys.modules["__main__"] = main
+      exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    else:
+      sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+      runpy.run_path(argv[0], run_name="__main__")
+  except SystemExit as e:
+    code = _exit_code(e.code)
+  except BaseException as e:                                   # noqa: BLE001  (what the interpreter does with it)
+    sys.excepthook(type(e), e, e.__traceback__)
+    code = "SIGINT" if isinstance(e, KeyboardInterrupt) else 1
+  _end(code)
+
+
+def _exit_code(c) -> int:
+  if c is None or isinstance(c, int):
+    return c or 0
+  print(c, file=sys.stderr)
+  return 1
+
+
+def _end(code) -> None:
+  """The interpreter's end of a program (Py_FinalizeEx): non-daemon threads joined, atexit handlers, the standard
+  streams flushed; then the process exits without tearing its modules down (0.6 s with jax loaded, and nothing a
+  job shows). An uncaught KeyboardInterrupt ends it by SIGINT, as CPython does."""
+  import atexit
+  import signal
+  import threading
+  threading._shutdown()
+  atexit._run_exitfuncs()
+  for f in (sys.stdout, sys.stderr):
+    try:
+      f.flush()
+    except (OSError, ValueError):
+      pass
+  if code == "SIGINT":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+  os._exit(code if isinstance(code, int) else 1)
+
+
+def _serve(preload: list[str]) -> None:
+  import importlib
+  for name in preload:
+    importlib.import_module(name)
+  if "jax" in sys.modules:
+    from jax._src import xla_bridge
+    if xla_bridge._backends:
+      raise RuntimeError(f"importing {preload} started a JAX backend: jobs could not choose their own")
+  os.write(1, b"ready\n")
+  buf = b""
+  while True:
+    while b"\n" not in buf:
+      chunk = os.read(0, 1 << 16)
+      if not chunk:
+        return
+      buf += chunk
+    line, buf = buf.split(b"\n", 1)
+    req = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      _child(req)
+    os.write(1, f"pid {pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    os.write(1, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+if __name__ == "__main__":
+  _serve(sys.argv[1:])

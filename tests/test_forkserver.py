@@ -1,0 +1,91 @@
+"""tests.forkserver: a forked job ends, prints and sees what a fresh `python` with the same command line would (the
+fresh process is the oracle here, for the cases the suite's jobs use)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import forkserver
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRELOAD = ("json",)          # a server that starts in a moment; what is preloaded does not change the cases below
+_SEEN = "import json, os, sys; print(json.dumps([sys.argv, os.getcwd(), sys.path[0], os.environ.get('FS_X')]))"
+
+
+def _both(argv, env, cwd):
+  """(forked, fresh) outcomes of one command line: exit status, stdout, stderr's last line."""
+  out = []
+  for p in (forkserver.run(argv, env=env, cwd=cwd, timeout=60, preload=PRELOAD),
+            subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)):
+    out.append((p.returncode, p.stdout, (p.stderr.strip().splitlines() or [""])[-1]))
+  return out
+
+
+@pytest.mark.parametrize("code, status", [
+    (_SEEN, 0),
+    (_SEEN + "; sys.exit(3)", 3),
+    (_SEEN + "; sys.exit('a message')", 1),
+    (_SEEN + "; raise ValueError('boom')", 1),
+    (_SEEN + "; import atexit; atexit.register(lambda: print('at exit'))", 0),
+    (_SEEN + "; import threading, time; threading.Thread(target=lambda: (time.sleep(0.2), print('joined'))).start()",
+     0),
+    (_SEEN + "; raise KeyboardInterrupt", -signal.SIGINT),
+])
+def test_a_forked_c_job_ends_as_a_fresh_process(tmp_path, code, status):
+  env = dict(os.environ, FS_X="1", PYTHONPATH=REPO)
+  forked, fresh = _both([sys.executable, "-c", code, "arg"], env, str(tmp_path))
+  assert forked == fresh and forked[0] == status, (forked, fresh)
+
+
+def test_module_and_script_jobs_see_their_argv_cwd_and_path(tmp_path):
+  script = tmp_path / "s" / "job.py"
+  script.parent.mkdir()
+  script.write_text(_SEEN + "\n")
+  env = dict(os.environ, FS_X="2", PYTHONPATH=f"{tmp_path / 's'}{os.pathsep}{REPO}")
+  for argv in ([sys.executable, str(script), "a", "b"], [sys.executable, "-m", "job", "a"]):
+    forked, fresh = _both(argv, env, str(tmp_path))
+    assert forked == fresh and forked[0] == 0, (forked, fresh)
+
+
+def test_a_job_is_its_own_process_that_can_be_killed():
+  env = dict(os.environ, PYTHONPATH=REPO)
+  job = forkserver.start([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                         env=env, preload=PRELOAD)
+  deadline = time.time() + 30
+  while not open(job.out_path).read() and time.time() < deadline:
+    time.sleep(0.01)
+  assert job.poll() is None and int(open(job.out_path).read()) == job.pid != os.getpid()
+  job.send_signal(signal.SIGKILL)
+  assert job.wait(timeout=30) == -signal.SIGKILL
+  assert forkserver.run([sys.executable, "-c", "pass"], env=env, preload=PRELOAD).returncode == 0   # serves on
+
+
+def test_refuses_other_command_lines():
+  with pytest.raises(ValueError, match="not"):
+    forkserver.start([sys.executable, "-X", "importtime", "-c", "pass"], preload=PRELOAD)
+
+
+def test_a_job_left_running_is_killed_before_the_next_one_starts():
+  """A test that fails between start and wait leaves its job running; the server's next job still runs."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  left = forkserver.start([sys.executable, "-c", "import time; time.sleep(60)"], env=env, preload=PRELOAD)
+  nxt = forkserver.run([sys.executable, "-c", "print('next')"], env=env, timeout=30, preload=PRELOAD)
+  assert nxt.stdout == "next\n"
+  assert left.returncode == -signal.SIGKILL
+
+
+def test_at_most_max_servers_stay_up():
+  """Each environment has its own server; beyond MAX_SERVERS the least recently used one is closed."""
+  envs = [dict(os.environ, PYTHONPATH=REPO, FS_SERVER=str(i)) for i in range(forkserver.MAX_SERVERS + 1)]
+  procs = []
+  for env in envs:
+    assert forkserver.run([sys.executable, "-c", "import os; print(os.environ['FS_SERVER'])"], env=env,
+                          preload=PRELOAD).stdout == env["FS_SERVER"] + "\n"
+    procs.append(next(reversed(forkserver._servers.values())).proc)
+  assert len(forkserver._servers) == forkserver.MAX_SERVERS
+  assert procs[0].wait(timeout=30) == 0 and all(p.poll() is None for p in procs[1:])

@@ -18,9 +18,10 @@
 #                 longctx-int8-1m-h200, longctx-fp8decode-128k-h200, longctx-int8-512k-h200,
 #                 longctx-fp8prefill-{128k,512k}-h200                                 ~2 + 8 + 3.5 + 4 + 3.5 + 2.5 min
 #   exact         exact.{json,md}: against a float32 HF oracle: exact-llama3-8b-h200, exact-fp8-llama3-8b-h200,
-#                 exact-fp8-llama3-8b-128k-h200, exact-int8-llama3-8b-128k-margin-h200, the real SmolLM2 in
+#                 exact-fp8-llama3-8b-128k-h200, exact-int8-llama3-8b-128k-margin-h200, exact-fp8w-llama3-8b-h200
+#                 (fp8 weights), the real SmolLM2 in
 #                 exact-fp8-smollm2-h200, exact-int8-smollm2-h200 and (CPU) exact-smollm2-cpu-pagescale
-#                                                                      ~6 + 2.5 + 5 + 4.5 + 2 + 1.5 min, CPU ~17 min
+#                                                                  ~6 + 2.5 + 5 + 4.5 + 4.5 + 2 + 1.5 min, CPU ~17 min
 #   needle        needle.{json,md}: the real SmolLM2's needle answers: needle-smollm2 (CPU, float32),
 #                 needle-fp8-smollm2-h200, needle-int8-smollm2-h200, needle-fp8decode-smollm2-h200  ~2 + 2 + 2.5 min
 #   quality       quality.{json,md}: fp8-quality (FA3's outlier test), fp8-quality-model-cpu (the same through the

@@ -322,6 +322,6 @@ def test_killed_fp8_conversion_leaves_nothing_that_loads(tmp_path, hf_model):
   with pytest.raises(CheckpointError, match="incomplete"):
     load_config(tmp)
   p = _tool([f"--src={folder}", f"--dst={dst}"])
-  _, err = p.communicate(timeout=120)
-  assert p.returncode == 0, err
+  p.wait(timeout=120)
+  assert p.returncode == 0, p.stderr
   assert lcjax.Engine.load(dst, dtype="float32", max_context=256).weights.fp8

@@ -11,7 +11,10 @@ What it does not get afresh: the modules the server imported, in the state impor
 - no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);
 - environment variables read at import time must be the job's: a server is started with the job's environment
   and serves only jobs with the same one, apart from FREE_ENV (read at call time only);
-- a module a job runs (`-m`, a script) or that defines absl flags must not be preloaded (it would run twice).
+- a module a job runs (`-m`, a script) or that defines absl flags must not be preloaded (it would run twice);
+- the interpreter's teardown (module cleanup, C++ static destructors) is skipped, so an error or a crash there
+  does not show: each entry point keeps one test run in a fresh interpreter (convert_hf's rerun in
+  tests/test_convert_hf.py, the CLI in tests/test_compile_cache.py).
 A test whose point is a fresh interpreter (a cache across processes, several hosts, an exec's limits) starts one.
 
   from tests import forkserver
@@ -158,6 +161,7 @@ def _close(s: _Server) -> None:
     s.close()
   except Exception:                    # noqa: BLE001  (a server already gone or stuck)
     s.proc.kill()
+    s.proc.wait()
 
 
 @atexit.register
@@ -170,6 +174,8 @@ def start(argv: list[str], env: dict | None = None, cwd: str | None = None, prel
   """Start argv ([sys.executable, '-m' MODULE | '-c' CODE | SCRIPT, ARGS...]) as a forked job."""
   if argv[0] != sys.executable or len(argv) < 2 or (argv[1].startswith("-") and argv[1] not in ("-m", "-c")):
     raise ValueError(f"forkserver runs `{sys.executable} -m|-c|SCRIPT ...` command lines, not {argv[:3]}")
+  if cwd is not None and not os.path.isdir(cwd):
+    raise FileNotFoundError(f"forkserver job's cwd {cwd!r} is not a directory")
   env = dict(os.environ if env is None else env)
   return _server(env, preload).start(argv, env, cwd)
 
@@ -193,9 +199,6 @@ def _child(req: dict) -> None:
   """In the forked process: become the job, run it and end as the interpreter ends a program (never returns)."""
   import runpy
   import types
-  os.chdir(req["cwd"])
-  os.environ.clear()
-  os.environ.update(req["env"])
   for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
                           (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
     f = os.open(path, flags)
@@ -203,6 +206,9 @@ def _child(req: dict) -> None:
     os.close(f)
   argv, code = req["argv"], 0
   try:
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
     if argv[0] == "-m":
       sys.argv, sys.path[0] = [argv[1], *argv[2:]], req["cwd"]
       runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -271,7 +277,10 @@ def _serve(preload: list[str]) -> None:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-      _child(req)
+      try:
+        _child(req)
+      finally:                         # _child ends the process; anything that escapes it ends the job, not a server
+        os._exit(70)
     os.write(1, f"pid {pid}\n".encode())
     _, status = os.waitpid(pid, 0)
     os.write(1, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())

@@ -344,9 +344,13 @@ def _env():
   return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
+def _tool_argv(args):
+  return [sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args]
+
+
 def _tool(args):
   """tools/convert_hf.py ARGS started as a process of its own (forked by tests.forkserver: no import of its own)."""
-  return forkserver.start([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args], env=_env())
+  return forkserver.start(_tool_argv(args), env=_env())
 
 
 def kill_mid_conversion(src: str, dst: str) -> str:
@@ -369,10 +373,10 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   _one_line_error(lambda: load_config(tmp), "incomplete")
   # The rerun is a fresh interpreter (forked jobs skip the interpreter's teardown, where a crash or an error
   # printed at exit would show): the tool's one run that ends as a user's does.
-  p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={hf_dirs[2]}",
-                      f"--dst={dst}"], env=_env(), capture_output=True, text=True, timeout=300)
+  p = subprocess.run(_tool_argv([f"--src={hf_dirs[2]}", f"--dst={dst}"]), env=_env(), capture_output=True,
+                     text=True, timeout=300)
   out, err = p.stdout, p.stderr
-  assert p.returncode == 0 and not err.count("Traceback"), err
+  assert p.returncode == 0 and "Traceback" not in err, err
   assert "peak RSS" in out
   assert os.listdir(tmp_path) == ["out"]  # the dead run's temporary directory is gone
   assert load_config(dst).n_layers == CFG.n_layers

@@ -33,9 +33,11 @@ flags.DEFINE_integer("layers", 8, "stacked layers scanned over in the decode row
 flags.DEFINE_integer("reps", 20, "timed repetitions")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "linear-fp8-h200", "output file stem")
-flags.DEFINE_list("products", ["bf16", "widened", "fp8", "gemv"], "decode products measured (module docstring)")
-flags.DEFINE_list("options", ["decode", "xla-defaults"], "XLA options of the decode rows: the decode step's, XLA's "
-                  "defaults (gemv rows: the decode step's only)")
+PRODUCTS = ("bf16", "widened", "fp8", "gemv")    # the decode rows' products (module docstring)
+OPTIONS = ("decode", "xla-defaults")               # their XLA options: the decode step's, XLA's defaults
+flags.DEFINE_list("products", list(PRODUCTS), "decode products measured (module docstring)")
+flags.DEFINE_list("options", list(OPTIONS), "XLA options of the decode rows: the decode step's, XLA's defaults (gemv "
+                  "rows: the decode step's only)")
 flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning overrides per gemv row: 'default' or "
                   "FIELD=VALUE pairs joined by '+' (block_n=128+block_k=512)")
 
@@ -71,8 +73,7 @@ def _time(fn, *args, reps):
 
 def main(argv):
   del argv
-  for name, values, allowed in (("products", FLAGS.products, ("bf16", "widened", "fp8", "gemv")),
-                                ("options", FLAGS.options, ("decode", "xla-defaults"))):
+  for name, values, allowed in (("products", FLAGS.products, PRODUCTS), ("options", FLAGS.options, OPTIONS)):
     if not set(values) <= set(allowed):
       raise app.UsageError(f"--{name}={','.join(values)}: each must be one of {', '.join(allowed)}")
   import jax
@@ -136,7 +137,7 @@ def main(argv):
       xs = {n: inputs(n, B, 1) for n in LINEAR}
       for options in FLAGS.options:
         opts = decode_compiler_options() if options == "decode" else None
-        runs = [(p, p, None) for p in ("bf16", "widened", "fp8") if p in FLAGS.products]
+        runs = [(p, p, None) for p in PRODUCTS if p != "gemv" and p in FLAGS.products]
         runs += [("gemv", t, tunings[t]) for t in tunings] if options == "decode" and "gemv" in FLAGS.products else []
         for product, label, tuning in runs:
           weights = ws if product == "bf16" else q

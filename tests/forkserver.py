@@ -9,7 +9,10 @@ killed: `Job.pid` is its own process). It ends as the interpreter ends a program
 streams flushed), without tearing its modules down. One job at a time per server: a job whose start timed out is
 killed at the server's next request, a job still running when its server is closed (evicted, or at exit) is killed,
 and their output files are removed.
-What it does not get afresh: the modules the server imported, in the state importing left them. So:
+Each job's random state is its own, as a fresh interpreter's: numpy's legacy global RandomState is reseeded from the
+OS's entropy in each job (Python's `random` reseeds itself at fork).
+What it does not get afresh: the server's hash seed (str hashes, so the order of a set of strings, are the same in
+every job of a server), and the modules the server imported, in the state importing left them. So:
 - no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);
 - environment variables read at import time must be the job's: a server is started with the job's environment
   and serves only jobs with the same one, apart from FREE_ENV (read at call time only);
@@ -240,6 +243,8 @@ def _child(req: dict) -> None:
   """In the forked process: become the job, run it and end as the interpreter ends a program (never returns)."""
   import runpy
   import types
+  if "numpy.random" in sys.modules:          # the server's legacy global RandomState, copied by the fork
+    sys.modules["numpy.random"].seed()       # from the OS's entropy, as at import in a fresh interpreter
   for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
                           (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
     f = os.open(path, flags)

@@ -92,6 +92,16 @@ def test_at_most_max_servers_stay_up():
   assert procs[0].wait(timeout=30) == 0 and all(p.poll() is None for p in procs[1:])
 
 
+def test_jobs_of_one_server_draw_different_random_numbers():
+  """numpy's legacy global RandomState (and Python's `random`) is fresh in each job, as in a fresh interpreter,
+  not the server's state copied by the fork."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  code = "import random, numpy as np; print(np.random.random(), np.random.randint(1 << 30), random.random())"
+  outs = [forkserver.run([sys.executable, "-c", code], env=env, timeout=60, preload=("numpy.random",)).stdout
+          for _ in range(2)]
+  assert outs[0] and all(a != b for a, b in zip(*(o.split() for o in outs))), outs
+
+
 def _slow_first_fork_server(tmp_path, monkeypatch) -> dict:
   """The environment of a new server whose first fork takes 2 s (a preloaded module's before-fork hook), and a
   START_TIMEOUT of 0.5 s for the next start (the test restores it); job files go to tmp_path/jobs."""

@@ -6,8 +6,13 @@ Each job is a process of its own with the job's argv, environment, working direc
 stdin from /dev/null, stdout and stderr captured, and its exit status as a fresh interpreter's: 0 at the end, the
 code of SystemExit, 1 with Python's traceback for an uncaught exception, minus the signal when killed (a job can be
 killed: `Job.pid` is its own process). It ends as the interpreter ends a program (threads joined, atexit handlers,
-streams flushed), without tearing its modules down. One job at a time per server.
-What it does not get afresh: the modules the server imported, in the state importing left them. So:
+streams flushed), without tearing its modules down. One job at a time per server: a job whose start timed out is
+killed at the server's next request, a job still running when its server is closed (evicted, or at exit) is killed,
+and their output files are removed.
+Each job's random state is its own, as a fresh interpreter's: numpy's legacy global RandomState is reseeded from the
+OS's entropy in each job (Python's `random` reseeds itself at fork).
+What it does not get afresh: the server's hash seed (str hashes, so the order of a set of strings, are the same in
+every job of a server), and the modules the server imported, in the state importing left them. So:
 - no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);
 - environment variables read at import time must be the job's: a server is started with the job's environment
   and serves only jobs with the same one, apart from FREE_ENV (read at call time only);
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,16 +50,18 @@ PRELOAD = ("jax", "numpy", "lcjax.checkpoint", "lcjax.engine.engine")
 # Servers kept per process (the least recently used is closed for a new one): each holds its imports' memory
 # (jax and lcjax about 0.2 GB, with torch and transformers about 0.5 GB), and a module's jobs share one environment.
 MAX_SERVERS = 2
+# Seconds start() waits for the server to report the job's pid (the fork follows the previous job's end at once).
+START_TIMEOUT = 60.0
 
 _servers: collections.OrderedDict = collections.OrderedDict()
 
 
 class Job:
-  """A running job: its pid, the files its stdout and stderr go to while it runs (out_path, err_path), and after
-  wait its exit status, stdout and stderr (the files are then removed)."""
+  """A running job: its request id, its pid, the files its stdout and stderr go to while it runs (out_path,
+  err_path), and after wait its exit status, stdout and stderr (the files are then removed)."""
 
-  def __init__(self, server: "_Server", argv: list[str], pid: int, out: str, err: str):
-    self.args, self.pid, self.returncode = argv, pid, None
+  def __init__(self, server: "_Server", argv: list[str], rid: int, pid: int, out: str, err: str):
+    self.args, self.id, self.pid, self.returncode = argv, rid, pid, None
     self._server, self.out_path, self.err_path = server, out, err
     self.stdout = self.stderr = None
 
@@ -75,14 +84,14 @@ class Job:
         pass
 
   def _collect(self, timeout) -> bool:
-    status = self._server.status(timeout)
+    status = self._server.reply("exit", self.id, timeout)
     if status is None:
       return False
     self.returncode = status
     for name, path in (("stdout", self.out_path), ("stderr", self.err_path)):
       with open(path, encoding="utf-8", errors="replace") as f:
         setattr(self, name, f.read())
-      os.unlink(path)
+    self._server.remove_files(self.id)
     return True
 
 
@@ -93,6 +102,8 @@ class _Server:
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
     self.job = None
     self._buf = b""
+    self._ids = itertools.count(1)
+    self._files: dict[int, tuple[str, str]] = {}     # request id -> its job's (stdout, stderr) files, until collected
     line = self._line(300)
     if line != "ready":
       self.proc.kill()
@@ -117,36 +128,71 @@ class _Server:
     if self.job is not None and self.job.returncode is None:     # left running by a test that failed: one at a time
       self.job.send_signal(9)
       self.job.wait(60)
-    fd, out = tempfile.mkstemp(prefix="forkjob-out-")
-    os.close(fd)
-    fd, err = tempfile.mkstemp(prefix="forkjob-err-")
-    os.close(fd)
-    req = dict(argv=list(argv[1:]), env=env, cwd=os.path.abspath(cwd or os.getcwd()), stdout=out, stderr=err)
+    rid = next(self._ids)
+    files = []
+    for stream in ("out", "err"):
+      fd, path = tempfile.mkstemp(prefix=f"forkjob-{stream}-")
+      os.close(fd)
+      files.append(path)
+    out, err = self._files[rid] = tuple(files)
+    req = dict(id=rid, argv=list(argv[1:]), env=env, cwd=os.path.abspath(cwd or os.getcwd()), stdout=out, stderr=err)
     self.proc.stdin.write((json.dumps(req) + "\n").encode())
     self.proc.stdin.flush()
-    line = self._line(60)
-    if not line or not line.startswith("pid "):
-      raise RuntimeError(f"forkserver did not start the job ({line!r})")
-    self.job = Job(self, list(argv), int(line.split()[1]), out, err)
+    pid = self.reply("pid", rid, START_TIMEOUT)
+    if pid is None:        # the server kills this job when the next request (or the end of its input) comes
+      raise RuntimeError(f"forkserver did not start job {rid} ({argv[1:3]}) within START_TIMEOUT={START_TIMEOUT} s")
+    self.job = Job(self, list(argv), rid, pid, out, err)
     return self.job
 
-  def status(self, timeout):
-    line = self._line(timeout)
-    if line is None:
-      return None
-    if not line.startswith("exit "):
-      raise RuntimeError(f"forkserver lost the job ({line!r})")
-    return int(line.split()[1])
+  def reply(self, kind: str, rid: int, timeout):
+    """The value of the server's reply `KIND RID VALUE` ("pid" or "exit"), or None after timeout seconds. Replies
+    for other requests are about jobs no Job holds (their start timed out, and the server killed them when the next
+    request came): they are skipped, and such a job's files are removed at its exit."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      line = self._line(None if deadline is None else max(0.0, deadline - time.monotonic()))
+      if line is None:
+        return None
+      words = line.split()
+      if len(words) != 3 or words[0] not in ("pid", "exit") or not all(w.lstrip("-").isdigit() for w in words[1:]):
+        self.log.seek(0)
+        raise RuntimeError(f"forkserver sent {line!r} while job {rid} waited for its {kind}: "
+                           f"{self.log.read().decode(errors='replace')[-3000:]}")
+      got, got_id, value = words[0], int(words[1]), int(words[2])
+      if got_id == rid:
+        if got != kind:
+          raise RuntimeError(f"forkserver sent {line!r} while job {rid} waited for its {kind}")
+        return value
+      if got == "exit":
+        self.remove_files(got_id)
+
+  def remove_files(self, rid: int) -> None:
+    for path in self._files.pop(rid, ()):
+      try:
+        os.unlink(path)
+      except FileNotFoundError:
+        pass
 
   def close(self):
+    """End the server (it kills the job it runs when its input ends); the held job collects its status and output,
+    and the files of every job not collected are removed."""
     self.proc.stdin.close()
-    self.proc.wait(timeout=60)
+    try:
+      if self.job is not None and self.job.returncode is None:
+        self.job.wait(60)
+      self.proc.wait(timeout=60)
+    finally:
+      for rid in list(self._files):
+        self.remove_files(rid)
 
 
 def _server(env: dict, preload) -> _Server:
   key = (tuple(preload), frozenset((k, v) for k, v in env.items() if k not in FREE_ENV))
   s = _servers.get(key)
-  if s is None or s.proc.poll() is not None:
+  if s is not None and s.proc.poll() is not None:     # ended (killed): its jobs' files go
+    _close(_servers.pop(key))
+    s = None
+  if s is None:
     while len(_servers) >= MAX_SERVERS:
       _close(_servers.popitem(last=False)[1])
     s = _servers[key] = _Server(env, tuple(preload))
@@ -155,8 +201,6 @@ def _server(env: dict, preload) -> _Server:
 
 
 def _close(s: _Server) -> None:
-  if s.job is not None and s.job.returncode is None:
-    s.job.send_signal(9)
   try:
     s.close()
   except Exception:                    # noqa: BLE001  (a server already gone or stuck)
@@ -199,6 +243,8 @@ def _child(req: dict) -> None:
   """In the forked process: become the job, run it and end as the interpreter ends a program (never returns)."""
   import runpy
   import types
+  if "numpy.random" in sys.modules:          # the server's legacy global RandomState, copied by the fork
+    sys.modules["numpy.random"].seed()       # from the OS's entropy, as at import in a fresh interpreter
   for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
                           (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
     f = os.open(path, flags)
@@ -264,8 +310,8 @@ def _serve(preload: list[str]) -> None:
     if xla_bridge._backends:
       raise RuntimeError(f"importing {preload} started a JAX backend: jobs could not choose their own")
   os.write(1, b"ready\n")
-  buf = b""
-  while True:
+  buf, eof = b"", False
+  while not eof:
     while b"\n" not in buf:
       chunk = os.read(0, 1 << 16)
       if not chunk:
@@ -281,9 +327,28 @@ def _serve(preload: list[str]) -> None:
         _child(req)
       finally:                         # _child ends the process; anything that escapes it ends the job, not a server
         os._exit(70)
-    os.write(1, f"pid {pid}\n".encode())
-    _, status = os.waitpid(pid, 0)
-    os.write(1, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+    os.write(1, f"pid {req['id']} {pid}\n".encode())
+    status, buf, eof = _wait_job(pid, buf)
+    os.write(1, f"exit {req['id']} {status}\n".encode())
+
+
+def _wait_job(pid: int, buf: bytes) -> tuple[int, bytes, bool]:
+  """Wait for the job pid to end, reading the server's input meanwhile: a new request or the end of the input means
+  the client has given up on the job (it kills a job it holds before its next request), so the job is killed.
+  Returns its exit status, the input read and whether the input ended."""
+  pidfd, ended, eof = os.pidfd_open(pid), False, False
+  try:
+    while not (ended or eof or b"\n" in buf):
+      ended = pidfd in select.select([pidfd, 0], [], [])[0]
+      if not ended:
+        chunk = os.read(0, 1 << 16)
+        buf, eof = buf + chunk, not chunk
+  finally:
+    os.close(pidfd)
+  if not ended:
+    os.kill(pid, signal.SIGKILL)
+  _, status = os.waitpid(pid, 0)
+  return os.waitstatus_to_exitcode(status), buf, eof
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -89,3 +90,78 @@ def test_at_most_max_servers_stay_up():
     procs.append(next(reversed(forkserver._servers.values())).proc)
   assert len(forkserver._servers) == forkserver.MAX_SERVERS
   assert procs[0].wait(timeout=30) == 0 and all(p.poll() is None for p in procs[1:])
+
+
+def test_jobs_of_one_server_draw_different_random_numbers():
+  """numpy's legacy global RandomState (and Python's `random`) is fresh in each job, as in a fresh interpreter,
+  not the server's state copied by the fork."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  code = "import random, numpy as np; print(np.random.random(), np.random.randint(1 << 30), random.random())"
+  outs = [forkserver.run([sys.executable, "-c", code], env=env, timeout=60, preload=("numpy.random",)).stdout
+          for _ in range(2)]
+  assert outs[0] and all(a != b for a, b in zip(*(o.split() for o in outs))), outs
+
+
+def _slow_first_fork_server(tmp_path, monkeypatch) -> dict:
+  """The environment of a new server whose first fork takes 2 s (a preloaded module's before-fork hook), and a
+  START_TIMEOUT of 0.5 s for the next start (the test restores it); job files go to tmp_path/jobs."""
+  (tmp_path / "jobs").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "jobs"))
+  monkeypatch.setattr(forkserver, "START_TIMEOUT", 0.5)
+  (tmp_path / "slow_first_fork.py").write_text(
+      "import os, time\nforks = []\n"
+      "os.register_at_fork(before=lambda: (forks.append(1), time.sleep(2 if len(forks) == 1 else 0)))\n")
+  return dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+
+
+def test_a_job_whose_start_timed_out_is_killed_and_its_replies_skipped(tmp_path, monkeypatch):
+  """Each reply names its request: the next job gets its own pid, status and output, not the timed-out one's."""
+  env = _slow_first_fork_server(tmp_path, monkeypatch)
+  preload = ("json", "slow_first_fork")
+  with pytest.raises(RuntimeError, match="did not start job .* within START_TIMEOUT=0.5 s"):
+    forkserver.start([sys.executable, "-c", "import time; time.sleep(60)"], env=env, preload=preload)
+  monkeypatch.setattr(forkserver, "START_TIMEOUT", 60)
+  job = forkserver.start([sys.executable, "-c", "import os, sys; print(os.getpid()); sys.exit(4)"], env=env,
+                         preload=preload)
+  assert job.wait(timeout=30) == 4 and job.stdout == f"{job.pid}\n", (job.pid, job.returncode, job.stdout)
+  assert not os.listdir(tmp_path / "jobs")             # the timed-out job's files too
+
+
+def _procs_running(marker: str) -> list[int]:
+  """Pids of the processes whose command line has marker (a forked job's is its server's)."""
+  pids = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if marker.encode() in f.read().split(b"\0"):
+          pids.append(int(pid))
+    except OSError:
+      pass
+  return pids
+
+
+def test_closing_a_server_kills_its_jobs_and_removes_their_files(tmp_path, monkeypatch):
+  """Evicting a server (MAX_SERVERS) kills the job it runs (which then has its status and output), and the job
+  whose start timed out; no job file stays."""
+  env = _slow_first_fork_server(tmp_path, monkeypatch)
+  monkeypatch.setattr(forkserver, "MAX_SERVERS", 1)
+  preload = ("json", "slow_first_fork", f"fs_mark_{os.getpid()}_{id(tmp_path)}")
+  (tmp_path / f"{preload[2]}.py").write_text("")
+  with pytest.raises(RuntimeError, match="did not start job"):
+    forkserver.start([sys.executable, "-c", "import time; time.sleep(60)"], env=env, preload=preload)
+  assert _procs_running(preload[2])                     # the server, and the job once forked
+  other = dict(env, FS_SERVER="other")
+  assert forkserver.run([sys.executable, "-c", "pass"], env=other, timeout=60, preload=PRELOAD).returncode == 0
+  assert not _procs_running(preload[2]) and not os.listdir(tmp_path / "jobs")
+
+  monkeypatch.setattr(forkserver, "START_TIMEOUT", 60)
+  job = forkserver.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], env=other,
+                         preload=PRELOAD)
+  deadline = time.time() + 30
+  while not open(job.out_path).read() and time.time() < deadline:
+    time.sleep(0.01)
+  forkserver.run([sys.executable, "-c", "pass"], env=env, timeout=60, preload=preload)     # evicts job's server
+  assert job.returncode == -signal.SIGKILL and job.stdout == "up\n", (job.returncode, job.stdout)
+  with pytest.raises(ProcessLookupError):
+    os.kill(job.pid, 0)
+  assert not os.listdir(tmp_path / "jobs")

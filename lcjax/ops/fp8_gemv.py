@@ -32,6 +32,9 @@ even and odd columns apart. Larger arrays get 64-bit offsets from the lowering a
 uint16 operand is XLA's bitcast_convert of the e4m3 stack, which the GPU compiler makes a bitcast of the same
 buffer, not a copy (the optimized HLO of a Llama-3-8B decode step: benchmarks/NOTES-fp8w.md, call 9).
 
+x is padded to Rp rows for the tensor-core dot, and the kernel loads only its R real rows (masked loads): every
+program reads its share of x, and 16 float16 rows are half the bytes of the 64-row e4m3 weight tile it multiplies.
+
 Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
 N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.
 """
@@ -142,14 +145,17 @@ def _layout(x_shape, w_shape, spec: str):
   return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, rows, bn, bk, steps, pack):
   """Program (n, s): o [Rp, bn] = sum over its steps of x [Rp, bk] times the weight tile [bn, bk]^T, columns counted
-  in loaded elements (`pack` e4m3 values each); x_ref [P, pack, Rp, Kd / pack] holds x's columns j mod pack at j."""
+  in loaded elements (`pack` e4m3 values each); x_ref [P, pack, Rp, Kd / pack] holds x's columns j mod pack at j,
+  of which only the first `rows` rows are loaded (the rest are zeros)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   n, s = pl.program_id(0), pl.program_id(1)
   layer = layer_ref[0]
   k0 = s * (steps * bk)
+  Rp = x_ref.shape[2]
+  real = jnp.broadcast_to(jax.lax.broadcasted_iota(jnp.int32, (Rp, 1), 0) < rows, (Rp, bk))
 
   def step(i, acc):
     k = k0 + i * bk
@@ -157,11 +163,12 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, pack):
     for j in range(pack):
       wj = (wk if pack == 1 else pair_value(wk, j)).astype(jnp.float16)   # widened exactly
       for part in range(x_ref.shape[0]):
-        xk = x_ref[part, j, :, pl.ds(k, bk)]                           # [Rp, bk] f16
+        xk = pltriton.load(x_ref.at[jnp.int32(part), jnp.int32(j), :, pl.ds(k, bk)], mask=real,
+                           other=jnp.zeros((), x_ref.dtype))                # [Rp, bk] f16
         acc = acc + pltriton.dot(xk, wj, trans_b=True)                 # [Rp, bn] f32
     return acc
 
-  o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[2], bn), jnp.float32))
+  o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((Rp, bn), jnp.float32))
 
 
 def scale_rows(x2):
@@ -199,7 +206,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
     w = as_pairs(w)                                                    # a view: the same bytes
   whole = pl.no_block_spec
   parts = pl.pallas_call(
-      lambda *refs: _kernel(*refs, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),
+      lambda *refs: _kernel(*refs, rows=R, bn=p.bn, bk=p.bk, steps=p.steps, pack=pack),
       grid=(N // p.bn, p.S),
       in_specs=[whole, whole, whole],
       out_specs=pl.BlockSpec((None, p.Rp, p.bn), lambda n, s: (s, 0, n)),

@@ -32,9 +32,30 @@ def _engine(**kw):
   return Engine.random(TINY, run=RUN.replace(**kw), seed=3)
 
 
+_SHARED: dict = {}
+
+
+def _shared(n: int = 0, **kw):
+  """Engine n (0, 1, ...) of the module's engines of RUN with `kw`, as a new `_engine(**kw)` is: idle, its prefix
+  cache empty and its pool's pages zeros (a page a load or restore failed to write must not hold an earlier test's
+  K/V of the same document), but its programs traced and lowered once for the module (each new engine traces and
+  lowers its programs again; the run's compilation cache saves only their XLA compilation). A test that moves
+  pages between two engines of one configuration asks for two (n=0, n=1). An engine a failed test left busy is
+  replaced by a new one. Not for a test that patches what the programs trace (tests.patch_kv): its engines are
+  its own."""
+  key = (RUN.replace(**kw), n)
+  e = _SHARED.get(key)
+  if e is None or e.pool.pages_used or e.pool.sequences or e.scheduler.pinned:
+    e = _SHARED[key] = _engine(**kw)
+  e.prefix_cache.clear()
+  _idle(e)
+  e.scheduler.cache = e.scheduler._new_cache()          # the pool of a new engine: zeros
+  return e
+
+
 @pytest.fixture(scope="module")
 def eng():
-  return _engine()
+  return _shared()
 
 
 def _uncached(eng, ids) -> np.ndarray:
@@ -160,7 +181,7 @@ def test_a_batch_on_a_pinned_context(eng):
 
 
 def test_several_contexts_count_against_the_pool():
-  eng = _engine(num_pages=17, max_batch=2)        # 16 usable pages
+  eng = _shared(num_pages=17, max_batch=2)        # 16 usable pages
   c1 = eng.prefill(DOC)                           # 6 pages
   c2 = eng.prefill(DOC48 + [5] * 20)              # 9 pages
   assert eng.scheduler.pinned_pages() == 15
@@ -191,11 +212,11 @@ def test_context_continuation_gets_no_second_bos(eng):
 
 
 def test_save_and_restore_in_a_new_engine(tmp_path):
-  eng = _engine()
+  eng = _shared()
   ctx = eng.prefill(DOC)
   ctx.save(tmp_path / "doc")
   assert sorted(os.listdir(tmp_path)) == ["doc"]
-  fresh = _engine()
+  fresh = _shared(n=1)
   restored = fresh.load_context(tmp_path / "doc")
   assert restored.token_ids == DOC and restored.stats["cached_tokens"] == 0
   for x, y in zip(_pages(fresh, restored.pages()), _pages(eng, ctx.pages()), strict=True):   # K, V
@@ -209,7 +230,7 @@ def test_save_and_restore_in_a_new_engine(tmp_path):
 
 
 def test_a_killed_save_leaves_nothing_that_loads(tmp_path, monkeypatch):
-  eng = _engine()
+  eng = _shared()
   ctx = eng.prefill(DOC)
   real = ctxlib._blocks_out
 
@@ -235,11 +256,11 @@ def test_a_killed_save_leaves_nothing_that_loads(tmp_path, monkeypatch):
     (dict(seed=4), ["weights: saved"]),
 ])
 def test_a_mismatched_restore_is_refused(tmp_path, change, names):
-  eng = _engine()
+  eng = _shared()
   with eng.prefill(DOC) as ctx:
     ctx.save(tmp_path / "doc")
   seed = change.pop("seed", 3)
-  other = Engine.random(TINY, run=RUN.replace(**change), seed=seed)
+  other = _shared(**change) if seed == 3 else Engine.random(TINY, run=RUN.replace(**change), seed=seed)
   with pytest.raises(ContextError) as e:
     other.load_context(tmp_path / "doc")
   assert "\n" not in str(e.value)
@@ -253,10 +274,10 @@ def test_a_mismatched_restore_is_refused(tmp_path, change, names):
 def test_restore_across_meshes(tmp_path, save_at, load_at):
   """Pages saved from one mesh restore onto another (tensor=4 repeats the 2 KV heads: saved once each)."""
   (s1, t1), (s2, t2) = save_at, load_at
-  a = _engine(seq=s1, tensor=t1)
+  a = _shared(seq=s1, tensor=t1)
   with a.prefill(DOC) as ctx:
     ctx.save(tmp_path / "doc")
-  b = _engine(seq=s2, tensor=t2)
+  b = _shared(seq=s2, tensor=t2)
   with b.load_context(tmp_path / "doc") as ctx:
     got = [r.token_ids for r in b.generate(QS[:2], max_new_tokens=8, context=ctx)]
     _assert_uncached_logits(b, b.prompt_logits(QS[2], context=ctx), DOC + QS[2])
@@ -266,7 +287,7 @@ def test_restore_across_meshes(tmp_path, save_at, load_at):
 
 
 def test_offload_and_restore():
-  eng = _engine(num_pages=17, max_batch=2)
+  eng = _shared(num_pages=17, max_batch=2)
   ctx = eng.prefill(DOC)
   want = eng.generate(QS[0], max_new_tokens=10, context=ctx).token_ids
   _assert_greedy(eng, DOC + QS[0], want)
@@ -292,7 +313,7 @@ def test_offload_and_restore():
 def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
   """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged, fp8
   pages with their scales."""
-  eng = _engine(dtype=dtype, cache_dtype=cache_dtype)
+  eng = _shared(dtype=dtype, cache_dtype=cache_dtype)
   ctx = eng.prefill(DOC)
 
   def pages(ctx):
@@ -358,7 +379,7 @@ def test_a_closed_engine_refuses_work_and_allocates_nothing():
 
 def test_a_context_dropped_unclosed_gives_its_pages_back():
   import gc
-  eng = _engine()
+  eng = _shared()
   for _ in range(3):
     ctx = eng.prefill(DOC)                               # each rebinding drops the previous Context
   del ctx
@@ -368,7 +389,7 @@ def test_a_context_dropped_unclosed_gives_its_pages_back():
 
 
 def test_closing_a_context_under_a_running_stream_is_a_clear_error():
-  eng = _engine(max_batch=1)
+  eng = _shared(max_batch=1)
   ctx = eng.prefill(DOC)
   reqs = eng._make_requests(QS, 4, None, head=ctx.token_ids)
   for r in reqs:
@@ -385,11 +406,11 @@ def test_closing_a_context_under_a_running_stream_is_a_clear_error():
 def test_an_fp8_context_restores_on_another_mesh(tmp_path):
   """fp8 pages saved from (seq, tensor) = (2, 2) (KV heads repeated 2x there) load on one device with their scales,
   bit for bit."""
-  a = _engine(seq=2, tensor=2, cache_dtype="float8_e4m3fn")
+  a = _shared(seq=2, tensor=2, cache_dtype="float8_e4m3fn")
   with a.prefill(DOC) as ctx:
     saved = _pages(a, ctx.pages())
     ctx.save(tmp_path / "doc")
-  b = _engine(cache_dtype="float8_e4m3fn")
+  b = _shared(cache_dtype="float8_e4m3fn")
   want = b.generate(DOC + QS[0], max_new_tokens=8).token_ids
   b.prefix_cache.clear()
   with b.load_context(tmp_path / "doc") as ctx:
@@ -427,7 +448,9 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
   if fp8:
     _spread_kv(monkeypatch)
   (s1, t1), (s2, t2) = save_at, load_at
-  a = _engine(seq=s1, tensor=t1, cache_dtype=cache_dtype)
+  # fp8: the model's K and V are patched (_spread_kv), so the engines are the test's own, traced under the patch
+  make = _engine if fp8 else _shared
+  a = make(seq=s1, tensor=t1, cache_dtype=cache_dtype)
   with a.prefill(DOC) as ctx:
     saved = _pages(a, ctx.pages())
     if fp8:            # scales that tell the pages, and K from V, apart: a scale moved or lost shows
@@ -435,7 +458,8 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
       assert np.all(ks != vs) and np.all(ks[:, 1:] != ks[:, :-1]) and np.all(vs[:, 1:] != vs[:, :-1])
     want = a.prompt_logits(QS[1], context=ctx)
     ctx.save(tmp_path / "doc")
-  b = _engine(seq=s2, tensor=t2, cache_dtype=cache_dtype)
+  b = _engine(seq=s2, tensor=t2, cache_dtype=cache_dtype) if fp8 else _shared(n=int(save_at == load_at), seq=s2,
+                                                                                tensor=t2, cache_dtype=cache_dtype)
 
   def cache_the_first_pages():
     b.prefill(DOC[:24]).close()                                # its 3 full pages stay in the prefix cache
@@ -472,7 +496,7 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
 @pytest.fixture(scope="module")
 def fp8():
   """An fp8 engine (a context of it has all four files) and its reference answer to DOC + QS[0]."""
-  e = _engine(cache_dtype="float8_e4m3fn")
+  e = _shared(cache_dtype="float8_e4m3fn")
   e.want = e.generate(DOC + QS[0], max_new_tokens=6).token_ids
   return e
 
@@ -678,17 +702,25 @@ def test_the_weights_fingerprint_reads_every_element():
   assert b.fingerprint["weights"] != a.fingerprint["weights"]
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli_env() -> dict:
+  """The environment of the processes this module starts (one tests.forkserver server serves them all)."""
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):
   """--context_file with --save_context, then --load_context: the same answer, the second without a prefill. The
   CLI's default model is the bundled one, converted into the run's LCJAX_CACHE_DIR by the fixture (once per run).
   Each run is `python -m lcjax.cli.generate` in a process of its own, forked by tests.forkserver."""
   import sys
   from tests import forkserver
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = REPO
   doc = tmp_path / "doc.txt"
   doc.write_text("The ferry ran twice an hour. Remember this: the password is PELICAN-42. The mill stood by the "
                  "river.", encoding="utf-8")
-  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+  env = _cli_env()
   common = ["--prompt=What is the password?", "--max_new_tokens=8", "--nowarmup", "--nostream",
             "--config=" + os.path.join(repo, "configs", "default.py"), "--config.max_context=1024"]
 
@@ -761,7 +793,7 @@ def test_fp8_pages_come_back_from_the_host_tier_with_their_scales():
   """fp8 pages evicted to the host tier and taken back hold the same bits and scales, so the prompt answers as
   it does from pages that never left the device."""
   a, b = DOC + QS[0], RNG.integers(3, TINY.vocab_size, 80).tolist()
-  kept = _engine(cache_dtype="float8_e4m3fn")
+  kept = _shared(cache_dtype="float8_e4m3fn")
   kept.generate(a, max_new_tokens=6)
   want = kept.generate(a, max_new_tokens=6)
   assert want.stats["cached_tokens"] == 48
@@ -798,23 +830,22 @@ ctx.save(sys.argv[1])
 
 def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
   """kill -9 in the middle of writing kv.bin: no cleanup code runs; neither the destination nor the dead save's
-  temporary directory loads (one-line refusals), and a later save to the same path succeeds and loads."""
+  temporary directory loads (one-line refusals), and a later save to the same path succeeds and loads. The save
+  is a process of its own, forked by tests.forkserver (the server of the CLI test's environment)."""
   import signal
-  import subprocess
   import sys
   import time
+  from tests import forkserver
   dst = tmp_path / "doc"
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  p = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=dict(os.environ, PYTHONPATH=repo),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  p = forkserver.start([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=_cli_env())
   tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 120
   while not os.path.exists(os.path.join(tmp, "kv.bin")) and time.time() < deadline and p.poll() is None:
     time.sleep(0.05)
   p.send_signal(signal.SIGKILL)
   p.wait()
-  assert os.path.isdir(tmp) and not dst.exists(), p.stderr.read()[-2000:]
-  eng = _engine(max_batch=1)            # the programs of the other max_batch=1 engine here: compiled once
+  assert os.path.isdir(tmp) and not dst.exists(), p.stderr[-2000:]
+  eng = _shared(max_batch=1)            # the other max_batch=1 test's engine
   for path, why in ((dst, "no such context directory"), (tmp, "not a complete saved context")):
     with pytest.raises(ContextError, match=why) as e:
       eng.load_context(path)

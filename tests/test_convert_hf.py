@@ -90,21 +90,36 @@ def part_bytes(request, monkeypatch):
 _CONVERTED: dict = {}
 
 
+def _converted_once(key, src, tmp_path_factory) -> tuple[str, dict]:
+  """src converted once per key (with the settings of the moment: part_bytes), and convert_hf's stats: the module's
+  tests that only read a conversion share it; a test that converts for its own checks (a dtype, a failure), or
+  damages what it converted, converts its own."""
+  if key not in _CONVERTED:
+    dst = str(tmp_path_factory.mktemp(f"converted-{key}") / "ckpt")
+    _CONVERTED[key] = dst, convert_hf(src, dst, progress=False)
+  return _CONVERTED[key]
+
+
 @pytest.fixture
-def converted(hf_dirs, part_bytes, tmp_path_factory):
-  """The single-file HF model converted once per part_bytes setting (the module's tests that only read it share
-  it; a test that converts for its own checks, or damages what it converted, converts its own)."""
-  if part_bytes not in _CONVERTED:
-    dst = str(tmp_path_factory.mktemp(f"converted-{part_bytes}") / "ckpt")
-    convert_hf(hf_dirs[1], dst, progress=False)
-    _CONVERTED[part_bytes] = dst
-  return _CONVERTED[part_bytes]
+def converted_stats(hf_dirs, part_bytes, tmp_path_factory):
+  """The single-file HF model converted once per part_bytes setting, and its conversion's stats."""
+  return _converted_once(part_bytes, hf_dirs[1], tmp_path_factory)
 
 
-def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path, part_bytes):
+@pytest.fixture
+def converted(converted_stats):
+  return converted_stats[0]
+
+
+@pytest.fixture
+def converted_sharded(hf_dirs, tmp_path_factory):
+  """The sharded HF model (~8 safetensors files and an index) converted once."""
+  return _converted_once("sharded", hf_dirs[2], tmp_path_factory)[0]
+
+
+def test_restored_arrays_equal_hf_tensors(hf_dirs, converted_stats, part_bytes):
   model, single, _ = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  stats = convert_hf(single, dst, progress=False)
+  dst, stats = converted_stats
   parts = os.listdir(os.path.join(dst, "params", "embed", "embedding"))
   assert len(parts) == (10 if part_bytes == "split" else 1)
   assert stats["tensors"] == 3 + 9 * CFG.n_layers
@@ -117,10 +132,8 @@ def test_restored_arrays_equal_hf_tensors(hf_dirs, tmp_path, part_bytes):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_sharded_logits_match_hf(hf_dirs, tmp_path):
-  model, _, sharded = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(sharded, dst, progress=False)
+def test_sharded_logits_match_hf(hf_dirs, converted_sharded):
+  model, dst = hf_dirs[0], converted_sharded
   lc, tok = fx.lcjax_model(dst)
   tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 48))
   ref = hf_oracle.hf_logits(model, tokens)
@@ -130,11 +143,10 @@ def test_sharded_logits_match_hf(hf_dirs, tmp_path):
   np.testing.assert_allclose(got, ref, atol=1e-4 * scale, rtol=0)
 
 
-def test_tokenizer_files_follow_the_model(hf_dirs, tmp_path):
+def test_tokenizer_files_follow_the_model(hf_dirs, tmp_path_factory):
   import transformers
   _, single, _ = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(single, dst, progress=False)
+  dst = _converted_once("whole", single, tmp_path_factory)[0]
   _, tok = fx.lcjax_model(dst)
   hf_tok = transformers.AutoTokenizer.from_pretrained(single)
   for text in fx.TEXTS:
@@ -446,12 +458,10 @@ def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
   assert extra < 2.5 * largest, (extra / 2**20, largest / 2**20)
 
 
-def test_engine_load_logits_match_hf(hf_dirs, tmp_path):
+def test_engine_load_logits_match_hf(hf_dirs, converted_sharded):
   """Issue 2's oracle 1 end to end: convert_hf, then Engine.load(..., dtype="float32").logits."""
   import lcjax
-  model, _, sharded = hf_dirs
-  dst = str(tmp_path / "ckpt")
-  convert_hf(sharded, dst, progress=False)
+  model, dst = hf_dirs[0], converted_sharded
   engine = lcjax.Engine.load(dst, dtype="float32")
   tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 40))
   ref = hf_oracle.hf_logits(model, tokens)

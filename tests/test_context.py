@@ -49,8 +49,13 @@ def _shared(n: int = 0, **kw):
     e = _SHARED[key] = _engine(**kw)
   e.prefix_cache.clear()
   _idle(e)
-  e.scheduler.cache = e.scheduler._new_cache()          # the pool of a new engine: zeros
+  _zero_pool(e)
   return e
+
+
+def _zero_pool(e) -> None:
+  """An idle engine's pool becomes a new engine's: zeros (what a page no load or restore wrote then holds)."""
+  e.scheduler.cache = e.scheduler._new_cache()
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +329,14 @@ def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
   want = eng.generate(QS[0], max_new_tokens=6, context=ctx).token_ids
   ctx.offload()
   eng.prefix_cache.clear()
+  _zero_pool(eng)                   # the restore must write every page, not find the prefill's still there
   ctx.restore()
   for a, b in zip(pages(ctx), before):
     np.testing.assert_array_equal(a, b)
   ctx.save(tmp_path / "c")
   ctx.close()
   eng.prefix_cache.clear()
+  _zero_pool(eng)
   with eng.load_context(tmp_path / "c") as ctx:
     for a, b in zip(pages(ctx), before):
       np.testing.assert_array_equal(a, b)

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices 
 
 CFG = ModelConfig("tiny-gqa8", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8,
                   ffn_dim=64, max_position=512, bos_id=None, eos_ids=())
-RUN = RunConfig(dtype="float32", page_size=4, prefill_chunk=32, max_context=320, max_batch=3, decode_steps=16,
+# Chunks of 16, the smallest bucket: every chunk of every prompt is one compiled prefill shape per engine.
+RUN = RunConfig(dtype="float32", page_size=4, prefill_chunk=16, max_context=320, max_batch=3, decode_steps=16,
                 attention="reference")
 # (tensor, seq); (2, 3): six devices, a seq size that power-of-two chunks do not divide (the model pads).
 MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1), (2, 3)]
@@ -32,9 +33,13 @@ _ENGINES: dict = {}
 
 
 def engine(tensor=1, seq=1, cfg=CFG, **kw) -> Engine:
+  """The engine of RUN with these fields, built once. Meshes are handed the one-device engine's weights (random,
+  seed 1), which the Engine places: every engine of `cfg` runs the very same parameters."""
   key = (tensor, seq, cfg.name, tuple(sorted(kw.items())))
   if key not in _ENGINES:
-    _ENGINES[key] = Engine.random(cfg, run=RUN.replace(tensor=tensor, seq=seq, **kw), seed=1)
+    run = RUN.replace(tensor=tensor, seq=seq, **kw)
+    one = (tensor, seq) == (1, 1) and not kw
+    _ENGINES[key] = Engine.random(cfg, run=run, seed=1) if one else Engine(cfg, engine(cfg=cfg).params, run=run)
   return _ENGINES[key]
 
 
@@ -82,7 +87,7 @@ def test_mesh_matches_one_device(ref, tensor, seq):
   assert ckpt["layers"]["attn"]["wqkv"].spec == want
   # Uncached forward (ring over the whole call), two rows.
   assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), ref["logits"]) <= 1e-4
-  # Chunked paged prefill: 3 chunks of 32, the later ones against a prefix held by the seq shards.
+  # Chunked paged prefill: 6 chunks of 16, the later ones against a prefix held by the seq shards.
   logits, k, v = prefill(eng, PROMPTS[0])
   want_logits, want_k, want_v = ref["prefill"]
   assert rel(logits, want_logits) <= 1e-4
@@ -97,7 +102,7 @@ def test_mesh_matches_one_device(ref, tensor, seq):
 
 @pytest.mark.parametrize("tensor,seq", [(1, 8), (2, 4)])
 def test_long_prefill_then_many_decode_steps(tensor, seq):
-  """230 prompt tokens (8 chunks) then 80 decode steps: the sequence's pages end up on every seq shard, and
+  """230 prompt tokens (15 chunks) then 80 decode steps: the sequence's pages end up on every seq shard, and
   each decode step combines the shards' partials. Page balance: shards differ by at most one page."""
   want = engine().generate(LONG, max_new_tokens=80).token_ids
   eng = engine(tensor, seq)
@@ -158,7 +163,7 @@ def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode, ca
   run = RUN.replace(dtype="bfloat16", attention="cudnn", cache_dtype=cache)
   want = _fast_path_oracle(run)
   page_write = "pallas-interpret" if cache == "float8_e4m3fn" else "auto"
-  eng = Engine.random(CFG, run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode, page_write=page_write), seed=1)
+  eng = Engine(CFG, want["params"], run=run.replace(tensor=tensor, seq=seq, sp_mode=sp_mode, page_write=page_write))
   assert eng.attention.name == "cudnn" and eng.attention.emulate and eng.page_write == page_write.replace("auto", "xla")
   assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), want["logits"]) <= 2e-2
   assert rel(prefill(eng, PROMPTS[0])[0], want["prefill"]) <= 2e-2
@@ -170,36 +175,33 @@ _FAST_PATH_ORACLES: dict = {}
 
 
 def _fast_path_oracle(run: RunConfig) -> dict:
-  """The one-device cuDNN-emulating engine's logits, prefill logits and tokens for `run`: computed once per run
-  config (the two auto-cache cases share one), by the first case that needs it, under that case's monkeypatch."""
+  """The one-device cuDNN-emulating engine's weights (random, seed 1; the mesh engines are handed them), logits,
+  prefill logits and tokens for `run`: computed once per run config (the two auto-cache cases share one), by the
+  first case that needs it, under that case's monkeypatch."""
   if run not in _FAST_PATH_ORACLES:
     one = Engine.random(CFG, run=run, seed=1)
     assert one.attention.name == "cudnn" and one.attention.emulate
     tokens = [r.token_ids for r in one.generate(PROMPTS, max_new_tokens=8)]
     _FAST_PATH_ORACLES[run] = dict(
-        logits=one.logits([PROMPTS[0][:37], PROMPTS[2]]), prefill=prefill(one, PROMPTS[0])[0], tokens=tokens,
-        decided=[_decided(one, p, t, 4) for p, t in zip(PROMPTS, tokens)])
+        params=one.params, logits=one.logits([PROMPTS[0][:37], PROMPTS[2]]), prefill=prefill(one, PROMPTS[0])[0],
+        tokens=tokens, decided=_decided(PROMPTS, tokens, 4))
   return _FAST_PATH_ORACLES[run]
 
 
-_REFERENCES: dict = {}
-
-
-def _reference(run: RunConfig) -> Engine:
-  """The float32 reference-attention engine of `run` (seed 1), built once per run config."""
-  if run not in _REFERENCES:
-    _REFERENCES[run] = Engine.random(CFG, run=run, seed=1)
-  return _REFERENCES[run]
-
-
-def _decided(eng, prompt, tokens, most: int, margin: float = 0.05) -> int:
-  """How many leading greedy `tokens` (at most `most`) a bf16 run decides: each up to the first whose top-2 logit
-  margin in the float32 full forward is under `margin` (bf16's ~1e-2 relative error can pick either of a tie)."""
-  ref = _reference(eng.run.replace(dtype="float32", attention="reference"))
-  logits = ref.logits([prompt + tokens[:most]])[0][len(prompt) - 1:]
-  top2 = np.sort(logits, axis=-1)[:, -2:]
-  close = np.nonzero(top2[:most, 1] - top2[:most, 0] < margin)[0]
-  return int(close[0]) if close.size else most
+def _decided(prompts, tokens, most: int, margin: float = 0.05) -> list[int]:
+  """Per prompt, how many leading greedy `tokens` (at most `most`) a bf16 run decides: each up to the first whose
+  top-2 logit margin in the float32 full forward (`engine()`: reference attention, the same seed) is under
+  `margin` (bf16's ~1e-2 relative error can pick either of a tie). One forward call: each row is its prompt and
+  tokens, padded at the end (a causal forward, so the padding reaches no earlier position)."""
+  rows = [p + t[:most] for p, t in zip(prompts, tokens)]
+  width = max(map(len, rows))
+  logits = engine().logits([r + [0] * (width - len(r)) for r in rows])
+  decided = []
+  for p, row in zip(prompts, logits):
+    top2 = np.sort(row[len(p) - 1:len(p) - 1 + most], axis=-1)[:, -2:]
+    close = np.nonzero(top2[:, 1] - top2[:, 0] < margin)[0]
+    decided.append(int(close[0]) if close.size else most)
+  return decided
 
 
 KV4 = ModelConfig("tiny-kv4", vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,

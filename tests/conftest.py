@@ -40,9 +40,9 @@ os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)
 os.environ.update(zip(CACHE_ENV, (os.environ[_RUN_CACHE], "0", "-1")))
 os.environ["LCJAX_CACHE_DIR"] = os.environ[_RUN_HOME]
 
-# The GPU tests on several xdist workers (`python -m pytest -m gpu -n 4 tests/`): each worker's JAX takes an equal
-# share of the GPU's memory, not the 75% that XLA takes by default and that a second worker could not get. The
-# processes tests start inherit the share.
+# The GPU tests on several xdist workers (`python -m pytest -m gpu -n 4 tests/`, the count measured): each worker's
+# JAX takes an equal share of the GPU's memory, not the 75% that XLA takes by default and that a second worker
+# could not get. A process a test starts inherits its worker's share (no GPU test starts one).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / _WORKERS:.3f}")

@@ -194,8 +194,8 @@ def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
   got = fn(*big, *scales, k, v, page, offset, layer)
   # Bits, compared in one program on the device: no uint8 copy of a pool (the GPU suite's workers share the GPU).
   same = jax.jit(lambda g, w: jnp.array_equal(*(jax.lax.bitcast_convert_type(a, jnp.uint8) for a in (g, w))))
-  for g, w in zip(got, want):
-    assert bool(same(g, w))
+  for name, g, w in zip(("k pool", "v pool", "k scales", "v scales"), got, want):
+    assert bool(same(g, w)), (name, g.shape)
 
 
 @pytest.mark.gpu

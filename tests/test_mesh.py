@@ -77,6 +77,16 @@ def ref():
               greedy=[r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=40)])
 
 
+def test_random_weights_do_not_depend_on_the_mesh():
+  """Engine.random draws on the mesh the very weights it draws on one device (the other tests hand mesh engines
+  the one-device weights)."""
+  got = jax.tree.leaves_with_path(Engine.random(CFG, run=RUN.replace(tensor=2, seq=3), seed=1).params)
+  want = jax.tree.leaves_with_path(engine().params)
+  assert [p for p, _ in got] == [p for p, _ in want] and got
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("tensor,seq", MESHES)
 def test_mesh_matches_one_device(ref, tensor, seq):
   eng = engine(tensor, seq)
@@ -85,6 +95,9 @@ def test_mesh_matches_one_device(ref, tensor, seq):
   _, ckpt = checkpoint_shardings(eng.cfg, eng.mesh, "float32")
   want = P(None, "tensor") if eng.kv_rep > 1 else P(None, None, "tensor", None, None)
   assert ckpt["layers"]["attn"]["wqkv"].spec == want
+  # The weights it was handed are placed: the serving wqkv's heads split over `tensor`.
+  wqkv = eng.params["layers"]["attn"]["wqkv"].get_value()
+  assert wqkv.sharding.spec[2] == "tensor" and wqkv.sharding.is_fully_replicated == (tensor == 1)
   # Uncached forward (ring over the whole call), two rows.
   assert rel(eng.logits([PROMPTS[0][:37], PROMPTS[2]]), ref["logits"]) <= 1e-4
   # Chunked paged prefill: 6 chunks of 16, the later ones against a prefix held by the seq shards.

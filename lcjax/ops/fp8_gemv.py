@@ -32,8 +32,10 @@ even and odd columns apart. Larger arrays get 64-bit offsets from the lowering a
 uint16 operand is XLA's bitcast_convert of the e4m3 stack, which the GPU compiler makes a bitcast of the same
 buffer, not a copy (the optimized HLO of a Llama-3-8B decode step: benchmarks/NOTES-fp8w.md, call 9).
 
-x is padded to Rp rows for the tensor-core dot, and the kernel loads only its R real rows (masked loads): every
-program reads its share of x, and 16 float16 rows are half the bytes of the 64-row e4m3 weight tile it multiplies.
+x is padded to Rp rows for the tensor-core dot (in the XLA fusion that scales it), and the kernel loads only its R
+real rows (masked loads): every program re-reads its share of x from L2, and at R <= 16 the 16 padded float16 rows
+would be half the bytes of the 64-row e4m3 tile they multiply. That saved 1.2% on the Llama-3.1-70B shape's
+products and nothing measurable on Llama-3-8B's (benchmarks/NOTES-fp8w.md, call 24).
 
 Legend: L layers, R rows (batch x tokens), Rp rows padded (a power of two >= 16: the tensor-core dot's minimum),
 N output channels, Kd contracted length, bn / bk the tile, S splits of Kd, `pack` e4m3 values per loaded element.

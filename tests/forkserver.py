@@ -1,6 +1,6 @@
 """Python command lines (`-m MODULE`, `-c CODE`, `SCRIPT`, with their arguments) run in processes forked from a
 server that has already imported the modules they need (jax, lcjax's engine and checkpoint code, torch ...), instead
-of in a fresh `python` that imports them again (2-7 s a process on a 2-core machine).
+of in a fresh `python` that imports them again (2-7 s a process on a 2-core machine). Linux only (fork, pidfd).
 
 Each job is a process of its own with the job's argv, environment, working directory, sys.path[0] and pid, its
 stdin from /dev/null, stdout and stderr captured, and its exit status as a fresh interpreter's: 0 at the end, the
@@ -206,6 +206,11 @@ def _close(s: _Server) -> None:
   except Exception:                    # noqa: BLE001  (a server already gone or stuck)
     s.proc.kill()
     s.proc.wait()
+    if s.job is not None and s.job.returncode is None:    # its server cannot kill it any more
+      try:
+        os.kill(s.job.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
 
 
 @atexit.register

@@ -1,6 +1,11 @@
-"""The environment of a test run's JAX compilation cache (set up in tests/conftest.py), and its removal for the
-processes that must not use it; the test processes' XLA optimization setting, for the processes that share it."""
+"""The environment of the processes tests start: this checkout's lcjax on the CPU; the test run's JAX compilation
+cache (set up in tests/conftest.py), and its removal for the processes that must not use it; the test processes'
+XLA optimization setting, for the processes that share it."""
 from __future__ import annotations
+
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Set by conftest for every process of the run: the run's cache directory, a 0 s compile-time floor, no size limit.
 CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
@@ -9,9 +14,14 @@ CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME
 RUN_XLA_FLAGS = "LCJAX_TEST_RUN_XLA_CPU_FLAGS"
 
 
+def cpu_env(**extra) -> dict:
+  """This process's environment with this checkout as PYTHONPATH and JAX on the CPU, plus `extra`: what a process a
+  test starts (a CLI, a tool, a script) runs in."""
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", **extra)
+
+
 def with_run_xla_flags(env) -> None:
   """Append the run's XLA CPU flags (this process's $LCJAX_TEST_RUN_XLA_CPU_FLAGS) to env's XLA_FLAGS, once."""
-  import os
   flags = os.environ.get(RUN_XLA_FLAGS, "")
   if flags and flags not in env.get("XLA_FLAGS", ""):
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()

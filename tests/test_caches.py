@@ -14,9 +14,8 @@ import pytest
 
 from lcjax.checkpoint import sources
 from tests import forkserver
-from tests.run_cache import without_run_cache
+from tests.run_cache import REPO, cpu_env, without_run_cache
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = r"""
 import json, os, sys
 os.umask(0)
@@ -26,7 +25,7 @@ print("RESULT " + json.dumps(dict(dir=compile_cache.enable(sys.argv[1]))))
 
 
 def _enable(setting, home):
-  env = without_run_cache(dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", LCJAX_CACHE_DIR=str(home)))
+  env = without_run_cache(cpu_env(LCJAX_CACHE_DIR=str(home)))
   p = forkserver.run([sys.executable, "-c", _SCRIPT, setting], env=env, cwd=REPO, timeout=120)
   assert p.returncode == 0, p.stderr[-3000:]
   return json.loads(p.stdout.split("RESULT ")[-1])["dir"], p.stderr

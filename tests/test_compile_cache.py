@@ -15,9 +15,8 @@ import pytest
 
 from lcjax.config import ConfigError, RunConfig
 from lcjax.engine.compile_cache import resolve
-from tests.run_cache import with_test_xla_optimizations, without_run_cache
+from tests.run_cache import REPO, cpu_env, with_test_xla_optimizations, without_run_cache
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One engine with compile_cache=argv[1], one greedy generation, then compile_cache.enable(argv[2]) in the same
 # process; prints the cache's counters and what the second setting got.
@@ -36,7 +35,7 @@ print("RESULT " + json.dumps(dict(stats=compile_cache.stats(), again=again)))
 def _env(cache_home, **kw):
   # XLA's optimizations as in the test processes (tests/conftest.py): compiling the tiny model is most of each
   # process's time, and what is written to and read from the cache does not depend on them.
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="", LCJAX_CACHE_DIR=str(cache_home), **kw)
+  env = cpu_env(XLA_FLAGS="", LCJAX_CACHE_DIR=str(cache_home), **kw)
   return with_test_xla_optimizations(without_run_cache(env))   # without the suite's run cache: lcjax's default
 
 

@@ -19,6 +19,7 @@ from lcjax.config import RunConfig, preset
 from lcjax.engine import context as ctxlib
 from lcjax.engine.context import ContextError
 from lcjax.engine.engine import Engine, RequestError
+from tests.run_cache import REPO, cpu_env
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())
 RUN = RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256, max_batch=3, decode_steps=16)
@@ -45,7 +46,7 @@ def _shared(n: int = 0, **kw):
   its own."""
   key = (RUN.replace(**kw), n)
   e = _SHARED.get(key)
-  if e is None or e.pool.pages_used or e.pool.sequences or e.scheduler.pinned:
+  if e is None or _busy(e):
     e = _SHARED[key] = _engine(**kw)
   e.prefix_cache.clear()
   _idle(e)
@@ -106,8 +107,13 @@ def _pages(eng, pages) -> list[np.ndarray]:
   return [k[..., ::rep, :], v[..., ::rep, :], *(s[..., ::rep] for s in scales)]
 
 
+def _busy(eng):
+  """What an engine holds for requests or contexts (falsy when idle): pages in use, sequences, pinned contexts."""
+  return eng.pool.pages_used or eng.pool.sequences or eng.scheduler.pinned
+
+
 def _idle(eng):
-  assert eng.pool.pages_used == 0 and eng.pool.sequences == () and not eng.scheduler.pinned
+  assert not _busy(eng), (eng.pool.pages_used, eng.pool.sequences, eng.scheduler.pinned)
   eng.pool.check()
   if eng.prefix_cache is not None:
     eng.prefix_cache.check()
@@ -472,9 +478,11 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
   if fp8:
     _spread_kv(monkeypatch)
   (s1, t1), (s2, t2) = save_at, load_at
-  # fp8: the model's K and V are patched (_spread_kv), so the engines are the test's own, traced under the patch
-  make = _engine if fp8 else _shared
-  a = make(seq=s1, tensor=t1, cache_dtype=cache_dtype)
+
+  def make(n, **kw):    # fp8: the model's K and V are patched (_spread_kv), so its engines are the test's own
+    return _engine(**kw) if fp8 else _shared(n, **kw)
+
+  a = make(0, seq=s1, tensor=t1, cache_dtype=cache_dtype)
   with a.prefill(DOC) as ctx:
     saved = _pages(a, ctx.pages())
     if fp8:            # scales that tell the pages, and K from V, apart: a scale moved or lost shows
@@ -482,8 +490,7 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
       assert np.all(ks != vs) and np.all(ks[:, 1:] != ks[:, :-1]) and np.all(vs[:, 1:] != vs[:, :-1])
     want = a.prompt_logits(QS[1], context=ctx)
     ctx.save(tmp_path / "doc")
-  b = _engine(seq=s2, tensor=t2, cache_dtype=cache_dtype) if fp8 else _shared(n=int(save_at == load_at), seq=s2,
-                                                                                tensor=t2, cache_dtype=cache_dtype)
+  b = make(int(save_at == load_at), seq=s2, tensor=t2, cache_dtype=cache_dtype)    # another engine than a
 
   def cache_the_first_pages():
     b.prefill(DOC[:24]).close()                                # its 3 full pages stay in the prefix cache
@@ -726,30 +733,21 @@ def test_the_weights_fingerprint_reads_every_element():
   assert b.fingerprint["weights"] != a.fingerprint["weights"]
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cli_env() -> dict:
-  """The environment of the processes this module starts (one tests.forkserver server serves them all)."""
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-
-
 def test_cli_answers_the_same_from_a_fresh_and_a_saved_context(tmp_path, smollm2_checkpoint):
   """--context_file with --save_context, then --load_context: the same answer, the second without a prefill. The
   CLI's default model is the bundled one, converted into the run's LCJAX_CACHE_DIR by the fixture (once per run).
   Each run is `python -m lcjax.cli.generate` in a process of its own, forked by tests.forkserver."""
   import sys
   from tests import forkserver
-  repo = REPO
   doc = tmp_path / "doc.txt"
   doc.write_text("The ferry ran twice an hour. Remember this: the password is PELICAN-42. The mill stood by the "
                  "river.", encoding="utf-8")
-  env = _cli_env()
+  env = cpu_env()
   common = ["--prompt=What is the password?", "--max_new_tokens=8", "--nowarmup", "--nostream",
-            "--config=" + os.path.join(repo, "configs", "default.py"), "--config.max_context=1024"]
+            "--config=" + os.path.join(REPO, "configs", "default.py"), "--config.max_context=1024"]
 
   def cli(*args):
-    p = forkserver.run([sys.executable, "-m", "lcjax.cli.generate", *common, *args], env=env, cwd=repo, timeout=600)
+    p = forkserver.run([sys.executable, "-m", "lcjax.cli.generate", *common, *args], env=env, cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout.split("\n\nstats\n")[0], p.stderr
 
@@ -861,7 +859,7 @@ def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
   import time
   from tests import forkserver
   dst = tmp_path / "doc"
-  p = forkserver.start([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=_cli_env())
+  p = forkserver.start([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=cpu_env())   # the CLI test's server
   tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 120
   while not os.path.exists(os.path.join(tmp, "kv.bin")) and time.time() < deadline and p.poll() is None:

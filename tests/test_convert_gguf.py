@@ -20,8 +20,8 @@ from lcjax.config import ModelConfig, preset
 from lcjax.tokenizer import Tokenizer
 from tests import fixtures_ckpt as fx, forkserver
 from tests import hf_oracle
+from tests.run_cache import REPO, cpu_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = [
     "The capital of France is",
@@ -191,7 +191,7 @@ def test_refuses_other_architecture_and_bad_files(tmp_path):
   src = str(tmp_path / "qwen.gguf")
   fx.write_gguf(src, arch="qwen2")
   dst = str(tmp_path / "out")
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env = cpu_env()
   p = forkserver.run([sys.executable, os.path.join(REPO, "tools", "convert_gguf.py"), f"--src={src}",
                       f"--dst={dst}"], env=env, timeout=120)     # the tool as a process of its own, forked
   assert p.returncode == 2

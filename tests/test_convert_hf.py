@@ -24,8 +24,8 @@ from lcjax.config import ModelConfig, RopeScaling
 from lcjax.model.llama import Llama
 from tests import fixtures_ckpt as fx, forkserver
 from tests import hf_oracle
+from tests.run_cache import REPO, cpu_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CFG = ModelConfig("hf-test", vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                   ffn_dim=96, rope_theta=500000.0, max_position=512, bos_id=0, eos_ids=(1,),
@@ -146,7 +146,7 @@ def test_sharded_logits_match_hf(hf_dirs, converted_sharded):
 def test_tokenizer_files_follow_the_model(hf_dirs, tmp_path_factory):
   import transformers
   _, single, _ = hf_dirs
-  dst = _converted_once("whole", single, tmp_path_factory)[0]
+  dst = _converted_once("whole", single, tmp_path_factory)[0]   # the part_bytes="whole" tests' (default parts)
   _, tok = fx.lcjax_model(dst)
   hf_tok = transformers.AutoTokenizer.from_pretrained(single)
   for text in fx.TEXTS:
@@ -352,17 +352,13 @@ def test_failed_conversion_leaves_nothing_and_rerun_succeeds(hf_dirs, tmp_path, 
   assert load_config(dst).n_layers == CFG.n_layers
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-
-
 def _tool_argv(args):
   return [sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), *args]
 
 
 def _tool(args):
   """tools/convert_hf.py ARGS started as a process of its own (forked by tests.forkserver: no import of its own)."""
-  return forkserver.start(_tool_argv(args), env=_env())
+  return forkserver.start(_tool_argv(args), env=cpu_env())
 
 
 def kill_mid_conversion(src: str, dst: str) -> str:
@@ -385,7 +381,7 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   _one_line_error(lambda: load_config(tmp), "incomplete")
   # The rerun is a fresh interpreter (forked jobs skip the interpreter's teardown, where a crash or an error
   # printed at exit would show): the tool's one run that ends as a user's does.
-  p = subprocess.run(_tool_argv([f"--src={hf_dirs[2]}", f"--dst={dst}"]), env=_env(), capture_output=True,
+  p = subprocess.run(_tool_argv([f"--src={hf_dirs[2]}", f"--dst={dst}"]), env=cpu_env(), capture_output=True,
                      text=True, timeout=300)
   out, err = p.stdout, p.stderr
   assert p.returncode == 0 and "Traceback" not in err, err
@@ -445,7 +441,7 @@ def test_conversion_host_memory_stays_near_one_tensor(tmp_path):
       save_file({name: _random_float16(rng, shape)}, str(folder / f"t{k:03d}.safetensors"))
 
   def peak(s, d):     # both conversions in processes forked from one server: the same baseline
-    p = forkserver.run([sys.executable, "-c", _PEAK, str(s), str(d)], env=_env(), timeout=300)
+    p = forkserver.run([sys.executable, "-c", _PEAK, str(s), str(d)], env=cpu_env(), timeout=300)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])["peak"]
 

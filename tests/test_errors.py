@@ -35,8 +35,8 @@ from lcjax.engine.engine import Engine, RequestError
 from lcjax.tokenizer import TokenizerError
 from tests import cli_inprocess, forkserver
 from tests import fixtures_ckpt as fx
+from tests.run_cache import REPO, cpu_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
 # The tiny model: 4 query heads (tensor=3 cannot split them), a 256-token trained context.
 CFG = ModelConfig("err-tiny", vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -266,7 +266,7 @@ PLAN_PRINTED = {"page pool larger than memory", "context larger than memory"}
 
 
 def _cli_env():
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  return cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 
 def _argv(args, paths):

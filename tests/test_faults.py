@@ -34,16 +34,12 @@ from lcjax.config import ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine
 from tests import fixtures_ckpt as fx
 from tests import forkserver
+from tests.run_cache import REPO, cpu_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Four layers: 39 stored items, so that kill points land all through the writes.
 CFG = ModelConfig("fault-test", vocab_size=320, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
                   ffn_dim=128, max_position=512, bos_id=0, eos_ids=(1,))
 _PART = re.compile(r"^\d{3}$")
-
-
-def _env():
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
 def snapshot(ckpt: str) -> dict:
@@ -119,10 +115,10 @@ def _kill(s, parent, how, mode, where):
   if mode == "overwrite":
     shutil.copytree(s["ref_old"], dst)
   if how == "hook":
-    p = forkserver.start([sys.executable, "-m", "tests.fault_jobs", s["src_new"], dst, where], env=_env(), cwd=REPO)
+    p = forkserver.start([sys.executable, "-m", "tests.fault_jobs", s["src_new"], dst, where], env=cpu_env(), cwd=REPO)
   else:
     p = forkserver.start([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={s['src_new']}",
-                          f"--dst={dst}"] + (["--overwrite"] if mode == "overwrite" else []), env=_env(), cwd=REPO)
+                          f"--dst={dst}"] + (["--overwrite"] if mode == "overwrite" else []), env=cpu_env(), cwd=REPO)
     if how == "items":
       _wait_items(p, f"{dst}.tmp-{p.pid}", where, time.time() + 120)
     else:                        # seconds after the writer starts
@@ -306,7 +302,7 @@ def test_cli_interrupted_prints_one_line_and_exits_130():
           f"--config={os.path.join(REPO, 'configs', 'default.py')}", "--config.max_context=4096",
           "--config.max_batch=1", "--config.decode_steps=1", "--config.prefill_chunk=64"]
   # The CLI in a process of its own (forked by tests.forkserver), its stderr read from its file while it runs.
-  p = forkserver.start([sys.executable, "-m", "lcjax.cli.generate", *args], env=_env(), cwd=REPO)
+  p = forkserver.start([sys.executable, "-m", "lcjax.cli.generate", *args], env=cpu_env(), cwd=REPO)
   read = lambda: open(p.err_path).read() if p.returncode is None else p.stderr
   deadline = time.time() + 120
   while "memory plan" not in read() and time.time() < deadline and p.poll() is None:

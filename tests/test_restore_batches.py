@@ -6,6 +6,7 @@ each item alone (the per-item restore the batches replace), and the values writt
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import jax
@@ -157,12 +158,21 @@ def test_restore_in_batches_equals_item_by_item(ckpts, monkeypatch, stored, targ
     np.testing.assert_array_equal(_bits(got[name]), _bits(want[name]), err_msg=name)
 
 
-def test_restored_model_holds_the_values_written(ckpts, monkeypatch):
+@pytest.mark.parametrize("in_loop", [False, True], ids=["plain", "inside-a-running-event-loop"])
+def test_restored_model_holds_the_values_written(ckpts, monkeypatch, in_loop):
   """The float32 checkpoint restored in small batches on a mesh, cut back into its stored tensors
-  (layout.stored_tensor, the export direction): exactly the arrays written, layer by layer."""
+  (layout.stored_tensor, the export direction): exactly the arrays written, layer by layer. Also when restore is
+  called from a coroutine, as a notebook kernel runs a cell (its loop is running: the batches are read on a thread
+  of their own)."""
   dst, written = ckpts["f32"]
   mesh = make_mesh(tensor=2, seq=2, devices=jax.devices()[:4])
-  got, _ = _restore(dst, WeightFormat(), mesh, monkeypatch, 24 << 10, items.read_parts)
+  if in_loop:
+    async def cell():
+      asyncio.get_running_loop()
+      return _restore(dst, WeightFormat(), mesh, monkeypatch, 24 << 10, items.read_parts)
+    got, _ = asyncio.run(cell())
+  else:
+    got, _ = _restore(dst, WeightFormat(), mesh, monkeypatch, 24 << 10, items.read_parts)
   flat = {k: np.asarray(v) for k, v in got.items()}
   for (name, layer), want in written.items():
     np.testing.assert_array_equal(np.asarray(stored_tensor(flat, name, layer)), want, err_msg=f"{name} {layer}")

@@ -11,6 +11,7 @@ chunks are an error) is taken from its own tree metadata file, with orbax's defa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
 from typing import Any, NamedTuple
@@ -46,15 +47,27 @@ def read_parts(ckpt_dir: str, parts: list[Part]) -> list[jax.Array]:
   be read raises a CheckpointError naming ckpt_dir and the part, after every read of the batch has ended."""
   if not parts:
     return []
-  loop = asyncio.new_event_loop()      # a loop of its own: a notebook's running loop is left alone
   try:
-    results = loop.run_until_complete(_gather(ckpt_dir, parts))
-  finally:
-    loop.close()
+    asyncio.get_running_loop()
+  except RuntimeError:
+    results = _run(_gather(ckpt_dir, parts))
+  else:   # called from a coroutine, as a notebook kernel runs a cell: its loop cannot run another; a thread can
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      results = pool.submit(_run, _gather(ckpt_dir, parts)).result()
   for r in results:
     if isinstance(r, BaseException):
       raise r
   return results
+
+
+def _run(coro):
+  """coro run to its end in a new event loop of this thread (asyncio.run's teardown is not thread-safe: it walks
+  asyncio's global set of tasks, which another thread's loop may change)."""
+  loop = asyncio.new_event_loop()
+  try:
+    return loop.run_until_complete(coro)
+  finally:
+    loop.close()
 
 
 def _param_info(part: Part, contexts: dict) -> ocp.type_handlers.ParamInfo:

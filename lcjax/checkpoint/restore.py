@@ -80,10 +80,11 @@ def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sha
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:axis], *spec[axis + 1:]))
 
 
-# The bytes of the stored parts read in one batch (each counted as read: its shape in the dtype it is read in): a
-# batch is read concurrently (lcjax.checkpoint.items) and holds at most this much, or one part when a part is larger
-# (parts are at most layout.PART_BYTES as stored). A batch is the only transient memory of a restore on the host
-# and the devices, besides the one layer that a format conversion assembles (_convert_linear).
+# The bytes of the stored parts read in one batch, each part counted at the wider of its stored and read dtypes: a
+# batch is read concurrently (lcjax.checkpoint.items) and its parts add up to at most this, or it is one part that
+# is larger (parts are at most layout.PART_BYTES as stored). A batch is the transient memory of a restore: on the
+# host its parts as decoded and cast (about this bound), on the devices its parts as read (at most this bound);
+# besides it, only the one layer that a format conversion assembles (_convert_linear).
 BATCH_BYTES = 256 << 20
 
 
@@ -115,10 +116,11 @@ class _Reader:
     if not os.path.isdir(path):
       raise CheckpointError(f"{self.dir}: {where} is missing ({path})")
     p = items.Part(path, where, tuple(shape), dtype, sharding)
-    if self.queued_bytes and self.queued_bytes + p.nbytes > self.batch_bytes:
+    size = part_bytes(p, self.tensors[name]["dtype"])
+    if self.queued_bytes and self.queued_bytes + size > self.batch_bytes:
       self.flush()
     self.queue.append((p, use))
-    self.queued_bytes += p.nbytes
+    self.queued_bytes += size
 
   def then(self, step) -> None:
     """Queue `step()` to run after the steps queued before it."""
@@ -176,6 +178,12 @@ class _Reader:
                   functools.partial(_place_into, box, key, place, offsets, part_view))
 
 
+def part_bytes(part: items.Part, stored_dtype) -> int:
+  """What a part counts against BATCH_BYTES: its elements at the wider of its stored and read dtypes."""
+  return part.nbytes // jnp.dtype(part.dtype).itemsize * max(jnp.dtype(part.dtype).itemsize,
+                                                              jnp.dtype(stored_dtype).itemsize)
+
+
 def _place_into(box: dict, key: str, place, offsets, view, slab) -> None:
   box[key] = place(box[key], slab, offsets, view)
 
@@ -199,7 +207,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
   `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] and split arrays
   are filled part by part in place, so peak device memory is the model plus one batch of stored parts (at most
-  BATCH_BYTES as read, or one part larger than that), and the host holds at most that batch. When the state's
+  BATCH_BYTES, or one part larger than that), and the host's transient is about one batch. When the state's
   linear weights are in another format than the checkpoint's (fp8 or not: `lcjax.model.llama.weight_format`),
   they are quantized or dequantized a layer at a time as they are read: the model is never held in the wider
   format (one layer is, while it is converted).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -180,17 +181,26 @@ def test_restored_model_holds_the_values_written(ckpts, monkeypatch, in_loop):
     np.testing.assert_array_equal(np.asarray(stored_tensor(flat, name, layer)), want, err_msg=f"{name} {layer}")
 
 
-def test_a_part_that_cannot_be_read_is_named(ckpts, tmp_path):
-  """One item of a batch without its tree metadata: the batch fails with the checkpoint and the part named."""
-  import shutil
+def _two_leaves(path):
+  shutil.rmtree(path)
+  ocp.PyTreeCheckpointer().save(path, args=ocp.args.PyTreeSave({"value": np.ones((8, 96), np.float32),
+                                                                "other": np.ones(3, np.float32)}))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda path: os.unlink(os.path.join(path, items.TREE_METADATA_FILE)), "_METADATA is missing"),
+    (_two_leaves, "holds 2 leaves, not the one leaf 'value'")], ids=["no-tree-metadata", "two-leaves"])
+def test_a_part_that_cannot_be_read_is_named(ckpts, tmp_path, damage, needle):
+  """One item of a batch without its tree metadata, or holding another tree: the batch fails in one line that
+  names the checkpoint, the part and what is wrong."""
   dst = str(tmp_path / "ckpt")
   shutil.copytree(ckpts["f32"][0], dst)
   path, *_ = next(i for i in _items(dst) if i[1] == "layers/mlp/w_down" and i[2] == 1 and i[3] == 1)
-  os.unlink(os.path.join(path, items.TREE_METADATA_FILE))
+  damage(path)
   abstract, shardings = checkpoint_shardings(CFG, make_mesh(tensor=1, seq=1, devices=jax.devices()[:1]),
                                              "float32")
   with pytest.raises(layout.CheckpointError) as e:
     restore.restore_params(dst, abstract, shardings, progress=False)
   msg = str(e.value)
   assert "\n" not in msg and "cannot read tensor layers/mlp/w_down layer 1 part 1" in msg, msg
-  assert msg.startswith(dst + ":") and "_METADATA is missing" in msg, msg
+  assert msg.startswith(dst + ":") and needle in msg, msg

@@ -5,8 +5,10 @@ one such directory a call and pays ~10-20 ms of fixed cost each time (an event l
 a barrier), which is most of a small model's load. Here each part is read by the type handler that restore uses
 for a jax.Array (`ocp.type_handlers.get_type_handler(jax.Array)`: its `deserialize`, one call per directory as
 its ParamInfo contract asks), all the calls of a batch gathered in one event loop: the reads overlap and the fixed
-cost is paid once a batch. What a part holds and how it is read (OCDBT or not, zarr3 or not, whether missing
-chunks are an error) is taken from its own tree metadata file, with orbax's defaults for a key it lacks.
+cost is paid once a batch. How a part is read (OCDBT or not, zarr3 or not, whether missing chunks are an error)
+is taken from its own tree metadata file, with orbax's defaults for a key it lacks. There is no barrier between
+processes (Checkpointer.restore has one a call): each process reads only its devices' shards, and what uses the
+parts (lcjax.checkpoint.restore) runs the same programs in the same order on every process.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ from etils import epath
 from lcjax.checkpoint.layout import CheckpointError, read_json
 
 TREE_METADATA_FILE = "_METADATA"       # orbax's PyTree metadata of an item directory
-_VALUE_KEY = "('value',)"              # the one leaf of an lcjax item, as orbax's tree metadata names it
 
 
 class Part(NamedTuple):
@@ -73,9 +74,9 @@ def _run(coro):
 def _param_info(part: Part, contexts: dict) -> ocp.type_handlers.ParamInfo:
   meta = read_json(os.path.join(part.path, TREE_METADATA_FILE))
   tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
-  if not isinstance(tree, dict) or list(tree) != [_VALUE_KEY]:
-    got = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
-    raise CheckpointError(f"its {TREE_METADATA_FILE} holds {got}, not the one leaf {_VALUE_KEY}")
+  if not isinstance(tree, dict) or len(tree) != 1:       # an lcjax item is {"value": array}
+    got = f"{len(tree)} leaves" if isinstance(tree, dict) else f"no tree metadata ({type(tree).__name__})"
+    raise CheckpointError(f"its {TREE_METADATA_FILE} holds {got}, not the one leaf 'value'")
   use_ocdbt = meta.get("use_ocdbt")
   if use_ocdbt is None:
     use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(part.path))

@@ -2,7 +2,8 @@
 
 Each parameter is placed with its target sharding as it is read: stacked [L, ...] and split arrays are filled
 part by part in a preallocated array (a donated in-place update), so the model is never held twice, on host or
-device, and a process reads only what its devices hold.
+device, and a process reads only what its devices hold. Stored parts are read in batches of at most BATCH_BYTES,
+the parts of a batch concurrently (lcjax.checkpoint.items), and placed before the next batch is read.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from lcjax.checkpoint import items
 from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, CheckpointError, flatten, item_dir, load_config,
                                      path_name, read_manifest, stored_format, stored_shape, tensor_sources, unwrap)
 from lcjax.config import WeightFormat
@@ -78,11 +80,27 @@ def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sha
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:axis], *spec[axis + 1:]))
 
 
+# The bytes of the stored parts read in one batch, each part counted at the wider of its stored and read dtypes: a
+# batch is read concurrently (lcjax.checkpoint.items) and its parts add up to at most this, or it is one part that
+# is larger (parts are at most layout.PART_BYTES as stored). A batch is the transient memory of a restore: on the
+# host its parts as decoded and cast (about this bound), on the devices its parts as read (at most this bound);
+# besides it, only the one layer that a format conversion assembles (_convert_linear).
+BATCH_BYTES = 256 << 20
+
+
 class _Reader:
-  def __init__(self, ckpt_dir: str, tensors: dict):
+  """Reads a checkpoint's stored parts in batches of at most `batch_bytes`. `read` queues a part with the step that
+  uses it, `then` a step without a part; when the next part would pass the budget, and on `flush`, the queued
+  parts are read concurrently and the queued steps run in the order they were queued, each given its part. Steps
+  run after the code that queued them has moved on: they keep what they build in a dict (`box[key]`), not in
+  local variables."""
+
+  def __init__(self, ckpt_dir: str, tensors: dict, batch_bytes: int | None = None):
     self.dir = ckpt_dir
     self.tensors = tensors
-    self.ckptr = ocp.PyTreeCheckpointer()
+    self.batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
+    self.queue: list[tuple[items.Part | None, object]] = []
+    self.queued_bytes = 0
 
   def stacked(self, name: str) -> bool:
     first = FUSED[name][1][0] if name in FUSED else name
@@ -90,29 +108,42 @@ class _Reader:
       raise CheckpointError(f"{self.dir}: tensor {first} is missing from {MANIFEST_FILE}")
     return bool(self.tensors[first]["layers"])
 
-  def read(self, name: str, layer: int | None, part: int, shape, dtype, sharding) -> jax.Array:
+  def read(self, name: str, layer: int | None, part: int, shape, dtype, sharding, use) -> None:
+    """Queue stored part `part` of tensor `name` (layer `layer`), read as an array of `shape`, `dtype` and
+    `sharding` and handed to `use`."""
     where = f"tensor {name}" + ("" if layer is None else f" layer {layer}") + (f" part {part}" if part else "")
     path = item_dir(os.path.abspath(self.dir), name, layer, part)
     if not os.path.isdir(path):
       raise CheckpointError(f"{self.dir}: {where} is missing ({path})")
-    args = ocp.args.PyTreeRestore(restore_args={"value": ocp.ArrayRestoreArgs(
-        sharding=sharding, global_shape=tuple(shape), dtype=dtype)})
-    try:
-      value = self.ckptr.restore(path, args=args)["value"]
-    except Exception as e:  # orbax/tensorstore raise many types for missing or truncated chunks
-      # tensorstore appends its whole JSON spec; the first clause says what went wrong.
-      msg = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0][:400]
-      raise CheckpointError(f"{self.dir}: cannot read {where}: {type(e).__name__}: {msg}") from e
-    if tuple(value.shape) != tuple(shape):
-      raise CheckpointError(f"{self.dir}: {where} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-    return value
+    p = items.Part(path, where, tuple(shape), dtype, sharding)
+    size = part_bytes(p, self.tensors[name]["dtype"])
+    if self.queued_bytes and self.queued_bytes + size > self.batch_bytes:
+      self.flush()
+    self.queue.append((p, use))
+    self.queued_bytes += size
 
-  def read_model_tensor(self, name: str, layer: int | None, item_shape, dt, sharding, full=None, *,
-                        stacked_full: bool = True) -> jax.Array:
-    """Model tensor `name` (layer `layer` of a stacked one; `item_shape` without the layers axis) assembled from
-    its stored tensors and parts: written into `full` ([L, *item_shape], donated, with `sharding`) at `layer`, or
-    (full None) returned as a new array with `sharding` (a whole unstacked tensor, or with stacked_full=False one
-    layer of a stacked one, `sharding` then being the layer's)."""
+  def then(self, step) -> None:
+    """Queue `step()` to run after the steps queued before it."""
+    self.queue.append((None, step))
+
+  def flush(self) -> None:
+    """Read the queued parts and run the queued steps; each part is dropped once its step has run."""
+    queue, self.queue, self.queued_bytes = self.queue, [], 0
+    values = items.read_parts(self.dir, [p for p, _ in queue if p is not None])
+    values.reverse()
+    for part, step in queue:
+      if part is None:
+        step()
+      else:
+        step(values.pop())
+
+  def read_model_tensor(self, name: str, layer: int | None, item_shape, dt, sharding, box: dict, key: str, *,
+                        stacked_full: bool = True) -> None:
+    """Queue the reads that assemble model tensor `name` (layer `layer` of a stacked one; `item_shape` without the
+    layers axis) from its stored tensors and parts into box[key]: with stacked_full, box[key] is the stacked
+    [L, *item_shape] array (donated, with `sharding`) and layer `layer` of it is written; else box[key] becomes a
+    new array with `sharding` (a whole unstacked tensor, or one layer of a stacked one, `sharding` then being the
+    layer's)."""
     item_shape = tuple(item_shape)
     stacked = layer is not None
     sources = tensor_sources(name, item_shape)
@@ -126,12 +157,12 @@ class _Reader:
                               f"checkpoint, the model expects {stored}")
     rows = item_shape[0] if item_shape else 1
     if len(sources) == 1 and not stacked and self.tensors[name]["part_rows"] >= rows:
-      return self.read(name, None, 0, item_shape, dt, sharding)
+      self.read(name, None, 0, item_shape, dt, sharding, functools.partial(box.__setitem__, key))
+      return
     in_full = stacked and stacked_full
     slab_sharding = _slab_sharding(sharding, len(item_shape) + in_full, in_full)
-    if full is None:
-      shape = ((lead[0],) if in_full else ()) + item_shape
-      full = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
+    if not in_full:       # a new array, made when the steps run (a layer's is alive only until its step uses it)
+      self.then(lambda: box.__setitem__(key, jax.jit(lambda: jnp.zeros(item_shape, dt), out_shardings=sharding)()))
     place = _placer(sharding)
     for src, view, offset, axis in sources:
       step = self.tensors[src]["part_rows"]
@@ -139,14 +170,22 @@ class _Reader:
       for part, start in enumerate(range(0, rows, step)):
         part_view = (min(step, rows - start), *view[1:])
         shape = stored_shape(part_view, axis)
-        slab = self.read(src, layer, part, shape, dt, _fit_sharding(read_sharding, shape))
         at = [0] * len(item_shape)
         at[0] = start
         at[axis] += offset
-        offsets = tuple(jnp.int32(o) for o in ((layer,) if in_full else ()) + tuple(at))
-        full = place(full, slab, offsets, part_view)
-        del slab
-    return full
+        offsets = tuple(np.int32(o) for o in ((layer,) if in_full else ()) + tuple(at))
+        self.read(src, layer, part, shape, dt, _fit_sharding(read_sharding, shape),
+                  functools.partial(_place_into, box, key, place, offsets, part_view))
+
+
+def part_bytes(part: items.Part, stored_dtype) -> int:
+  """What a part counts against BATCH_BYTES: its elements at the wider of its stored and read dtypes."""
+  return part.nbytes // jnp.dtype(part.dtype).itemsize * max(jnp.dtype(part.dtype).itemsize,
+                                                              jnp.dtype(stored_dtype).itemsize)
+
+
+def _place_into(box: dict, key: str, place, offsets, view, slab) -> None:
+  box[key] = place(box[key], slab, offsets, view)
 
 
 def _model_names(names, fmt: WeightFormat) -> set[str]:
@@ -167,10 +206,11 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
     scales keep theirs.
   Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
   `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] and split arrays
-  are filled part by part in place, so peak device memory is the model plus one stored part. When the state's
+  are filled part by part in place, so peak device memory is the model plus one batch of stored parts (at most
+  BATCH_BYTES, or one part larger than that), and the host's transient is about one batch. When the state's
   linear weights are in another format than the checkpoint's (fp8 or not: `lcjax.model.llama.weight_format`),
   they are quantized or dequantized a layer at a time as they are read: the model is never held in the wider
-  format.
+  format (one layer is, while it is converted).
   """
   manifest = read_manifest(ckpt_dir)
   tensors = manifest["tensors"]
@@ -189,7 +229,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   sh_flat = {n: unwrap(s) for n, s in flatten(shardings)} if shardings is not None else {}
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   reader = _Reader(ckpt_dir, tensors)
-  restored: dict[str, jax.Array] = {}
+  restored: dict[str, jax.Array] = {}      # filled as the reader's steps run; complete after its last flush
   total = sum(max(1, t["layers"]) for t in tensors.values())
   bar = tqdm(total=total, desc=f"restore {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
              disable=(None if progress is None else not progress))
@@ -201,21 +241,20 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
       sharding = sh_flat.get(name) or getattr(spec, "sharding", None) or default
       if convert and name in LINEAR:
         scale = name + "_scale"
-        restored.update(_convert_linear(reader, name, stored, target, spec, sharding,
-                                        unwrap(abstract[scale]) if target.fp8 else None,
-                                        sh_flat.get(scale) or default, jnp.dtype(dtype or spec.dtype)))
-        bar.update(spec.shape[0] * (2 if stored.fp8 else 1))
+        _convert_linear(reader, restored, name, stored, target, spec, sharding,
+                        unwrap(abstract[scale]) if target.fp8 else None, sh_flat.get(scale) or default,
+                        jnp.dtype(dtype or spec.dtype), lambda: bar.update(2 if stored.fp8 else 1))
         continue
       dt = spec.dtype if spec.dtype in _KEEP_DTYPES else jnp.dtype(dtype or spec.dtype)
       if reader.stacked(name):
-        full = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
+        restored[name] = jax.jit(lambda: jnp.zeros(spec.shape, dt), out_shardings=sharding)()
         for layer in range(spec.shape[0]):
-          full = reader.read_model_tensor(name, layer, spec.shape[1:], dt, sharding, full)
-          bar.update(1)
+          reader.read_model_tensor(name, layer, spec.shape[1:], dt, sharding, restored, name)
+          reader.then(functools.partial(bar.update, 1))
       else:
-        full = reader.read_model_tensor(name, None, spec.shape, dt, sharding)
-        bar.update(1)
-      restored[name] = full
+        reader.read_model_tensor(name, None, spec.shape, dt, sharding, restored, name)
+        reader.then(functools.partial(bar.update, 1))
+    reader.flush()
 
   def fill(path, leaf):
     value = restored[path_name(path)]
@@ -233,11 +272,12 @@ def _format_of(abstract: dict) -> WeightFormat:
   return WeightFormat(fp8="layers/attn/wqkv_scale" in abstract, static_inputs="layers/attn/wqkv_in_scale" in abstract)
 
 
-def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, spec, sharding, scale_spec,
-                    scale_sharding, dtype) -> dict[str, jax.Array]:
-  """A stacked linear weight read a layer at a time as the checkpoint stores it (the model's layout, in dtype or
-  e4m3 with its scale) and placed as the model holds it: {name: weight} in dtype, or {name: w8, name + "_scale":
-  scale}, K-major (lcjax.ops.linear), fp8 bytes kept as stored and other weights quantized per output channel."""
+def _convert_linear(reader, restored: dict, name, stored: WeightFormat, target: WeightFormat, spec, sharding,
+                    scale_spec, scale_sharding, dtype, done) -> None:
+  """Queue the reads of a stacked linear weight, a layer at a time as the checkpoint stores it (the model's layout,
+  in dtype or e4m3 with its scale), placed as the model holds it into restored[name] in dtype, or restored[name]
+  (w8) and restored[name + "_scale"], K-major (lcjax.ops.linear), fp8 bytes kept as stored and other weights
+  quantized per output channel. `done()` runs after each layer's step."""
   L, lin = spec.shape[0], LINEAR[name]
   order = kmajor_order(lin)
   item = spec.shape[1:] if not target.fp8 else tuple(spec.shape[1:][order.index(i)] for i in range(len(order)))
@@ -248,11 +288,11 @@ def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, sp
   whole = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
            if isinstance(sharding, jax.sharding.NamedSharding) else sharding)
   layer_sh = whole if target.fp8 else _slab_sharding(sharding, len(spec.shape), True)
-  out = {name: jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()}
+  restored[name] = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()
   out_sh = {name: sharding}
   if target.fp8:
-    out[name + "_scale"] = jax.jit(lambda: jnp.zeros(scale_spec.shape, jnp.float32),
-                                   out_shardings=scale_sharding)()
+    restored[name + "_scale"] = jax.jit(lambda: jnp.zeros(scale_spec.shape, jnp.float32),
+                                        out_shardings=scale_sharding)()
     out_sh[name + "_scale"] = scale_sharding
 
   @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_sh)
@@ -266,13 +306,19 @@ def _convert_linear(reader, name, stored: WeightFormat, target: WeightFormat, sp
       new[name + "_scale"] = jax.lax.dynamic_update_index_in_dim(out[name + "_scale"], s, layer, 0)
     return new
 
+  layer_parts: dict[str, jax.Array] = {}      # "w" and "s" of the layer being assembled
+
+  def put_layer(layer):
+    out = put({k: restored[k] for k in out_sh}, layer_parts.pop("w"), layer_parts.pop("s", None), jnp.int32(layer))
+    restored.update(out)
+    done()
+
   for layer in range(L):
-    w = reader.read_model_tensor(name, layer, item, w_dt, layer_sh, stacked_full=False)
-    s = (reader.read_model_tensor(name + "_scale", layer, scale_item, jnp.float32, whole, stacked_full=False)
-         if stored.fp8 else None)
-    out = put(out, w, s, jnp.int32(layer))
-    del w, s
-  return out
+    reader.read_model_tensor(name, layer, item, w_dt, layer_sh, layer_parts, "w", stacked_full=False)
+    if stored.fp8:
+      reader.read_model_tensor(name + "_scale", layer, scale_item, jnp.float32, whole, layer_parts, "s",
+                               stacked_full=False)
+    reader.then(functools.partial(put_layer, layer))
 
 
 def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | None = None,

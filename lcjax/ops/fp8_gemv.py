@@ -183,7 +183,9 @@ def scale_rows(x2):
   hi = xf.astype(jnp.float16)
   if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:
     return hi[None], s
-  return jnp.stack([hi, (xf - hi.astype(jnp.float32)).astype(jnp.float16)]), s
+  # The barrier keeps XLA from folding xf -> float16 -> float32 back into xf (it drops round trips through a
+  # narrower float when excess precision is allowed, its GPU default), which would zero lo.
+  return jnp.stack([hi, (xf - jax.lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float16)]), s
 
 
 def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False):

@@ -222,7 +222,7 @@ ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": 
 # RunConfig.weight_dtype: "bfloat16" names the run's dtype (float32 on CPUs), i.e. unquantized weights.
 WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
 # RunConfig.linear_kernel: what multiplies fp8 weights in decode-sized calls (lcjax.engine.placement.decode_linear).
-LINEAR_KERNELS = ("auto", "xla", "pallas", "pallas-interpret")
+LINEAR_KERNELS = ("auto", "xla", "mosaic", "pallas", "pallas-interpret")
 # RunConfig.page_write: what writes a decode step's K and V into fp8 pages (lcjax.engine.placement.page_write).
 PAGE_WRITES = ("auto", "xla", "pallas", "pallas-interpret")
 
@@ -276,10 +276,12 @@ class RunConfig:
                                      # "float8_e4m3fn" (a checkpoint in dtype is quantized at load, one scale per
                                      # output channel; lcjax.ops.linear). Embeddings, norms and the LM head stay
                                      # in dtype
-  linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (pallas on one GPU,
-                                     # else xla), "pallas" (lcjax.ops.fp8_gemv: reads the stacked fp8 weights in
-                                     # place, one byte a weight), "xla" (widened by XLA: a copy in dtype of each
-                                     # layer's slice), "pallas-interpret" (the kernel in Pallas' interpreter)
+  linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (on one GPU mosaic
+                                     # on Hopper, else pallas; else xla), "mosaic" (lcjax.ops.mgpu_gemv: reads
+                                     # the stacked fp8 weights in place, one byte a weight, TMA and wgmma),
+                                     # "pallas" (lcjax.ops.fp8_gemv: the same product in Pallas' Triton
+                                     # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
+                                     # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)
   page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
                                      # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
                                      # "pallas" (lcjax.ops.fp8_page_write: K, V and their page scales in one

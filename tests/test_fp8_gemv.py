@@ -142,15 +142,24 @@ def test_model_holds_weights_for_decode_sized_calls():
 
 
 def _count_kernel_calls(monkeypatch):
-  """Count the model's traced calls of the kernel, by weight einsum and interpret flag."""
+  """Count the model's traced calls of the kernels, by weight einsum and kernel ("mosaic", "pallas" or
+  "pallas-interpret")."""
   from lcjax.model import llama
+  from lcjax.ops import mgpu_gemv
   calls = []
 
   def counted(x, w8, scale, layer, spec, **kw):
-    calls.append((spec, kw.get("interpret", False)))
+    calls.append((spec, "pallas-interpret" if kw.get("interpret") else "pallas"))
     return fp8_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
 
+  mosaic = mgpu_gemv.gemv_stacked
+
+  def counted_mosaic(x, w8, scale, layer, spec, **kw):
+    calls.append((spec, "mosaic"))
+    return mosaic(x, w8, scale, layer, spec, **kw)
+
   monkeypatch.setattr(llama, "gemv_stacked", counted)
+  monkeypatch.setattr(llama.mgpu_gemv, "gemv_stacked", counted_mosaic)
   return calls
 
 
@@ -168,7 +177,7 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
   a = xla.generate(prompts, max_new_tokens=6)
   assert not calls
   b = kern.generate(prompts, max_new_tokens=6)
-  assert {spec for spec, interpret in calls if interpret} == set(LINEAR.values())
+  assert {spec for spec, kernel in calls if kernel == "pallas-interpret"} == set(LINEAR.values())
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   assert a[0].stats["linear"].endswith("else fp8 widened to float32 by XLA")
   assert b[0].stats["linear"].endswith("else the fp8 GEMV kernel in the Pallas interpreter")
@@ -178,19 +187,27 @@ def test_linear_kernel_refusals():
   run = RunConfig(dtype="float32", linear_kernel="pallas")
   fp8 = WeightFormat(fp8=True)
   cpu = "the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"
+  mcpu = "the Mosaic GPU fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"
+  on_cpu, on_hopper = {"mosaic": mcpu, "pallas": cpu}, {"mosaic": None, "pallas": None}
+  on_ada = {"mosaic": "needs a Hopper GPU", "pallas": None}
+  assert placement.gemv_kernels_unsupported(preset("tiny")) == on_cpu      # this test runs on CPUs
   with pytest.raises(ConfigError, match="linear_kernel='pallas': the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"):
-    placement.decode_linear(run, fp8, None, cpu)
+    placement.decode_linear(run, fp8, None, on_cpu)
+  with pytest.raises(ConfigError, match="linear_kernel='mosaic': needs a Hopper GPU$"):
+    placement.decode_linear(run.replace(linear_kernel="mosaic"), fp8, None, on_ada)
   with pytest.raises(ConfigError, match="linear_kernel='pallas' multiplies fp8 weights, and these are float32"):
-    placement.decode_linear(run, WeightFormat(), None, None)
+    placement.decode_linear(run, WeightFormat(), None, on_hopper)
   from lcjax import sharding
-  with pytest.raises(ConfigError, match="runs on one device, not a mesh"):
-    placement.decode_linear(run, fp8, sharding.make_mesh(tensor=2, seq=1), None)
-  assert placement.decode_linear(run, fp8, None, None)[0] == "pallas"
+  for ask in ("pallas", "mosaic"):
+    with pytest.raises(ConfigError, match="runs on one device, not a mesh"):
+      placement.decode_linear(run.replace(linear_kernel=ask), fp8, sharding.make_mesh(tensor=2, seq=1), on_hopper)
+  assert placement.decode_linear(run, fp8, None, on_hopper)[0] == "pallas"
   auto = run.replace(linear_kernel="auto")
-  assert placement.decode_linear(auto, fp8, None, None)[0] == "pallas"
-  assert placement.decode_linear(auto, fp8, None, cpu) == ("xla", f"linear_kernel='auto': {cpu}")
-  assert fp8_gemv.unsupported() == cpu                        # this test runs on CPUs
-  with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, pallas, pallas-interpret"):
+  assert placement.decode_linear(auto, fp8, None, on_hopper)[0] == "mosaic"
+  assert placement.decode_linear(auto, fp8, None, on_ada)[0] == "pallas"
+  assert placement.decode_linear(auto, fp8, None, on_cpu) == ("xla", f"linear_kernel='auto': {mcpu}; {cpu}")
+  with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, mosaic, pallas, "
+                                        "pallas-interpret"):
     RunConfig(linear_kernel="fast")
   with pytest.raises(ValueError, match="multiplies fp8 weights; these are in the parameter dtype"):
     Llama(preset("tiny"), decode_linear="pallas-interpret", rngs=nnx.Rngs(0))
@@ -256,17 +273,19 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_decode_runs_the_kernel(monkeypatch):
-  """On a GPU, linear_kernel="auto" decodes fp8 weights through the compiled kernel (float32 activations: its
-  hi + lo split), with the greedy tokens of linear_kernel="xla"."""
+@pytest.mark.parametrize("ask,kernel,named", [("auto", "mosaic", "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)"),
+                                              ("pallas", "pallas", "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")])
+def test_gpu_engine_decode_runs_the_kernel(ask, kernel, named, monkeypatch):
+  """On an H200, linear_kernel="auto" decodes fp8 weights through the compiled Mosaic GPU kernel, and "pallas"
+  through the Triton one (float32 activations: their hi + lo split), with the greedy tokens of "xla"."""
   cfg = preset("tiny")
   run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
-  kern = lcjax.Engine.random(cfg, run=run, seed=0)
-  assert kern.decode_linear == "pallas"
+  kern = lcjax.Engine.random(cfg, run=run.replace(linear_kernel=ask), seed=0)
+  assert kern.decode_linear == kernel
   xla = lcjax.Engine.random(cfg, run=run.replace(linear_kernel="xla"), seed=0)
   prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
   calls = _count_kernel_calls(monkeypatch)
   a, b = xla.generate(prompts, max_new_tokens=8), kern.generate(prompts, max_new_tokens=8)
-  assert {spec for spec, interpret in calls if not interpret} == set(LINEAR.values())
+  assert {spec for spec, k in calls if k == kernel} == set(LINEAR.values()) and {k for _, k in calls} == {kernel}
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
-  assert b[0].stats["linear"].endswith("else the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")
+  assert b[0].stats["linear"].endswith(f"else {named}")

@@ -9,13 +9,15 @@ weight bytes read per second (the floor is the HBM bandwidth, ~4.1-4.8 TB/s on a
   bf16        the bf16 weights
   widened     fp8 weights widened to bf16 inside the product (lcjax.ops.linear.dense, path "widened")
   fp8         x quantized per row, an fp8 x fp8 product (path "fp8")
-  gemv        lcjax.ops.fp8_gemv's kernel, given the whole stacked weight and the layer index (the scan runs over
-              layer indices); once per tuning of --gemv_tunings, each row with its largest difference from
-              "widened" relative to widened's absmax (the kernel's check at real shapes)
+  gemv        lcjax.ops.fp8_gemv's kernel (Triton lowering), given the whole stacked weight and the layer index
+              (the scan runs over layer indices); once per tuning of --gemv_tunings, each row with its largest
+              difference from "widened" relative to widened's absmax (the kernel's check at real shapes)
+  mgpu        lcjax.ops.mgpu_gemv's kernel (Mosaic GPU), as gemv, once per tuning of --mgpu_tunings
 Prefill rows: [rows, D] x each weight, one layer, TFLOP/s (activation quantization included for fp8).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -33,29 +35,29 @@ flags.DEFINE_integer("layers", 8, "stacked layers scanned over in the decode row
 flags.DEFINE_integer("reps", 20, "timed repetitions")
 flags.DEFINE_string("out", os.environ.get("OUT", "benchmarks/results"), "output folder")
 flags.DEFINE_string("name", "linear-fp8-h200", "output file stem")
-PRODUCTS = ("bf16", "widened", "fp8", "gemv")    # the decode rows' products (module docstring)
+PRODUCTS = ("bf16", "widened", "fp8", "gemv", "mgpu")    # the decode rows' products (module docstring)
 OPTIONS = ("decode", "xla-defaults")               # their XLA options: the decode step's, XLA's defaults
 flags.DEFINE_list("products", list(PRODUCTS), "decode products measured (module docstring)")
 flags.DEFINE_list("options", list(OPTIONS), "XLA options of the decode rows: the decode step's, XLA's defaults (gemv "
                   "rows: the decode step's only)")
 flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning overrides per gemv row: 'default' or "
                   "FIELD=VALUE pairs joined by '+' (block_n=128+block_k=512)")
+flags.DEFINE_list("mgpu_tunings", ["default"], "mgpu_gemv.MgpuGemvTuning overrides per mgpu row, as --gemv_tunings")
 
 
-def gemv_tuning(text: str):
-  """A GemvTuning from a --gemv_tunings entry."""
+def kernel_tuning(cls, text: str, flag: str):
+  """A `cls` (a frozen dataclass of int and bool knobs) from an entry of --`flag`."""
   import dataclasses
-  from lcjax.ops.fp8_gemv import GemvTuning
   if text == "default":
-    return GemvTuning()
-  fields = {f.name for f in dataclasses.fields(GemvTuning)}
+    return cls()
+  fields = {f.name for f in dataclasses.fields(cls)}
   kw = {}
   for item in text.split("+"):
     k, _, v = item.partition("=")
     if k not in fields or not v:
-      raise ValueError(f"--gemv_tunings entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
-    kw[k] = int(v)
-  return GemvTuning(**kw)
+      raise ValueError(f"--{flag} entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
+    kw[k] = v in ("1", "true", "True") if isinstance(getattr(cls(), k), bool) else int(v)
+  return cls(**kw)
 
 
 def _time(fn, *args, reps):
@@ -81,8 +83,11 @@ def main(argv):
   from lcjax.config import preset
   from lcjax.engine.steps import decode_compiler_options
   from lcjax.model.llama import LINEAR
-  from lcjax.ops import fp8_gemv, linear
-  tunings = {t: gemv_tuning(t) for t in FLAGS.gemv_tunings}
+  from lcjax.ops import fp8_gemv, linear, mgpu_gemv
+  kernels = {"gemv": (fp8_gemv.gemv_stacked, {t: kernel_tuning(fp8_gemv.GemvTuning, t, "gemv_tunings")
+                                              for t in FLAGS.gemv_tunings}),
+             "mgpu": (mgpu_gemv.gemv_stacked, {t: kernel_tuning(mgpu_gemv.MgpuGemvTuning, t, "mgpu_tunings")
+                                               for t in FLAGS.mgpu_tunings})}
   rows = []
   key = jax.random.PRNGKey(0)
   for name in FLAGS.presets:
@@ -114,22 +119,21 @@ def main(argv):
         return carry, sum(outs)
       return body
 
-    def gemv_fn(tuning):
+    def gemv_fn(kernel, tuning):
       def run(xs, w):
         def body(carry, i):
-          return carry, sum(jnp.sum(fp8_gemv.gemv_stacked(carry[n], *w[n], i, LINEAR[n], tuning=tuning)
-                                    .astype(jnp.float32)) for n in LINEAR)
+          return carry, sum(jnp.sum(kernel(carry[n], *w[n], i, LINEAR[n], tuning=tuning).astype(jnp.float32))
+                            for n in LINEAR)
         return jax.lax.scan(body, xs, jnp.arange(L))[1]
       return run
 
-    @jax.jit
-    def gemv_error(xs, w):
-      """max over the weights of |gemv - widened| / absmax(widened), layer L - 1, the first tuning."""
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def gemv_error(kernel, tuning, xs, w):
+      """max over the weights of |kernel - widened| / absmax(widened), layer L - 1."""
       errs = []
-      first = tunings[FLAGS.gemv_tunings[0]]
       for n in LINEAR:
         ref = linear.dense(xs[n], w[n][0][L - 1], w[n][1][L - 1], LINEAR[n], path="widened").astype(jnp.float32)
-        got = fp8_gemv.gemv_stacked(xs[n], *w[n], jnp.int32(L - 1), LINEAR[n], tuning=first).astype(jnp.float32)
+        got = kernel(xs[n], *w[n], jnp.int32(L - 1), LINEAR[n], tuning=tuning).astype(jnp.float32)
         errs.append(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
       return jnp.max(jnp.stack(errs))
 
@@ -137,12 +141,13 @@ def main(argv):
       xs = {n: inputs(n, B, 1) for n in LINEAR}
       for options in FLAGS.options:
         opts = decode_compiler_options() if options == "decode" else None
-        runs = [(p, p, None) for p in PRODUCTS if p != "gemv" and p in FLAGS.products]
-        runs += [("gemv", t, tunings[t]) for t in tunings] if options == "decode" and "gemv" in FLAGS.products else []
+        runs = [(p, p, None) for p in PRODUCTS if p not in kernels and p in FLAGS.products]
+        for k, (_, tunings) in kernels.items():
+          runs += [(k, t, tunings[t]) for t in tunings] if options == "decode" and k in FLAGS.products else []
         for product, label, tuning in runs:
           weights = ws if product == "bf16" else q
-          if product == "gemv":
-            fn = jax.jit(gemv_fn(tuning), compiler_options=opts)
+          if product in kernels:
+            fn = jax.jit(gemv_fn(kernels[product][0], tuning), compiler_options=opts)
           else:
             fn = jax.jit(lambda xs, w, product=product: jax.lax.scan(layer_fn(product), xs, w)[1],
                          compiler_options=opts)
@@ -156,8 +161,8 @@ def main(argv):
           nbytes = n_weights * (2 if product == "bf16" else 1)
           rows.append(dict(kind="decode", preset=name, batch=B, options=options, product=product, tuning=label,
                            us_per_layer=t * 1e6, weight_tb_s=nbytes / t / 1e12))
-          if product == "gemv" and label == FLAGS.gemv_tunings[0]:
-            rows[-1]["max_rel_diff_vs_widened"] = float(gemv_error(xs, q))
+          if product in kernels:
+            rows[-1]["max_rel_diff_vs_widened"] = float(gemv_error(kernels[product][0], tuning, xs, q))
           print(rows[-1], flush=True)
     if FLAGS.prefill_rows:
       T = FLAGS.prefill_rows
@@ -182,22 +187,25 @@ def main(argv):
 
 
 def markdown(rows) -> str:
-  lines = ["Decode: us per layer (weight TB/s)", "",
-           "| preset | batch | XLA options | bf16 | fp8 widened | fp8 x fp8 | fp8 GEMV kernel |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["Decode: us per layer (weight TB/s; for the kernels, their best tuning)", "",
+           "| preset | batch | XLA options | bf16 | fp8 widened | fp8 x fp8 | fp8 GEMV (Triton) | fp8 GEMV (Mosaic GPU) |",
+           "|---|---|---|---|---|---|---|---|"]
   dec = [r for r in rows if r["kind"] == "decode" and "us_per_layer" in r]
   for key in sorted({(r["preset"], r["batch"], r["options"]) for r in dec}):
     mine = [r for r in dec if (r["preset"], r["batch"], r["options"]) == key]
-    cell = {r["product"]: f"{r['us_per_layer']:.1f} ({r['weight_tb_s']:.2f})" for r in mine if r["product"] != "gemv"}
-    gemv = min((r for r in mine if r["product"] == "gemv"), key=lambda r: r["us_per_layer"], default=None)
-    if gemv is not None:
-      cell["gemv"] = f"{gemv['us_per_layer']:.1f} ({gemv['weight_tb_s']:.2f}, {gemv['tuning']})"
+    cell = {r["product"]: f"{r['us_per_layer']:.1f} ({r['weight_tb_s']:.2f})" for r in mine
+            if r["product"] not in ("gemv", "mgpu")}
+    for k in ("gemv", "mgpu"):
+      best = min((r for r in mine if r["product"] == k), key=lambda r: r["us_per_layer"], default=None)
+      if best is not None:
+        cell[k] = f"{best['us_per_layer']:.1f} ({best['weight_tb_s']:.2f}, {best['tuning']})"
     lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell.get('bf16', '-')} | {cell.get('widened', '-')} | "
-                 f"{cell.get('fp8', '-')} | {cell.get('gemv', '-')} |")
+                 f"{cell.get('fp8', '-')} | {cell.get('gemv', '-')} | {cell.get('mgpu', '-')} |")
   errs = [r for r in rows if "max_rel_diff_vs_widened" in r]
   if errs:
-    lines += ["", "GEMV kernel against the widened product (largest |diff| / absmax over the four weights): " +
-              ", ".join(f"{r['preset']} batch {r['batch']}: {r['max_rel_diff_vs_widened']:.1e}" for r in errs)]
+    lines += ["", "GEMV kernels against the widened product (largest |diff| / absmax over the four weights): " +
+              ", ".join(f"{r['product']} {r['tuning']} {r['preset']} batch {r['batch']}: "
+                        f"{r['max_rel_diff_vs_widened']:.1e}" for r in errs)]
   failed = [r for r in rows if "error" in r]
   if failed:
     lines += ["", "Tunings that failed: " + "; ".join(f"{r['preset']} batch {r['batch']} {r['tuning']}: "

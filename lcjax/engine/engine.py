@@ -34,7 +34,6 @@ from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
-from lcjax.ops import fp8_gemv
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
@@ -122,7 +121,8 @@ class Engine:
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
     self.weights = weight_format(params).for_run(self.run.weight_dtype)
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
-    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh, fp8_gemv.unsupported())
+    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh,
+                                                      placement.gemv_kernels_unsupported(self.serving_cfg))
     if self.weights.fp8 and self.decode_linear == "xla":
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
@@ -191,7 +191,9 @@ class Engine:
     if not self.weights.fp8:
       return self.run.dtype
     acts = "static" if self.weights.static_inputs else "per-token"
-    small = {"xla": f"fp8 widened to {self.run.dtype} by XLA", "pallas": "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)",
+    small = {"xla": f"fp8 widened to {self.run.dtype} by XLA",
+             "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)",
+             "pallas": "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)",
              "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[self.decode_linear]
     return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else {small}"
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
-from lcjax.ops import fp8_gemv, fp8_page_write
+from lcjax.ops import fp8_gemv, fp8_page_write, mgpu_gemv
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -74,12 +74,21 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
   return serving, rep
 
 
-def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: str | None) -> tuple[str, str]:
+def gemv_kernels_unsupported(cfg: ModelConfig) -> dict[str, str | None]:
+  """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
+  prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+)."""
+  D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
+  shapes = [(cfg.n_kv_heads * (cfg.n_heads // cfg.n_kv_heads + 2) * H, D), (D, cfg.n_heads * H), (2 * F, D), (D, F)]
+  mosaic = mgpu_gemv.unsupported() or next(filter(None, (mgpu_gemv.unsupported_shape(*s) for s in shapes)), None)
+  return {"mosaic": mosaic, "pallas": fp8_gemv.unsupported()}
+
+
+def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: dict[str, str | None]) -> tuple[str, str]:
   """(Llama's decode_linear for RunConfig.linear_kernel, why): what multiplies fp8 weights in decode-sized
-  calls. no_kernel: why the fp8 GEMV kernel cannot run on this machine (lcjax.ops.fp8_gemv.unsupported), None
-  when it can. A kernel asked for by name that cannot serve raises ConfigError; "auto" says why it took "xla"."""
+  calls. no_kernel: `gemv_kernels_unsupported()`. A kernel asked for by name that cannot serve raises ConfigError;
+  "auto" takes the first kernel that can ("mosaic", then "pallas"), else "xla", and says why."""
   ask = run.linear_kernel
-  named = ask in ("pallas", "pallas-interpret")
+  named = ask in ("mosaic", "pallas", "pallas-interpret")
   if not weights.fp8:
     if named:
       raise ConfigError(f"linear_kernel={ask!r} multiplies fp8 weights, and these are {run.dtype} "
@@ -90,10 +99,14 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: str | 
     if named:
       raise ConfigError(f"linear_kernel={ask!r}: {why}")
     return "xla", why
-  if ask == "pallas" and no_kernel:
-    raise ConfigError(f"linear_kernel='pallas': {no_kernel} ('pallas-interpret' runs it in the Pallas interpreter)")
+  if ask in ("mosaic", "pallas") and no_kernel[ask]:
+    hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
+    raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{hint}")
   if ask == "auto":
-    return ("xla", f"linear_kernel='auto': {no_kernel}") if no_kernel else ("pallas", "linear_kernel='auto'")
+    for kernel, why_not in no_kernel.items():
+      if not why_not:
+        return kernel, "linear_kernel='auto'"
+    return "xla", "linear_kernel='auto': " + "; ".join(no_kernel.values())
   return ask, f"linear_kernel={ask!r}"
 
 
@@ -125,7 +138,7 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
 def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat, mesh) -> None:
   """Refuse (ConfigError) a kernel the run names that cannot serve it here: RunConfig.linear_kernel and
   RunConfig.page_write. For the checks before any weight is read or made."""
-  decode_linear(run, weights, mesh, fp8_gemv.unsupported())
+  decode_linear(run, weights, mesh, gemv_kernels_unsupported(model_cfg))
   page_write(run, model_cfg.head_dim)
 
 
@@ -138,7 +151,7 @@ def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, 
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
   if linear is None:
-    linear, _ = decode_linear(run, weights, mesh, fp8_gemv.unsupported())
+    linear, _ = decode_linear(run, weights, mesh, gemv_kernels_unsupported(serving))
   if page is None:
     page, _ = page_write(run, serving.head_dim)
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,

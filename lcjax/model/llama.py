@@ -48,6 +48,7 @@ from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
+from lcjax.ops import mgpu_gemv
 from lcjax.ops.fp8_gemv import gemv_stacked
 from lcjax.ops.linear import WIDEN_MAX_ROWS, dense, dequantize_weight, kmajor_axes, quantize_weight
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
@@ -218,7 +219,7 @@ LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "l
 # The fp8 weights and scales a decode-sized call's layer scan holds whole for the GEMV kernel (Llama._gemv).
 _HELD = frozenset(n.split("/")[-1] + sfx for n in LINEAR for sfx in ("", "_scale"))
 # Llama(decode_linear=...): the product decode-sized calls over fp8 weights run.
-DECODE_LINEAR = ("xla", "pallas", "pallas-interpret")
+DECODE_LINEAR = ("xla", "mosaic", "pallas", "pallas-interpret")
 
 
 def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
@@ -296,8 +297,9 @@ class Llama(nnx.Module):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
     are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
     of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
-    layer's slice), "pallas" (lcjax.ops.fp8_gemv's kernel on the stacked weights; one device) or
-    "pallas-interpret" (that kernel in the Pallas interpreter, for CPUs). page_write: what writes a decode
+    layer's slice), "mosaic" (lcjax.ops.mgpu_gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
+    (lcjax.ops.fp8_gemv's kernel on the stacked weights; one device) or "pallas-interpret" (that kernel in the
+    Pallas interpreter, for CPUs). page_write: what writes a decode
     step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel)."""
     if decode_linear not in DECODE_LINEAR:
       raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
@@ -448,6 +450,8 @@ class Llama(nnx.Module):
 
   def _gemv(self, layer):
     """The product `_apply` runs for layer `layer` over the whole stacked fp8 weights."""
+    if self.decode_linear == "mosaic":
+      return lambda x, w8, scale, spec: mgpu_gemv.gemv_stacked(x, w8, scale, layer, spec)
     interpret = self.decode_linear == "pallas-interpret"
     return lambda x, w8, scale, spec: gemv_stacked(x, w8, scale, layer, spec, interpret=interpret)
 

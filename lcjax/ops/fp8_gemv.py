@@ -129,7 +129,7 @@ def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
   return Plan(R=R, Rp=max(16, next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
 
 
-def _layout(x_shape, w_shape, spec: str):
+def product_layout(x_shape, w_shape, spec: str):
   """(R, N, Kd, output shape) of einsum(spec) for x and a stacked K-major weight [L, outs..., ins...]. The
   product is a [R, Kd] x [N, Kd]^T GEMM when x's contracted labels trail in the weight's order and the output is
   x's other labels then the weight's outputs (true of every spec the model uses)."""
@@ -194,7 +194,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   L = w8.shape[0]
-  R, N, Kd, out_shape = _layout(x.shape, w8.shape, spec)
+  R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
   pack = tuning.pack or pack_for(w8.size * w8.dtype.itemsize)
   if pack not in (1, 2) or Kd % pack:
     raise ValueError(f"pack={pack} must be 1 or 2 and divide the contracted length Kd={Kd}")

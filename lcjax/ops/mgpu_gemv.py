@@ -1,0 +1,220 @@
+"""Decode-sized products over stacked fp8 weights in Pallas Mosaic GPU: the weight tile as wgmma's 64-row operand.
+
+The same contract as lcjax.ops.fp8_gemv.gemv_stacked (einsum(spec, x, w8[layer] * scale[layer]) for x of at most
+WIDEN_MAX_ROWS rows, the weights K-major and stacked [L, outs..., ins...], the layer a traced index) on another
+lowering. A decode product is bound by the bytes of its weights. This kernel streams them by TMA into a ring of
+`max_concurrent_steps` shared-memory slots and computes the product transposed, y^T = W x^T, so that the 64
+output channels of a weight tile are the wgmma's M and x's few rows its N (padded to a multiple of 8, wgmma's
+smallest N): a decode row costs the tensor cores 8 columns.
+
+The work is split evenly, stream-K fashion. The weight's tiles [64, bk] are numbered row block by row block (tile
+f is row block f // Ks, columns (f % Ks) * bk of it, Ks = Kd / bk tiles a row block), and the G persistent CTAs
+take equal contiguous ranges of the T = (N / 64) Ks tiles: CTA g takes [floor(g T / G), floor((g + 1) T / G)).
+One pipeline runs over a CTA's whole range, so its TMA ring stays full across row blocks, and every CTA ends
+within a tile of the others: no last wave of CTAs runs while the rest of the GPU idles (with a CTA per (row
+block, split) as in the Triton kernel, 896 CTAs of the Llama-3.1-70B's w_gate_up fill 264 slots 3.4 times, and the
+fourth wave runs 40% full). A CTA writes one float32 partial [64, RN] per row block it touches, into slot
+j = g - g0(n) of that row block (g0(n) the CTA that holds its first tile). XLA adds the slots each row block has
+(a static mask: the rest are never written), the parts of x, and the row and channel scales.
+
+Each tile is read from shared memory into registers in the layout whose float16 widening is wgmma's register A
+operand (one hardware convert per pair on Hopper; exact: every e4m3 value is a float16) and multiplied with x^T
+[bk, RN] float16 from shared memory, float32 accumulation.
+
+x arrives as fp8_gemv.scale_rows makes it: float16 rows with a power-of-two row scale (exact for bf16), and for
+float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows hi, then its R rows lo), so
+both ride one wgmma of 2R columns and are added after the kernel: no second product.
+
+Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8, N output channels, Nb =
+N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk tiles per row block, T = Nb * Ks
+tiles, G CTAs, J partial slots per row block, M ring slots (max_concurrent_steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lcjax.ops.fp8_gemv import product_layout, scale_rows
+from lcjax.ops.linear import WIDEN_MAX_ROWS
+from lcjax.ops.mgpu_common import smem_transforms
+from lcjax.ops.pallas_backend import fp8_convert_reason
+
+BLOCK_N = 64                   # output channels per CTA: a wgmma's M
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuGemvTuning:
+  """Static knobs of the kernel (part of the jit cache key)."""
+  block_k: int = 256             # bk: e4m3 columns per tile; a tile is 64 * bk bytes (TMA boxes are <= 256 wide)
+  max_concurrent_steps: int = 4  # M: tiles in flight per CTA
+  ctas_per_sm: int = 2           # G = ctas_per_sm x the GPU's SMs (at most T)
+  num_ctas: int | None = None    # G, overriding ctas_per_sm
+  max_rows: int = WIDEN_MAX_ROWS
+
+
+def unsupported() -> str | None:
+  """Why the kernel cannot be compiled here (None: it can): it needs a Hopper GPU (wgmma, TMA)."""
+  reason = fp8_convert_reason("Mosaic GPU fp8 GEMV kernel")
+  if reason:
+    return reason
+  cc = getattr(jax.devices()[0], "compute_capability", "")
+  if not str(cc).startswith("9."):
+    return f"the Mosaic GPU fp8 GEMV kernel needs a Hopper GPU (sm_90, wgmma), not compute capability {cc}"
+  return None
+
+
+def unsupported_shape(N: int, Kd: int) -> str | None:
+  """Why the kernel cannot multiply a weight of N rows of Kd (None: it can): both must be multiples of 64."""
+  if N % BLOCK_N or Kd % 64:
+    return f"the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns; N={N}, Kd={Kd} do not divide"
+  return None
+
+
+def _sm_count() -> int:
+  """Streaming multiprocessors of the default device (132 on an H200; 132 where the device does not say)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The kernel's shapes for one call (module docstring)."""
+  R: int
+  P: int
+  RN: int
+  N: int
+  Kd: int
+  bk: int
+  G: int
+
+  @property
+  def Ks(self) -> int:
+    return self.Kd // self.bk
+
+  @property
+  def T(self) -> int:
+    return self.N // BLOCK_N * self.Ks
+
+  def first(self, g):
+    """The first tile of CTA g's range (g an int, a numpy array or a traced int32)."""
+    return g * self.T // self.G
+
+  def owner(self, f):
+    """The CTA whose range holds tile f: the largest g with first(g) <= f."""
+    return ((f + 1) * self.G - 1) // self.T
+
+  def slots(self) -> np.ndarray:
+    """[J, Nb] bool: which partial slots of each row block the kernel writes."""
+    n = np.arange(self.N // BLOCK_N)
+    count = self.owner((n + 1) * self.Ks - 1) - self.owner(n * self.Ks) + 1
+    return np.arange(count.max())[:, None] < count[None, :]
+
+
+def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTuning()) -> Plan:
+  """Tiles and CTAs for x [R, Kd] in P float16 parts times a weight of N rows of Kd."""
+  if R > tuning.max_rows:
+    raise ValueError(f"{R} rows exceed MgpuGemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
+  if tuning.block_k not in (64, 128, 256):
+    raise ValueError(f"block_k={tuning.block_k} must be 64, 128 or 256 (TMA boxes are at most 256 wide)")
+  reason = unsupported_shape(N, Kd)
+  if reason:
+    raise ValueError(reason)
+  bk = math.gcd(Kd, tuning.block_k)                                   # a multiple of 64 (unsupported_shape)
+  T = N // BLOCK_N * (Kd // bk)
+  G = min(T, tuning.num_ctas or tuning.ctas_per_sm * _sm_count())
+  return Plan(R=R, P=P, RN=-(-(P * R) // 8) * 8, N=N, Kd=Kd, bk=bk, G=G)
+
+
+def _load(ref, layout):
+  """plgpu.load of a whole shared-memory ref in `layout` (jax 0.11 takes the ref alone; 0.10 also an index)."""
+  import inspect
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _call(layer, x16, w, p: Plan, mcs: int):
+  """The kernel: partials [J, N, RN] float32 (out^T of each CTA's share of a row block; slots `p.slots()` written)
+  for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  bk, RN, Ks = p.bk, p.RN, p.Ks
+  J = p.slots().shape[0]
+
+  def body(layer_ref, x_ref, w_ref, o_ref, o_smem):
+    g = lax.axis_index("g")
+    layer = layer_ref[0]
+    start = p.first(g)
+    count = p.first(g + 1) - start
+
+    def step(idx, w_smem, x_smem, acc):
+      f = start + idx[0]
+      k = lax.rem(f, Ks)
+
+      def tile(part_ref):
+        # [64, bk] widened in registers, in the layout of wgmma's A operand (widening it into a float16
+        # shared-memory tile that wgmma reads instead measured 1.45x slower on the Llama-3.1-70B shape)
+        a = _load(w_smem, plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+        a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
+        plgpu.wgmma(part_ref, a, x_smem.transpose((1, 0)))             # W tile x^T [bk, RN]
+        plgpu.wgmma_wait(0)
+        return part_ref[...]
+
+      part = pl.run_scoped(tile, plgpu.ACC((BLOCK_N, RN), jnp.float32))
+      fresh = (k == 0) | (idx[0] == 0)                                 # a row block's first tile in this CTA
+      acc = part + acc * jnp.where(fresh, 0.0, 1.0).astype(jnp.float32)
+
+      @pl.when((k == Ks - 1) | (idx[0] == count - 1))                  # its last tile: write the partial
+      def _():
+        n = lax.div(f, Ks)
+        plgpu.wait_smem_to_gmem(0)                                     # the previous partial has left o_smem
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[g - p.owner(n * Ks), pl.ds(n * BLOCK_N, BLOCK_N)])
+
+      return acc
+
+    plgpu.emit_pipeline(
+        step, grid=(count,),
+        in_specs=[plgpu.BlockSpec((BLOCK_N, bk), lambda t: (lax.div(start + t, Ks), lax.rem(start + t, Ks)),
+                                  transforms=smem_transforms(w.dtype, bk)),
+                  plgpu.BlockSpec((RN, bk), lambda t: (0, lax.rem(start + t, Ks)),
+                                  transforms=smem_transforms(jnp.float16, bk))],
+        max_concurrent_steps=mcs,
+        init_carry=plgpu.layout_cast(jnp.zeros((BLOCK_N, RN), jnp.float32), plgpu.Layout.WGMMA),
+    )(w_ref.at[layer], x_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((J, p.N, RN), jnp.float32),
+      grid=(p.G,),
+      grid_names=("g",),
+      scratch_types=[plgpu.SMEM((BLOCK_N, RN), jnp.float32)],
+  )(layer, x16, w)
+
+
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning()):
+  """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
+  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar. Its float32
+  model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
+  L = w8.shape[0]
+  R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
+  x16, xs = scale_rows(x.reshape(R, Kd))                              # [P, R, Kd] float16, [R, 1]
+  P = x16.shape[0]
+  p = plan(R, P, N, Kd, tuning)
+  x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
+  parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p,
+                tuning.max_concurrent_steps)                           # [J, N, RN]
+  written = jnp.asarray(np.repeat(p.slots(), BLOCK_N, axis=1))[:, :, None]  # [J, N, 1]
+  yt = jnp.sum(jnp.where(written, parts, 0.0), axis=0)                # [N, RN]
+  y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T               # [R, N]
+  w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
+  return (y * xs * w_scale).reshape(out_shape).astype(x.dtype)
+

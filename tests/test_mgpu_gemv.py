@@ -1,0 +1,178 @@
+"""The Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv).
+
+Oracles: numpy float64 products of the dequantized weights (written here, not lcjax's reference) and, on the GPU,
+lcjax's float32 widened product. Mosaic GPU kernels do not run on CPUs (Pallas' Mosaic GPU interpreter has no
+register operands or transposed shared-memory views), so the CPU tests check the plan and the wrapper around the
+kernel, with the kernel replaced by a numpy model of its contract; the gpu tests compile it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcjax.config import preset
+from lcjax.model.llama import LINEAR
+from lcjax.ops import fp8_gemv, linear, mgpu_gemv
+
+from tests.test_fp8_gemv import _numpy_product, _random_e4m3, _stacked, _x
+
+NAMES = ["layers/attn/wqkv", "layers/mlp/w_down"]   # test_fp8_gemv's shapes whose N and Kd are multiples of 64
+
+
+def _ranges(T, G):
+  """Each CTA's tiles: G near-equal contiguous ranges of T tiles, as the module docstring defines them."""
+  return [range(g * T // G, (g + 1) * T // G) for g in range(G)]
+
+
+@pytest.mark.parametrize("N,Kd,bk,G", [(57344, 8192, 256, 264), (6144, 4096, 256, 264), (4096, 14336, 256, 264),
+                                       (128, 64, 64, 5), (640, 1024, 128, 7), (64, 256, 64, 4)])
+def test_plan_ranges_owners_and_slots(N, Kd, bk, G):
+  """Every tile in exactly one CTA's range; owner() names that CTA; slots() marks, for each row block, as many
+  slots as CTAs touch it."""
+  p = mgpu_gemv.plan(1, 1, N, Kd, mgpu_gemv.MgpuGemvTuning(block_k=bk, num_ctas=G))
+  Ks, T = Kd // bk, N // 64 * (Kd // bk)
+  assert (p.Ks, p.T, p.G) == (Ks, T, min(G, T))
+  ranges = _ranges(T, p.G)
+  assert [p.first(g) for g in range(p.G + 1)] == [r.start for r in ranges] + [T]
+  owner = np.empty(T, int)
+  for g, r in enumerate(ranges):
+    owner[list(r)] = g
+  assert (p.owner(np.arange(T)) == owner).all()
+  touching = [len(set(owner[n * Ks:(n + 1) * Ks])) for n in range(N // 64)]
+  assert (p.slots().sum(axis=0) == touching).all() and p.slots().shape[0] == max(touching)
+  assert max(len(r) for r in ranges) - min(len(r) for r in ranges) <= 1
+
+
+def test_plan_refusals_and_tile_width():
+  with pytest.raises(ValueError, match="65 rows exceed"):
+    mgpu_gemv.plan(65, 1, 128, 256)
+  with pytest.raises(ValueError, match="N=96, Kd=256 do not divide"):
+    mgpu_gemv.plan(1, 1, 96, 256)
+  with pytest.raises(ValueError, match="N=128, Kd=600 do not divide") as e:
+    mgpu_gemv.plan(1, 1, 128, 600)
+  assert str(e.value) == mgpu_gemv.unsupported_shape(128, 600)
+  with pytest.raises(ValueError, match="block_k=96 must be 64, 128 or 256"):
+    mgpu_gemv.plan(1, 1, 128, 384, mgpu_gemv.MgpuGemvTuning(block_k=96))
+  assert [mgpu_gemv.plan(1, 1, 64, kd).bk for kd in (64, 192, 384, 512, 576)] == [64, 64, 128, 256, 64]
+
+
+def _kernel_model(layer, x16, w, p, mcs):
+  """The kernel's contract in numpy: CTA g sums tile products W[n-block, k-tile] x16^T over its range, one partial
+  per row block it touches, in slot (its rank among the CTAs that touch that row block); slots no CTA writes hold
+  NaN (the kernel leaves them unwritten)."""
+  del mcs
+  wl = np.asarray(w[int(layer[0])].astype(jnp.float32), np.float64)
+  xt = np.asarray(x16.astype(jnp.float32), np.float64).T
+  Ks, bk = p.Kd // p.bk, p.bk
+  out = np.full((p.T, p.N, p.RN), np.nan)
+  seen = {}
+  for g, r in enumerate(_ranges(p.T, p.G)):
+    for f in r:
+      n, k = divmod(f, Ks)
+      if seen.get(n, (None,))[0] != g:
+        seen[n] = (g, seen.get(n, (None, -1))[1] + 1)
+        out[seen[n][1], n * 64:(n + 1) * 64] = 0
+      out[seen[n][1], n * 64:(n + 1) * 64] += wl[n * 64:(n + 1) * 64, k * bk:(k + 1) * bk] @ xt[k * bk:(k + 1) * bk]
+  J = max(j for _, j in seen.values()) + 1
+  return jnp.asarray(out[:J], jnp.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows,dtype,G", [(1, jnp.bfloat16, 3), (3, jnp.float32, 5), (9, jnp.float32, 1)])
+def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, monkeypatch):
+  """Rows scaled and stacked as float16 parts (hi, lo for float32), padded to 8, the splits summed, parts added
+  and scales applied: against numpy's float64 product, with rows at 1e6 and 1e-6."""
+  monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
+  rng = np.random.default_rng(rows)
+  w8, scale = _stacked(name, rng)
+  x = _x(name, rows, rng, dtype)
+  spec = LINEAR[name]
+  got = mgpu_gemv.gemv_stacked(x, w8, scale, jnp.int32(2), spec,
+                               tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G))
+  want = _numpy_product(x, w8, scale, 2, spec)
+  assert got.shape == want.shape and got.dtype == x.dtype
+  got = np.asarray(got.astype(jnp.float32), np.float64).reshape(rows, -1)
+  want = want.reshape(rows, -1)
+  tol = 2 ** -8 if dtype == jnp.bfloat16 else 1e-6
+  err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+  assert (err < tol).all(), err
+
+
+@pytest.mark.parametrize("G", [7, 10])
+def test_wrapper_adds_only_the_slots_written(G, monkeypatch):
+  """Row blocks touched by different numbers of CTAs (3 row blocks of 4 tiles over G CTAs): the slots the kernel
+  leaves unwritten (NaN in the model) are not added."""
+  monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
+  rng = np.random.default_rng(G)
+  w8 = jnp.asarray(rng.standard_normal((2, 192, 256)) * 100, jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, 192, 1)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+  tuning = mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G)
+  assert not mgpu_gemv.plan(2, 2, 192, 256, tuning).slots().all()
+  got = np.asarray(mgpu_gemv.gemv_stacked(x, w8, scale, jnp.int32(1), "bk,nk->bn", tuning=tuning), np.float64)
+  want = _numpy_product(x, w8, scale, 1, "bk,nk->bn")
+  assert np.abs(got - want).max() < 1e-6 * np.abs(want).max()
+
+
+TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max_concurrent_steps=6, ctas_per_sm=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset_name", ["llama3-8b", "llama3.1-70b"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_kernel_at_model_shapes(preset_name, rows):
+  """Compiled on the GPU at real shapes, each tuning: against the float32 reference, bf16 activations."""
+  cfg = preset(preset_name)
+  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+  shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+            "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+  key = jax.random.PRNGKey(0)
+  for name, shape in shapes.items():
+    spec = LINEAR[name]
+    w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
+        jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)
+    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
+    x = jax.random.normal(key, [sizes[c] for c in xs], jnp.bfloat16)
+    want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    for tuning in TUNINGS:
+      got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning))(
+          x, w8, scale, jnp.int32(1)).astype(jnp.float32)
+      err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+      assert err < 2 ** -8, (name, tuning, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_gpu_kernels_float32_rows(rows):
+  """float32 activations (hi and lo float16 parts: rows of one wgmma here, two dots in the Triton kernel), rows at
+  1e6 and 1e-6, both kernels compiled: against numpy to float32's precision, which hi alone (2^-11) misses."""
+  name = "layers/mlp/w_down"
+  rng = np.random.default_rng(rows)
+  w8, scale = _stacked(name, rng)
+  x = _x(name, rows, rng, jnp.float32)
+  want = _numpy_product(x, w8, scale, 2, LINEAR[name]).reshape(rows, -1)
+  kernels = {"mosaic": (mgpu_gemv.gemv_stacked, mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=3)),
+             "triton": (fp8_gemv.gemv_stacked, fp8_gemv.GemvTuning(block_n=32, block_k=32, min_steps=1))}
+  for label, (kernel, tuning) in kernels.items():
+    got = jax.jit(lambda x, w, s: kernel(x, w, s, jnp.int32(2), LINEAR[name], tuning=tuning))(x, w8, scale)
+    got = np.asarray(got, np.float64).reshape(rows, -1)
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert (err < 1e-5).all(), (label, err)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_reads_the_top_of_a_large_stack():
+  """The last layer of the 70B's w_gate_up over 10 layers (4.4 GiB, bytes past 2^32), every byte drawn."""
+  D, F, L_ = 8192, 28672, 10
+  spec = LINEAR["layers/mlp/w_gate_up"]
+  kw, ks, kx = jax.random.split(jax.random.PRNGKey(0), 3)
+  w8 = _random_e4m3(kw, (L_, 2, F, D))
+  scale = jax.random.uniform(ks, (L_, 2, F, 1), jnp.float32, 1e-3, 2e-3)
+  x = jax.random.normal(kx, (1, 1, D), jnp.bfloat16)
+  got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
+  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  assert err < 2 ** -8, err

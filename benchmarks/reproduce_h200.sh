@@ -31,8 +31,9 @@
 #   fp8w          fp8w.{json,md}: fp8 weights: the Llama-3.1-70B shape (all 80 layers) with fp8 KV at 128K
 #                 (fp8w-70b-h200), with bf16 and fp8 KV at 32K and bf16 KV at 128K (fp8w-70b-kv-h200), with fp8 KV
 #                 at 256K (fp8w-70b-256k-h200); the Llama-3-8B shape beside bf16 weights and HF (fp8w-8b-h200),
-#                 at 512K (fp8w-8b-512k-h200) and at 1M (fp8w-8b-1m-h200); linear-fp8-h200 (the products alone)
-#                                                                        ~3 + 2.5 + 4 + 2 + 2 + 7 + 4 min
+#                 at 512K (fp8w-8b-512k-h200) and at 1M (fp8w-8b-1m-h200); linear-fp8-h200 (the products alone),
+#                 linear-gemv-h200 (the two GEMV kernels beside bf16 weights)
+#                                                                    ~3 + 2.5 + 4 + 2 + 2 + 7 + 4 + 2 min
 #                 The committed linear-fp8-h200 was made by another command (recorded in the part: more
 #                 tunings, prefill rows), cut off before the 70B preset (NOTES-fp8w.md, call 6).
 #   context       context.{json,md}: the context cache: context-h200-128k, context-h200-512k-fp8 and (CPU, the
@@ -152,7 +153,9 @@ for step in "${steps[@]}"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 --contexts=1048576 \
         --decode_steps=16 --time_budget_s=560 --out="$P" --name=fp8w-8b-1m-h200
       python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --gemv_tunings=default,pack=2 \
-        --out="$P" --name=linear-fp8-h200 ;;
+        --out="$P" --name=linear-fp8-h200
+      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --products=bf16,gemv,mgpu \
+        --options=decode --prefill_rows=0 --out="$P" --name=linear-gemv-h200 ;;
     context)
       python3 tools/bench_context.py --contexts=131072 --out="$P" --name=context-h200-128k
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \

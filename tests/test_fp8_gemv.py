@@ -204,13 +204,36 @@ def test_linear_kernel_refusals():
   assert placement.decode_linear(run, fp8, None, on_hopper)[0] == "pallas"
   auto = run.replace(linear_kernel="auto")
   assert placement.decode_linear(auto, fp8, None, on_hopper)[0] == "mosaic"
-  assert placement.decode_linear(auto, fp8, None, on_ada)[0] == "pallas"
+  assert placement.decode_linear(auto, fp8, None, on_ada) == ("pallas", "linear_kernel='auto'; needs a Hopper GPU")
   assert placement.decode_linear(auto, fp8, None, on_cpu) == ("xla", f"linear_kernel='auto': {mcpu}; {cpu}")
   with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, mosaic, pallas, "
                                         "pallas-interpret"):
     RunConfig(linear_kernel="fast")
   with pytest.raises(ValueError, match="multiplies fp8 weights; these are in the parameter dtype"):
     Llama(preset("tiny"), decode_linear="pallas-interpret", rngs=nnx.Rngs(0))
+
+
+def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
+  """On a Hopper GPU (both kernels' device checks pass), a model whose products do not tile by 64 names the first
+  such weight: a refusal for linear_kernel='mosaic', the Triton kernel with that reason for 'auto'."""
+  from lcjax.ops import mgpu_gemv
+  monkeypatch.setattr(mgpu_gemv, "unsupported", lambda: None)
+  monkeypatch.setattr(fp8_gemv, "unsupported", lambda: None)
+  tiny = preset("tiny")
+  assert placement.gemv_kernels_unsupported(tiny) == {"mosaic": None, "pallas": None}
+  why = "w_down: the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: Kd=96 is not a multiple of 64"
+  odd_ffn = dataclasses.replace(tiny, ffn_dim=96)                    # w_gate_up N = 192 tiles, w_down's Kd = 96
+  assert placement.gemv_kernels_unsupported(odd_ffn)["mosaic"] == why
+  odd_dim = dataclasses.replace(tiny, dim=96)
+  assert placement.gemv_kernels_unsupported(odd_dim)["mosaic"].startswith("wqkv: ") and "Kd=96 is" in \
+      placement.gemv_kernels_unsupported(odd_dim)["mosaic"]
+  fp8 = WeightFormat(fp8=True)
+  run = RunConfig(dtype="float32", linear_kernel="mosaic")
+  with pytest.raises(ConfigError, match=f"^linear_kernel='mosaic': {why}$"):
+    placement.decode_linear(run, fp8, None, placement.gemv_kernels_unsupported(odd_ffn))
+  auto = placement.decode_linear(run.replace(linear_kernel="auto"), fp8, None,
+                                 placement.gemv_kernels_unsupported(odd_ffn))
+  assert auto == ("pallas", f"linear_kernel='auto'; {why}")
 
 
 def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeypatch):
@@ -273,8 +296,9 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ask,kernel,named", [("auto", "mosaic", "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)"),
-                                              ("pallas", "pallas", "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")])
+@pytest.mark.parametrize("ask,kernel,named", [
+    ("auto", "mosaic", "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)"),
+    ("pallas", "pallas", "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")])
 def test_gpu_engine_decode_runs_the_kernel(ask, kernel, named, monkeypatch):
   """On an H200, linear_kernel="auto" decodes fp8 weights through the compiled Mosaic GPU kernel, and "pallas"
   through the Triton one (float32 activations: their hi + lo split), with the greedy tokens of "xla"."""

@@ -48,21 +48,34 @@ def test_plan_ranges_owners_and_slots(N, Kd, bk, G):
 def test_plan_refusals_and_tile_width():
   with pytest.raises(ValueError, match="65 rows exceed"):
     mgpu_gemv.plan(65, 1, 128, 256)
-  with pytest.raises(ValueError, match="N=96, Kd=256 do not divide"):
+  with pytest.raises(ValueError, match="N=96 is not a multiple of 64$"):
     mgpu_gemv.plan(1, 1, 96, 256)
-  with pytest.raises(ValueError, match="N=128, Kd=600 do not divide") as e:
+  with pytest.raises(ValueError, match="Kd=600 is not a multiple of 64$") as e:
     mgpu_gemv.plan(1, 1, 128, 600)
   assert str(e.value) == mgpu_gemv.unsupported_shape(128, 600)
   with pytest.raises(ValueError, match="block_k=96 must be 64, 128 or 256"):
     mgpu_gemv.plan(1, 1, 128, 384, mgpu_gemv.MgpuGemvTuning(block_k=96))
   assert [mgpu_gemv.plan(1, 1, 64, kd).bk for kd in (64, 192, 384, 512, 576)] == [64, 64, 128, 256, 64]
+  for bad in (dict(num_ctas=0), dict(ctas_per_sm=0), dict(max_concurrent_steps=1)):
+    with pytest.raises(ValueError, match="max_concurrent_steps=.* must be >= 2, ctas_per_sm=.* >= 1"):
+      mgpu_gemv.plan(1, 1, 128, 256, mgpu_gemv.MgpuGemvTuning(**bad))
+  with pytest.raises(ValueError, match="overflow the kernel's int32"):
+    mgpu_gemv.plan(1, 1, 106496, 16384, mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=100000))
 
 
-def _kernel_model(layer, x16, w, p, mcs):
+@pytest.mark.parametrize("R,P,M,bk", [(8, 1, 4, 256), (64, 1, 4, 256), (32, 2, 4, 256), (36, 2, 3, 256),
+                                      (64, 2, 2, 256)])
+def test_plan_fits_shared_memory(R, P, M, bk):
+  """Many rows (float32 x: two parts a row) take a shallower ring, so that a CTA's tiles fit its shared memory."""
+  p = mgpu_gemv.plan(R, P, 8192, 4096)
+  assert (p.M, p.bk) == (M, bk)
+  assert mgpu_gemv.smem_bytes(p.RN, p.bk, p.M) <= mgpu_gemv.SMEM_BYTES
+
+
+def _kernel_model(layer, x16, w, p):
   """The kernel's contract in numpy: CTA g sums tile products W[n-block, k-tile] x16^T over its range, one partial
   per row block it touches, in slot (its rank among the CTAs that touch that row block); slots no CTA writes hold
   NaN (the kernel leaves them unwritten)."""
-  del mcs
   wl = np.asarray(w[int(layer[0])].astype(jnp.float32), np.float64)
   xt = np.asarray(x16.astype(jnp.float32), np.float64).T
   Ks, bk = p.Kd // p.bk, p.bk

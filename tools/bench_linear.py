@@ -46,7 +46,7 @@ flags.DEFINE_list("mgpu_tunings", ["default"], "mgpu_gemv.MgpuGemvTuning overrid
 
 
 def kernel_tuning(cls, text: str, flag: str):
-  """A `cls` (a frozen dataclass of int and bool knobs) from an entry of --`flag`."""
+  """A `cls` (a frozen dataclass of int knobs) from an entry of --`flag`."""
   import dataclasses
   if text == "default":
     return cls()
@@ -56,7 +56,7 @@ def kernel_tuning(cls, text: str, flag: str):
     k, _, v = item.partition("=")
     if k not in fields or not v:
       raise ValueError(f"--{flag} entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
-    kw[k] = v in ("1", "true", "True") if isinstance(getattr(cls(), k), bool) else int(v)
+    kw[k] = int(v)
   return cls(**kw)
 
 
@@ -188,7 +188,8 @@ def main(argv):
 
 def markdown(rows) -> str:
   lines = ["Decode: us per layer (weight TB/s; for the kernels, their best tuning)", "",
-           "| preset | batch | XLA options | bf16 | fp8 widened | fp8 x fp8 | fp8 GEMV (Triton) | fp8 GEMV (Mosaic GPU) |",
+           "| preset | batch | XLA options | bf16 | fp8 widened | fp8 x fp8 | fp8 GEMV (Triton) "
+           "| fp8 GEMV (Mosaic GPU) |",
            "|---|---|---|---|---|---|---|---|"]
   dec = [r for r in rows if r["kind"] == "decode" and "us_per_layer" in r]
   for key in sorted({(r["preset"], r["batch"], r["options"]) for r in dec}):

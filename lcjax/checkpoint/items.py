@@ -8,7 +8,8 @@ its ParamInfo contract asks), all the calls of a batch gathered in one event loo
 cost is paid once a batch. How a part is read (OCDBT or not, zarr3 or not, whether missing chunks are an error)
 is taken from its own tree metadata file, with orbax's defaults for a key it lacks. There is no barrier between
 processes (Checkpointer.restore has one a call): each process reads only its devices' shards, and what uses the
-parts (lcjax.checkpoint.restore) runs the same programs in the same order on every process.
+parts (lcjax.checkpoint.restore) runs the same programs in the same order on every process. A read that fails on
+one process raises there only: the others go on to the next batch's programs and wait in them for it.
 """
 from __future__ import annotations
 

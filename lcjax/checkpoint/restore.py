@@ -83,8 +83,10 @@ def _drop_axis(sharding: jax.sharding.Sharding, axis: int, ndim: int) -> jax.sha
 # The bytes of the stored parts read in one batch, each part counted at the wider of its stored and read dtypes: a
 # batch is read concurrently (lcjax.checkpoint.items) and its parts add up to at most this, or it is one part that
 # is larger (parts are at most layout.PART_BYTES as stored). A batch is the transient memory of a restore: on the
-# host its parts as decoded and cast (about this bound), on the devices its parts as read (at most this bound);
-# besides it, only the one layer that a format conversion assembles (_convert_linear).
+# host its parts as decoded and cast (about this bound), on the devices its parts as read; a batch's parts are
+# freed when their placements run, which dispatch queues asynchronously, so the next batch's reads can begin
+# first: up to about two batches. Besides that, only the one layer that a format conversion assembles
+# (_convert_linear).
 BATCH_BYTES = 256 << 20
 
 
@@ -206,8 +208,9 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
     scales keep theirs.
   Returns the same structure with jax.Arrays (Variables stay Variables with their metadata), ready for
   `nnx.update(model, state)`. Each array is placed directly with its sharding; stacked [L, ...] and split arrays
-  are filled part by part in place, so peak device memory is the model plus one batch of stored parts (at most
-  BATCH_BYTES, or one part larger than that), and the host's transient is about one batch. When the state's
+  are filled part by part in place, so peak device memory is the model plus about two batches of stored parts
+  (BATCH_BYTES each, or one part larger than that: BATCH_BYTES says why two), and the host's transient is about
+  one batch. When the state's
   linear weights are in another format than the checkpoint's (fp8 or not: `lcjax.model.llama.weight_format`),
   they are quantized or dequantized a layer at a time as they are read: the model is never held in the wider
   format (one layer is, while it is converted).

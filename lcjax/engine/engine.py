@@ -127,6 +127,8 @@ class Engine:
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
+    elif self.weights.fp8 and self.decode_linear == "pallas" and self.run.linear_kernel == "auto":
+      _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.fp8_gemv): %s", why)
     self.page_write, why = placement.page_write(self.run, self.serving_cfg.head_dim)
     if self.fp8_cache and self.page_write == "xla":
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,

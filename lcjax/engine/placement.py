@@ -78,9 +78,10 @@ def gemv_kernels_unsupported(cfg: ModelConfig) -> dict[str, str | None]:
   """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
   prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+)."""
   D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
-  shapes = [(cfg.n_kv_heads * (cfg.n_heads // cfg.n_kv_heads + 2) * H, D), (D, cfg.n_heads * H), (2 * F, D), (D, F)]
-  mosaic = mgpu_gemv.unsupported() or next(filter(None, (mgpu_gemv.unsupported_shape(*s) for s in shapes)), None)
-  return {"mosaic": mosaic, "pallas": fp8_gemv.unsupported()}
+  shapes = {"wqkv": (cfg.n_kv_heads * (cfg.n_heads // cfg.n_kv_heads + 2) * H, D), "wo": (D, cfg.n_heads * H),
+            "w_gate_up": (2 * F, D), "w_down": (D, F)}                # (N, Kd): output channels, contracted length
+  bad = [f"{name}: {why}" for name, s in shapes.items() if (why := mgpu_gemv.unsupported_shape(*s))]
+  return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": fp8_gemv.unsupported()}
 
 
 def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: dict[str, str | None]) -> tuple[str, str]:
@@ -103,10 +104,12 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: dict[s
     hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
     raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{hint}")
   if ask == "auto":
+    passed = []                       # why "auto" did not take the kernels it prefers to the one it takes
     for kernel, why_not in no_kernel.items():
       if not why_not:
-        return kernel, "linear_kernel='auto'"
-    return "xla", "linear_kernel='auto': " + "; ".join(no_kernel.values())
+        return kernel, "; ".join(["linear_kernel='auto'", *passed])
+      passed.append(why_not)
+    return "xla", "linear_kernel='auto': " + "; ".join(passed)
   return ask, f"linear_kernel={ask!r}"
 
 

@@ -3,17 +3,17 @@
 The same contract as lcjax.ops.fp8_gemv.gemv_stacked (einsum(spec, x, w8[layer] * scale[layer]) for x of at most
 WIDEN_MAX_ROWS rows, the weights K-major and stacked [L, outs..., ins...], the layer a traced index) on another
 lowering. A decode product is bound by the bytes of its weights. This kernel streams them by TMA into a ring of
-`max_concurrent_steps` shared-memory slots and computes the product transposed, y^T = W x^T, so that the 64
-output channels of a weight tile are the wgmma's M and x's few rows its N (padded to a multiple of 8, wgmma's
-smallest N): a decode row costs the tensor cores 8 columns.
+M shared-memory slots (max_concurrent_steps, fewer where x's many rows need the room) and computes the product
+transposed, y^T = W x^T, so that the 64 output channels of a weight tile are the wgmma's M and x's few rows its N
+(padded to a multiple of 8, wgmma's smallest N): a decode row costs the tensor cores 8 columns.
 
 The work is split evenly, stream-K fashion. The weight's tiles [64, bk] are numbered row block by row block (tile
 f is row block f // Ks, columns (f % Ks) * bk of it, Ks = Kd / bk tiles a row block), and the G persistent CTAs
 take equal contiguous ranges of the T = (N / 64) Ks tiles: CTA g takes [floor(g T / G), floor((g + 1) T / G)).
-One pipeline runs over a CTA's whole range, so its TMA ring stays full across row blocks, and every CTA ends
-within a tile of the others: no last wave of CTAs runs while the rest of the GPU idles (with a CTA per (row
-block, split) as in the Triton kernel, 896 CTAs of the Llama-3.1-70B's w_gate_up fill 264 slots 3.4 times, and the
-fourth wave runs 40% full). A CTA writes one float32 partial [64, RN] per row block it touches, into slot
+One pipeline runs over a CTA's whole range, so its TMA ring stays full across row blocks, and the ranges differ
+by at most a tile: there is no last wave of CTAs. A grid with a CTA per (row block, split) was as fast as the
+Triton kernel (about 3.3 TB/s over the Llama-3.1-70B's four products); this split was 5-7% faster
+(benchmarks/NOTES-fp8w.md, calls 26-28). A CTA writes one float32 partial [64, RN] per row block it touches, into slot
 j = g - g0(n) of that row block (g0(n) the CTA that holds its first tile). XLA adds the slots each row block has
 (a static mask: the rest are never written), the parts of x, and the row and channel scales.
 
@@ -21,9 +21,10 @@ Each tile is read from shared memory into registers in the layout whose float16 
 operand (one hardware convert per pair on Hopper; exact: every e4m3 value is a float16) and multiplied with x^T
 [bk, RN] float16 from shared memory, float32 accumulation.
 
-x arrives as fp8_gemv.scale_rows makes it: float16 rows with a power-of-two row scale (exact for bf16), and for
-float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows hi, then its R rows lo), so
-both ride one wgmma of 2R columns and are added after the kernel: no second product.
+x arrives as fp8_gemv.scale_rows makes it: float16 rows with a power-of-two row scale (bf16 x exactly, but for
+values below 2^-28 of their row's absmax), and for float32 x two float16 parts, hi and lo. The parts are stacked
+as rows (x's R rows hi, then its R rows lo), so both ride one wgmma of 2R columns and are added after the kernel:
+no second product.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8, N output channels, Nb =
 N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk tiles per row block, T = Nb * Ks
@@ -32,6 +33,7 @@ tiles, G CTAs, J partial slots per row block, M ring slots (max_concurrent_steps
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -42,9 +44,10 @@ from jax import lax
 from lcjax.ops.fp8_gemv import product_layout, scale_rows
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 from lcjax.ops.mgpu_common import smem_transforms
-from lcjax.ops.pallas_backend import fp8_convert_reason
+from lcjax.ops.pallas_backend import compute_capability, fp8_convert_reason
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
+SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +63,18 @@ class MgpuGemvTuning:
 def unsupported() -> str | None:
   """Why the kernel cannot be compiled here (None: it can): it needs a Hopper GPU (wgmma, TMA)."""
   reason = fp8_convert_reason("Mosaic GPU fp8 GEMV kernel")
-  if reason:
-    return reason
-  cc = getattr(jax.devices()[0], "compute_capability", "")
-  if not str(cc).startswith("9."):
+  cc = compute_capability()
+  if not reason and cc[0] != 9:
     return f"the Mosaic GPU fp8 GEMV kernel needs a Hopper GPU (sm_90, wgmma), not compute capability {cc}"
-  return None
+  return reason
 
 
 def unsupported_shape(N: int, Kd: int) -> str | None:
   """Why the kernel cannot multiply a weight of N rows of Kd (None: it can): both must be multiples of 64."""
-  if N % BLOCK_N or Kd % 64:
-    return f"the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns; N={N}, Kd={Kd} do not divide"
+  bad = [f"{name}={v}" for name, v in (("N", N), ("Kd", Kd)) if v % 64]
+  if bad:
+    return (f"the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: {' and '.join(bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} not a multiple of 64")
   return None
 
 
@@ -90,6 +93,7 @@ class Plan:
   Kd: int
   bk: int
   G: int
+  M: int                         # ring slots (max_concurrent_steps, fewer where x's rows need the room)
 
   @property
   def Ks(self) -> int:
@@ -120,18 +124,32 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
     raise ValueError(f"{R} rows exceed MgpuGemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
   if tuning.block_k not in (64, 128, 256):
     raise ValueError(f"block_k={tuning.block_k} must be 64, 128 or 256 (TMA boxes are at most 256 wide)")
+  if tuning.max_concurrent_steps < 2 or tuning.ctas_per_sm < 1 or (tuning.num_ctas is not None
+                                                                    and tuning.num_ctas < 1):
+    raise ValueError(f"max_concurrent_steps={tuning.max_concurrent_steps} must be >= 2, ctas_per_sm="
+                     f"{tuning.ctas_per_sm} and num_ctas={tuning.num_ctas} >= 1")
   reason = unsupported_shape(N, Kd)
   if reason:
     raise ValueError(reason)
-  bk = math.gcd(Kd, tuning.block_k)                                   # a multiple of 64 (unsupported_shape)
+  RN = -(-(P * R) // 8) * 8
+  bk, M = math.gcd(Kd, tuning.block_k), tuning.max_concurrent_steps    # bk: a multiple of 64 (unsupported_shape)
+  while smem_bytes(RN, bk, M) > SMEM_BYTES and (M > 2 or bk > 64):     # many rows: a shallower ring, then
+    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                     # narrower tiles
   T = N // BLOCK_N * (Kd // bk)
   G = min(T, tuning.num_ctas or tuning.ctas_per_sm * _sm_count())
-  return Plan(R=R, P=P, RN=-(-(P * R) // 8) * 8, N=N, Kd=Kd, bk=bk, G=G)
+  if (T + 1) * G >= 2 ** 31:
+    raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
+  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M)
+
+
+def smem_bytes(RN: int, bk: int, M: int) -> int:
+  """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] float16, and the
+  partial [64, RN] float32 it writes out."""
+  return M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4
 
 
 def _load(ref, layout):
   """plgpu.load of a whole shared-memory ref in `layout` (jax 0.11 takes the ref alone; 0.10 also an index)."""
-  import inspect
   import jax.experimental.pallas.mosaic_gpu as plgpu
   idx = inspect.signature(plgpu.load).parameters.get("idx")
   if idx is not None and idx.default is inspect.Parameter.empty:
@@ -139,7 +157,7 @@ def _load(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-def _call(layer, x16, w, p: Plan, mcs: int):
+def _call(layer, x16, w, p: Plan):
   """The kernel: partials [J, N, RN] float32 (out^T of each CTA's share of a row block; slots `p.slots()` written)
   for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3."""
   import jax.experimental.pallas as pl
@@ -167,7 +185,9 @@ def _call(layer, x16, w, p: Plan, mcs: int):
         return part_ref[...]
 
       part = pl.run_scoped(tile, plgpu.ACC((BLOCK_N, RN), jnp.float32))
-      fresh = (k == 0) | (idx[0] == 0)                                 # a row block's first tile in this CTA
+      # A row block's first tile in this CTA starts the sum over (a NaN or inf the previous row block met
+      # carries into this one's partial too: weights lcjax quantizes have none).
+      fresh = (k == 0) | (idx[0] == 0)
       acc = part + acc * jnp.where(fresh, 0.0, 1.0).astype(jnp.float32)
 
       @pl.when((k == Ks - 1) | (idx[0] == count - 1))                  # its last tile: write the partial
@@ -186,7 +206,7 @@ def _call(layer, x16, w, p: Plan, mcs: int):
                                   transforms=smem_transforms(w.dtype, bk)),
                   plgpu.BlockSpec((RN, bk), lambda t: (0, lax.rem(start + t, Ks)),
                                   transforms=smem_transforms(jnp.float16, bk))],
-        max_concurrent_steps=mcs,
+        max_concurrent_steps=p.M,
         init_carry=plgpu.layout_cast(jnp.zeros((BLOCK_N, RN), jnp.float32), plgpu.Layout.WGMMA),
     )(w_ref.at[layer], x_ref)
     plgpu.wait_smem_to_gmem(0)
@@ -210,10 +230,10 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   P = x16.shape[0]
   p = plan(R, P, N, Kd, tuning)
   x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
-  parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p,
-                tuning.max_concurrent_steps)                           # [J, N, RN]
-  written = jnp.asarray(np.repeat(p.slots(), BLOCK_N, axis=1))[:, :, None]  # [J, N, 1]
-  yt = jnp.sum(jnp.where(written, parts, 0.0), axis=0)                # [N, RN]
+  parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p)   # [J, N, RN]
+  slots = p.slots()                                                   # [J, Nb]
+  parts = parts.reshape(slots.shape[0], N // BLOCK_N, BLOCK_N, p.RN)
+  yt = jnp.sum(jnp.where(jnp.asarray(slots)[:, :, None, None], parts, 0.0), axis=0).reshape(N, p.RN)
   y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T               # [R, N]
   w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
   return (y * xs * w_scale).reshape(out_shape).astype(x.dtype)

@@ -3,7 +3,8 @@
 Oracles: numpy float64 products of the dequantized weights (written here, not lcjax's reference) and, on the GPU,
 lcjax's float32 widened product. Mosaic GPU kernels do not run on CPUs (Pallas' Mosaic GPU interpreter has no
 register operands or transposed shared-memory views), so the CPU tests check the plan and the wrapper around the
-kernel, with the kernel replaced by a numpy model of its contract; the gpu tests compile it.
+kernel, with the kernel replaced by a numpy model of its contract, and tests/test_mosaic_lowering.py lowers the
+kernel itself for CUDA; the gpu tests compile and run it.
 """
 from __future__ import annotations
 

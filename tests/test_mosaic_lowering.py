@@ -1,0 +1,73 @@
+"""The Mosaic GPU kernels lower for CUDA on a CPU-only machine (jax.export with platforms=("cuda",)).
+
+Mosaic GPU kernels cannot run on CPUs (the Pallas interpreter has no register operands, transposed shared-memory
+views or layouts), but their lowering is Python: Pallas' Mosaic GPU lowering builds each kernel's MLIR, register
+layouts and relayouts included, before anything reaches a GPU. Cross-lowering every kernel at its model shapes
+catches a layout the lowering cannot convert, a shape it refuses or a primitive it lacks, in CI, before a GPU
+session is spent on it (a layout cast to WGMMA_TRANSPOSED instead of WGMMA in mgpu_gemv fails here). What it does
+not check: the numbers (the gpu tests of test_mgpu_gemv, test_kernels and test_fp8_decode), PTX and its
+assembler, shared memory limits at launch.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from lcjax.config import preset
+from lcjax.model.llama import LINEAR
+from lcjax.ops import linear, mgpu_gemv, mgpu_paged, pallas_flash
+
+S = jax.ShapeDtypeStruct
+MOSAIC_CALL = "mosaic_gpu_v2"          # the custom call a lowered Mosaic GPU kernel becomes
+
+
+def _lowered_calls(fn, *args) -> list[str]:
+  """The custom-call targets of fn lowered for CUDA (the split combine of the paged decode is a Triton call, which
+  has no export compatibility guarantee: allowed here, as nothing is serialized)."""
+  exp = export.export(jax.jit(fn), platforms=("cuda",),
+                      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  return re.findall(r"custom_call @([\w$.]+)", exp.mlir_module())
+
+
+@pytest.mark.parametrize("preset_name,rows,dtype", [("llama3-8b", 1, jnp.bfloat16), ("llama3.1-70b", 8, jnp.bfloat16),
+                                                    ("llama3-8b", 64, jnp.float32)])
+def test_gemv_lowers(preset_name, rows, dtype, monkeypatch):
+  """The fp8 GEMV at the four products of a model, bf16 rows and float32 rows (hi and lo: RN 128, a shorter
+  ring), over 132 SMs."""
+  monkeypatch.setattr(mgpu_gemv, "_sm_count", lambda: 132)
+  cfg = preset(preset_name)
+  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+  model_shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+                  "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+  for name, shape in model_shapes.items():
+    spec = LINEAR[name]
+    w8, scale = jax.eval_shape(jax.vmap(lambda a: linear.quantize_weight(a, spec)), S((2, *shape), jnp.bfloat16))
+    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
+    x = S([sizes[c] for c in xs], dtype)
+    calls = _lowered_calls(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec), x, w8, scale, S((), jnp.int32))
+    assert calls == [MOSAIC_CALL], (name, calls)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_flash_prefill_lowers(fp8):
+  """The prefill flash kernel, bf16 and 8-bit, Llama-3-8B heads (32 query, 8 KV, head_dim 128), 1K tokens."""
+  q, kv = S((1, 1024, 32, 128), jnp.bfloat16), S((1, 1024, 8, 128), jnp.bfloat16)
+  fn = pallas_flash.flash_attention_fp8 if fp8 else pallas_flash.flash_attention
+  assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_fp8_paged_decode_lowers(T):
+  """The fp8 paged decode kernel: Llama-3-8B heads over 64-token pages, one and four query tokens."""
+  B, N, K, H, P, Z, M = 2, 32, 8, 128, 64, 64, 16
+  pages, scales = S((P, Z, K, H), jnp.float8_e4m3fn), S((P, K), jnp.float32)
+  args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B, T), jnp.int32),
+          S((B,), jnp.int32))
+  calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs), *args)
+  assert MOSAIC_CALL in calls

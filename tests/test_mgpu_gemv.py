@@ -94,17 +94,20 @@ def _kernel_model(layer, x16, w, p):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("rows,dtype,G", [(1, jnp.bfloat16, 3), (3, jnp.float32, 5), (9, jnp.float32, 1)])
-def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, monkeypatch):
-  """Rows scaled and stacked as float16 parts (hi, lo for float32), padded to 8, the splits summed, parts added
-  and scales applied: against numpy's float64 product, with rows at 1e6 and 1e-6."""
+@pytest.mark.parametrize("rows,dtype,G,fixed", [(1, jnp.bfloat16, 3, False), (3, jnp.float32, 5, False),
+                                                (9, jnp.float32, 1, False), (5, jnp.bfloat16, 4, True),
+                                                (3, jnp.float32, 2, True)])
+def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, fixed, monkeypatch):
+  """Rows scaled and stacked as float16 parts (hi, lo for float32; bf16 rows split at fixed exponents with
+  fixed_split, which float32 rows ignore), padded to 8, the slots summed, parts added and scales applied: against
+  numpy's float64 product, with rows at 1e6 and 1e-6."""
   monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
   rng = np.random.default_rng(rows)
   w8, scale = _stacked(name, rng)
   x = _x(name, rows, rng, dtype)
   spec = LINEAR[name]
   got = mgpu_gemv.gemv_stacked(x, w8, scale, jnp.int32(2), spec,
-                               tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G))
+                               tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G, fixed_split=fixed))
   want = _numpy_product(x, w8, scale, 2, spec)
   assert got.shape == want.shape and got.dtype == x.dtype
   got = np.asarray(got.astype(jnp.float32), np.float64).reshape(rows, -1)
@@ -112,6 +115,22 @@ def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, monkeypatch):
   tol = 2 ** -8 if dtype == jnp.bfloat16 else 1e-6
   err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
   assert (err < tol).all(), err
+
+
+def test_split_fixed_is_exact_over_its_range():
+  """Every bf16 magnitude from 2^-41 to the largest below 65504 x 2^16, both signs: hi x 2^16 + lo x 2^-24 == x in
+  float64; below 2^-41 the error is under 2^-49 (lo's grid); from 65504 x 2^16 on, hi is infinite."""
+  bits = np.arange(0, 0x7F80, dtype=np.uint16)                      # every finite non-negative bf16
+  x = np.concatenate([bits, bits | 0x8000]).view(jnp.bfloat16)
+  x16, w = mgpu_gemv.split_fixed(jnp.asarray(x)[None])
+  back = (np.asarray(x16[0, 0], np.float64) * float(w[0]) + np.asarray(x16[1, 0], np.float64) * float(w[1]))
+  xf = np.asarray(x, np.float64)
+  mag = np.abs(xf)
+  inside = (mag >= 2.0 ** -41) & (mag < 65504 * 2.0 ** 16)
+  assert (back[inside] == xf[inside]).all()
+  assert (np.abs(back - xf)[mag < 2.0 ** -41] <= 2.0 ** -49).all()
+  assert np.isinf(back[mag >= 65520 * 2.0 ** 16]).all()             # 65520 x 2^16 rounds hi past 65504
+  assert inside.sum() == 2 * 73 * 128                                  # 73 binades of 128 bf16 values, both signs
 
 
 @pytest.mark.parametrize("G", [7, 10])
@@ -130,7 +149,8 @@ def test_wrapper_adds_only_the_slots_written(G, monkeypatch):
   assert np.abs(got - want).max() < 1e-6 * np.abs(want).max()
 
 
-TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max_concurrent_steps=6, ctas_per_sm=1)]
+TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max_concurrent_steps=6, ctas_per_sm=1),
+           mgpu_gemv.MgpuGemvTuning(fixed_split=True)]
 
 
 @pytest.mark.gpu

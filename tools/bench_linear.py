@@ -46,7 +46,7 @@ flags.DEFINE_list("mgpu_tunings", ["default"], "mgpu_gemv.MgpuGemvTuning overrid
 
 
 def kernel_tuning(cls, text: str, flag: str):
-  """A `cls` (a frozen dataclass of int knobs) from an entry of --`flag`."""
+  """A `cls` (a frozen dataclass of int and bool knobs; a bool is 0 or 1) from an entry of --`flag`."""
   import dataclasses
   if text == "default":
     return cls()
@@ -56,7 +56,9 @@ def kernel_tuning(cls, text: str, flag: str):
     k, _, v = item.partition("=")
     if k not in fields or not v:
       raise ValueError(f"--{flag} entry {text!r}: {item!r} is not FIELD=VALUE of {sorted(fields)}")
-    kw[k] = int(v)
+    if isinstance(getattr(cls(), k), bool) and v not in ("0", "1"):
+      raise ValueError(f"--{flag} entry {text!r}: {k} is 0 or 1, not {v!r}")
+    kw[k] = bool(int(v)) if isinstance(getattr(cls(), k), bool) else int(v)
   return cls(**kw)
 
 

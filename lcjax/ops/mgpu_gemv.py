@@ -24,7 +24,9 @@ operand (one hardware convert per pair on Hopper; exact: every e4m3 value is a f
 x arrives as fp8_gemv.scale_rows makes it: float16 rows with a power-of-two row scale (bf16 x exactly, but for
 values below 2^-28 of their row's absmax), and for float32 x two float16 parts, hi and lo. The parts are stacked
 as rows (x's R rows hi, then its R rows lo), so both ride one wgmma of 2R columns and are added after the kernel:
-no second product.
+no second product. With MgpuGemvTuning.fixed_split, 16-bit x is split instead into two float16 parts at fixed
+exponents (`split_fixed`): no row absmax, so nothing but elementwise work precedes the kernel (which XLA can fuse
+into whatever makes x), at the price of a range: exact for 2^-41 <= |x| < 65504 x 2^16, infinite above.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8, N output channels, Nb =
 N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk tiles per row block, T = Nb * Ks
@@ -58,6 +60,7 @@ class MgpuGemvTuning:
   ctas_per_sm: int = 2           # G = ctas_per_sm x the GPU's SMs (at most T)
   num_ctas: int | None = None    # G, overriding ctas_per_sm
   max_rows: int = WIDEN_MAX_ROWS
+  fixed_split: bool = False      # 16-bit x as `split_fixed`'s two parts instead of row-scaled (module docstring)
 
 
 def unsupported() -> str | None:
@@ -226,7 +229,8 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
   L = w8.shape[0]
   R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
-  x16, xs = scale_rows(x.reshape(R, Kd))                              # [P, R, Kd] float16, [R, 1]
+  fixed = tuning.fixed_split and jnp.dtype(x.dtype).itemsize == 2
+  x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))  # [P, R, Kd] float16, [R, 1] or [P]
   P = x16.shape[0]
   p = plan(R, P, N, Kd, tuning)
   x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
@@ -234,7 +238,26 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   slots = p.slots()                                                   # [J, Nb]
   parts = parts.reshape(slots.shape[0], N // BLOCK_N, BLOCK_N, p.RN)
   yt = jnp.sum(jnp.where(jnp.asarray(slots)[:, :, None, None], parts, 0.0), axis=0).reshape(N, p.RN)
-  y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T               # [R, N]
+  if fixed:                                                           # the parts' own powers of two
+    y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T     # [R, N]
+  else:                                                               # one row scale
+    y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs
   w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
-  return (y * xs * w_scale).reshape(out_shape).astype(x.dtype)
+  return (y * w_scale).reshape(out_shape).astype(x.dtype)
+
+
+SPLIT_HI, SPLIT_LO = 2.0 ** 16, 2.0 ** -24     # x = hi * SPLIT_HI + lo * SPLIT_LO
+
+
+def split_fixed(x2):
+  """16-bit x [R, Kd] -> (x16 [2, R, Kd] float16, (SPLIT_HI, SPLIT_LO)): x = x16[0] * SPLIT_HI + x16[1] * SPLIT_LO,
+  with no reduction. hi = x / 2^16 is x exactly where it is a normal float16 (|x| >= 4: bf16's 8 significant bits
+  fit float16's 11) and infinite from 65504 x 2^16; below 4 it rounds to the subnormal grid, and lo = (x - hi 2^16)
+  2^24 holds the rest: at most 8 significant bits on a grid of 2^-24 for |x| >= 2^-41, so exactly."""
+  xf = x2.astype(jnp.float32)
+  hi = (xf * (1 / SPLIT_HI)).astype(jnp.float16)
+  # The barrier keeps XLA from folding the float16 round trip away (as in fp8_gemv.scale_rows), which zeroes lo.
+  rest = (xf - lax.optimization_barrier(hi).astype(jnp.float32) * SPLIT_HI) * (1 / SPLIT_LO)
+  lo = jnp.where(jnp.isfinite(hi), rest, 0.0).astype(jnp.float16)    # where hi overflowed, x reads as hi: inf
+  return jnp.stack([hi, lo]), jnp.asarray([SPLIT_HI, SPLIT_LO], jnp.float32)
 

@@ -78,7 +78,8 @@ def _kernel_model(layer, x16, w, p):
   per row block it touches, in slot (its rank among the CTAs that touch that row block); slots no CTA writes hold
   NaN (the kernel leaves them unwritten)."""
   wl = np.asarray(w[int(layer[0])].astype(jnp.float32), np.float64)
-  xt = np.asarray(x16.astype(jnp.float32), np.float64).T
+  xt = np.asarray(x16.astype(jnp.float32), np.float64)
+  xt = xt if p.scale_in_kernel else xt.T                            # x^T [Kd, RN] (the kernel scales it exactly)
   Ks, bk = p.Kd // p.bk, p.bk
   out = np.full((p.T, p.N, p.RN), np.nan)
   seen = {}
@@ -94,20 +95,23 @@ def _kernel_model(layer, x16, w, p):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("rows,dtype,G,fixed", [(1, jnp.bfloat16, 3, False), (3, jnp.float32, 5, False),
-                                                (9, jnp.float32, 1, False), (5, jnp.bfloat16, 4, True),
-                                                (3, jnp.float32, 2, True)])
-def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, fixed, monkeypatch):
+@pytest.mark.parametrize("rows,dtype,G,fixed,in_kernel", [
+    (1, jnp.bfloat16, 3, False, False), (3, jnp.float32, 5, False, False), (9, jnp.float32, 1, False, False),
+    (5, jnp.bfloat16, 4, True, False), (3, jnp.float32, 2, True, False), (5, jnp.bfloat16, 4, False, True),
+    (17, jnp.bfloat16, 3, True, True), (3, jnp.float32, 2, False, True)])
+def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, fixed, in_kernel, monkeypatch):
   """Rows scaled and stacked as float16 parts (hi, lo for float32; bf16 rows split at fixed exponents with
-  fixed_split, which float32 rows ignore), padded to 8, the slots summed, parts added and scales applied: against
-  numpy's float64 product, with rows at 1e6 and 1e-6."""
+  fixed_split, or handed over transposed and padded to 16 for scale_in_kernel, both of which float32 rows
+  ignore), padded to 8, the slots summed, parts added and scales applied: against numpy's float64 product, with
+  rows at 1e6 and 1e-6."""
   monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
   rng = np.random.default_rng(rows)
   w8, scale = _stacked(name, rng)
   x = _x(name, rows, rng, dtype)
   spec = LINEAR[name]
   got = mgpu_gemv.gemv_stacked(x, w8, scale, jnp.int32(2), spec,
-                               tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G, fixed_split=fixed))
+                               tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G, fixed_split=fixed,
+                                                               scale_in_kernel=in_kernel))
   want = _numpy_product(x, w8, scale, 2, spec)
   assert got.shape == want.shape and got.dtype == x.dtype
   got = np.asarray(got.astype(jnp.float32), np.float64).reshape(rows, -1)
@@ -133,6 +137,31 @@ def test_split_fixed_is_exact_over_its_range():
   assert inside.sum() == 2 * 73 * 128                                  # 73 binades of 128 bf16 values, both signs
 
 
+def test_tile_scale_is_exact_above_its_threshold():
+  """The in-kernel scaling as plain jnp: columns of bf16 tiles at magnitudes 2^-120 .. 2^120 and one all zero.
+  Each column's float16 absmax lies in [2^13, 2^14) (columns under 2^-113 take the largest scale, 2^126),
+  x16 / s == x exactly for |x| >= 2^-27 of the column's absmax, and below that the error is at most 2^-38 of it
+  (float16's subnormal grid)."""
+  rng = np.random.default_rng(0)
+  exps = np.array([-120, -60, -27, -1, 0, 7, 15, 16, 40, 120, 0, 3, -5, 60, 90, 0])
+  x = rng.standard_normal((256, 16)) * 2.0 ** exps
+  x[:, 10] = 0
+  x[::7, 11] *= 2.0 ** -40                                          # values far below their column's absmax
+  x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+  x16, inv = mgpu_gemv.tile_scale(jnp.asarray(x, jnp.bfloat16))
+  assert x16.dtype == jnp.float16 and inv.shape == (16,)
+  back = np.asarray(x16, np.float64) * np.asarray(inv, np.float64)
+  m = np.abs(x).max(axis=0)
+  top = np.abs(np.asarray(x16, np.float64)).max(axis=0)
+  scalable = m >= 2.0 ** -113
+  assert ((top[scalable] >= 2.0 ** 13) & (top[scalable] < 2.0 ** 14)).all()
+  assert (top[~scalable] == m[~scalable] * 2.0 ** 126).all() and list(np.flatnonzero(~scalable)) == [0, 10]
+  big = (np.abs(x) >= m * 2.0 ** -27) & scalable
+  assert (back[big] == x[big]).all()
+  assert (np.abs(back - x)[:, scalable] <= m[scalable] * 2.0 ** -38).all()
+  assert (~big[:, 11]).sum() > 10                                   # the small values were there
+
+
 @pytest.mark.parametrize("G", [7, 10])
 def test_wrapper_adds_only_the_slots_written(G, monkeypatch):
   """Row blocks touched by different numbers of CTAs (3 row blocks of 4 tiles over G CTAs): the slots the kernel
@@ -150,7 +179,7 @@ def test_wrapper_adds_only_the_slots_written(G, monkeypatch):
 
 
 TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max_concurrent_steps=6, ctas_per_sm=1),
-           mgpu_gemv.MgpuGemvTuning(fixed_split=True)]
+           mgpu_gemv.MgpuGemvTuning(fixed_split=True), mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)]
 
 
 @pytest.mark.gpu

@@ -33,11 +33,15 @@ def _lowered_calls(fn, *args) -> list[str]:
   return re.findall(r"custom_call @([\w$.]+)", exp.mlir_module())
 
 
-@pytest.mark.parametrize("preset_name,rows,dtype", [("llama3-8b", 1, jnp.bfloat16), ("llama3.1-70b", 8, jnp.bfloat16),
-                                                    ("llama3-8b", 64, jnp.float32)])
-def test_gemv_lowers(preset_name, rows, dtype, monkeypatch):
+@pytest.mark.parametrize("preset_name,rows,dtype,tuning", [
+    ("llama3-8b", 1, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning()),
+    ("llama3.1-70b", 8, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning()),
+    ("llama3-8b", 64, jnp.float32, mgpu_gemv.MgpuGemvTuning()),
+    ("llama3.1-70b", 8, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)),
+    ("llama3-8b", 64, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True))])
+def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
   """The fp8 GEMV at the four products of a model, bf16 rows and float32 rows (hi and lo: RN 128, a shorter
-  ring), over 132 SMs."""
+  ring), and with x scaled in the kernel (x^T tiles, a float16 tile written for the wgmma), over 132 SMs."""
   monkeypatch.setattr(mgpu_gemv, "_sm_count", lambda: 132)
   cfg = preset(preset_name)
   D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -49,7 +53,8 @@ def test_gemv_lowers(preset_name, rows, dtype, monkeypatch):
     xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
     sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
     x = S([sizes[c] for c in xs], dtype)
-    calls = _lowered_calls(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec), x, w8, scale, S((), jnp.int32))
+    calls = _lowered_calls(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning), x, w8, scale,
+                           S((), jnp.int32))
     assert calls == [MOSAIC_CALL], (name, calls)
 
 

@@ -26,11 +26,17 @@ values below 2^-28 of their row's absmax), and for float32 x two float16 parts, 
 as rows (x's R rows hi, then its R rows lo), so both ride one wgmma of 2R columns and are added after the kernel:
 no second product. With MgpuGemvTuning.fixed_split, 16-bit x is split instead into two float16 parts at fixed
 exponents (`split_fixed`): no row absmax, so nothing but elementwise work precedes the kernel (which XLA can fuse
-into whatever makes x), at the price of a range: exact for 2^-41 <= |x| < 65504 x 2^16, infinite above.
+into whatever makes x), at the price of a range: exact for 2^-41 <= |x| < 65504 x 2^16, infinite above. With
+MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16 rows ([Kd, RN]:
+Mosaic GPU swizzles shared-memory rows of 32 bytes or more), and the kernel scales each x^T tile [bk, RN] itself
+(`tile_scale`: a power of two per row of x and tile, from the tile's absmax), writes the float16 tile to shared
+memory for the wgmma and multiplies the tile's product by the inverse: nothing but a transpose and a pad before
+the kernel, and no range limit. Neither option is the default: neither is measured on a GPU yet.
 
-Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8, N output channels, Nb =
-N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk tiles per row block, T = Nb * Ks
-tiles, G CTAs, J partial slots per row block, M ring slots (max_concurrent_steps).
+Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16 when scaled in the
+kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk
+tiles per row block, T = Nb * Ks tiles, G CTAs, J partial slots per row block, M ring slots
+(max_concurrent_steps).
 """
 from __future__ import annotations
 
@@ -61,6 +67,8 @@ class MgpuGemvTuning:
   num_ctas: int | None = None    # G, overriding ctas_per_sm
   max_rows: int = WIDEN_MAX_ROWS
   fixed_split: bool = False      # 16-bit x as `split_fixed`'s two parts instead of row-scaled (module docstring)
+  scale_in_kernel: bool = False  # 16-bit x handed over as it is (transposed, padded to 16 rows), each tile scaled
+                                 # to float16 in the kernel (`tile_scale`; overrides fixed_split)
 
 
 def unsupported() -> str | None:
@@ -97,6 +105,7 @@ class Plan:
   bk: int
   G: int
   M: int                         # ring slots (max_concurrent_steps, fewer where x's rows need the room)
+  scale_in_kernel: bool = False  # x arrives transposed [Kd, RN], in its 16-bit dtype, and is scaled tile by tile
 
   @property
   def Ks(self) -> int:
@@ -121,8 +130,10 @@ class Plan:
     return np.arange(count.max())[:, None] < count[None, :]
 
 
-def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTuning()) -> Plan:
-  """Tiles and CTAs for x [R, Kd] in P float16 parts times a weight of N rows of Kd."""
+def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTuning(), *,
+         scale_in_kernel: bool = False) -> Plan:
+  """Tiles and CTAs for x [R, Kd] in P float16 parts (scale_in_kernel: one 16-bit part the kernel scales) times a
+  weight of N rows of Kd."""
   if R > tuning.max_rows:
     raise ValueError(f"{R} rows exceed MgpuGemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
   if tuning.block_k not in (64, 128, 256):
@@ -134,21 +145,24 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
   reason = unsupported_shape(N, Kd)
   if reason:
     raise ValueError(reason)
-  RN = -(-(P * R) // 8) * 8
+  # x^T tiles [bk, RN] in shared memory have rows of RN 16-bit values, and Mosaic GPU swizzles rows of 32 bytes
+  # or more: in-kernel scaling pads x to 16 rows.
+  align = 16 if scale_in_kernel else 8
+  RN = -(-(P * R) // align) * align
   bk, M = math.gcd(Kd, tuning.block_k), tuning.max_concurrent_steps    # bk: a multiple of 64 (unsupported_shape)
-  while smem_bytes(RN, bk, M) > SMEM_BYTES and (M > 2 or bk > 64):     # many rows: a shallower ring, then
-    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                     # narrower tiles
+  while smem_bytes(RN, bk, M, scale_in_kernel) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
+    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
   G = min(T, tuning.num_ctas or tuning.ctas_per_sm * _sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
-  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M)
+  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel)
 
 
-def smem_bytes(RN: int, bk: int, M: int) -> int:
-  """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] float16, and the
-  partial [64, RN] float32 it writes out."""
-  return M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4
+def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False) -> int:
+  """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] 16-bit, the partial
+  [64, RN] float32 it writes out, and with in-kernel scaling the scaled x tile [bk, RN] float16."""
+  return M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if scale_in_kernel else 0)
 
 
 def _load(ref, layout):
@@ -160,15 +174,30 @@ def _load(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
+def tile_scale(xt):
+  """xt [bk, RN] (a tile of x^T) -> (xt * s in float16, 1 / s): s [RN] the power of two that brings each column's
+  absmax into [2^13, 2^14), so that a 16-bit column is exact in float16 but for values below 2^-27 of its absmax
+  (exponents clipped to +-126: an all-zero column gets 2^126). Traced inside the kernel (WGMMA layout) and, as
+  plain jnp, by the tests."""
+  xf = xt.astype(jnp.float32)
+  m = jnp.max(jnp.abs(xf), axis=0)                                   # [RN]
+  e = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23) & 0xFF   # m's biased exponent
+  k = jnp.clip(140 - e, -126, 126)                                   # s = 2^k: m s in [2^13, 2^14)
+  s = lax.bitcast_convert_type(lax.shift_left(k + 127, 23), jnp.float32)
+  inv = lax.bitcast_convert_type(lax.shift_left(127 - k, 23), jnp.float32)
+  return (xf * lax.broadcast_in_dim(s, xf.shape, [1])).astype(jnp.float16), inv
+
+
 def _call(layer, x16, w, p: Plan):
   """The kernel: partials [J, N, RN] float32 (out^T of each CTA's share of a row block; slots `p.slots()` written)
-  for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3."""
+  for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3, or with p.scale_in_kernel x^T [Kd, RN] in x's 16-bit dtype,
+  scaled to float16 tile by tile in the kernel (`tile_scale`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  bk, RN, Ks = p.bk, p.RN, p.Ks
+  bk, RN, Ks, scale_in_kernel = p.bk, p.RN, p.Ks, p.scale_in_kernel
   J = p.slots().shape[0]
 
-  def body(layer_ref, x_ref, w_ref, o_ref, o_smem):
+  def body(layer_ref, x_ref, w_ref, o_ref, o_smem, *xs_smem):
     g = lax.axis_index("g")
     layer = layer_ref[0]
     start = p.first(g)
@@ -183,11 +212,20 @@ def _call(layer, x16, w, p: Plan):
         # shared-memory tile that wgmma reads instead measured 1.45x slower on the Llama-3.1-70B shape)
         a = _load(w_smem, plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
         a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
-        plgpu.wgmma(part_ref, a, x_smem.transpose((1, 0)))             # W tile x^T [bk, RN]
+        plgpu.wgmma(part_ref, a, b)                                    # W tile x^T [bk, RN]
         plgpu.wgmma_wait(0)
         return part_ref[...]
 
+      if scale_in_kernel:             # x_smem is a tile of x^T [bk, RN]
+        x16t, inv = tile_scale(_load(x_smem, plgpu.Layout.WGMMA))
+        xs_smem[0][...] = x16t
+        plgpu.commit_smem()
+        b = xs_smem[0]
+      else:
+        b = x_smem.transpose((1, 0))
       part = pl.run_scoped(tile, plgpu.ACC((BLOCK_N, RN), jnp.float32))
+      if scale_in_kernel:
+        part = part * lax.broadcast_in_dim(inv, part.shape, [1])
       # A row block's first tile in this CTA starts the sum over (a NaN or inf the previous row block met
       # carries into this one's partial too: weights lcjax quantizes have none).
       fresh = (k == 0) | (idx[0] == 0)
@@ -207,6 +245,8 @@ def _call(layer, x16, w, p: Plan):
         step, grid=(count,),
         in_specs=[plgpu.BlockSpec((BLOCK_N, bk), lambda t: (lax.div(start + t, Ks), lax.rem(start + t, Ks)),
                                   transforms=smem_transforms(w.dtype, bk)),
+                  plgpu.BlockSpec((bk, RN), lambda t: (lax.rem(start + t, Ks), 0),
+                                  transforms=smem_transforms(x16.dtype, RN)) if scale_in_kernel else
                   plgpu.BlockSpec((RN, bk), lambda t: (0, lax.rem(start + t, Ks)),
                                   transforms=smem_transforms(jnp.float16, bk))],
         max_concurrent_steps=p.M,
@@ -219,7 +259,9 @@ def _call(layer, x16, w, p: Plan):
       out_type=jax.ShapeDtypeStruct((J, p.N, RN), jnp.float32),
       grid=(p.G,),
       grid_names=("g",),
-      scratch_types=[plgpu.SMEM((BLOCK_N, RN), jnp.float32)],
+      scratch_types=[plgpu.SMEM((BLOCK_N, RN), jnp.float32)] + (
+          [plgpu.SMEM((bk, RN), jnp.float16, transforms=smem_transforms(jnp.float16, RN))] if scale_in_kernel
+          else []),
   )(layer, x16, w)
 
 
@@ -229,18 +271,26 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
   L = w8.shape[0]
   R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
-  fixed = tuning.fixed_split and jnp.dtype(x.dtype).itemsize == 2
-  x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))  # [P, R, Kd] float16, [R, 1] or [P]
-  P = x16.shape[0]
-  p = plan(R, P, N, Kd, tuning)
-  x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
+  wide = jnp.dtype(x.dtype).itemsize > 2
+  if tuning.scale_in_kernel and not wide:                             # x^T as it is, padded: [Kd, RN]
+    P, xs = 1, None
+    p = plan(R, P, N, Kd, tuning, scale_in_kernel=True)
+    x16 = jnp.pad(x.reshape(R, Kd), ((0, p.RN - R), (0, 0))).T
+  else:
+    fixed = tuning.fixed_split and not wide
+    x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))   # [P, R, Kd] float16, [R, 1] or [P]
+    P = x16.shape[0]
+    p = plan(R, P, N, Kd, tuning)
+    x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
   parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p)   # [J, N, RN]
   slots = p.slots()                                                   # [J, Nb]
   parts = parts.reshape(slots.shape[0], N // BLOCK_N, BLOCK_N, p.RN)
   yt = jnp.sum(jnp.where(jnp.asarray(slots)[:, :, None, None], parts, 0.0), axis=0).reshape(N, p.RN)
-  if fixed:                                                           # the parts' own powers of two
-    y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T     # [R, N]
-  else:                                                               # one row scale
+  if xs is None:                                                      # scaled and unscaled in the kernel
+    y = yt[:, :R].T                                                   # [R, N]
+  elif xs.ndim == 1:                                                  # split_fixed: each part's power of two
+    y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T
+  else:                                                               # scale_rows: one row scale
     y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs
   w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
   return (y * w_scale).reshape(out_shape).astype(x.dtype)

@@ -73,11 +73,19 @@ def test_plan_fits_shared_memory(R, P, M, bk):
   assert mgpu_gemv.smem_bytes(p.RN, p.bk, p.M) <= mgpu_gemv.SMEM_BYTES
 
 
+SEEN = []      # the plans _kernel_model was called with
+
+
 def _kernel_model(layer, x16, w, p):
   """The kernel's contract in numpy: CTA g sums tile products W[n-block, k-tile] x16^T over its range, one partial
   per row block it touches, in slot (its rank among the CTAs that touch that row block); slots no CTA writes hold
   NaN (the kernel leaves them unwritten)."""
   wl = np.asarray(w[int(layer[0])].astype(jnp.float32), np.float64)
+  SEEN.append(p)
+  if p.scale_in_kernel:                                             # x^T as the layer made it, padded
+    assert x16.shape == (p.Kd, p.RN) and x16.dtype == jnp.bfloat16 and p.RN in (16, 32, 64), (x16.shape, x16.dtype)
+  else:                                                             # float16 parts as rows
+    assert x16.shape == (p.RN, p.Kd) and x16.dtype == jnp.float16, (x16.shape, x16.dtype)
   xt = np.asarray(x16.astype(jnp.float32), np.float64)
   xt = xt if p.scale_in_kernel else xt.T                            # x^T [Kd, RN] (the kernel scales it exactly)
   Ks, bk = p.Kd // p.bk, p.bk
@@ -114,6 +122,10 @@ def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, fixed, in_kern
                                                                scale_in_kernel=in_kernel))
   want = _numpy_product(x, w8, scale, 2, spec)
   assert got.shape == want.shape and got.dtype == x.dtype
+  p = SEEN[-1]                                                      # the path the wrapper took
+  sixteen = dtype == jnp.bfloat16
+  assert p.scale_in_kernel == (in_kernel and sixteen)
+  assert p.P == (1 if p.scale_in_kernel else 2 if (fixed and sixteen) or not sixteen else 1)
   got = np.asarray(got.astype(jnp.float32), np.float64).reshape(rows, -1)
   want = want.reshape(rows, -1)
   tol = 2 ** -8 if dtype == jnp.bfloat16 else 1e-6

@@ -27,14 +27,15 @@ as rows (x's R rows hi, then its R rows lo), so both ride one wgmma of 2R column
 no second product. With MgpuGemvTuning.fixed_split, 16-bit x is split instead into two float16 parts at fixed
 exponents (`split_fixed`): no row absmax, so nothing but elementwise work precedes the kernel (which XLA can fuse
 into whatever makes x), at the price of a range: exact for 2^-41 <= |x| < 65504 x 2^16, infinite above. With
-MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16 rows ([Kd, RN]:
-Mosaic GPU swizzles shared-memory rows of 32 bytes or more), and the kernel scales each x^T tile [bk, RN] itself
-(`tile_scale`: a power of two per row of x and tile, from the tile's absmax), writes the float16 tile to shared
-memory for the wgmma and multiplies the tile's product by the inverse: nothing but a transpose and a pad before
-the kernel, and no range limit. Neither option is the default: neither is measured on a GPU yet.
+MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16, 32 or 64 rows
+([Kd, RN]: Mosaic GPU swizzles shared-memory rows of exactly 32, 64 or 128 bytes), and the kernel scales each x^T
+tile [bk, RN] itself (`tile_scale`: a power of two per row of x and tile, from that row's absmax within the
+tile), writes the float16 tile to shared memory for the wgmma and multiplies the tile's product by the inverse:
+nothing but a transpose and a pad before the kernel, and no range limit. Neither option is the default:
+neither is measured on a GPU yet.
 
-Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16 when scaled in the
-kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk
+Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16, 32 or 64 when
+scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk
 tiles per row block, T = Nb * Ks tiles, G CTAs, J partial slots per row block, M ring slots
 (max_concurrent_steps).
 """
@@ -145,10 +146,9 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
   reason = unsupported_shape(N, Kd)
   if reason:
     raise ValueError(reason)
-  # x^T tiles [bk, RN] in shared memory have rows of RN 16-bit values, and Mosaic GPU swizzles rows of 32 bytes
-  # or more: in-kernel scaling pads x to 16 rows.
-  align = 16 if scale_in_kernel else 8
-  RN = -(-(P * R) // align) * align
+  # x^T tiles [bk, RN] in shared memory have rows of RN 16-bit values, and Mosaic GPU swizzles rows of exactly 32,
+  # 64 or 128 bytes: in-kernel scaling pads x to 16, 32 or 64 rows.
+  RN = next(n for n in (16, 32, 64) if n >= R) if scale_in_kernel else -(-(P * R) // 8) * 8
   bk, M = math.gcd(Kd, tuning.block_k), tuning.max_concurrent_steps    # bk: a multiple of 64 (unsupported_shape)
   while smem_bytes(RN, bk, M, scale_in_kernel) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
     M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
@@ -271,7 +271,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
   L = w8.shape[0]
   R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
-  wide = jnp.dtype(x.dtype).itemsize > 2
+  wide = jnp.dtype(x.dtype).itemsize != 2
   if tuning.scale_in_kernel and not wide:                             # x^T as it is, padded: [Kd, RN]
     P, xs = 1, None
     p = plan(R, P, N, Kd, tuning, scale_in_kernel=True)
@@ -301,7 +301,7 @@ SPLIT_HI, SPLIT_LO = 2.0 ** 16, 2.0 ** -24     # x = hi * SPLIT_HI + lo * SPLIT_
 
 def split_fixed(x2):
   """16-bit x [R, Kd] -> (x16 [2, R, Kd] float16, (SPLIT_HI, SPLIT_LO)): x = x16[0] * SPLIT_HI + x16[1] * SPLIT_LO,
-  with no reduction. hi = x / 2^16 is x exactly where it is a normal float16 (|x| >= 4: bf16's 8 significant bits
+  with no reduction. hi 2^16 is x exactly where it is a normal float16 (|x| >= 4: bf16's 8 significant bits
   fit float16's 11) and infinite from 65504 x 2^16; below 4 it rounds to the subnormal grid, and lo = (x - hi 2^16)
   2^24 holds the rest: at most 8 significant bits on a grid of 2^-24 for |x| >= 2^-41, so exactly."""
   xf = x2.astype(jnp.float32)

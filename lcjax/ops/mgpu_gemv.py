@@ -35,8 +35,8 @@ nothing but a transpose and a pad before the kernel, and no range limit. Neither
 neither is measured on a GPU yet.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16, 32 or 64 when
-scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per tile, Ks = Kd / bk
-tiles per row block, T = Nb * Ks tiles, G CTAs, J partial slots per row block, M ring slots
+scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per
+tile, Ks = Kd / bk tiles per row block, T = Nb * Ks tiles, G CTAs, J partial slots per row block, M ring slots
 (max_concurrent_steps).
 """
 from __future__ import annotations

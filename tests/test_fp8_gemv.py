@@ -48,6 +48,31 @@ def _x(name, rows, rng, dtype):
   return jnp.asarray(x, dtype)
 
 
+def model_weight_shapes(cfg) -> dict:
+  """Model-layout shapes of one layer's four linear weights of cfg, by checkpoint name."""
+  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+  return {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+          "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+
+
+def x_shape(spec: str, shape, rows: int) -> list[int]:
+  """The shape of x ([1, rows, ...]) that einsum `spec` multiplies by a weight of model-layout `shape`."""
+  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+  sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
+  return [sizes[c] for c in xs]
+
+
+def model_products(preset_name: str, rows: int):
+  """(name, spec, w8, scale, x) of each linear weight of a preset's layer: 2 stacked layers quantized from normal
+  draws, x of `rows` rows in bf16."""
+  key = jax.random.PRNGKey(0)
+  for name, shape in model_weight_shapes(preset(preset_name)).items():
+    spec = LINEAR[name]
+    w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
+        jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)
+    yield name, spec, w8, scale, jax.random.normal(key, x_shape(spec, shape, rows), jnp.bfloat16)
+
+
 def _numpy_product(x, w8, scale, layer, spec):
   """einsum(spec, x, dequantized weight of `layer`) in float64, from the K-major bytes and scales."""
   xs, ws, out = linear.contracted(spec)
@@ -249,18 +274,7 @@ def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeyp
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
   """Compiled on the GPU at real shapes: against the float32 reference, bf16 activations."""
-  cfg = preset(preset_name)
-  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-  shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-            "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
-  key = jax.random.PRNGKey(0)
-  for name, shape in shapes.items():
-    spec = LINEAR[name]
-    w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
-        jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)
-    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
-    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
-    x = jax.random.normal(key, [sizes[c] for c in xs], jnp.bfloat16)
+  for name, spec, w8, scale, x in model_products(preset_name, rows):
     fn = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))
     assert "lcjax_fp8_gemv" in fn.lower(x, w8, scale, jnp.int32(1)).as_text()
     got = fn(x, w8, scale, jnp.int32(1)).astype(jnp.float32)

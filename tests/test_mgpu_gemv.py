@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lcjax.config import preset
 from lcjax.model.llama import LINEAR
-from lcjax.ops import fp8_gemv, linear, mgpu_gemv
+from lcjax.ops import fp8_gemv, mgpu_gemv
 
-from tests.test_fp8_gemv import _numpy_product, _random_e4m3, _stacked, _x
+from tests.test_fp8_gemv import _numpy_product, _random_e4m3, _stacked, _x, model_products
 
 NAMES = ["layers/attn/wqkv", "layers/mlp/w_down"]   # test_fp8_gemv's shapes whose N and Kd are multiples of 64
 
@@ -199,18 +198,7 @@ TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
   """Compiled on the GPU at real shapes, each tuning: against the float32 reference, bf16 activations."""
-  cfg = preset(preset_name)
-  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-  shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-            "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
-  key = jax.random.PRNGKey(0)
-  for name, shape in shapes.items():
-    spec = LINEAR[name]
-    w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
-        jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)
-    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
-    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
-    x = jax.random.normal(key, [sizes[c] for c in xs], jnp.bfloat16)
+  for name, spec, w8, scale, x in model_products(preset_name, rows):
     want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     for tuning in TUNINGS:
       got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning))(

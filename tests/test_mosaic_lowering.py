@@ -20,6 +20,7 @@ from jax import export
 from lcjax.config import preset
 from lcjax.model.llama import LINEAR
 from lcjax.ops import linear, mgpu_gemv, mgpu_paged, pallas_flash
+from tests.test_fp8_gemv import model_weight_shapes, x_shape
 
 S = jax.ShapeDtypeStruct
 MOSAIC_CALL = "mosaic_gpu_v2"          # the custom call a lowered Mosaic GPU kernel becomes
@@ -64,16 +65,10 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
   """The fp8 GEMV at the four products of a model, bf16 rows and float32 rows (hi and lo: RN 128, a shorter
   ring), and with x scaled in the kernel (x^T tiles, a float16 tile written for the wgmma), over 132 SMs."""
   monkeypatch.setattr(mgpu_gemv, "_sm_count", lambda: 132)
-  cfg = preset(preset_name)
-  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-  model_shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-                  "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
-  for name, shape in model_shapes.items():
+  for name, shape in model_weight_shapes(preset(preset_name)).items():
     spec = LINEAR[name]
     w8, scale = jax.eval_shape(jax.vmap(lambda a: linear.quantize_weight(a, spec)), S((2, *shape), jnp.bfloat16))
-    xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
-    sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
-    x = S([sizes[c] for c in xs], dtype)
+    x = S(x_shape(spec, shape, rows), dtype)
     calls = _lowered_calls(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning), x, w8, scale,
                            S((), jnp.int32))
     assert calls == [MOSAIC_CALL], (name, calls)

@@ -180,7 +180,16 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
-def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla"):
+def token_page_offset(slots, page_size: int, pool_pages: int, first: int | jax.Array = 0):
+  """A decode step's flat slots [B, 1] -> (page [B] in a pool of `pool_pages` pages holding global pages first ..,
+  out of its range: `pool_pages`; offset [B] in the page): where write_kv's kernel writes each row's token. The
+  model computes it once a call, before its layer scan, so the scan does not recompute it for every layer."""
+  s = slots[:, 0]
+  return _local_pages(s // page_size, first, pool_pages), s % page_size
+
+
+def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla",
+             token_at=None):
   """K and V [B, T, K, H] (activation dtype) into layer `layer` of their pools [L, P, Z, K, H] at flat slots
   [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
   otherwise). With `shard` (inside shard_map over `seq`), the pools are that shard's local [L, P/S, Z, K, H] (and
@@ -188,15 +197,15 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   here (they write them). kernel: what writes a decode step (one token a row, T = 1) into fp8 pools: "xla"
   (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas" (lcjax.ops.fp8_page_write: K,
   V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that kernel in the Pallas
-  interpreter). Other writes take `_write` whatever `kernel` says. Returns (k_all, v_all, k_scale, v_scale)."""
+  interpreter). Other writes take `_write` whatever `kernel` says. token_at: `token_page_offset` of the call,
+  made before the layer scan (None: computed here). Returns (k_all, v_all, k_scale, v_scale)."""
   if kernel not in WRITE_KERNELS:
     raise ValueError(f"{kernel=} must be one of {', '.join(WRITE_KERNELS)}")
   first = 0 if shard is None else shard * k_all.shape[1]
   if kernel != "xla" and k_scale is not None and slots.shape[1] == 1:
     Pl, Z = k_all.shape[1:3]
-    s = slots[:, 0]
-    page = _local_pages(s // Z, first, Pl)
-    return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, s % Z, layer,
+    page, offset = token_page_offset(slots, Z, Pl, first) if token_at is None else token_at
+    return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer,
                                       interpret=kernel == "pallas-interpret")
   k_all, k_scale = _write(k_all, k_scale, k, slots, pages, layer, first)
   v_all, v_scale = _write(v_all, v_scale, v, slots, pages, layer, first)

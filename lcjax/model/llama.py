@@ -197,6 +197,7 @@ class CallContext:
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
   rope: tuple[jax.Array, jax.Array]   # rope_angles(positions): (cos, sin) [B, T, 1, H/2], once for every layer
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
+  token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a one-token call into unsharded fp8 pools
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
 
 
@@ -354,7 +355,7 @@ class Llama(nnx.Module):
     k_all, v_all, layer, k_scale, v_scale = cache_l
     L, P = k_all.shape[:2]
     k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
-                                                  layer, kernel=self.page_write)
+                                                  layer, kernel=self.page_write, token_at=step.token_at)
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
     offset = layer * P                      # layer `layer`'s page p is pool page offset + p
     ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
@@ -491,8 +492,12 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
+    # Where a decode step's token goes in unsharded fp8 pools, once for every layer (in the scan, XLA ran it as
+    # two small kernels a layer).
+    token_at = (kvc.token_page_offset(slots, cache.page_size, cache.k.shape[1])
+                if pages is not None and self.mesh is None and T == 1 else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
-                       rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split)
+                       rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

@@ -21,18 +21,21 @@ Each tile is read from shared memory into registers in the layout whose float16 
 operand (one hardware convert per pair on Hopper; exact: every e4m3 value is a float16) and multiplied with x^T
 [bk, RN] float16 from shared memory, float32 accumulation.
 
-x arrives as fp8_gemv.scale_rows makes it: float16 rows with a power-of-two row scale (bf16 x exactly, but for
-values below 2^-28 of their row's absmax), and for float32 x two float16 parts, hi and lo. The parts are stacked
-as rows (x's R rows hi, then its R rows lo), so both ride one wgmma of 2R columns and are added after the kernel:
-no second product. With MgpuGemvTuning.fixed_split, 16-bit x is split instead into two float16 parts at fixed
-exponents (`split_fixed`): no row absmax, so nothing but elementwise work precedes the kernel (which XLA can fuse
-into whatever makes x), at the price of a range: exact for 2^-41 <= |x| < 65504 x 2^16, infinite above. With
-MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16, 32 or 64 rows
-([Kd, RN]: Mosaic GPU swizzles shared-memory rows of exactly 32, 64 or 128 bytes), and the kernel scales each x^T
-tile [bk, RN] itself (`tile_scale`: a power of two per row of x and tile, from that row's absmax within the
-tile), writes the float16 tile to shared memory for the wgmma and multiplies the tile's product by the inverse:
-nothing but a transpose and a pad before the kernel, and no range limit. Neither option is the default:
-neither is measured on a GPU yet.
+16-bit x (the model's bf16 activations) arrives split into two float16 parts at fixed exponents (`split_fixed`:
+|x| >= 1/4 and the rest, each scaled by its own power of two), exact for 2^-35 <= |x| < 2^31, infinite from 2^31,
+within 2^-43 below 2^-35. No row absmax is needed, so only elementwise work precedes the kernel, and XLA fuses it
+into whatever makes x: on the Llama-3-8B's decode step at 32K this removed three reductions a layer, 4.97 -> 4.57
+ms/token in one call (benchmarks/NOTES-fp8w.md, call 33). float32 x, and 16-bit x with
+MgpuGemvTuning(fixed_split=False), arrives as fp8_gemv.scale_rows makes it instead: float16 rows with a
+power-of-two row scale (16-bit x exactly, but for values below 2^-28 of their row's absmax, and no range limit),
+for float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows of the first part, then its
+R rows of the second), so both ride one wgmma of 2R columns and are added after the kernel: no second product.
+With MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16, 32 or 64
+rows ([Kd, RN]: Mosaic GPU swizzles shared-memory rows of exactly 32, 64 or 128 bytes), and the kernel scales
+each x^T tile [bk, RN] itself (`tile_scale`: a power of two per row of x and tile, from that row's absmax within
+the tile), writes the float16 tile to shared memory for the wgmma and multiplies the tile's product by the
+inverse: nothing but a transpose and a pad before the kernel, and no range limit, but the per-step cross-warp max
+made the kernel 37% slower (5.37 against 4.82 ms/token on that step, call 32): it is not the default.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16, 32 or 64 when
 scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per
@@ -67,7 +70,7 @@ class MgpuGemvTuning:
   ctas_per_sm: int = 2           # G = ctas_per_sm x the GPU's SMs (at most T)
   num_ctas: int | None = None    # G, overriding ctas_per_sm
   max_rows: int = WIDEN_MAX_ROWS
-  fixed_split: bool = False      # 16-bit x as `split_fixed`'s two parts instead of row-scaled (module docstring)
+  fixed_split: bool = True       # 16-bit x as `split_fixed`'s two parts (False: row-scaled; module docstring)
   scale_in_kernel: bool = False  # 16-bit x handed over as it is (transposed, padded to 16 rows), each tile scaled
                                  # to float16 in the kernel (`tile_scale`; overrides fixed_split)
 
@@ -217,9 +220,12 @@ def _call(layer, x16, w, p: Plan):
         return part_ref[...]
 
       if scale_in_kernel:             # x_smem is a tile of x^T [bk, RN]
+        # One float16 buffer serves every step. The column max inside tile_scale reduces across the warpgroup's
+        # four warps through shared memory behind a warpgroup barrier, which every warp reaches only after its
+        # wgmma_wait of the previous step: no warp overwrites the buffer while the previous wgmma reads it.
         x16t, inv = tile_scale(_load(x_smem, plgpu.Layout.WGMMA))
         xs_smem[0][...] = x16t
-        plgpu.commit_smem()
+        plgpu.commit_smem()           # a proxy fence and a warpgroup barrier: the whole tile is there for wgmma
         b = xs_smem[0]
       else:
         b = x_smem.transpose((1, 0))
@@ -269,6 +275,11 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
   and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar. Its float32
   model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
+  return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning).astype(x.dtype)
+
+
+def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning()):
+  """gemv_stacked's product in float32, before the cast to x's dtype."""
   L = w8.shape[0]
   R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
   wide = jnp.dtype(x.dtype).itemsize != 2
@@ -283,9 +294,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
     p = plan(R, P, N, Kd, tuning)
     x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
   parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p)   # [J, N, RN]
-  slots = p.slots()                                                   # [J, Nb]
-  parts = parts.reshape(slots.shape[0], N // BLOCK_N, BLOCK_N, p.RN)
-  yt = jnp.sum(jnp.where(jnp.asarray(slots)[:, :, None, None], parts, 0.0), axis=0).reshape(N, p.RN)
+  yt = sum_slots(parts, p.slots())                                    # [N, RN]
   if xs is None:                                                      # scaled and unscaled in the kernel
     y = yt[:, :R].T                                                   # [R, N]
   elif xs.ndim == 1:                                                  # split_fixed: each part's power of two
@@ -293,21 +302,33 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   else:                                                               # scale_rows: one row scale
     y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs
   w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
-  return (y * w_scale).reshape(out_shape).astype(x.dtype)
+  return (y * w_scale).reshape(out_shape)
 
 
-SPLIT_HI, SPLIT_LO = 2.0 ** 16, 2.0 ** -24     # x = hi * SPLIT_HI + lo * SPLIT_LO
+def sum_slots(parts, slots: np.ndarray):
+  """parts [J, N, RN] -> [N, RN]: each row block's written slots added (slots [J, Nb], static). Written as J - 1
+  elementwise adds of static slices rather than a reduce, so that XLA can fuse it into whatever consumes the
+  product (a reduce would be a kernel of its own)."""
+  J, Nb = slots.shape
+  parts = parts.reshape(J, Nb, BLOCK_N, parts.shape[-1])
+  total = parts[0]                                                    # every row block writes slot 0
+  for j in range(1, J):
+    total = total + jnp.where(jnp.asarray(slots[j])[:, None, None], parts[j], 0.0)
+  return total.reshape(Nb * BLOCK_N, parts.shape[-1])
+
+
+SPLIT_BAND = 0.25                               # |x| >= SPLIT_BAND rides in hi, the rest in lo
+SPLIT_HI, SPLIT_LO = 2.0 ** -15, 2.0 ** 18      # hi = x * SPLIT_HI, lo = x * SPLIT_LO, each where its band holds x
 
 
 def split_fixed(x2):
-  """16-bit x [R, Kd] -> (x16 [2, R, Kd] float16, (SPLIT_HI, SPLIT_LO)): x = x16[0] * SPLIT_HI + x16[1] * SPLIT_LO,
-  with no reduction. hi 2^16 is x exactly where it is a normal float16 (|x| >= 4: bf16's 8 significant bits
-  fit float16's 11) and infinite from 65504 x 2^16; below 4 it rounds to the subnormal grid, and lo = (x - hi 2^16)
-  2^24 holds the rest: at most 8 significant bits on a grid of 2^-24 for |x| >= 2^-41, so exactly."""
+  """16-bit x [R, Kd] -> (x16 [2, R, Kd] float16, (1 / SPLIT_HI, 1 / SPLIT_LO)): x = x16[0] / SPLIT_HI + x16[1] /
+  SPLIT_LO, with no reduction and no rounding round trip, so XLA can fuse it into whatever makes x. Each value goes
+  whole into one part by its magnitude: |x| >= 1/4 as x 2^-15 (in [2^-17, 2^16): bf16's 8 significant bits on
+  float16's grid, exactly, up to the largest bf16 below 2^31; from 2^31 on, infinite), smaller ones as x 2^18
+  (exact for |x| >= 2^-35; below, the float16 subnormal grid leaves an error of at most 2^-43). NaN rides in lo."""
   xf = x2.astype(jnp.float32)
-  hi = (xf * (1 / SPLIT_HI)).astype(jnp.float16)
-  # The barrier keeps XLA from folding the float16 round trip away (as in fp8_gemv.scale_rows), which zeroes lo.
-  rest = (xf - lax.optimization_barrier(hi).astype(jnp.float32) * SPLIT_HI) * (1 / SPLIT_LO)
-  lo = jnp.where(jnp.isfinite(hi), rest, 0.0).astype(jnp.float16)    # where hi overflowed, x reads as hi: inf
-  return jnp.stack([hi, lo]), jnp.asarray([SPLIT_HI, SPLIT_LO], jnp.float32)
-
+  big = jnp.abs(xf) >= SPLIT_BAND
+  hi = jnp.where(big, xf * SPLIT_HI, 0.0).astype(jnp.float16)
+  lo = jnp.where(big, 0.0, xf * SPLIT_LO).astype(jnp.float16)
+  return jnp.stack([hi, lo]), jnp.asarray([1 / SPLIT_HI, 1 / SPLIT_LO], jnp.float32)

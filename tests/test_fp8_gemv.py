@@ -19,7 +19,7 @@ from flax import nnx
 import lcjax
 from lcjax.config import ConfigError, RunConfig, WeightFormat, preset
 from lcjax.engine import placement
-from lcjax.model.llama import LINEAR, Llama
+from lcjax.model.llama import LINEAR, Llama, linear_shapes
 from lcjax.ops import fp8_gemv, linear
 
 L = 3
@@ -48,11 +48,21 @@ def _x(name, rows, rng, dtype):
   return jnp.asarray(x, dtype)
 
 
-def model_weight_shapes(cfg) -> dict:
-  """Model-layout shapes of one layer's four linear weights of cfg, by checkpoint name."""
-  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-  return {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-          "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+@pytest.mark.parametrize("name", ["tiny", "llama3-8b", "llama3.1-70b"])
+def test_linear_shapes_are_the_models(name):
+  """llama.linear_shapes is what the model makes (its fp8 weights, the layer axis dropped), and product_dims is
+  product_layout's (N, Kd) of the K-major stacked weight the GEMV kernels read."""
+  from lcjax.model.llama import product_dims
+  cfg = dataclasses.replace(preset(name), n_layers=2)
+  state = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, weights=WeightFormat(fp8=True), rngs=nnx.Rngs(0)))
+  layers = nnx.state(state)["layers"]
+  for ckpt, shape in linear_shapes(cfg).items():
+    _, block, w = ckpt.split("/")
+    w8 = layers[block][w]
+    spec = LINEAR[ckpt]
+    R, N, Kd, _ = fp8_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
+    assert (w8.shape[0], product_dims(ckpt, shape)) == (2, (N, Kd)), ckpt
+    assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
 
 
 def x_shape(spec: str, shape, rows: int) -> list[int]:
@@ -66,7 +76,7 @@ def model_products(preset_name: str, rows: int):
   """(name, spec, w8, scale, x) of each linear weight of a preset's layer: 2 stacked layers quantized from normal
   draws, x of `rows` rows in bf16."""
   key = jax.random.PRNGKey(0)
-  for name, shape in model_weight_shapes(preset(preset_name)).items():
+  for name, shape in linear_shapes(preset(preset_name)).items():
     spec = LINEAR[name]
     w8, scale = jax.jit(jax.vmap(lambda a: linear.quantize_weight(a, spec)))(
         jax.random.normal(key, (2, *shape), jnp.bfloat16) * 0.02)

@@ -18,9 +18,9 @@ import pytest
 from jax import export
 
 from lcjax.config import preset
-from lcjax.model.llama import LINEAR
+from lcjax.model.llama import LINEAR, linear_shapes
 from lcjax.ops import linear, mgpu_gemv, mgpu_paged, pallas_flash
-from tests.test_fp8_gemv import model_weight_shapes, x_shape
+from tests.test_fp8_gemv import x_shape
 
 S = jax.ShapeDtypeStruct
 MOSAIC_CALL = "mosaic_gpu_v2"          # the custom call a lowered Mosaic GPU kernel becomes
@@ -65,7 +65,7 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
   """The fp8 GEMV at the four products of a model, bf16 rows and float32 rows (hi and lo: RN 128, a shorter
   ring), and with x scaled in the kernel (x^T tiles, a float16 tile written for the wgmma), over 132 SMs."""
   monkeypatch.setattr(mgpu_gemv, "_sm_count", lambda: 132)
-  for name, shape in model_weight_shapes(preset(preset_name)).items():
+  for name, shape in linear_shapes(preset(preset_name)).items():
     spec = LINEAR[name]
     w8, scale = jax.eval_shape(jax.vmap(lambda a: linear.quantize_weight(a, spec)), S((2, *shape), jnp.bfloat16))
     x = S(x_shape(spec, shape, rows), dtype)

@@ -84,7 +84,7 @@ def main(argv):
   import jax.numpy as jnp
   from lcjax.config import preset
   from lcjax.engine.steps import decode_compiler_options
-  from lcjax.model.llama import LINEAR
+  from lcjax.model.llama import LINEAR, linear_shapes
   from lcjax.ops import fp8_gemv, linear, mgpu_gemv
   kernels = {"gemv": (fp8_gemv.gemv_stacked, {t: kernel_tuning(fp8_gemv.GemvTuning, t, "gemv_tunings")
                                               for t in FLAGS.gemv_tunings}),
@@ -94,9 +94,7 @@ def main(argv):
   key = jax.random.PRNGKey(0)
   for name in FLAGS.presets:
     cfg = preset(name)
-    D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-              "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+    shapes = linear_shapes(cfg)
     L = FLAGS.layers
     ws = {n: (jax.random.normal(key, (L, *s), jnp.float32) * 0.02).astype(jnp.bfloat16) for n, s in shapes.items()}
     q = {n: jax.jit(jax.vmap(lambda w, n=n: linear.quantize_weight(w, LINEAR[n])))(w) for n, w in ws.items()}

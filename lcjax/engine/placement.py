@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
-from lcjax.model.llama import Llama, check_mesh, repeat_kv_heads
+from lcjax.model.llama import Llama, check_mesh, linear_shapes, product_dims, repeat_kv_heads
 from lcjax.ops import fp8_gemv, fp8_page_write, mgpu_gemv
 
 
@@ -77,10 +77,8 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
 def gemv_kernels_unsupported(cfg: ModelConfig) -> dict[str, str | None]:
   """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
   prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+)."""
-  D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
-  shapes = {"wqkv": (cfg.n_kv_heads * (cfg.n_heads // cfg.n_kv_heads + 2) * H, D), "wo": (D, cfg.n_heads * H),
-            "w_gate_up": (2 * F, D), "w_down": (D, F)}                # (N, Kd): output channels, contracted length
-  bad = [f"{name}: {why}" for name, s in shapes.items() if (why := mgpu_gemv.unsupported_shape(*s))]
+  dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg).items()}
+  bad = [f"{name}: {why}" for name, s in dims.items() if (why := mgpu_gemv.unsupported_shape(*s))]
   return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": fp8_gemv.unsupported()}
 
 

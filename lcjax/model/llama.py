@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +142,12 @@ class Attention(nnx.Module):
   QKV, OUT = "btd,dkgh->btkgh", "btnh,nhd->btd"
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
-    D, N, K, H = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    _linear(self, "wqkv", rngs, (D, K, N // K + 2, H), ("embed", "kv_heads", None, "head_dim"), dtype, D ** -0.5,
-            n_layers, self.QKV, weights)
-    _linear(self, "wo", rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5, n_layers,
-            self.OUT, weights)
+    D, N, H = cfg.dim, cfg.n_heads, cfg.head_dim
+    shapes = linear_shapes(cfg)
+    _linear(self, "wqkv", rngs, shapes["layers/attn/wqkv"], ("embed", "kv_heads", None, "head_dim"), dtype,
+            D ** -0.5, n_layers, self.QKV, weights)
+    _linear(self, "wo", rngs, shapes["layers/attn/wo"], ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5,
+            n_layers, self.OUT, weights)
 
   def qkv(self, x, rope, gemv=None):
     """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
@@ -167,9 +169,11 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     D, F = cfg.dim, cfg.ffn_dim
-    _linear(self, "w_gate_up", rngs, (D, 2, F), ("embed", None, "mlp"), dtype, D ** -0.5, n_layers, self.GATE_UP,
-            weights)
-    _linear(self, "w_down", rngs, (F, D), ("mlp", "embed"), dtype, F ** -0.5, n_layers, self.DOWN, weights)
+    shapes = linear_shapes(cfg)
+    _linear(self, "w_gate_up", rngs, shapes["layers/mlp/w_gate_up"], ("embed", None, "mlp"), dtype, D ** -0.5,
+            n_layers, self.GATE_UP, weights)
+    _linear(self, "w_down", rngs, shapes["layers/mlp/w_down"], ("mlp", "embed"), dtype, F ** -0.5, n_layers,
+            self.DOWN, weights)
 
   def __call__(self, x, gemv=None):
     gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv)      # [B, T, 2, F]
@@ -217,6 +221,24 @@ def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -
 # The linear layers' weights (checkpoint names) and the einsum each is the second operand of.
 LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "layers/mlp/w_gate_up": MLP.GATE_UP,
           "layers/mlp/w_down": MLP.DOWN}
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The model-layout shapes of one layer's four linear weights, by checkpoint name (LINEAR's keys)."""
+  D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+  return {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+          "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+
+
+def product_dims(name: str, shape) -> tuple[int, int]:
+  """(N, Kd) of linear weight `name` of model-layout `shape`: its output channels and its contracted length, as
+  LINEAR's einsum multiplies it (the axes it shares with x are contracted)."""
+  spec = LINEAR[name]
+  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+  Kd = math.prod(s for c, s in zip(ws, shape) if c in xs)
+  return math.prod(shape) // Kd, Kd
+
+
 # The fp8 weights and scales a decode-sized call's layer scan holds whole for the GEMV kernel (Llama._gemv).
 _HELD = frozenset(n.split("/")[-1] + sfx for n in LINEAR for sfx in ("", "_scale"))
 # Llama(decode_linear=...): the product decode-sized calls over fp8 weights run.

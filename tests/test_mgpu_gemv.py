@@ -132,6 +132,37 @@ def test_wrapper_around_the_kernel_contract(name, rows, dtype, G, fixed, in_kern
   assert (err < tol).all(), err
 
 
+@pytest.mark.parametrize("G", [3, 7])
+def test_float16_rows_go_as_they_are(G, monkeypatch):
+  """float16 x is the kernel's operand unchanged (one part, no scale, no split): the float32 product against
+  numpy's float64 to 1e-6, with values across float16's range (a split of them would lose bits: x 2^-15 of values
+  below 2 is subnormal)."""
+  monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
+  name = "layers/mlp/w_down"
+  rng = np.random.default_rng(G)
+  w8, scale = _stacked(name, rng)
+  x = np.asarray(_x(name, 4, rng, jnp.float32), np.float64)
+  x = x / np.abs(x).max() * 6e4 * 2.0 ** rng.integers(-20, 1, x.shape)     # magnitudes 6e4 down to ~1e-7
+  x = jnp.asarray(x, jnp.float16)
+  got = mgpu_gemv.gemv_stacked_f32(x, w8, scale, jnp.int32(2), LINEAR[name],
+                                   tuning=mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G))
+  p = SEEN[-1]
+  assert (p.P, p.RN, p.scale_in_kernel) == (1, 8, False)
+  want = _numpy_product(x, w8, scale, 2, LINEAR[name]).reshape(4, -1)
+  got = np.asarray(got, np.float64).reshape(4, -1)
+  assert (np.abs(got - want).max(axis=1) < 1e-6 * np.abs(want).max(axis=1)).all()
+
+
+def test_plan_keeps_its_ctas_resident():
+  """G is at most the CTAs that fit an SM's shared memory times the SMs: two an SM up to RN 16, one from RN 24
+  (bf16 x of 9 rows in two parts) on; num_ctas overrides."""
+  for R, P, G in [(1, 2, 264), (8, 2, 264), (9, 2, 132), (16, 1, 264), (17, 1, 132), (64, 2, 132)]:
+    p = mgpu_gemv.plan(R, P, 8192, 28672, mgpu_gemv.MgpuGemvTuning(num_ctas=None))
+    per_sm = mgpu_gemv.SM_SMEM_BYTES // (mgpu_gemv.smem_bytes(p.RN, p.bk, p.M) + 1024)
+    assert p.G == G == min(2, per_sm) * mgpu_gemv._sm_count(), (R, P, p)
+  assert mgpu_gemv.plan(64, 2, 8192, 28672, mgpu_gemv.MgpuGemvTuning(num_ctas=500)).G == 500
+
+
 def test_split_fixed_is_exact_over_its_range():
   """Every finite bf16 value, both signs: x16[0] w[0] + x16[1] w[1] == x in float64 for 2^-35 <= |x| < 2^31, each
   value in one part only; below 2^-35 the error is at most 2^-43; from 2^31 on, infinite; NaN stays NaN."""

@@ -201,6 +201,8 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   made before the layer scan (None: computed here). Returns (k_all, v_all, k_scale, v_scale)."""
   if kernel not in WRITE_KERNELS:
     raise ValueError(f"{kernel=} must be one of {', '.join(WRITE_KERNELS)}")
+  if shard is not None and token_at is not None:
+    raise ValueError(f"token_at holds pages of the unsharded pools; write_kv(shard={shard}) computes its own")
   first = 0 if shard is None else shard * k_all.shape[1]
   if kernel != "xla" and k_scale is not None and slots.shape[1] == 1:
     Pl, Z = k_all.shape[1:3]

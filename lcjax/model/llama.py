@@ -514,8 +514,8 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    # Where a decode step's token goes in unsharded fp8 pools, once for every layer (in the scan, XLA ran it as
-    # two small kernels a layer).
+    # Where a decode step's token goes in unsharded fp8 pools: computed once here, so that the layer scan does not
+    # recompute it for every layer.
     token_at = (kvc.token_page_offset(slots, cache.page_size, cache.k.shape[1])
                 if pages is not None and self.mesh is None and T == 1 else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,

@@ -21,21 +21,24 @@ Each tile is read from shared memory into registers in the layout whose float16 
 operand (one hardware convert per pair on Hopper; exact: every e4m3 value is a float16) and multiplied with x^T
 [bk, RN] float16 from shared memory, float32 accumulation.
 
-16-bit x (the model's bf16 activations) arrives split into two float16 parts at fixed exponents (`split_fixed`:
-|x| >= 1/4 and the rest, each scaled by its own power of two), exact for 2^-35 <= |x| < 2^31, infinite from 2^31,
-within 2^-43 below 2^-35. No row absmax is needed, so only elementwise work precedes the kernel, and XLA fuses it
-into whatever makes x: on the Llama-3-8B's decode step at 32K this removed three reductions a layer, 4.97 -> 4.57
-ms/token in one call (benchmarks/NOTES-fp8w.md, call 33). float32 x, and 16-bit x with
-MgpuGemvTuning(fixed_split=False), arrives as fp8_gemv.scale_rows makes it instead: float16 rows with a
-power-of-two row scale (16-bit x exactly, but for values below 2^-28 of their row's absmax, and no range limit),
-for float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows of the first part, then its
-R rows of the second), so both ride one wgmma of 2R columns and are added after the kernel: no second product.
-With MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16, 32 or 64
-rows ([Kd, RN]: Mosaic GPU swizzles shared-memory rows of exactly 32, 64 or 128 bytes), and the kernel scales
-each x^T tile [bk, RN] itself (`tile_scale`: a power of two per row of x and tile, from that row's absmax within
-the tile), writes the float16 tile to shared memory for the wgmma and multiplies the tile's product by the
+bf16 x (the model's activations) arrives split into two float16 parts at fixed exponents (`split_fixed`: |x| >=
+1/4 and the rest, each scaled by its own power of two), exact for 2^-35 <= |x| < 2^31, infinite from 2^31, within
+2^-43 below 2^-35. No row absmax is needed, so only elementwise work precedes the kernel, and XLA fuses it into
+whatever makes x: the decode step then has no reduction before its products (benchmarks/NOTES-fp8w.md, call 33:
+the Llama-3-8B's step at 32K took 4.57 ms/token against 4.97 row-scaled). float16 x is wgmma's operand as it is.
+float32 x, and bf16 x with MgpuGemvTuning(fixed_split=False), arrives as fp8_gemv.scale_rows makes it: float16
+rows with a power-of-two row scale (bf16 x exactly, but for values below 2^-28 of their row's absmax, and no range
+limit), for float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows of the first part,
+then its R rows of the second), so both ride one wgmma of 2R columns and are added after the kernel: no second
+product. With MgpuGemvTuning.scale_in_kernel, 16-bit x is handed over as it is, transposed and padded to 16, 32
+or 64 rows ([Kd, RN]: Mosaic GPU swizzles shared-memory rows of exactly 32, 64 or 128 bytes), and the kernel
+scales each x^T tile [bk, RN] itself (`tile_scale`: a power of two per row of x and tile, from that row's absmax
+within the tile), writes the float16 tile to shared memory for the wgmma and multiplies the tile's product by the
 inverse: nothing but a transpose and a pad before the kernel, and no range limit, but the per-step cross-warp max
-made the kernel 37% slower (5.37 against 4.82 ms/token on that step, call 32): it is not the default.
+slows the stream (call 32: the GEMVs took 2.84 against 2.07 ms a token, +37%): it is not the default.
+
+The CTAs of a call are meant to be resident together: G is at most as many CTAs as fit an SM's shared memory
+(SM_SMEM_BYTES) times the SMs, so that many rows (a larger RN) lower ctas_per_sm rather than start a second wave.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16, 32 or 64 when
 scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per
@@ -60,6 +63,7 @@ from lcjax.ops.pallas_backend import compute_capability, fp8_convert_reason
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
+SM_SMEM_BYTES = 228 * 1024     # shared memory of a Hopper SM, shared by its resident CTAs (1 KiB of each reserved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +71,12 @@ class MgpuGemvTuning:
   """Static knobs of the kernel (part of the jit cache key)."""
   block_k: int = 256             # bk: e4m3 columns per tile; a tile is 64 * bk bytes (TMA boxes are <= 256 wide)
   max_concurrent_steps: int = 4  # M: tiles in flight per CTA
-  ctas_per_sm: int = 2           # G = ctas_per_sm x the GPU's SMs (at most T)
+  ctas_per_sm: int = 2           # G = ctas_per_sm x the GPU's SMs (at most T, and as many as fit an SM)
   num_ctas: int | None = None    # G, overriding ctas_per_sm
   max_rows: int = WIDEN_MAX_ROWS
-  fixed_split: bool = True       # 16-bit x as `split_fixed`'s two parts (False: row-scaled; module docstring)
-  scale_in_kernel: bool = False  # 16-bit x handed over as it is (transposed, padded to 16 rows), each tile scaled
-                                 # to float16 in the kernel (`tile_scale`; overrides fixed_split)
+  fixed_split: bool = True       # bf16 x as `split_fixed`'s two parts (False: row-scaled; module docstring)
+  scale_in_kernel: bool = False  # 16-bit x handed over as it is (transposed, padded to 16, 32 or 64 rows), each
+                                 # tile scaled to float16 in the kernel (`tile_scale`; overrides fixed_split)
 
 
 def unsupported() -> str | None:
@@ -156,7 +160,8 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
   while smem_bytes(RN, bk, M, scale_in_kernel) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
     M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
-  G = min(T, tuning.num_ctas or tuning.ctas_per_sm * _sm_count())
+  fit = max(1, SM_SMEM_BYTES // (smem_bytes(RN, bk, M, scale_in_kernel) + 1024))   # CTAs an SM holds at once
+  G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * _sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
   return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel)
@@ -288,8 +293,11 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     p = plan(R, P, N, Kd, tuning, scale_in_kernel=True)
     x16 = jnp.pad(x.reshape(R, Kd), ((0, p.RN - R), (0, 0))).T
   else:
-    fixed = tuning.fixed_split and not wide
-    x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))   # [P, R, Kd] float16, [R, 1] or [P]
+    if x.dtype == jnp.float16:                                        # wgmma's operand as it is
+      x16, xs = x.reshape(1, R, Kd), jnp.ones((1,), jnp.float32)
+    else:
+      fixed = tuning.fixed_split and x.dtype == jnp.bfloat16
+      x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))   # [P, R, Kd] float16, [R, 1] or [P]
     P = x16.shape[0]
     p = plan(R, P, N, Kd, tuning)
     x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
@@ -297,7 +305,7 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
   yt = sum_slots(parts, p.slots())                                    # [N, RN]
   if xs is None:                                                      # scaled and unscaled in the kernel
     y = yt[:, :R].T                                                   # [R, N]
-  elif xs.ndim == 1:                                                  # split_fixed: each part's power of two
+  elif xs.ndim == 1:                                                  # a weight per part (float16 x: one, 1)
     y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T
   else:                                                               # scale_rows: one row scale
     y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs
@@ -322,7 +330,7 @@ SPLIT_HI, SPLIT_LO = 2.0 ** -15, 2.0 ** 18      # hi = x * SPLIT_HI, lo = x * SP
 
 
 def split_fixed(x2):
-  """16-bit x [R, Kd] -> (x16 [2, R, Kd] float16, (1 / SPLIT_HI, 1 / SPLIT_LO)): x = x16[0] / SPLIT_HI + x16[1] /
+  """bf16 x [R, Kd] -> (x16 [2, R, Kd] float16, (1 / SPLIT_HI, 1 / SPLIT_LO)): x = x16[0] / SPLIT_HI + x16[1] /
   SPLIT_LO, with no reduction and no rounding round trip, so XLA can fuse it into whatever makes x. Each value goes
   whole into one part by its magnitude: |x| >= 1/4 as x 2^-15 (in [2^-17, 2^16): bf16's 8 significant bits on
   float16's grid, exactly, up to the largest bf16 below 2^31; from 2^31 on, infinite), smaller ones as x 2^18

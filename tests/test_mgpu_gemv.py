@@ -261,7 +261,7 @@ def test_gpu_kernels_float32_rows(rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 16, 64])     # 16 and 64: one CTA an SM (plan's cap), 64 a shorter ring
 @pytest.mark.parametrize("tuning", [mgpu_gemv.MgpuGemvTuning(fixed_split=False), mgpu_gemv.MgpuGemvTuning(),
                                     mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)],
                          ids=["row_scale", "fixed_split", "scale_in_kernel"])

@@ -37,10 +37,7 @@ def _stacked(name, rng):
 
 def _x(name, rows, rng, dtype):
   """x of `rows` rows (as [2, rows / 2] or [1, rows]), one row at 1e6 (past float16's range) and one at 1e-6."""
-  spec = LINEAR[name]
-  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
-  sizes = {"b": 1, "t": rows, **dict(zip(ws, SHAPES[name]))}
-  x = rng.standard_normal([sizes[c] for c in xs])
+  x = rng.standard_normal(x_shape(LINEAR[name], SHAPES[name], rows))
   flat = x.reshape(rows, -1)
   flat[0] *= 1e6
   if rows > 1:
@@ -67,7 +64,7 @@ def test_linear_shapes_are_the_models(name):
 
 def x_shape(spec: str, shape, rows: int) -> list[int]:
   """The shape of x ([1, rows, ...]) that einsum `spec` multiplies by a weight of model-layout `shape`."""
-  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
+  xs, ws, _ = linear.contracted(spec)
   sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
   return [sizes[c] for c in xs]
 

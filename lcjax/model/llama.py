@@ -51,7 +51,8 @@ from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops import mgpu_gemv
 from lcjax.ops.fp8_gemv import gemv_stacked
-from lcjax.ops.linear import WIDEN_MAX_ROWS, dense, dequantize_weight, kmajor_axes, quantize_weight
+from lcjax.ops.linear import (WIDEN_MAX_ROWS, dense, dequantize_weight, kmajor_axes, quantize_axes,
+                               quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax.sharding import SEQ, TENSOR, constrain
@@ -232,10 +233,8 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def product_dims(name: str, shape) -> tuple[int, int]:
   """(N, Kd) of linear weight `name` of model-layout `shape`: its output channels and its contracted length, as
-  LINEAR's einsum multiplies it (the axes it shares with x are contracted)."""
-  spec = LINEAR[name]
-  xs, ws = spec.split(",")[0], spec.split(",")[1].split("-")[0]
-  Kd = math.prod(s for c, s in zip(ws, shape) if c in xs)
+  LINEAR's einsum multiplies it (its contracted axes: lcjax.ops.linear.quantize_axes)."""
+  Kd = math.prod(shape[i] for i in quantize_axes(LINEAR[name]))
   return math.prod(shape) // Kd, Kd
 
 

@@ -294,7 +294,7 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     x16 = jnp.pad(x.reshape(R, Kd), ((0, p.RN - R), (0, 0))).T
   else:
     if x.dtype == jnp.float16:                                        # wgmma's operand as it is
-      x16, xs = x.reshape(1, R, Kd), jnp.ones((1,), jnp.float32)
+      x16, xs = x.reshape(1, R, Kd), None
     else:
       fixed = tuning.fixed_split and x.dtype == jnp.bfloat16
       x16, xs = (split_fixed if fixed else scale_rows)(x.reshape(R, Kd))   # [P, R, Kd] float16, [R, 1] or [P]
@@ -303,9 +303,9 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
   parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p)   # [J, N, RN]
   yt = sum_slots(parts, p.slots())                                    # [N, RN]
-  if xs is None:                                                      # scaled and unscaled in the kernel
+  if xs is None:                                                      # float16 x, or scaled in the kernel
     y = yt[:, :R].T                                                   # [R, N]
-  elif xs.ndim == 1:                                                  # a weight per part (float16 x: one, 1)
+  elif xs.ndim == 1:                                                  # split_fixed: a weight per part
     y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T
   else:                                                               # scale_rows: one row scale
     y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs

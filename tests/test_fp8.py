@@ -29,6 +29,33 @@ def _normal(seed, *shape):
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
+def test_round_to_e4m3_is_the_cast_on_every_value_tie_and_neighbour():
+  """fp8.round_to_e4m3 against ml_dtypes' cast (numpy, not XLA): every e4m3 value up to 448, the midpoints between
+  neighbours (ties go to the even one) and the float32 values just either side of each, plus random values."""
+  import ml_dtypes
+  e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  grid = np.unique(np.abs(e4m3[np.isfinite(e4m3)]))                         # 0 .. 448
+  mids = (grid[:-1] + grid[1:]) / 2
+  near = np.concatenate([np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf))])
+  rand = np.exp(np.random.default_rng(0).uniform(np.log(1e-4), np.log(448), 20000)).astype(np.float32)
+  x = np.concatenate([grid, mids, near, rand, [2.0 ** -10, 2.0 ** -11, 1e-30]]).astype(np.float32)
+  x = np.concatenate([x, -x])
+  want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(jax.jit(fp8.round_to_e4m3)(jnp.asarray(x)))
+  bad = np.flatnonzero(got != want)
+  assert bad.size == 0, f"{bad.size} values differ, e.g. x={x[bad[:4]]} got={got[bad[:4]]} want={want[bad[:4]]}"
+
+
+def test_absmax_scale_is_the_floored_absmax_times_the_reciprocal_of_top():
+  x = np.asarray(_normal(1, 3, 5, 7, 64)) * np.float32(1e3)
+  x[1, :, :, 2] = 0.0                                                           # all-zero rows get the floor
+  for top in (fp8.E4M3_MAX, fp8.INT8_MAX):
+    got = np.asarray(fp8.absmax_scale(jnp.asarray(x), axes=(1, 3), top=top))
+    want = np.maximum(np.abs(x).max(axis=(1, 3)), np.float32(1e-12)) * np.float32(1.0 / top)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, np.asarray(fp8.scale_for(np.abs(x).max(axis=(1, 3)), top)), rtol=2e-7)
+
+
 def test_quantize_rows_scales_each_block_to_e4m3_range():
   x = _normal(0, 2, 256, 3, 128) * jnp.arange(1, 3 * 128 + 1, dtype=jnp.float32).reshape(3, 128)
   x = x.at[1, 70, 2, 5].set(1e4)                                     # an outlier: only its block's scale grows

@@ -52,6 +52,26 @@ def scale_for(absmax, top: float = E4M3_MAX):
   return jnp.maximum(absmax, _SCALE_FLOOR) / top
 
 
+def absmax_scale(x, axes, top: float = E4M3_MAX):
+  """`scale_for` of x's absmax over `axes`, as one reduction: |x| / top is reduced from the floor's scale up (a
+  product with a positive constant commutes with the max), so XLA makes the scale in the reduction's own kernel
+  instead of one more kernel after it. Equals jnp.maximum(absmax, floor) * (1 / top)."""
+  return lax.reduce(jnp.abs(x.astype(jnp.float32)) * np.float32(1.0 / top), np.float32(_SCALE_FLOOR / top), lax.max,
+                    tuple(axes))
+
+
+def round_to_e4m3(x):
+  """float32 x with |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), as float32, by integer and
+  float32 arithmetic. A round trip x.astype(e4m3).astype(float32) computes the same, but XLA may fold it back to
+  x (its GPU default allows excess precision), which a residual x - round(x) must not see. Normal values
+  (|x| >= 2^-6) keep 3 mantissa bits; below, e4m3's subnormal step is 2^-9."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  half_ulp = jnp.uint32(0x7FFFF) + ((bits >> 20) & 1)                     # ties to even on the kept bits
+  normal = lax.bitcast_convert_type((bits + half_ulp) & jnp.uint32(0xFFF00000), jnp.float32)
+  subnormal = jnp.round(x * 512.0) * (1.0 / 512.0)
+  return jnp.where(jnp.abs(x) >= 2.0 ** -6, normal, subnormal)
+
+
 def quantize_rows(x, block: int, dtype=E4M3):
   """x [B, T, N, H] (T % block == 0) -> (x8 [B, T, N, H] of `dtype`, scale [B, N, T // block] float32), one scale
   per `block` rows of each head: the block's absmax maps to the largest value of `dtype`. e4m3 rounds each value

@@ -72,9 +72,9 @@ def _reciprocal(s):
   return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
 
 
-def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):
+def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):
   """Row b's token of kv head h into its page of one pool (pool ref [L, Pl, Z, K, H / pack], scale ref [L, Pl, K];
-  x_ref [B, K, pack, H / pack] holds the token's columns j mod pack at j). The page's other rows are read and
+  x_ref [B, 2, K, pack, H / pack] holds the K (c = 0) and V (c = 1) tokens' columns j mod pack at j). The page's other rows are read and
   rewritten only when its scale grows (or the token opens it: they are zeroed); otherwise the scale and the
   token's row are the only stores, so a step costs one round trip to memory."""
   from jax.experimental.pallas import triton as pltriton
@@ -83,7 +83,7 @@ def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: 
   old = jnp.where(offset == 0, 0.0, scale_ref[layer, pc, h])                # 0: the token opens the page
   if not interpret:     # every thread loads the scale, one stores the new one below: all loads come first
     pltriton.debug_barrier()
-  xs = [x_ref[b, h, j, :].astype(jnp.float32) for j in range(pack)]          # pack x [H / pack]
+  xs = [x_ref[b, c, h, j, :].astype(jnp.float32) for j in range(pack)]       # pack x [H / pack]
   absmax = jnp.abs(xs[0]).max()
   for xj in xs[1:]:
     absmax = jnp.maximum(absmax, jnp.abs(xj).max())
@@ -110,15 +110,16 @@ def _write_one(b, h, layer, page, offset, x_ref, pool_ref, scale_ref, *, pages: 
   pltriton.store(scale_ref.at[layer, pc, h], new, mask=keep)
 
 
-def _kernel(layer_ref, page_ref, offset_ref, kx_ref, vx_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref,
-            *, pages: int, pack: int, interpret: bool):
+def _kernel(layer_ref, page_ref, offset_ref, x_ref, k_in, v_in, ks_in, vs_in, k_ref, v_ref, ks_ref, vs_ref, *,
+            pages: int, pack: int, interpret: bool):
   """Program (b, h, c): row b's token of kv head h into its K page (c = 0) or its V page (c = 1)."""
   from jax.experimental import pallas as pl
   del k_in, v_in, ks_in, vs_in                       # aliased to the outputs
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   args = (b, h, layer_ref[0], page_ref[b], offset_ref[b])
-  for i, refs in enumerate(((kx_ref, k_ref, ks_ref), (vx_ref, v_ref, vs_ref))):
-    pl.when(c == i)(lambda refs=refs: _write_one(*args, *refs, pages=pages, pack=pack, interpret=interpret))
+  for i, refs in enumerate(((k_ref, ks_ref), (v_ref, vs_ref))):
+    pl.when(c == i)(lambda i=i, refs=refs: _write_one(*args, x_ref, i, *refs, pages=pages, pack=pack,
+                                                      interpret=interpret))
 
 
 def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer, *, num_warps: int = 4,
@@ -149,19 +150,20 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   pools = (k_pool, v_pool)
   if pack == 2:
     pools = tuple(as_pairs(p) for p in pools)
-  xs = tuple(jnp.moveaxis(x.reshape(B, K, H // pack, pack), 3, 2) for x in (k_new, v_new))   # [B, K, pack, H/pack]
+  # K and V in one operand [B, 2, K, pack, H / pack]: XLA makes it in one fusion with what produces them.
+  x = jnp.moveaxis(jnp.stack([k_new, v_new], axis=1).reshape(B, 2, K, H // pack, pack), 4, 3)
   whole = pl.no_block_spec
   out = pl.pallas_call(
       lambda *refs: _kernel(*refs, pages=Pl, pack=pack, interpret=interpret),
       grid=(B, K, 2),
-      in_specs=[whole] * 9,
+      in_specs=[whole] * 8,
       out_specs=[whole] * 4,
       out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*pools, k_scale, v_scale)],
-      input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3},
+      input_output_aliases={4: 0, 5: 1, 6: 2, 7: 3},
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="lcjax_fp8_page_write",
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), page.astype(jnp.int32), offset.astype(jnp.int32), *xs, *pools,
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), page.astype(jnp.int32), offset.astype(jnp.int32), x, *pools,
     k_scale, v_scale)
   k_out, v_out, ks, vs = out
   if pack == 2:

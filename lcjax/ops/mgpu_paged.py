@@ -96,13 +96,13 @@ def quantize_rows(q, K):
   B, T, N, H = q.shape
   G = N // K
   qr = pallas_paged.rows_per_kv_head(q, K).astype(jnp.float32)
-  qs = fp8_ops.scale_for(jnp.abs(qr).max(axis=(2, 3)))
+  qs = fp8_ops.absmax_scale(qr, axes=(2, 3))
   x = qr / qs[:, :, None, None]
-  hi = jnp.clip(x, -fp8_ops.E4M3_MAX, fp8_ops.E4M3_MAX).astype(fp8_ops.E4M3)
-  # The barrier keeps XLA from folding x -> e4m3 -> float32 back into x (it may drop a round trip through a
-  # narrower float when excess precision is allowed, its GPU default), which would zero the second term.
-  lo = ((x - lax.optimization_barrier(hi).astype(jnp.float32)) * LO).astype(fp8_ops.E4M3)   # |x - hi| <= 16
-  q8 = jnp.stack([hi, lo], axis=2)
+  # hi is rounded in float32 (fp8_ops.round_to_e4m3), not by a round trip through e4m3, which XLA may fold away;
+  # with no barrier between the terms, XLA makes both (and the padding) in one fusion.
+  hi = fp8_ops.round_to_e4m3(jnp.clip(x, -fp8_ops.E4M3_MAX, fp8_ops.E4M3_MAX))
+  lo = (x - hi) * LO                                                          # |x - hi| <= 16: within e4m3
+  q8 = jnp.stack([hi, lo], axis=2).astype(fp8_ops.E4M3)
   RN = -(-T * G // 8) * 8
   return jnp.pad(q8, ((0, 0), (0, 0), (0, 0), (0, RN - T * G), (0, 0))), qs
 

@@ -185,12 +185,16 @@ class PallasFp8Backend(PallasBackend):
     B, T, N, H = q.shape
     K = k_pages.shape[2]
     M, Z = page_table.shape[1], k_pages.shape[1]
-    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
+    if T * (N // K) <= self._decode_tuning().max_rows:
+      # Decode rows: the split-K paged kernels, with kv_len as given (as PallasBackend takes it; the kernels
+      # read no slot past the table). Clipping it here would put a kernel of its own in every layer of the
+      # decode step: XLA does not hoist it out of the layer scan.
+      return super().paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
+                           v_scale=v_scale, page_offset=page_offset)
+    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     bf16_path = functools.partial(super().paged, q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                   k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-    if T * (N // K) <= self._decode_tuning().max_rows:
-      return bf16_path()                           # decode rows: the split-K paged kernel
     # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
     # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
     # many rows (rows that see part of the pages causally) take PallasBackend's path.

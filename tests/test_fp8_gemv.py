@@ -62,11 +62,20 @@ def test_linear_shapes_are_the_models(name):
     assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
 
 
-def x_shape(spec: str, shape, rows: int) -> list[int]:
+def test_x_shape_is_what_einsum_multiplies():
+  """linear.x_shape against einsum itself: the x it names contracts with the model's weight, batch and tokens
+  first in the product."""
+  for ckpt, shape in linear_shapes(preset("llama3-8b")).items():
+    spec = LINEAR[ckpt]
+    xs = linear.x_shape(spec, shape, batch=3, tokens=5)
+    y = jax.eval_shape(lambda x, w, spec=spec: jnp.einsum(spec, x, w), jax.ShapeDtypeStruct(xs, jnp.float32),
+                       jax.ShapeDtypeStruct(shape, jnp.float32))
+    assert y.shape[:2] == (3, 5), (ckpt, xs, y.shape)
+
+
+def x_shape(spec: str, shape, rows: int) -> tuple[int, ...]:
   """The shape of x ([1, rows, ...]) that einsum `spec` multiplies by a weight of model-layout `shape`."""
-  xs, ws, _ = linear.contracted(spec)
-  sizes = {"b": 1, "t": rows, **dict(zip(ws, shape))}
-  return [sizes[c] for c in xs]
+  return linear.x_shape(spec, shape, batch=1, tokens=rows)
 
 
 def model_products(preset_name: str, rows: int):

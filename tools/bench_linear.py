@@ -101,10 +101,8 @@ def main(argv):
     n_weights = sum(w[0].size for w in ws.values())
 
     def inputs(n, B, T):
-      spec = LINEAR[n]
-      xs = spec.split(",")[0]
-      sizes = {"b": B, "t": T, **dict(zip(spec.split(",")[1].split("-")[0], shapes[n]))}
-      return jax.random.normal(key, [sizes[c] for c in xs], jnp.float32).astype(jnp.bfloat16)
+      shape = linear.x_shape(LINEAR[n], shapes[n], batch=B, tokens=T)
+      return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
 
     def layer_fn(product):
       def body(carry, w):

@@ -188,6 +188,12 @@ def token_page_offset(slots, page_size: int, pool_pages: int, first: int | jax.A
   return _local_pages(s // page_size, first, pool_pages), s % page_size
 
 
+def writes_token_by_kernel(kernel: str, k_scale, slots) -> bool:
+  """Whether write_kv hands this call to the page-write kernel: one token a row (slots [B, 1]) into fp8 pools
+  (k_scale given), `kernel` not "xla"."""
+  return kernel != "xla" and k_scale is not None and slots.shape[1] == 1
+
+
 def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla",
              token_at=None):
   """K and V [B, T, K, H] (activation dtype) into layer `layer` of their pools [L, P, Z, K, H] at flat slots
@@ -204,7 +210,7 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   if shard is not None and token_at is not None:
     raise ValueError(f"token_at holds pages of the unsharded pools; write_kv(shard={shard}) computes its own")
   first = 0 if shard is None else shard * k_all.shape[1]
-  if kernel != "xla" and k_scale is not None and slots.shape[1] == 1:
+  if writes_token_by_kernel(kernel, k_scale, slots):
     Pl, Z = k_all.shape[1:3]
     page, offset = token_page_offset(slots, Z, Pl, first) if token_at is None else token_at
     return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer,

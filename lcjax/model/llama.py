@@ -202,7 +202,7 @@ class CallContext:
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
   rope: tuple[jax.Array, jax.Array]   # rope_angles(positions): (cos, sin) [B, T, 1, H/2], once for every layer
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
-  token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a one-token call into unsharded fp8 pools
+  token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a call the page-write kernel writes, unsharded
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
 
 
@@ -513,10 +513,11 @@ class Llama(nnx.Module):
       tokens, positions = tokens[:, order], positions[:, order]
       slots = None if slots is None else slots[:, order]
       logits_at = None if logits_at is None else inv[logits_at]
-    # Where a decode step's token goes in unsharded fp8 pools: computed once here, so that the layer scan does not
-    # recompute it for every layer.
+    # Where the page-write kernel puts a decode step's token in unsharded pools: computed once here, so that the
+    # layer scan does not recompute it for every layer.
     token_at = (kvc.token_page_offset(slots, cache.page_size, cache.k.shape[1])
-                if pages is not None and self.mesh is None and T == 1 else None)
+                if cache is not None and self.mesh is None
+                and kvc.writes_token_by_kernel(self.page_write, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
                        rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]

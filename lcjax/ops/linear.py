@@ -38,6 +38,14 @@ def contracted(spec: str) -> tuple[str, str, str]:
   return xs, ws, out
 
 
+def x_shape(spec: str, w_shape, *, batch: int, tokens: int) -> tuple[int, ...]:
+  """The shape of the x that einsum `spec` ("btd,dkh->btkh") multiplies by a weight of model-layout `w_shape`,
+  with `batch` and `tokens` as its b and t."""
+  xs, ws, _ = contracted(spec)
+  sizes = {"b": batch, "t": tokens, **dict(zip(ws, w_shape))}
+  return tuple(sizes[c] for c in xs)
+
+
 def quantize_axes(spec: str) -> tuple[int, ...]:
   """The weight's contracted axes in the model's layout (labels it shares with x, absent from the output)."""
   xs, ws, out = contracted(spec)

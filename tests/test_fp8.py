@@ -48,11 +48,12 @@ def test_round_to_e4m3_is_the_cast_on_every_value_tie_and_neighbour():
 
 def test_absmax_scale_is_the_floored_absmax_times_the_reciprocal_of_top():
   x = np.asarray(_normal(1, 3, 5, 7, 64)) * np.float32(1e3)
-  x[1, :, :, 2] = 0.0                                                           # all-zero rows get the floor
-  for top in (fp8.E4M3_MAX, fp8.INT8_MAX):
+  x[1, :, 2, :] = 0.0                                                           # an all-zero block gets the floor
+  for top in (fp8.E4M3_MAX, fp8.INT8_MAX, 41.0):
     got = np.asarray(fp8.absmax_scale(jnp.asarray(x), axes=(1, 3), top=top))
     want = np.maximum(np.abs(x).max(axis=(1, 3)), np.float32(1e-12)) * np.float32(1.0 / top)
     np.testing.assert_array_equal(got, want)
+    assert got[1, 2] == np.float32(1e-12) * np.float32(1.0 / top)
     np.testing.assert_allclose(got, np.asarray(fp8.scale_for(np.abs(x).max(axis=(1, 3)), top)), rtol=2e-7)
 
 

@@ -36,6 +36,9 @@ CASES = {
     "T1-G4-early-mcs2": (2, 1, 16, 4, 128, 64, 10, (640, 300), -100, {"max_concurrent_steps": 2}),
     # the most rows the kernel takes (16 queries of GQA 4 = 64), 192-token pages read as three blocks each
     "T16-G4-Z192": (2, 16, 8, 2, 128, 192, 4, (768, 400), -40, {}),
+    # kv_len and the query past the 6-page table; 8 splits of one page: the last two cover slots 6 and 7, clamped
+    # to slot 5, whose keys must not count again
+    "T1-G8-H64-Z256-past": (2, 1, 8, 1, 64, 256, 6, (1600, 1537), 0, {"num_splits": 8}),
 }
 
 
@@ -92,9 +95,12 @@ def test_quantize_rows_orders_rows_and_carries_the_queries_within_2_pow_minus_9(
         np.testing.assert_allclose(deq[:, t, h * G + g], both, rtol=1e-6, atol=1e-6)
   q8, _ = mgpu_paged.quantize_rows(q[:, :1, :6], K)                           # 3 rows per kv head, padded to 8
   assert q8.shape == (B, K, 2, 8, H) and not np.asarray(q8[:, :, :, 3:].astype(jnp.float32)).any()
+  q8, qs = mgpu_paged.quantize_rows(q.at[1, :, G:2 * G].set(0.0), K)          # kv head 1 of sequence 1: all zero
+  assert float(qs[1, 1]) == np.float32(1e-12) * np.float32(1 / 448)           # the floor, not 0 (0 / 0: NaN)
+  assert not np.asarray(q8[1, 1].astype(jnp.float32)).any() and np.isfinite(np.asarray(q8.astype(jnp.float32))).all()
 
 
-@pytest.mark.parametrize("name", ["T1-G4-Z64", "T16-G4-Z192"])                # the GPU test runs every case
+@pytest.mark.parametrize("name", ["T1-G4-Z64", "T16-G4-Z192", "T1-G8-H64-Z256-past"])  # the GPU test: every case
 def test_model_against_the_oracle(name):
   """The queries' two e4m3 terms cost little: attention over them is within ~1e-3 of the exact queries'."""
   args, kw, want, _ = _inputs(CASES[name])

@@ -132,6 +132,19 @@ def test_paged_decode_interpret(case):
   check(got, want, tol_out=2e-2)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_decode_reads_no_key_past_the_table(fp8):
+  """kv_len and q_pos past the table's M * Z keys, with 4 splits of 2 pages over a 6-page table: the last split
+  covers slots 6 and 7, which the kernel clamps to slot 5; those keys must not count again."""
+  B, T, N, K, H, Z, M, P = 3, 1, 8, 2, 32, 16, 6, 20
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P, fp8=fp8)
+  kv_len = jnp.array([M * Z + 40, M * Z + 1, 50], jnp.int32)
+  q_pos = kv_len[:, None] - 1
+  got = pallas_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
+                                  tuning=pallas_paged.PagedTuning(num_splits=4), interpret=True)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
 def test_paged_decode_rejects_a_combine_block_not_dividing_the_head_dim():
   q = jnp.zeros((1, 1, 8, 32), jnp.bfloat16)
   kp = jnp.zeros((4, 16, 2, 32), jnp.bfloat16)

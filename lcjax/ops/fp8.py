@@ -53,10 +53,12 @@ def scale_for(absmax, top: float = E4M3_MAX):
 
 
 def absmax_scale(x, axes, top: float = E4M3_MAX):
-  """`scale_for` of x's absmax over `axes`, as one reduction: |x| / top is reduced from the floor's scale up (a
-  product with a positive constant commutes with the max), so XLA makes the scale in the reduction's own kernel
-  instead of one more kernel after it. Equals jnp.maximum(absmax, floor) * (1 / top)."""
-  return lax.reduce(jnp.abs(x.astype(jnp.float32)) * np.float32(1.0 / top), np.float32(_SCALE_FLOOR / top), lax.max,
+  """x's absmax over `axes` (non-negative) times 1/top, floored as `scale_for` floors it, in one reduction: |x|
+  times the float32 1/top is reduced from the floor's scale up (a product with a positive constant commutes with
+  the max), so XLA makes the scale in the reduction's own kernel instead of one more kernel after it. Equals
+  jnp.maximum(absmax, floor) * float32(1 / top); `scale_for` divides instead (within an ulp)."""
+  inv = np.float32(1.0 / top)
+  return lax.reduce(jnp.abs(x.astype(jnp.float32)) * inv, np.float32(np.float32(_SCALE_FLOOR) * inv), lax.max,
                     tuple(axes))
 
 

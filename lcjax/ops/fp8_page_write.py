@@ -74,9 +74,9 @@ def _reciprocal(s):
 
 def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):
   """Row b's token of kv head h into its page of one pool (pool ref [L, Pl, Z, K, H / pack], scale ref [L, Pl, K];
-  x_ref [B, 2, K, pack, H / pack] holds the K (c = 0) and V (c = 1) tokens' columns j mod pack at j). The page's other rows are read and
-  rewritten only when its scale grows (or the token opens it: they are zeroed); otherwise the scale and the
-  token's row are the only stores, so a step costs one round trip to memory."""
+  x_ref [B, 2, K, pack, H / pack] holds the K (c = 0) and V (c = 1) tokens' columns j mod pack at j). The page's
+  other rows are read and rewritten only when its scale grows (or the token opens it: they are zeroed); otherwise
+  the scale and the token's row are the only stores, so a step costs one round trip to memory."""
   from jax.experimental.pallas import triton as pltriton
   keep = (page >= 0) & (page < pages)                # False for rows that write nothing here
   pc = jnp.clip(page, 0, pages - 1)

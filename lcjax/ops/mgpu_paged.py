@@ -89,10 +89,10 @@ def quantize_rows(q, K):
   """q [B, T, N, H] -> (q8 [B, K, 2, RN, H] e4m3, qs [B, K] float32): Q = (q8[:, :, 0] + q8[:, :, 1] / LO) * qs.
 
   Row r = t * G + g of kv head h is query head h * G + g at token t, padded with zero rows to RN, the next
-  multiple of 8; one scale per (b, h), the rows' absmax / 448. q8[:, :, 0] is Q / qs rounded to e4m3 (relative
-  error up to 2^-4: 0.05 in a logit of 1, a 5% error of its attention weight), q8[:, :, 1] the rounding error
-  times LO rounded again, so the two together carry Q to ~2^-8, near bf16's 2^-9. The kernel runs both against
-  each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
+  multiple of 8; one scale per (b, h), the rows' absmax times 1/448 (`fp8_ops.absmax_scale`). q8[:, :, 0] is
+  Q / qs rounded to e4m3 (relative error up to 2^-4: 0.05 in a logit of 1, a 5% error of its attention weight),
+  q8[:, :, 1] the rounding error times LO rounded again, so the two together carry Q to ~2^-8, near bf16's 2^-9.
+  The kernel runs both against each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
   B, T, N, H = q.shape
   G = N // K
   qr = pallas_paged.rows_per_kv_head(q, K).astype(jnp.float32)
@@ -144,8 +144,9 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     last, lowest = qpos_t[0], qpos_t[0]
     for p in qpos_t[1:]:
       last, lowest = jnp.maximum(last, p), jnp.minimum(lowest, p)
-    # Keys this split reads: below kv_len, up to the last query position, within the split's pages.
-    lim = jnp.minimum(jnp.minimum(kvl_ref[b], last + 1), (s + 1) * pps * Z)
+    # Keys this split reads: below kv_len, up to the last query position, within the split's pages and the table
+    # (the last splits' pages can run past its M slots).
+    lim = jnp.minimum(jnp.minimum(kvl_ref[b], last + 1), jnp.minimum((s + 1) * pps, M) * Z)
     first = s * pps * bpp
     n = jnp.maximum(jnp.minimum(first + pps * bpp, (lim + Zb - 1) // Zb) - first, 0)
     # Blocks wholly below min(lim, lowest + 1) are visible to every real row: they skip the mask.

@@ -187,9 +187,9 @@ class PallasFp8Backend(PallasBackend):
     M, Z = page_table.shape[1], k_pages.shape[1]
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     if T * (N // K) <= self._decode_tuning().max_rows:
-      # Decode rows: the split-K paged kernels, with kv_len as given (as PallasBackend takes it; the kernels
-      # read no slot past the table). Clipping it here would put a kernel of its own in every layer of the
-      # decode step: XLA does not hoist it out of the layer scan.
+      # Decode rows: the split-K paged kernels, with kv_len as given (as PallasBackend takes it; each kernel
+      # bounds a split's keys by the table's M * Z). Clipping it here would put a kernel of its own in every
+      # layer of the decode step: XLA does not hoist it out of the layer scan.
       return super().paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
                            v_scale=v_scale, page_offset=page_offset)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)

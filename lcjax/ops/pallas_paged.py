@@ -111,7 +111,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
   lim_tok = jnp.minimum(kvl, last + 1)
   # This program reads pages [s * pps, (s + 1) * pps) of the table, as blocks j of Zb keys (bpp per page).
   bpp = Z // Zb
-  lim_tok = jnp.minimum(lim_tok, (s + 1) * pps * Z)                     # never read into the next split
+  lim_tok = jnp.minimum(lim_tok, jnp.minimum((s + 1) * pps, M) * Z)     # nor into the next split, nor past the table
   first = s * pps * bpp
   stop = jnp.minimum((first // bpp + pps) * bpp, (lim_tok + Zb - 1) // Zb)
   n_steps = jnp.maximum(stop - first + upp - 1, 0) // upp

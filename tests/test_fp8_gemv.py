@@ -17,15 +17,16 @@ import pytest
 from flax import nnx
 
 import lcjax
-from lcjax.config import ConfigError, RunConfig, WeightFormat, preset
+from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.engine import placement
 from lcjax.model.llama import LINEAR, Llama, linear_shapes
 from lcjax.ops import fp8_gemv, linear
 
 L = 3
 # Model-layout weight shapes of a small model: D 64, 2 KV heads of 2 query heads, head dim 16, F 128.
-SHAPES = {"layers/attn/wqkv": (64, 2, 4, 16), "layers/attn/wo": (4, 16, 64), "layers/mlp/w_gate_up": (64, 2, 128),
-          "layers/mlp/w_down": (128, 64)}
+# A small layer's four linear weights (D 64, 4 query heads over 2 kv heads of 16, F 128), in the model's layout.
+SHAPES = linear_shapes(ModelConfig("gemv-test", vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                                   head_dim=16, ffn_dim=128))
 SMALL_TILES = fp8_gemv.GemvTuning(block_n=32, block_k=16, min_steps=1)   # several programs and splits
 
 

@@ -15,6 +15,7 @@ import pytest
 from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.engine.sampling import SamplingParams
+from lcjax.engine.scheduler import ROW_TILE, chunk_bucket, chunk_buckets
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
@@ -367,3 +368,18 @@ def test_warm_up_compiles_what_generate_then_uses(sampling):
   finally:
     count.close()
     eng.close()
+
+
+@pytest.mark.parametrize("chunk", [16384, 4096, 1000])
+def test_chunk_buckets_pad_little_and_few(chunk):
+  """A prefill chunk of n tokens runs at a padded length b: n <= b <= chunk, b grows with n, above 256 tokens
+  fewer than max(n / 4, 128) padded rows (padded rows cost like real ones) and a multiple of the kernels' 128-row
+  tile (or the chunk itself), and there are few lengths to compile (27 for 16K chunks)."""
+  got = [chunk_bucket(n, chunk) for n in range(1, chunk + 1)]
+  assert all(n <= b <= chunk for n, b in zip(range(1, chunk + 1), got))
+  assert got == sorted(got)
+  assert all(b - n < max(n / 4, ROW_TILE) for n, b in zip(range(257, chunk + 1), got[256:]))
+  assert all(b % ROW_TILE == 0 or b == chunk for b in got[256:])
+  assert [chunk_bucket(n, 16384) for n in (520, 1100, 3000, 12288, 15360)] == [640, 1280, 3072, 12288, 16384]
+  assert len(set(got)) <= {16384: 27, 4096: 19, 1000: 12}[chunk]
+  assert chunk_buckets(2 * chunk + 300, chunk) == {chunk, chunk_bucket(300, chunk)}

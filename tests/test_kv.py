@@ -102,8 +102,9 @@ def test_scales_follow_the_tokens_whatever_the_write_pattern(schedule, kernel):
   # shows it was not (the scale rose and the earlier tokens were requantized to it).
   vals = SEQS[0][1]
   assert np.all(np.abs(vals[6]).max(axis=-1) > 448 * _oracle_scale(vals[4:6]))
-  # Page 0 took the padding: a finite scale and finite values, never read unmasked.
-  assert np.all(np.isfinite(np.asarray(cache.k_scale))) and np.all(np.isfinite(np.asarray(cache.k, np.float32)))
+  # The padding (slot 0, large values) reached nothing: the null page and its scales are still zero.
+  for part in cache.parts():
+    assert not np.any(np.asarray(part[:, 0], np.float32)), "a padded token was written into the null page"
   # Normal e4m3 values are stored bit for bit as one call stores them: power-of-two scales requantize exactly.
   one = _run(_empty(), SEQS, SCHEDULES["one-call"])
   for (table, vals) in SEQS:
@@ -204,3 +205,39 @@ def test_written_pages_cover_every_page_a_row_writes():
       got = set(np.asarray(kvc.written_pages(jnp.asarray(slots), Z)).ravel().tolist())
       want = set(table[pos // Z].tolist())
       assert want <= got <= want | {0}, (start, n, got, want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("shard", [None, 0, 1])
+def test_padded_tokens_write_nothing(dtype, shard):
+  """A prefill chunk's padded tokens (slot 0) are dropped, not written into the null page: on a GPU a scatter of
+  every padded row into the same page's slots serialises. The real tokens land at their slots, on one device and
+  in each seq shard's half of the pool (write_kv(shard=...): global pages 0-4 on shard 0, 5-9 on shard 1)."""
+  rng = np.random.default_rng(2)
+  cache = kvc.init_cache(L, P, Z, K, H, dtype)
+  S = 2 if shard is not None else 1
+  Pl = P // S
+  parts = [x if shard is None else x[:, shard * Pl:(shard + 1) * Pl] for x in cache.parts()]
+  real = 6                                             # tokens 0..5 of a sequence on pages 3 and 6; 10 padded
+  x = rng.normal(size=(1, 16, K, H)).astype(np.float32)
+  x[0, real:] = 1000.0
+  slots = np.zeros((1, 16), np.int32)
+  slots[0, :real] = [3 * Z, 3 * Z + 1, 3 * Z + 2, 3 * Z + 3, 6 * Z, 6 * Z + 1]
+  slots = jnp.asarray(slots)
+  pages = kvc.written_pages(slots, Z) if dtype == "float8_e4m3fn" else None
+  k, v, ks, vs = kvc.write_kv(*parts[:2], *(parts[2:] or (None, None)), jnp.asarray(x, jnp.bfloat16),
+                              jnp.asarray(-x, jnp.bfloat16), slots, pages, LAYER, shard=shard)
+  first = 0 if shard is None else shard * Pl
+  for part in (k, v) + ((ks, vs) if ks is not None else ()):
+    assert not np.any(np.asarray(part[:, 0], np.float32)), "a padded token was written into the null page"
+  got = np.asarray(k, np.float32)
+  scale = np.ones((L, Pl, K), np.float32) if ks is None else np.asarray(ks)
+  for t in range(real):
+    page, off = divmod(int(slots[0, t]), Z)
+    if first <= page < first + Pl:
+      np.testing.assert_allclose(got[LAYER, page - first, off] * scale[LAYER, page - first][:, None], x[0, t],
+                                 rtol=2 ** -3, atol=1e-2)
+  # Pages other than the ones the real tokens landed on hold nothing.
+  mine = {p - first for p in (3, 6) if first <= p < first + Pl}
+  others = [p for p in range(Pl) if p not in mine]
+  assert not np.any(got[:, others]) and not np.any(got[1 - LAYER])

@@ -1,7 +1,8 @@
 """The device side of the paged KV cache: page pools and jit-safe writes.
 
 K and V live in one array each, `[L, P, Z, K, H]` (layers, pages, page size, kv heads, head dim). Page 0 is the
-null page: unused page-table slots and padded tokens point at it, and it is never read unmasked. A token's
+null page: unused page-table slots and padded tokens point at it; it is never read unmasked, and writes to it
+are dropped. A token's
 cache slot is `page * Z + offset`; the host allocator (`lcjax.cache.pages`) computes slots and page tables, the
 device only scatters into them. Pools are donated through every jitted step, so writes happen in place.
 
@@ -118,9 +119,13 @@ def written_pages(slots, page_size: int):
 
 def _local_pages(global_pages, first, pages: int):
   """Global page ids (any shape) -> ids in a pool holding the global pages first .. first + pages - 1; pages
-  outside it -> `pages` (out of bounds: dropped by the writes)."""
+  outside it, and the null page 0, -> `pages` (out of bounds: dropped by the writes).
+
+  Padded tokens and finished decode rows have slot 0. Their writes are dropped rather than sent to the null page:
+  a scatter of many rows into one page's slots serialises on the GPU (every padded row of a prefill chunk hits the
+  same K * H elements), which cost more than the chunk's real rows."""
   page = global_pages - first
-  return jnp.where((page >= 0) & (page < pages), page, pages)
+  return jnp.where((page >= 0) & (page < pages) & (global_pages != 0), page, pages)
 
 
 def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
@@ -167,8 +172,8 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   scale (0 when the token opens the page), the max with the token's, and the page written back whole, its stored
   values times old / new scale (exact: a power of two, 1 where the scale did not grow, or 0 for a new page) with
   the token at its offset; then the scale. Every row rewrites its whole page on every step, so rows must write
-  distinct pages (a page shared by two sequences is copied before either writes it); padding rows all write the
-  null page, which is never read unmasked."""
+  distinct pages (a page shared by two sequences is copied before either writes it); padding rows (the null page,
+  mapped to Pl by `_local_pages`) write nothing."""
   Pl, Z = pool.shape[1:3]
   pc = jnp.minimum(page, Pl - 1)
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [B, K]

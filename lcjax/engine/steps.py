@@ -109,7 +109,7 @@ class Steps:
     def one(c):
       i, st, cache, out = c
       page = jnp.take_along_axis(page_table, (st.pos // Z)[:, None], axis=1)[:, 0]
-      slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots write the null page
+      slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots: the null page (dropped)
       logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slot[:, None],
                             page_table=page_table, kv_len=st.pos + 1)
       nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)

@@ -21,8 +21,8 @@ elements; two-byte elements keep every offset below 2^31. The pair's low byte is
 is read as its even and odd columns (strided loads). Larger pools get 64-bit offsets and are read byte by byte.
 
 Rows whose page is `Pl` (the pool's page count: a token of another shard's page, or a padding row's) write
-nothing. Two rows must not write the same page, as for `_write_one_token`, except padding rows writing the null
-page, which is never read unmasked: their races leave each byte some row's valid value.
+nothing (lcjax.cache.kv maps padding rows' null page to `Pl`). Two rows must not write the same page, as for
+`_write_one_token`.
 
 Legend: L layers, Pl pages (of this shard), Z page size, K kv heads, H head dim, B rows, `pack` e4m3 values per
 loaded element.

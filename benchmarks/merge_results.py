@@ -36,6 +36,7 @@ TOPICS = {
   "startup": "CLI start-up with the compilation cache off, cold and warm",
   "stream": "decode steps per device call: ms/token of streamed decoding",
   "multigpu": "the 70B shape on one H200 (8 of 80 layers), and its extrapolation to 8 GPUs",
+  "lengths": "prefill and question times at unaligned lengths beside aligned ones, checked to grow with length",
 }
 
 

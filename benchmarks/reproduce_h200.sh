@@ -43,6 +43,10 @@
 #   stream        stream.{json,md}: stream-h200, ms/token per decode steps per call                         ~1 min
 #   multigpu      multigpu.{json,md}: l70b-8layers-h200 (70B shape, 8 of 80 layers, one H200) and
 #                 8xh200-predicted (its extrapolation to 8 GPUs, nothing run)                                ~2 min
+#   lengths       lengths.{json,md}: unaligned document and question lengths beside aligned ones, each sweep
+#                 checked to grow with length: lengths-8b-h200 (8B shape, fp8 weights + fp8 KV + FP8 attention),
+#                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072)
+#                                                                                         ~2.5 + 2 + 2 min
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
@@ -55,7 +59,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 PARTS=${PARTS:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
-all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu tables)
+all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths tables)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all[@]}")
 for step in "${steps[@]}"; do
@@ -174,6 +178,11 @@ for step in "${steps[@]}"; do
       python3 tools/bench_multigpu.py --preset=llama3.1-70b --layers=8 --measured="$P/l70b-8layers-h200.json" \
         --predict_meshes=8x1,4x2,2x4 --predict_contexts=131072,524288,1048576 --contexts=65536,131072 --out="$P" \
         --name=8xh200-predicted ;;
+    lengths)
+      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --out="$P" --name=lengths-8b-h200
+      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8w --out="$P" --name=lengths-8b-bf16attn-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_lengths.py --preset=llama3.1-70b \
+        --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200 ;;
     tables)
       # The tables of README.md and docs/ that benchmarks/tables.py makes from the topic files
       if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi

@@ -174,8 +174,32 @@ def context_cache() -> list[str]:
                  "restore from disk (vs floor)", "file"], out)
 
 
+# Lengths: each part of lengths.json is one engine's sweep; a table row per (part, kind), a column per length.
+LENGTHS = [("lengths-8b-h200", "Llama-3.1-8B shape, fp8 weights + fp8 KV, FP8 attention"),
+           ("lengths-8b-bf16attn-h200", "Llama-3.1-8B shape, fp8 weights + fp8 KV, bf16 attention"),
+           ("lengths-70b-h200", "Llama-3.1-70B shape, fp8 weights + fp8 KV, bf16 attention")]
+
+
+def lengths(kind: str) -> list[str]:
+  """Seconds at each length of the `kind` sweep ("document": prefill; "question": time to the first token on the
+  pinned context), one row per part that has the sweep, with whether it grew with length."""
+  sweeps = [(part, label, sorted((r for r in _rows("lengths", part) if r["kind"] == kind), key=lambda r: r["tokens"]))
+            for part, label in LENGTHS]
+  sweeps = [x for x in sweeps if x[2]]
+  tokens = sorted({r["tokens"] for _, _, rows in sweeps for r in rows})
+  checks = {p["name"]: p["checks"] for p in json.loads((RESULTS / "lengths.json").read_text())["parts"]}
+  out = []
+  for part, label, rows in sweeps:
+    by = {r["tokens"]: r for r in rows}
+    (check,) = [c for c in checks[part] if c["kind"] == kind]
+    out.append([label, *(f"{by[n]['seconds']:.3f}" if n in by else "-" for n in tokens),
+                "yes" if check["monotone"] else "**no**", _file("lengths", part)])
+  return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
+
+
 TABLES = {"longctx-8b": longctx_8b, "longctx-8b-headline": longctx_8b_headline, "fp8w": fp8w,
-          "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache}
+          "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache,
+          "lengths-documents": lambda: lengths("document"), "lengths-questions": lambda: lengths("question")}
 
 
 def pages(repo: pathlib.Path = REPO) -> list[pathlib.Path]:

@@ -261,3 +261,20 @@ def test_check_fp8_model_rows_on_the_outlier_test(tmp_path):
   e4m3, plain, int8 = (rows[f"lcjax-pallas-{n} [jnp model]"]
                        for n in ("fp8 (rotation)", "fp8 (no rotation)", "int8-fp8 (rotation)"))
   assert 1e-3 < int8 < e4m3 < plain < 0.05, rows
+
+
+def test_bench_lengths_rows_and_check(tmp_path):
+  """The length sweep end to end on the CPU: a row per document and question length with its padded chunks, one
+  check per sweep (CPU timings are noise, so the tolerance is wide here); and the check itself on planted times."""
+  _run("bench_lengths.py", "--preset=tiny", "--variants=bfloat16", "--documents=100,128", "--questions=16,40",
+       "--context=64", "--reps=1", "--prefill_chunk=64", "--page_size=16", "--tolerance=1000", f"--out={tmp_path}",
+       "--name=bl")
+  res = json.load(open(tmp_path / "bl.json"))
+  got = [(r["kind"], r["tokens"], r["chunks"]) for r in res["rows"]]
+  assert got == [("document", 100, [64]), ("document", 128, [64]), ("question", 16, [16]), ("question", 40, [64])]
+  assert all(r["seconds"] > 0 for r in res["rows"])
+  assert [(c["kind"], c["monotone"]) for c in res["checks"]] == [("document", True), ("question", True)]
+  from tools.bench_lengths import monotone_violations
+  assert monotone_violations([(100, 1.0), (200, 2.0), (300, 2.05)], 1.05) == []
+  assert monotone_violations([(200, 2.2), (100, 1.0), (300, 2.0)], 1.05) == [
+      dict(shorter=200, longer=300, shorter_s=2.2, longer_s=2.0)]

@@ -83,7 +83,7 @@ def _h2d_floor(eng, blocks) -> float:
   from lcjax.engine.context import _mover
   dst = _mover(eng).replicated
   t0 = time.perf_counter()
-  out = [jax.device_put(x, dst) for _, _, k, v in blocks for x in (k, v)]
+  out = [jax.device_put(x, dst) for _, _, parts in blocks for x in parts]
   jax.block_until_ready(out)
   return time.perf_counter() - t0
 

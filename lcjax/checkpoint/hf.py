@@ -173,7 +173,7 @@ def _parse_header(path: str, raw: bytes) -> dict:
 def check_header(path: str, header: dict, data_bytes: int) -> None:
   """Every tensor entry of a safetensors header: a dtype string, a shape of non-negative integers, and
   data_offsets [begin, end] with 0 <= begin <= end <= the data section's size, spanning shape x itemsize bytes
-  where lcjax knows the dtype."""
+  where lcjax knows the dtype; and the spans tile the data section (check_spans)."""
   for name, h in header.items():
     if name == "__metadata__":
       continue
@@ -198,6 +198,27 @@ def check_header(path: str, header: dict, data_bytes: int) -> None:
       if end - begin != count * _DTYPES[dtype].itemsize:
         raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes, shape {tuple(shape)} of {dtype} "
                               f"needs {count * _DTYPES[dtype].itemsize}")
+  check_spans(path, header, data_bytes)
+
+
+def check_spans(path: str, header: dict, data_bytes: int) -> None:
+  """The tensors' data_offsets, in order of offset, tile the data section [0, data_bytes) exactly: no two overlap
+  (one tensor would read another's bytes), none leaves a gap, the last ends at the end of the file, as the
+  safetensors library requires."""
+  spans = sorted((h["data_offsets"][0], h["data_offsets"][1], name) for name, h in header.items()
+                 if name != "__metadata__")
+  at, before = 0, None
+  for begin, end, name in spans:
+    if begin < at:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}] overlapping tensor {before}'s "
+                            f"bytes (up to {at}): one tensor would read another's bytes")
+    if begin > at:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}], leaving bytes [{at}, {begin}) "
+                            f"{'after tensor ' + before if before else 'at the start'} unused (a corrupt header)")
+    at, before = end, name
+  if at != data_bytes:
+    raise CheckpointError(f"{path}: the tensors' data_offsets end at byte {at} of a data section of {data_bytes} "
+                          "bytes (a corrupt header)")
 
 
 def check_weight_map(index: str, src: str, weight_map) -> None:

@@ -42,6 +42,109 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], offsets: dict[s
     f.write(struct.pack("<Q", len(raw)) + raw + data + tail)
 
 
+def fp8_tensors(static: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+  """HF tensors of CFG in fp8: e4m3 projections with a float32 weight_scale per output channel (and a per-tensor
+  input_scale when `static`), everything else float32."""
+  rng = np.random.default_rng(seed)
+  shapes = param_shapes(CFG)
+  out = {}
+  for hf_name, (name, in_dims) in HF_NAMES.items():
+    if name not in shapes:
+      continue
+    full, stacked = shapes[name]
+    for layer in (range(full[0]) if stacked else [None]):
+      key = hf_name.replace("{i}", str(layer))
+      shape = hf_shape(full[1:] if stacked else full, in_dims)
+      if name in QUANTIZED:
+        out[key] = rng.uniform(-400, 400, shape).astype(E4M3)
+        out[key + "_scale"] = rng.uniform(1e-4, 1e-3, (shape[0], 1)).astype(np.float32)
+        if static:
+          out[key[:-len("weight")] + "input_scale"] = np.array([0.02], np.float32)
+      else:
+        out[key] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+  return out
+
+
+def fp8_config(static: bool = False) -> dict:
+  d = CFG.to_hf()
+  d["quantization_config"] = {
+      "quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"group_0": {
+          "targets": ["Linear"],
+          "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+          "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor" if static else "token",
+                                "dynamic": not static, "symmetric": True}}},
+      "ignore": ["lm_head"]}
+  return d
+
+
+def write_folder(dst: str, tensors: dict[str, np.ndarray], config: dict) -> str:
+  os.makedirs(dst)
+  write_safetensors(os.path.join(dst, "model.safetensors"), tensors)
+  with open(os.path.join(dst, "config.json"), "w") as f:
+    json.dump(config, f)
+  return dst
+
+
+def refused(src: str, dst: str, *names: str) -> str:
+  """convert_hf(src, dst)'s CheckpointError: one line naming `names`, and nothing at dst."""
+  with pytest.raises(CheckpointError) as e:
+    convert_hf(src, dst, progress=False)
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  for n in names:
+    assert n in msg, msg
+  assert not os.path.exists(dst)
+  return msg
+
+
+WQ0 = "model.layers.0.self_attn.q_proj"
+
+
+def test_a_well_formed_fp8_folder_converts(tmp_path):
+  src = write_folder(str(tmp_path / "src"), fp8_tensors(static=True), fp8_config(static=True))
+  assert convert_hf(src, str(tmp_path / "out"), progress=False)["tensors"] > 0
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan, 0.0, -1e-3], ids=["inf", "nan", "zero", "negative"])
+@pytest.mark.parametrize("which", ["weight_scale", "input_scale"])
+def test_a_scale_that_is_not_finite_and_positive_is_refused(tmp_path, which, value):
+  """One bad channel of layer 0's down_proj scale (an inf scale gives NaN logits and token 0 forever, a NaN
+  channel finite wrong logits) refuses the conversion before anything is written."""
+  t = fp8_tensors(static=True)
+  name = f"model.layers.0.mlp.down_proj.{which}"
+  t[name] = t[name].copy()
+  t[name].reshape(-1)[-1] = value
+  src = write_folder(str(tmp_path / "src"), t, fp8_config(static=True))
+  refused(src, str(tmp_path / "out"), name, f"scale {float(np.float32(value))} at index {t[name].size - 1}",
+          "not finite and > 0")
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_a_nan_e4m3_weight_is_refused(tmp_path, byte):
+  t = fp8_tensors()
+  w = t[WQ0 + ".weight"].copy()
+  w.view(np.uint8)[3, 5] = byte
+  t[WQ0 + ".weight"] = w
+  src = write_folder(str(tmp_path / "src"), t, fp8_config())
+  refused(src, str(tmp_path / "out"), WQ0 + ".weight", "element (3, 5)", f"0x{byte:02X}", "NaN")
+
+
+def test_e4m3_weights_without_an_fp8_config_are_refused(tmp_path):
+  """Without quantization_config the e4m3 projections would convert as a bf16 model of raw e4m3 values."""
+  t = {k: v for k, v in fp8_tensors().items() if not k.endswith("_scale")}
+  src = write_folder(str(tmp_path / "src"), t, CFG.to_hf())
+  refused(src, str(tmp_path / "out"), "model.layers.0.", "float8_e4m3fn", "no fp8 quantization_config")
+
+
+def test_e4m3_embeddings_without_a_scale_are_refused(tmp_path):
+  """An e4m3 tensor that lcjax keeps in dtype needs a weight_scale to dequantize it with (a KeyError before)."""
+  t = fp8_tensors()
+  t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"].astype(E4M3)
+  src = write_folder(str(tmp_path / "src"), t, fp8_config())
+  refused(src, str(tmp_path / "out"), "model.embed_tokens.weight", "without a weight_scale", "embed/embedding")
+
+
 # -- safetensors spans: as the safetensors library, every byte of the data section belongs to one tensor ----------
 
 _A, _B = np.arange(4, dtype=np.float32), np.arange(4, 8, dtype=np.float32)

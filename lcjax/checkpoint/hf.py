@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
                                      stored_tensor, unwrap)
+from lcjax.checkpoint.values import check_e4m3, check_scale
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig, WeightFormat
 from lcjax import tokenizer as tok
@@ -383,6 +384,9 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
     for name, info in header.tensors.items():
       if _IGNORED.fullmatch(name) or (weights.fp8 and _KV_SCALES.fullmatch(name)):
         continue
+      if info.dtype == E4M3 and not weights.fp8:
+        raise CheckpointError(f"{header.path}: tensor {name} is float8_e4m3fn, but config.json has no fp8 "
+                              "quantization_config to give its scales (lcjax does not load raw e4m3 values)")
       suffix = next((x for x in _SUFFIXES if weights.fp8 and name.endswith(x)), "")
       m = match_name(name[:-len(suffix)] + ".weight" if suffix else name)
       if m is None:
@@ -417,6 +421,10 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
         raise CheckpointError(f"{header.path}: tensor {name} also appears in {seen[(dst, layer)]}")
       seen[(dst, layer)] = header.path
       plan.append((header, name, dst, layer, in_dims))
+  for header, name, dst, layer, _ in plan:
+    if header.tensors[name].dtype == E4M3 and dst not in QUANTIZED and (dst + "_scale", layer) not in seen:
+      raise CheckpointError(f"{header.path}: tensor {name} is float8_e4m3fn without a weight_scale to dequantize "
+                            f"it with (lcjax keeps {dst} in the model's dtype)")
   # Each projection's input scale (written as its fused projection's) instead of the lcjax _in_scale tensors.
   required = {n: v for n, v in shapes.items() if not n.endswith("_in_scale")}
   required.update({w + "_in": shapes[w] for w in QUANTIZED if weights.static_inputs})
@@ -429,6 +437,14 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
           hf_name = hf_name[:-len(".weight")] + (".weight_scale" if dst.endswith("_scale") else ".input_scale")
         raise CheckpointError(f"{src}: tensor {hf_name} is missing from the safetensors files {files}")
   return plan
+
+
+def _check_scales(plan) -> None:
+  """Refuse a plan with a weight or input scale that is not finite and > 0: all of them read (a few floats per
+  output channel) before anything is written."""
+  for header, name, dst, *_ in plan:
+    if dst.endswith(("_scale", "_in")):
+      check_scale(header.read(name), f"{header.path}: tensor {name}")
 
 
 def _scale_layout(scale: np.ndarray, shape: tuple[int, ...], in_dims: int) -> np.ndarray:
@@ -450,7 +466,9 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
   tensor that lcjax keeps in dtype (the LM head) is dequantized.
 
   Returns {"tensors", "bytes", "seconds"}. Raises CheckpointError (one line, naming file and tensor) for an
-  unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, or a truncated file.
+  unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, a truncated file,
+  overlapping tensor spans, an fp8 scale that is not finite and > 0, a NaN e4m3 value, or e4m3 tensors outside an
+  fp8 quantization_config.
   """
   t0 = time.time()
   cfg = hf_model_config(src)
@@ -460,6 +478,7 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
   if weights.fp8:
     _ignored_projections(hf, cfg, config_path)
   plan = _plan(src, cfg, weights)
+  _check_scales(plan)
   cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else None
   total = sum(h.tensors[n].end - h.tensors[n].begin for h, n, *_ in plan)
   full_shapes = param_shapes(cfg, weights)
@@ -484,6 +503,8 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
           continue
         full, stacked = full_shapes[dst_name]
         w_hf = header.read(name)
+        if w_hf.dtype == E4M3:
+          check_e4m3(w_hf, f"{header.path}: tensor {name}")
         if w_hf.dtype == E4M3 and dst_name not in QUANTIZED:    # dequantized: lcjax keeps it in dtype
           sh, sn = scales[(dst_name, layer)]
           w_hf = (w_hf.astype(np.float32) * np.asarray(sh.read(sn), np.float32).reshape(-1, 1)).astype(

@@ -1,6 +1,7 @@
 """Checkpoint values that a header cannot show, refused in one line before they give silent wrong answers: fp8
 weight and input scales that are not finite and > 0, NaN bytes of e4m3 weights, e4m3 tensors outside an fp8
-quantization_config or without a scale, and safetensors spans that overlap or leave gaps.
+quantization_config or without a scale, safetensors spans that overlap or leave gaps; and a quantization_config
+whose `ignore` patterns would hang the loader (or do not parse) or whose structure is malformed.
 
 The HF folders here are written byte by byte (tests.test_checkpoint_values.write_safetensors: the format's 8-byte
 header length, JSON header, data), so a test can plant any value or offset; a well-formed folder converts (the
@@ -8,9 +9,12 @@ first test), so each refusal is the planted value's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import struct
+import time
 
 import ml_dtypes
 import numpy as np
@@ -174,3 +178,57 @@ def test_a_gap_between_spans_is_refused(tmp_path):
   write_safetensors(path, {"a": _A, "b": _B}, {"b": [24, 40]}, b"\0" * 8)
   with pytest.raises(CheckpointError, match=r"leaving bytes \[16, 24\) after tensor a unused"):
     SafetensorsFile(path)
+
+
+# -- quantization_config: its regular expressions and its structure ----------------------------------------------
+
+def _config_refused(tmp_path, change, *names) -> str:
+  """convert_hf of a folder whose fp8 config has `change` applied and no safetensors: the config's refusal, one
+  line naming `names`, within seconds (a pattern that backtracks would take minutes)."""
+  src = tmp_path / "src"
+  src.mkdir()
+  d = fp8_config()
+  change(d["quantization_config"])
+  (src / "config.json").write_text(json.dumps(d))
+  t0 = time.perf_counter()
+  with pytest.raises(CheckpointError) as e:
+    with _alarm(10.0):
+      convert_hf(str(src), str(tmp_path / "out"), progress=False)
+  assert time.perf_counter() - t0 < 5.0
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  for n in names:
+    assert n in msg, msg
+  return msg
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+  """TimeoutError in this thread after `seconds` (re's matching loop checks for signals, so a backtracking pattern is
+  stopped too)."""
+  def stop(*_):
+    raise TimeoutError(f"still running after {seconds} s")
+  before = signal.signal(signal.SIGALRM, stop)
+  signal.setitimer(signal.ITIMER_REAL, seconds)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, before)
+
+
+def test_an_ignore_pattern_that_backtracks_is_matched_in_linear_time(tmp_path):
+  """re:(.|.)*X backtracks 2^len(name) times under `re` (minutes per name); it matches no projection, so the
+  conversion goes on to the safetensors files (absent here)."""
+  _config_refused(tmp_path, lambda q: q.update(ignore=["lm_head", "re:(.|.)*X"]), "no model.safetensors")
+
+
+@pytest.mark.parametrize("ignore,names", [
+    (["re:("], ["ignore entry 're:('", "not a valid regular expression", "missing )"]),
+    (["re:(a)\\1"], ["ignore entry 're:(a)\\\\1'", "groupref", "does not support"]),
+    (["re:x{70000}"], ["more than 4000 automaton states"]),
+    (["re:.*mlp\\.down"], ["ignore entry 're:.*mlp\\\\.down' leaves model.layers.0.mlp.down_proj", "unquantized"]),
+    ("lm_head", ["ignore=\"lm_head\" is not a list"]),
+], ids=["invalid", "backreference", "too-large", "anchored-at-start", "not-a-list"])
+def test_ignore_entries_are_refused_in_one_line(tmp_path, ignore, names):
+  _config_refused(tmp_path, lambda q: q.update(ignore=ignore), *names)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
                                      stored_tensor, unwrap)
+from lcjax.checkpoint.patterns import Pattern
 from lcjax.checkpoint.values import check_e4m3, check_scale
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig, WeightFormat
@@ -356,13 +357,24 @@ def quantization_format(hf: dict, where: str) -> WeightFormat:
 
 def _ignored_projections(hf: dict, cfg: ModelConfig, where: str) -> None:
   """Refuse an `ignore` list that keeps some decoder layer's projection unquantized: lcjax holds each projection
-  of every layer in one format (lm_head, which lcjax keeps in dtype anyway, may be ignored)."""
-  ignore = (hf.get("quantization_config") or {}).get("ignore") or []
+  of every layer in one format (lm_head, which lcjax keeps in dtype anyway, may be ignored). A "re:" entry is
+  matched as compressed-tensors matches it (re.match: anchored at the start of the module name), without
+  backtracking (lcjax.checkpoint.patterns); one that is invalid or past that matcher's bounds is refused."""
+  ignore = hf["quantization_config"].get("ignore") or []
+  if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+    raise CheckpointError(f"{where}: quantization_config ignore={json.dumps(ignore, default=str)[:100]} is not a "
+                          "list of module names and 're:' patterns")
   names = [k.replace("{i}", str(i))[:-len(".weight")] for k in HF_NAMES if "{i}" in k and QUANTIZED.get(
       HF_NAMES[k][0]) for i in range(cfg.n_layers)]
-  for pattern in ignore:
-    p = str(pattern)
-    hits = [n for n in names if (re.fullmatch(p[3:], n) if p.startswith("re:") else n == p or n.endswith("." + p))]
+  for p in ignore:
+    if p.startswith("re:"):
+      try:
+        pattern = Pattern(p[3:])
+        hits = [n for n in names if pattern.match(n)]
+      except ValueError as e:
+        raise CheckpointError(f"{where}: quantization_config ignore entry {p[:80]!r} {e}") from None
+    else:
+      hits = [n for n in names if n == p or n.endswith("." + p)]
     if hits:
       raise CheckpointError(f"{where}: quantization_config ignore entry {p!r} leaves {hits[0]} "
                             f"{'and others ' if len(hits) > 1 else ''}unquantized; lcjax needs every layer's "

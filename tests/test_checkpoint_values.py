@@ -232,3 +232,14 @@ def test_an_ignore_pattern_that_backtracks_is_matched_in_linear_time(tmp_path):
 ], ids=["invalid", "backreference", "too-large", "anchored-at-start", "not-a-list"])
 def test_ignore_entries_are_refused_in_one_line(tmp_path, ignore, names):
   _config_refused(tmp_path, lambda q: q.update(ignore=ignore), *names)
+
+
+@pytest.mark.parametrize("change,names", [
+    (lambda q: q.update(config_groups=[{"weights": {}}]), ["config_groups is a list, not an object"]),
+    (lambda q: q.update(config_groups={"g": "fp8"}), ["config_groups['g'] = \"fp8\" is not an object"]),
+    (lambda q: q["config_groups"]["group_0"].update(weights=[8]), ["config_groups['group_0']", "not an object"]),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations="dynamic"), ["config_groups['group_0']"]),
+], ids=["groups-a-list", "group-a-string", "weights-a-list", "activations-a-string"])
+def test_a_malformed_quantization_config_is_refused_in_one_line(tmp_path, change, names):
+  """Each was an AttributeError."""
+  _config_refused(tmp_path, change, "config.json: quantization_config", *names)

@@ -335,12 +335,18 @@ def quantization_format(hf: dict, where: str) -> WeightFormat:
   fmt = q.get("format")
   if fmt != "float-quantized":
     raise refuse(f"format={fmt!r}")
-  groups = list((q.get("config_groups") or {}).values())
+  groups = q.get("config_groups") or {}
+  if not isinstance(groups, dict):
+    raise CheckpointError(f"{where}: quantization_config config_groups is a {type(groups).__name__}, not an object")
   if not groups:
     raise refuse("no config_groups")
   statics = set()
-  for g in groups:
-    w, a = g.get("weights") or {}, g.get("input_activations")
+  for key, g in groups.items():
+    w, a = (g.get("weights") or {}, g.get("input_activations")) if isinstance(g, dict) else (None, None)
+    if not isinstance(w, dict) or not isinstance(a, (dict, type(None))):
+      raise CheckpointError(f"{where}: quantization_config config_groups[{key!r}] = "
+                            f"{json.dumps(g, default=str)[:200]} is not an object whose weights and "
+                            "input_activations are objects")
     if (w.get("num_bits"), w.get("type")) != (8, "float") or w.get("strategy") not in ("channel", "tensor") \
         or w.get("dynamic") or w.get("symmetric") is False:
       raise refuse(f"weights {json.dumps(w, sort_keys=True)[:200]}")

@@ -274,6 +274,11 @@ def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
   return others, None
 
 
+def hf_config_json(src: str) -> dict:
+  """An HF folder's config.json, a JSON object."""
+  return _read_object(os.path.join(src, "config.json"))
+
+
 def hf_model_config(src: str) -> ModelConfig:
   """ModelConfig of an HF folder, with BOS/EOS as its tokenizer and generation config say."""
   path = os.path.join(src, "config.json")
@@ -491,7 +496,7 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
   t0 = time.time()
   cfg = hf_model_config(src)
   config_path = os.path.join(src, "config.json")
-  hf = _read_json(config_path)
+  hf = hf_config_json(src)
   weights = quantization_format(hf, config_path)
   if weights.fp8:
     _ignored_projections(hf, cfg, config_path)

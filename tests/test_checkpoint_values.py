@@ -23,7 +23,9 @@ import pytest
 from lcjax.checkpoint import CheckpointError
 from lcjax.checkpoint.hf import HF_NAMES, SafetensorsFile, convert_hf, hf_shape
 from lcjax.checkpoint.layout import QUANTIZED, param_shapes
-from lcjax.config import ModelConfig
+from lcjax.checkpoint.restore import load_checkpoint
+from lcjax.checkpoint.writer import CheckpointWriter
+from lcjax.config import ModelConfig, WeightFormat
 
 CFG = ModelConfig("values-test", vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                   ffn_dim=64, max_position=128, bos_id=0, eos_ids=(1,))
@@ -243,3 +245,48 @@ def test_ignore_entries_are_refused_in_one_line(tmp_path, ignore, names):
 def test_a_malformed_quantization_config_is_refused_in_one_line(tmp_path, change, names):
   """Each was an AttributeError."""
   _config_refused(tmp_path, change, "config.json: quantization_config", *names)
+
+
+# -- lcjax checkpoints: the stored fp8 values are checked as they are restored ------------------------------------
+
+def write_fp8_checkpoint(dst: str, plant) -> str:
+  """An fp8 lcjax checkpoint of CFG (static input scales) with `plant(name, array)` applied to each array."""
+  weights = WeightFormat(fp8=True, static_inputs=True)
+  rng = np.random.default_rng(0)
+  with CheckpointWriter(dst, CFG, weights=weights) as w:
+    for name, (full, stacked) in param_shapes(CFG, weights).items():
+      for layer in (range(full[0]) if stacked else [None]):
+        shape = full[1:] if stacked else full
+        if name in QUANTIZED:
+          a = rng.uniform(-400, 400, shape).astype(E4M3)
+        elif name.endswith("_scale"):
+          a = rng.uniform(1e-4, 1e-3, shape).astype(np.float32)
+        else:
+          a = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+        w.write(name, plant(name, a), layer)
+  return dst
+
+
+def _plant_last(target: str, value):
+  """A `plant` that sets the last element of `target` to `value` (a byte of an e4m3 tensor)."""
+  def plant(name, a):
+    if name != target:
+      return a
+    a = a.copy()
+    (a.reshape(-1).view(np.uint8) if a.dtype == E4M3 else a.reshape(-1))[-1] = value
+    return a
+  return plant
+
+
+@pytest.mark.parametrize("target,value,names", [
+    ("layers/mlp/w_down_scale", np.inf, ["layer 0 of layers/mlp/w_down", "a scale that is not finite and > 0"]),
+    ("layers/attn/wk_scale", np.nan, ["layer 0 of layers/attn/wqkv", "a scale that is not finite and > 0"]),
+    ("layers/attn/wo", 0xFF, ["layer 0 of layers/attn/wo", "a NaN float8_e4m3fn weight"]),
+    ("layers/mlp/w_gate_up_in_scale", 0.0, ["layer 0 of layers/mlp/w_gate_up_in_scale", "not finite and > 0"]),
+], ids=["inf-weight-scale", "nan-weight-scale", "nan-weight", "zero-input-scale"])
+def test_an_lcjax_checkpoints_fp8_values_are_checked_on_restore(tmp_path, target, value, names):
+  ckpt = write_fp8_checkpoint(str(tmp_path / "ckpt"), _plant_last(target, value))
+  with pytest.raises(CheckpointError) as e:
+    load_checkpoint(ckpt, dtype="float32")
+  msg = str(e.value)
+  assert "\n" not in msg and all(n in msg for n in names), msg

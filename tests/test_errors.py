@@ -128,6 +128,15 @@ def paths(tmp_path_factory):
   shard = write_hf_folder(p["hf"], CFG)[1]
   os.unlink(os.path.join(p["hf"], shard))
   p["hf_shard"] = shard
+  p["hf_huge"] = str(root / "hf_huge")          # config.json alone: a model no machine's memory holds
+  os.makedirs(p["hf_huge"])
+  json.dump({**preset("llama3.1-70b").to_hf(), "num_hidden_layers": 800}, open(os.path.join(p["hf_huge"],
+                                                                                            "config.json"), "w"))
+  p["hf_bad_quant"] = str(root / "hf_bad_quant")  # config.json alone, its quantization_config malformed
+  os.makedirs(p["hf_bad_quant"])
+  json.dump({**CFG.to_hf(), "quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                                    "config_groups": [{"weights": {}}]}},
+            open(os.path.join(p["hf_bad_quant"], "config.json"), "w"))
   p["qwen_gguf"] = str(root / "qwen.gguf")
   fx.write_gguf(p["qwen_gguf"], arch="qwen2")
   p["moe_gguf"] = str(root / "moe.gguf")
@@ -219,6 +228,11 @@ CLI_CASES = [
      ["shard {hf_shard}", "is missing"]),
     ("a file that is not GGUF as a checkpoint", ["--prompt=hi", "--checkpoint={latin1_file}"],
      ["latin1.txt is a file but not a GGUF file"]),
+    ("HF folder with a malformed quantization_config", ["--prompt=hi", "--checkpoint={hf_bad_quant}"],
+     ["--checkpoint={hf_bad_quant}", "config.json: quantization_config config_groups is a list"]),
+    # the memory plan is checked from the source's config.json, before anything is converted (there are no weights)
+    ("HF folder of a model past the machine", ["--prompt_ids=1", "--config={default_cfg}", "--checkpoint={hf_huge}"],
+     ["does not fit", "weights 2"]),
     # limits of the run
     ("mesh needing more devices than exist", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--config.tensor=16"],
      ["needs 16 devices", "only 8"]),
@@ -262,7 +276,7 @@ CLI_CASES = [
                                                        "--save_context={empty_file}/ctx"],
      ["--save_context={empty_file}/ctx"]),
 ]
-PLAN_PRINTED = {"page pool larger than memory", "context larger than memory"}
+PLAN_PRINTED = {"page pool larger than memory", "context larger than memory", "HF folder of a model past the machine"}
 
 
 def _cli_env():
@@ -428,6 +442,18 @@ def test_api_refuses_a_plan_that_does_not_fit_before_any_allocation(api, monkeyp
   msg = str(e.value)
   assert "\n" not in msg and "num_pages=100000000 does not fit" in msg and "(KV cache 381.47 GiB" in msg, msg
   assert len(jax.live_arrays()) == before
+
+
+def test_api_refuses_a_plan_that_does_not_fit_before_converting(paths, monkeypatch):
+  """An HF folder of a model past the machine is refused from its config.json alone: nothing is converted (the
+  folder holds no weights, whose absence a conversion would report instead)."""
+  from lcjax.checkpoint import hf
+  def never(*a, **kw):
+    raise AssertionError("the source was converted before the memory plan was checked")
+  monkeypatch.setattr(hf, "convert_hf", never)
+  with pytest.raises(ConfigError) as e:
+    Engine.load(paths["hf_huge"], run=RUN)
+  assert "\n" not in str(e.value) and "does not fit" in str(e.value), str(e.value)
 
 
 def test_refusals_are_value_errors():

@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
                                      stored_tensor, unwrap)
+from lcjax.checkpoint.patterns import Pattern
+from lcjax.checkpoint.values import check_e4m3, check_scale
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig, WeightFormat
 from lcjax import tokenizer as tok
@@ -173,7 +175,7 @@ def _parse_header(path: str, raw: bytes) -> dict:
 def check_header(path: str, header: dict, data_bytes: int) -> None:
   """Every tensor entry of a safetensors header: a dtype string, a shape of non-negative integers, and
   data_offsets [begin, end] with 0 <= begin <= end <= the data section's size, spanning shape x itemsize bytes
-  where lcjax knows the dtype."""
+  where lcjax knows the dtype; and the spans tile the data section (check_spans)."""
   for name, h in header.items():
     if name == "__metadata__":
       continue
@@ -198,6 +200,27 @@ def check_header(path: str, header: dict, data_bytes: int) -> None:
       if end - begin != count * _DTYPES[dtype].itemsize:
         raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes, shape {tuple(shape)} of {dtype} "
                               f"needs {count * _DTYPES[dtype].itemsize}")
+  check_spans(path, header, data_bytes)
+
+
+def check_spans(path: str, header: dict, data_bytes: int) -> None:
+  """The tensors' data_offsets, in order of offset, tile the data section [0, data_bytes) exactly: no two overlap
+  (one tensor would read another's bytes), none leaves a gap, the last ends at the end of the file, as the
+  safetensors library requires."""
+  spans = sorted((h["data_offsets"][0], h["data_offsets"][1], name) for name, h in header.items()
+                 if name != "__metadata__")
+  at, before = 0, None
+  for begin, end, name in spans:
+    if begin < at:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}] overlapping tensor {before}'s "
+                            f"bytes (up to {at}): one tensor would read another's bytes")
+    if begin > at:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}], leaving bytes [{at}, {begin}) "
+                            f"{'after tensor ' + before if before else 'at the start'} unused (a corrupt header)")
+    at, before = end, name
+  if at != data_bytes:
+    raise CheckpointError(f"{path}: the tensors' data_offsets end at byte {at} of a data section of {data_bytes} "
+                          "bytes (a corrupt header)")
 
 
 def check_weight_map(index: str, src: str, weight_map) -> None:
@@ -249,6 +272,11 @@ def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
     raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json (lcjax reads "
                           "safetensors only; re-save with save_pretrained(safe_serialization=True))")
   return others, None
+
+
+def hf_config_json(src: str) -> dict:
+  """An HF folder's config.json, a JSON object."""
+  return _read_object(os.path.join(src, "config.json"))
 
 
 def hf_model_config(src: str) -> ModelConfig:
@@ -312,12 +340,18 @@ def quantization_format(hf: dict, where: str) -> WeightFormat:
   fmt = q.get("format")
   if fmt != "float-quantized":
     raise refuse(f"format={fmt!r}")
-  groups = list((q.get("config_groups") or {}).values())
+  groups = q.get("config_groups") or {}
+  if not isinstance(groups, dict):
+    raise CheckpointError(f"{where}: quantization_config config_groups is a {type(groups).__name__}, not an object")
   if not groups:
     raise refuse("no config_groups")
   statics = set()
-  for g in groups:
-    w, a = g.get("weights") or {}, g.get("input_activations")
+  for key, g in groups.items():
+    w, a = (g.get("weights") or {}, g.get("input_activations")) if isinstance(g, dict) else (None, None)
+    if not isinstance(w, dict) or not isinstance(a, (dict, type(None))):
+      raise CheckpointError(f"{where}: quantization_config config_groups[{key!r}] = "
+                            f"{json.dumps(g, default=str)[:200]} is not an object whose weights and "
+                            "input_activations are objects")
     if (w.get("num_bits"), w.get("type")) != (8, "float") or w.get("strategy") not in ("channel", "tensor") \
         or w.get("dynamic") or w.get("symmetric") is False:
       raise refuse(f"weights {json.dumps(w, sort_keys=True)[:200]}")
@@ -334,13 +368,24 @@ def quantization_format(hf: dict, where: str) -> WeightFormat:
 
 def _ignored_projections(hf: dict, cfg: ModelConfig, where: str) -> None:
   """Refuse an `ignore` list that keeps some decoder layer's projection unquantized: lcjax holds each projection
-  of every layer in one format (lm_head, which lcjax keeps in dtype anyway, may be ignored)."""
-  ignore = (hf.get("quantization_config") or {}).get("ignore") or []
+  of every layer in one format (lm_head, which lcjax keeps in dtype anyway, may be ignored). A "re:" entry is
+  matched as compressed-tensors matches it (re.match: anchored at the start of the module name), without
+  backtracking (lcjax.checkpoint.patterns); one that is invalid or past that matcher's bounds is refused."""
+  ignore = hf["quantization_config"].get("ignore") or []
+  if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+    raise CheckpointError(f"{where}: quantization_config ignore={json.dumps(ignore, default=str)[:100]} is not a "
+                          "list of module names and 're:' patterns")
   names = [k.replace("{i}", str(i))[:-len(".weight")] for k in HF_NAMES if "{i}" in k and QUANTIZED.get(
       HF_NAMES[k][0]) for i in range(cfg.n_layers)]
-  for pattern in ignore:
-    p = str(pattern)
-    hits = [n for n in names if (re.fullmatch(p[3:], n) if p.startswith("re:") else n == p or n.endswith("." + p))]
+  for p in ignore:
+    if p.startswith("re:"):
+      try:
+        pattern = Pattern(p[3:])
+        hits = [n for n in names if pattern.match(n)]
+      except ValueError as e:
+        raise CheckpointError(f"{where}: quantization_config ignore entry {p[:80]!r} {e}") from None
+    else:
+      hits = [n for n in names if n == p or n.endswith("." + p)]
     if hits:
       raise CheckpointError(f"{where}: quantization_config ignore entry {p!r} leaves {hits[0]} "
                             f"{'and others ' if len(hits) > 1 else ''}unquantized; lcjax needs every layer's "
@@ -362,6 +407,9 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
     for name, info in header.tensors.items():
       if _IGNORED.fullmatch(name) or (weights.fp8 and _KV_SCALES.fullmatch(name)):
         continue
+      if info.dtype == E4M3 and not weights.fp8:
+        raise CheckpointError(f"{header.path}: tensor {name} is float8_e4m3fn, but config.json has no fp8 "
+                              "quantization_config to give its scales (lcjax does not load raw e4m3 values)")
       suffix = next((x for x in _SUFFIXES if weights.fp8 and name.endswith(x)), "")
       m = match_name(name[:-len(suffix)] + ".weight" if suffix else name)
       if m is None:
@@ -396,6 +444,10 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
         raise CheckpointError(f"{header.path}: tensor {name} also appears in {seen[(dst, layer)]}")
       seen[(dst, layer)] = header.path
       plan.append((header, name, dst, layer, in_dims))
+  for header, name, dst, layer, _ in plan:
+    if header.tensors[name].dtype == E4M3 and dst not in QUANTIZED and (dst + "_scale", layer) not in seen:
+      raise CheckpointError(f"{header.path}: tensor {name} is float8_e4m3fn without a weight_scale to dequantize "
+                            f"it with (lcjax keeps {dst} in the model's dtype)")
   # Each projection's input scale (written as its fused projection's) instead of the lcjax _in_scale tensors.
   required = {n: v for n, v in shapes.items() if not n.endswith("_in_scale")}
   required.update({w + "_in": shapes[w] for w in QUANTIZED if weights.static_inputs})
@@ -408,6 +460,14 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
           hf_name = hf_name[:-len(".weight")] + (".weight_scale" if dst.endswith("_scale") else ".input_scale")
         raise CheckpointError(f"{src}: tensor {hf_name} is missing from the safetensors files {files}")
   return plan
+
+
+def _check_scales(plan) -> None:
+  """Refuse a plan with a weight or input scale that is not finite and > 0: all of them read (a few floats per
+  output channel) before anything is written."""
+  for header, name, dst, *_ in plan:
+    if dst.endswith(("_scale", "_in")):
+      check_scale(header.read(name), f"{header.path}: tensor {name}")
 
 
 def _scale_layout(scale: np.ndarray, shape: tuple[int, ...], in_dims: int) -> np.ndarray:
@@ -429,16 +489,19 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
   tensor that lcjax keeps in dtype (the LM head) is dequantized.
 
   Returns {"tensors", "bytes", "seconds"}. Raises CheckpointError (one line, naming file and tensor) for an
-  unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, or a truncated file.
+  unknown architecture, a missing shard, a missing or unknown tensor, a shape mismatch, a truncated file,
+  overlapping tensor spans, an fp8 scale that is not finite and > 0, a NaN e4m3 value, or e4m3 tensors outside an
+  fp8 quantization_config.
   """
   t0 = time.time()
   cfg = hf_model_config(src)
   config_path = os.path.join(src, "config.json")
-  hf = _read_json(config_path)
+  hf = hf_config_json(src)
   weights = quantization_format(hf, config_path)
   if weights.fp8:
     _ignored_projections(hf, cfg, config_path)
   plan = _plan(src, cfg, weights)
+  _check_scales(plan)
   cast = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else None
   total = sum(h.tensors[n].end - h.tensors[n].begin for h, n, *_ in plan)
   full_shapes = param_shapes(cfg, weights)
@@ -463,6 +526,8 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
           continue
         full, stacked = full_shapes[dst_name]
         w_hf = header.read(name)
+        if w_hf.dtype == E4M3:
+          check_e4m3(w_hf, f"{header.path}: tensor {name}")
         if w_hf.dtype == E4M3 and dst_name not in QUANTIZED:    # dequantized: lcjax keeps it in dtype
           sh, sn = scales[(dst_name, layer)]
           w_hf = (w_hf.astype(np.float32) * np.asarray(sh.read(sn), np.float32).reshape(-1, 1)).astype(

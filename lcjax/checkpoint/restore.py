@@ -233,6 +233,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   reader = _Reader(ckpt_dir, tensors)
   restored: dict[str, jax.Array] = {}      # filled as the reader's steps run; complete after its last flush
+  fp8_checks: list[tuple[str, int, jax.Array]] = []     # (name, layer, _fp8_faults of its stored fp8 layer)
   total = sum(max(1, t["layers"]) for t in tensors.values())
   bar = tqdm(total=total, desc=f"restore {os.path.basename(os.path.normpath(ckpt_dir))}", unit="tensor",
              disable=(None if progress is None else not progress))
@@ -246,7 +247,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
         scale = name + "_scale"
         _convert_linear(reader, restored, name, stored, target, spec, sharding,
                         unwrap(abstract[scale]) if target.fp8 else None, sh_flat.get(scale) or default,
-                        jnp.dtype(dtype or spec.dtype), lambda: bar.update(2 if stored.fp8 else 1))
+                        jnp.dtype(dtype or spec.dtype), lambda: bar.update(2 if stored.fp8 else 1), fp8_checks)
         continue
       dt = spec.dtype if spec.dtype in _KEEP_DTYPES else jnp.dtype(dtype or spec.dtype)
       if reader.stacked(name):
@@ -258,6 +259,7 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
         reader.read_model_tensor(name, None, spec.shape, dt, sharding, restored, name)
         reader.then(functools.partial(bar.update, 1))
     reader.flush()
+  _check_fp8_values(ckpt_dir, fp8_checks, {n: a for n, a in restored.items() if n.endswith("_in_scale")})
 
   def fill(path, leaf):
     value = restored[path_name(path)]
@@ -275,12 +277,46 @@ def _format_of(abstract: dict) -> WeightFormat:
   return WeightFormat(fp8="layers/attn/wqkv_scale" in abstract, static_inputs="layers/attn/wqkv_in_scale" in abstract)
 
 
+def _fp8_faults(w8, scale):
+  """[scale entries not finite and > 0, NaN bytes (0x7F, 0xFF) of w8], any of each, as an int32 pair."""
+  bad_scale = ~jnp.all(jnp.isfinite(scale) & (scale > 0))
+  nan = jnp.any((jax.lax.bitcast_convert_type(w8, jnp.uint8) & 0x7F) == 0x7F)
+  return jnp.stack([bad_scale, nan]).astype(jnp.int32)
+
+
+def _scale_ok(scales):
+  """Per layer of stacked [L, ...] scales: every entry finite and > 0."""
+  return jnp.all((jnp.isfinite(scales) & (scales > 0)).reshape(scales.shape[0], -1), axis=1)
+
+
+def _check_fp8_values(ckpt_dir: str, checks, in_scales: dict) -> None:
+  """Refuse a checkpoint whose stored fp8 layers (`checks`: (name, layer, _fp8_faults)) or static input scales
+  (name -> [L, 1] array) hold a scale that is not finite and > 0 or a NaN weight: one line naming the first."""
+  faults = jax.device_get([f.addressable_data(0) for _, _, f in checks])
+  for (name, layer, _), (bad_scale, nan) in zip(checks, faults):
+    if bad_scale or nan:
+      what = "a scale that is not finite and > 0" if bad_scale else "a NaN float8_e4m3fn weight"
+      parts = f" (stored as {', '.join(FUSED[name][1])})" if name in FUSED else ""
+      raise CheckpointError(f"{ckpt_dir}: layer {layer} of {name}{parts} holds {what} (the checkpoint is corrupt)")
+  for name, arr in in_scales.items():
+    sharding = arr.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    ok = jax.jit(_scale_ok, out_shardings=sharding)(arr)
+    ok = np.asarray(jax.device_get(ok.addressable_data(0)))
+    if not ok.all():
+      layer = int(np.flatnonzero(~ok)[0])
+      raise CheckpointError(f"{ckpt_dir}: layer {layer} of {name} is an input scale that is not finite and > 0 "
+                            "(the checkpoint is corrupt)")
+
+
 def _convert_linear(reader, restored: dict, name, stored: WeightFormat, target: WeightFormat, spec, sharding,
-                    scale_spec, scale_sharding, dtype, done) -> None:
+                    scale_spec, scale_sharding, dtype, done, fp8_checks: list) -> None:
   """Queue the reads of a stacked linear weight, a layer at a time as the checkpoint stores it (the model's layout,
   in dtype or e4m3 with its scale), placed as the model holds it into restored[name] in dtype, or restored[name]
   (w8) and restored[name + "_scale"], K-major (lcjax.ops.linear), fp8 bytes kept as stored and other weights
-  quantized per output channel. `done()` runs after each layer's step."""
+  quantized per output channel. `done()` runs after each layer's step; each stored fp8 layer appends
+  (name, layer, _fp8_faults of it) to `fp8_checks`."""
   L, lin = spec.shape[0], LINEAR[name]
   order = kmajor_order(lin)
   item = spec.shape[1:] if not target.fp8 else tuple(spec.shape[1:][order.index(i)] for i in range(len(order)))
@@ -298,8 +334,9 @@ def _convert_linear(reader, restored: dict, name, stored: WeightFormat, target: 
                                         out_shardings=scale_sharding)()
     out_sh[name + "_scale"] = scale_sharding
 
-  @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_sh)
+  @functools.partial(jax.jit, donate_argnums=0, out_shardings=(out_sh, whole))
   def put(out, w, s, layer):
+    faults = _fp8_faults(w, s) if s is not None else jnp.zeros(2, jnp.int32)
     if target.fp8:
       w, s = from_stored(w, s, lin) if s is not None else quantize_weight(w.astype(dtype), lin)
     else:
@@ -307,13 +344,16 @@ def _convert_linear(reader, restored: dict, name, stored: WeightFormat, target: 
     new = {name: jax.lax.dynamic_update_index_in_dim(out[name], w.astype(out[name].dtype), layer, 0)}
     if s is not None:
       new[name + "_scale"] = jax.lax.dynamic_update_index_in_dim(out[name + "_scale"], s, layer, 0)
-    return new
+    return new, faults
 
   layer_parts: dict[str, jax.Array] = {}      # "w" and "s" of the layer being assembled
 
   def put_layer(layer):
-    out = put({k: restored[k] for k in out_sh}, layer_parts.pop("w"), layer_parts.pop("s", None), jnp.int32(layer))
+    out, faults = put({k: restored[k] for k in out_sh}, layer_parts.pop("w"), layer_parts.pop("s", None),
+                      jnp.int32(layer))
     restored.update(out)
+    if stored.fp8:
+      fp8_checks.append((name, layer, faults))
     done()
 
   for layer in range(L):

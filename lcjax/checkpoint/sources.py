@@ -15,7 +15,8 @@ import hashlib
 import os
 import sys
 
-from lcjax.checkpoint.layout import MANIFEST_FILE, CheckpointError, load_config
+from lcjax.checkpoint.layout import MANIFEST_FILE, CheckpointError, checkpoint_format, load_config
+from lcjax.config import ModelConfig, WeightFormat
 
 
 def user_cache_dir() -> str:
@@ -96,18 +97,39 @@ def _source_id(path: str) -> str:
   return f"{stem}-{h.hexdigest()}"
 
 
-def resolve_checkpoint(path, *, progress: bool | None = None) -> str:
-  """The lcjax checkpoint directory for `path`: itself, or the user-cache conversion of an HF folder or a GGUF
-  file (converted now if it is not there yet)."""
-  path = os.fspath(path)
+def _kind(path: str) -> str:
+  """"gguf", "hf" or "lcjax": what `path` holds."""
   if os.path.isfile(path):
     if not _is_gguf(path):
       raise CheckpointError(f"{path} is a file but not a GGUF file: give an lcjax checkpoint directory, an HF model "
                             "folder or a GGUF file")
-    kind = "gguf"
-  elif os.path.isfile(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-    kind = "hf"
-  else:
+    return "gguf"
+  if os.path.isfile(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+    return "hf"
+  return "lcjax"
+
+
+def source_config(path) -> tuple[ModelConfig, WeightFormat]:
+  """The ModelConfig and stored WeightFormat that `path` (an lcjax checkpoint, an HF folder or a GGUF file) holds or
+  converts to, read from its config alone (config.json, the GGUF header): what a memory plan needs, known before
+  anything is converted."""
+  path = os.fspath(path)
+  kind = _kind(path)
+  if kind == "lcjax":
+    return load_config(path), checkpoint_format(path)
+  if kind == "gguf":
+    from lcjax.checkpoint.gguf import GGUFFile, gguf_model_config
+    return gguf_model_config(GGUFFile(path)), WeightFormat()
+  from lcjax.checkpoint.hf import hf_config_json, hf_model_config, quantization_format
+  return hf_model_config(path), quantization_format(hf_config_json(path), os.path.join(path, "config.json"))
+
+
+def resolve_checkpoint(path, *, progress: bool | None = None) -> str:
+  """The lcjax checkpoint directory for `path`: itself, or the user-cache conversion of an HF folder or a GGUF
+  file (converted now if it is not there yet)."""
+  path = os.fspath(path)
+  kind = _kind(path)
+  if kind == "lcjax":
     return path
   dst = os.path.join(make_private_dir(os.path.join(user_cache_dir(), "converted")), _source_id(path))
   try:

@@ -225,22 +225,28 @@ def _prompt() -> tuple[str | None, list[int] | None, str | None]:
 
 
 def _model(run):
-  """(ModelConfig, checkpoint dir or None) from --preset or --checkpoint, reading no weights."""
-  from lcjax.config import ConfigError, preset
+  """(ModelConfig, stored WeightFormat, checkpoint source or None) from --preset or --checkpoint, reading no
+  weights and converting nothing (_checkpoint converts)."""
+  from lcjax.config import ConfigError, WeightFormat, preset
   if FLAGS.preset is not None:
     if FLAGS.checkpoint is not None:
       raise ConfigError(f"give --checkpoint or --preset, not both (--preset={FLAGS.preset})")
-    return preset(FLAGS.preset), None
-  from lcjax.checkpoint import load_config
+    return preset(FLAGS.preset), WeightFormat(), None
   from lcjax.checkpoint.bundled import bundled_checkpoint
-  from lcjax.checkpoint.sources import resolve_checkpoint
-  # An HF folder or a GGUF file is converted once into the user cache (with a progress bar).
+  from lcjax.checkpoint.sources import source_config
   if not FLAGS.checkpoint:
     ckpt = bundled_checkpoint()
-    return load_config(ckpt), ckpt
+    return *source_config(ckpt), ckpt
   with _names_flag("checkpoint"):
-    ckpt = resolve_checkpoint(FLAGS.checkpoint)
-    return load_config(ckpt), ckpt
+    return *source_config(FLAGS.checkpoint), FLAGS.checkpoint
+
+
+def _checkpoint(source: str) -> str:
+  """The lcjax checkpoint of `source`: an HF folder or a GGUF file is converted once into the user cache (with a
+  progress bar)."""
+  from lcjax.checkpoint.sources import resolve_checkpoint
+  with _names_flag("checkpoint"):
+    return resolve_checkpoint(source)
 
 
 def _generate() -> None:
@@ -256,12 +262,10 @@ def _generate() -> None:
     sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
   except ValueError as e:
     raise UsageError(str(e)) from None
-  model_cfg, ckpt = _model(run)
+  model_cfg, stored, source = _model(run)
 
   import jax
   from lcjax.engine import compile_cache, placement
-  from lcjax.checkpoint.layout import checkpoint_format
-  from lcjax.config import WeightFormat
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
   from lcjax.engine.requests import Limits, RequestError, check_context_length
@@ -271,12 +275,12 @@ def _generate() -> None:
   mesh = placement.mesh_for(run)
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   check_context_length(model_cfg, run)
-  weights = WeightFormat().for_run(run.weight_dtype) if ckpt is None else checkpoint_format(ckpt).for_run(
-      run.weight_dtype)
+  weights = stored.for_run(run.weight_dtype)
   placement.check_kernels(model_cfg, run, weights, mesh)   # a kernel the run names that cannot serve
   plan = planlib.plan(model_cfg, run, weights=weights)
   print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
+  ckpt = _checkpoint(source) if source is not None else None
 
   tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
   if text is not None and tokenizer is None:

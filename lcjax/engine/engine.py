@@ -250,25 +250,25 @@ class Engine:
     (config.json + safetensors) or a GGUF file, converted once into the user cache (~/.cache/lcjax).
 
     tensor, seq, dtype override the run config's fields (default: its own). Every parameter is read straight
-    into its shards on the mesh: a process reads only what its devices hold (multi-host included).
+    into its shards on the mesh: a process reads only what its devices hold (multi-host included). A run that
+    cannot serve the model (its context, mesh, kernels or memory plan) is refused from the source's config alone,
+    before an HF folder or GGUF file is converted.
     """
-    from lcjax.checkpoint import load_config
-    from lcjax.checkpoint.layout import checkpoint_format
     from lcjax.checkpoint.restore import restore_params
-    from lcjax.checkpoint.sources import resolve_checkpoint
+    from lcjax.checkpoint.sources import resolve_checkpoint, source_config
     from lcjax.tokenizer import find_tokenizer
     given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
     run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
     compile_cache.enable(run.compile_cache)
-    ckpt_dir = resolve_checkpoint(ckpt_dir)
+    model_cfg, stored = source_config(ckpt_dir)
     mesh = placement.mesh_for(run, mesh)
-    model_cfg = load_config(ckpt_dir)
-    weights = checkpoint_format(ckpt_dir).for_run(run.weight_dtype)
+    weights = stored.for_run(run.weight_dtype)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
     placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
     params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
     return cls(model_cfg, params, run=run, tokenizer=find_tokenizer(ckpt_dir), mesh=mesh)

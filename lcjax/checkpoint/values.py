@@ -1,0 +1,55 @@
+"""Checks on the values of fp8 checkpoint tensors, which a header cannot show: every weight and input scale finite
+and > 0, every float8_e4m3fn tensor free of NaN.
+
+An inf scale turns every logit NaN, a NaN, zero or negative one yields finite but wrong logits, and a NaN byte of
+e4m3 (0x7F or 0xFF; the format has no infinities) poisons every product it enters. The converters call these on
+the arrays they read anyway: the scales are a few floats per output channel, the e4m3 check is one vectorized
+pass over the bytes in chunks of CHUNK (no copy of the tensor).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from lcjax.checkpoint.layout import CheckpointError
+
+CHUNK = 1 << 18               # bytes of an e4m3 tensor compared at a time (temporaries that stay in cache)
+
+
+def bad_scale(scale: np.ndarray) -> tuple[int, float] | None:
+  """(flat index, value) of the first entry of `scale` that is not finite and > 0, or None."""
+  s = np.asarray(scale, np.float32).reshape(-1)
+  bad = np.flatnonzero(~(np.isfinite(s) & (s > 0)))
+  return (int(bad[0]), float(s[bad[0]])) if bad.size else None
+
+
+def check_scale(scale: np.ndarray, where: str) -> None:
+  """Refuse a weight or input scale with an entry that is not finite and > 0 (one line naming `where`, the entry
+  and its value)."""
+  bad = bad_scale(scale)
+  if bad is not None:
+    i, v = bad
+    raise CheckpointError(f"{where}: scale {v} at index {i} of {np.size(scale)} is not finite and > 0 (fp8 scales "
+                          "multiply the weights and divide the activations; the checkpoint is corrupt)")
+
+
+def nan_e4m3(w: np.ndarray) -> int | None:
+  """Flat index of the first NaN (byte 0x7F or 0xFF) of a float8_e4m3fn array, or None."""
+  b = np.ascontiguousarray(w).view(np.uint8).reshape(-1)
+  low = np.empty(min(CHUNK, b.size), np.uint8)
+  for start in range(0, b.size, CHUNK):
+    chunk = b[start:start + CHUNK]
+    np.bitwise_and(chunk, 0x7F, out=low[:chunk.size])
+    hit = low[:chunk.size] == 0x7F
+    if hit.any():
+      return start + int(np.argmax(hit))
+  return None
+
+
+def check_e4m3(w: np.ndarray, where: str) -> None:
+  """Refuse a float8_e4m3fn tensor that holds a NaN (one line naming `where` and the element)."""
+  i = nan_e4m3(w)
+  if i is not None:
+    at = tuple(int(j) for j in np.unravel_index(i, w.shape))
+    byte = int(np.asarray(w).reshape(-1)[i:i + 1].view(np.uint8)[0])
+    raise CheckpointError(f"{where}: element {at} of the float8_e4m3fn tensor is NaN (byte 0x{byte:02X}); the "
+                          "checkpoint is corrupt")

@@ -1,0 +1,63 @@
+"""lcjax.checkpoint.patterns, the matcher of config-given regular expressions, against Python's `re` (the oracle) on
+patterns that `re` matches quickly, and its bounds on patterns that `re` would take minutes over."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from lcjax.checkpoint import patterns
+from lcjax.checkpoint.patterns import Pattern
+
+NAMES = [f"model.layers.{i}.{m}" for i in (0, 1, 7, 12, 95) for m in (
+    "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")] + [
+    "", "lm_head", "x", "MODEL.LAYERS.1.Q_PROJ", "a\n", "model\n", "é_1"]
+SAME_AS_RE = [
+    r".*lm_head", r"model\.layers\.1\..*", r".*layers\.\d+\.mlp\.down_proj$", r"re", r"(?i)MODEL.*Q_PROJ",
+    r"model\.layers\.(1|2|3)\.self_attn\.[qkv]_proj", r".*\bmlp\b.*", r"[^m].*", r"model\.layers\.\d{1,2}\.",
+    r"a*?", r"(a*)*b", r".*proj\Z", r"\Amodel", r"x|model", r"(?i:M)odel", r"model\.layers\.1[^0-9]",
+    r".*(up|gate)_proj", r"^$", r"", r".*\Bproj", r"\w+\.\w+\.\d\.\S+", r"[\W]", r"[a-z.]{6}layers", r"(?s).\n",
+    r"(?m)a$", r"\w_\d", r"(?a)\w_\d", r"[\d\s]", r"model\.layers\.(?:0|12)\.mlp\.(gate|down)_proj",
+    r"(ab|a)(c|bcd)?", r"m{1,3}o?d{0,2}e+l\.l", r".{20,}", r"[^\w.]",
+]
+
+
+@pytest.mark.parametrize("pattern", SAME_AS_RE)
+def test_matches_as_re(pattern):
+  p = Pattern(pattern)
+  for name in NAMES:
+    assert p.match(name) == (re.match(pattern, name) is not None), (pattern, name)
+    assert p.fullmatch(name) == (re.fullmatch(pattern, name) is not None), (pattern, name)
+
+
+def test_a_pattern_that_backtracks_under_re_is_matched_in_linear_time():
+  """(.|.)*X and (a|aa)*b take 2^n steps under `re` on names of n characters; here, a few states a character."""
+  names = [f"model.layers.{i}.mlp.down_proj" for i in range(126)] * 7
+  t0 = time.perf_counter()
+  for pattern in (r"(.|.)*X", r"(a|aa)*b", r"(x+x+)+y"):
+    p = Pattern(pattern)
+    assert not any(p.match(n) for n in names + ["a" * 60])
+  assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize("pattern,why", [
+    ("(", "not a valid regular expression (missing ), unterminated subpattern at position 0)"),
+    (r"(a)\1", "uses groupref"), ("(?=a)", "uses assert"), ("(?!a)", "uses assert_not"), ("(?<=a)b", "uses assert"),
+    ("(?>a)", "uses atomic_group"), ("a*+", "uses possessive_repeat"), ("(a)?(?(1)b|c)", "uses groupref_exists"),
+    ("a{70000}", "more than 4000 automaton states"), ("(a{100}){100}", "more than 4000 automaton states"),
+    ("((){65535}){65535}", "steps to compile"), ("x" * 1001, "1001 characters long"),
+])
+def test_refusals(pattern, why):
+  with pytest.raises(ValueError) as e:
+    Pattern(pattern)
+  assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_work_of_one_pattern_is_bounded(monkeypatch):
+  """A pattern small enough to build whose matches would visit too many states is stopped at MAX_VISITS."""
+  monkeypatch.setattr(patterns, "MAX_VISITS", 20_000)
+  p = Pattern("(.?){300}Z")
+  with pytest.raises(ValueError, match="more than 20,000 automaton steps"):
+    for _ in range(100):
+      p.match("model.layers.0.mlp.down_proj")

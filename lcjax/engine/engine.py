@@ -269,9 +269,10 @@ class Engine:
     placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
+    tokenizer = find_tokenizer(ckpt_dir)        # its files and chat template checked before any weight is read
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
     params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
-    return cls(model_cfg, params, run=run, tokenizer=find_tokenizer(ckpt_dir), mesh=mesh)
+    return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
 
   # -- checks -------------------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -670,6 +671,58 @@ def test_a_damaged_saved_context_is_refused_and_nothing_of_it_is_cached(fp8, sav
   assert fp8.prefix_cache.match(DOC, len(DOC)) == []
   got = fp8.generate(DOC + QS[0], max_new_tokens=6)
   assert got.stats["cached_tokens"] == 0 and got.token_ids == fp8.want
+
+
+def _grow(size):
+  def corrupt(d, name):
+    os.truncate(d / name, size)        # sparse: no disk, and no memory unless it is read
+  return corrupt
+
+
+def _nest(d, name):
+  (d / name).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _tokens_past_the_context(d, name):
+  """context.json edited consistently (digest and checksum lists too) to 10**7 tokens, tokens.npy of the size
+  that implies."""
+  T = 10**7
+  def change(meta):
+    meta["tokens"], meta["pages"] = T, -(-T // meta["page_size"])
+    blocks = -(-meta["pages"] // ctxlib.BLOCK_PAGES)
+    meta["checksums"]["files"]["kv.bin"].update(block_pages=ctxlib.BLOCK_PAGES,
+                                                blocks=[[["0" * 32] * blocks] * 2] * meta["layers"])
+    return meta
+  _rewrite_json(change)(d, name)
+  os.truncate(d / "tokens.npy", ctxlib._npy_bytes((T,), np.int32))
+
+
+@pytest.mark.parametrize("name, how, names", [
+    ("tokens.npy", _grow(4 << 30), "tokens.npy holds 4294967296 bytes, context.json's int32 \\(45,\\) needs 308"),
+    ("scales.npy", _grow(4 << 30), r"scales.npy holds 4294967296 bytes, context.json's float32 \(2, 2, 6, 2\)"),
+    ("context.json", _grow(1 << 30), "context.json holds 1073741824 bytes, past the 67108864 of any"),
+    ("context.json", _nest, "context.json nests 100000 levels deep, past the 32 of any context.json"),
+    ("context.json", _tokens_past_the_context, "holds 10000000 tokens, past the 255 this engine's context"),
+], ids=["tokens-4GiB", "scales-4GiB", "json-1GiB", "json-nested", "tokens-past-the-context"])
+def test_oversized_saved_context_files_are_refused_before_they_are_read(fp8, saved, tmp_path, name, how, names):
+  """Each size was checked after the file was read whole (gigabytes and seconds) or not at all (a RecursionError):
+  now against what context.json implies, before reading, under a time and memory bound."""
+  import shutil
+  import tracemalloc
+  d = tmp_path / "doc"
+  shutil.copytree(saved, d)
+  how(d, name)
+  tracemalloc.start()
+  t0 = time.monotonic()
+  try:
+    with pytest.raises(ContextError, match=names) as e:
+      fp8.load_context(d)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert time.monotonic() - t0 < 2 and peak < 16 << 20, (time.monotonic() - t0, peak)
+  assert "\n" not in str(e.value)
+  _idle(fp8)
 
 
 def test_an_intact_saved_context_loads_after_the_matrix(fp8, saved):

@@ -21,7 +21,9 @@ On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk an
 Checksums are blake2b-128, computed from the bytes as they are written and checked as they are read back: a
 context that fails a check, or whose context.json is not of this format's shape, is refused with a ContextError,
 and nothing of it reaches the prefix cache (its pages join it only after every block was read and checked). The
-checksums find damage and edits made without lcjax, not a forger who rewrites them too. Formats lcjax-context-v1
+checksums find damage and edits made without lcjax, not a forger who rewrites them too. Before anything is read,
+context.json's size and nesting are bounded (META_MAX_BYTES, META_MAX_DEPTH), and each other file's size is
+checked against what context.json implies, its token count against the engine's context. Formats lcjax-context-v1
 and v2 carried no checksums: they are refused (save the context again).
 
 Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
@@ -32,8 +34,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import queue
+import re
 import threading
 import time
 import weakref
@@ -56,6 +60,10 @@ KV_FILE = "kv.bin"
 SCALES_FILE = "scales.npy"
 ALGORITHM = "blake2b-128"
 FP8 = "float8_e4m3fn"
+META_MAX_BYTES = 64 << 20   # context.json of 4M tokens in pages of 16 at 80 layers: 6 MB of checksums
+META_MAX_DEPTH = 32         # this format nests 7 levels, a context's `meta` notes the rest
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 # context.json's fields and their types (int: an integer >= 1)
 _FIELDS = dict(format=str, fingerprint=dict, tokens=int, pages=int, page_size=int, layers=int, kv_heads=int,
                head_dim=int, dtype=str, meta=dict, checksums=dict, digest=str)
@@ -405,13 +413,26 @@ def _mismatch_line(path: str, got: str, want: str, what: str = "") -> ContextErr
                       f"{want[:16]}): it was changed or damaged after the save; save the context again")
 
 
-def _read_npy(ctx_path: str, name: str, meta: dict) -> np.ndarray:
-  """A .npy file of a saved context, read once and checked against its checksum before it is parsed."""
+def _npy_bytes(shape: tuple, dtype) -> int:
+  """The size of the .npy file np.save writes for a C-ordered array of `shape` and `dtype`."""
+  buf = io.BytesIO()
+  np.lib.format.write_array_header_1_0(buf, dict(descr=np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                 fortran_order=False, shape=tuple(shape)))
+  return buf.tell() + math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _read_npy(ctx_path: str, name: str, meta: dict, shape: tuple, dtype) -> np.ndarray:
+  """A .npy file of a saved context: its size checked against the array context.json implies (`shape`, `dtype`)
+  before it is read, then its checksum before it is parsed."""
   path = os.path.join(ctx_path, name)
   want = meta["checksums"]["files"][name]
   try:
+    size, expect = os.path.getsize(path), _npy_bytes(shape, dtype)
+    if size != expect:
+      raise ContextError(f"{path} holds {size} bytes, context.json's {np.dtype(dtype)} {tuple(shape)} needs "
+                         f"{expect}: save the context again")
     with open(path, "rb") as f:
-      data = f.read()
+      data = f.read(expect + 1)
   except FileNotFoundError:
     raise ContextError(f"{ctx_path} has no {name}: save the context again") from None
   got = _digest(data)
@@ -478,6 +499,13 @@ def _check_fields(meta_path: str, meta: dict) -> None:
     raise bad(f"the checksums of {KV_FILE} are not {shape[0]} layers x 2 x {shape[2]} blocks of {B} pages")
 
 
+def _json_depth(data: bytes) -> int:
+  """How deep a JSON text nests its arrays and objects (brackets inside strings not counted)."""
+  outside = np.frombuffer(_JSON_STRING.sub(b'""', data), np.uint8)
+  steps = np.isin(outside, _OPEN).astype(np.int64) - np.isin(outside, _CLOSE)
+  return int(np.cumsum(steps).max(initial=0))
+
+
 def read_meta(path: str) -> dict:
   """context.json of a saved context, checked: of this format, matching its digest, every field of its type."""
   meta_path = os.path.join(path, META_FILE)
@@ -485,9 +513,18 @@ def read_meta(path: str) -> dict:
     raise ContextError(f"{path}: no such context directory")
   if not os.path.isfile(meta_path):
     raise ContextError(f"{path} is not a complete saved context (no {META_FILE}): save it again")
+  size = os.path.getsize(meta_path)
+  if size > META_MAX_BYTES:
+    raise ContextError(f"{meta_path} holds {size} bytes, past the {META_MAX_BYTES} of any context.json: save the "
+                       "context again")
+  with open(meta_path, "rb") as f:
+    data = f.read(size + 1)
+  depth = _json_depth(data)
+  if depth > META_MAX_DEPTH:
+    raise ContextError(f"{meta_path} nests {depth} levels deep, past the {META_MAX_DEPTH} of any context.json: "
+                       "save the context again")
   try:
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
+    meta = json.loads(data.decode("utf-8"))
   except json.JSONDecodeError as e:
     raise ContextError(f"{meta_path} is corrupt ({e.msg} at line {e.lineno}): save the context again") from None
   except UnicodeDecodeError as e:
@@ -507,10 +544,17 @@ def read_meta(path: str) -> dict:
   return meta
 
 
-def read_tokens(path: str, meta: dict) -> list[int]:
-  """The token ids of a saved context (tokens.npy checked against its checksum, its shape against context.json)."""
-  ids = _read_npy(path, TOKENS_FILE, meta)
-  n, Z = meta["pages"], meta["page_size"]
+def read_tokens(path: str, meta: dict, max_tokens: int) -> list[int]:
+  """The token ids of a saved context of at most `max_tokens` tokens (its count and pages in context.json checked
+  before tokens.npy is read, tokens.npy against its size and checksum, its shape against context.json)."""
+  n, Z, T = meta["pages"], meta["page_size"], meta["tokens"]
+  if n != -(-T // Z):
+    raise ContextError(f"{os.path.join(path, META_FILE)} says {T} tokens in {n} pages of {Z}: save the context "
+                       "again")
+  if T > max_tokens:
+    raise ContextError(f"the context at {path} holds {T} tokens, past the {max_tokens} this engine's context "
+                       "leaves room for (max_context less one token to generate): raise max_context")
+  ids = _read_npy(path, TOKENS_FILE, meta, (T,), np.int32)
   if ids.dtype != np.int32 or ids.ndim != 1 or len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
     raise ContextError(f"{path}: {TOKENS_FILE} holds {ids.dtype} {ids.shape}, context.json says {meta['tokens']} "
                        f"int32 tokens in {n} pages of {Z}: save the context again")
@@ -520,7 +564,7 @@ def read_tokens(path: str, meta: dict) -> list[int]:
 def _saved_scales(path: str, meta: dict) -> np.ndarray:
   """The fp8 scales of a saved context's pages, [L, 2, n, K] float32."""
   L, n, K = meta["layers"], meta["pages"], meta["kv_heads"]
-  scales = _read_npy(path, SCALES_FILE, meta)
+  scales = _read_npy(path, SCALES_FILE, meta, (L, 2, n, K), np.float32)
   if scales.shape != (L, 2, n, K) or scales.dtype != np.float32:
     raise ContextError(f"{os.path.join(path, SCALES_FILE)} holds {scales.dtype} {scales.shape}, {n} pages need "
                        f"float32 {(L, 2, n, K)}: save the context again")
@@ -570,7 +614,7 @@ def load_context(engine, path) -> Context:
     if meta[key] != value:
       raise ContextError(f"{os.path.join(path, META_FILE)} says {key}={meta[key]!r}, this engine has {value!r}: "
                          "save the context again")
-  ids = read_tokens(path, meta)
+  ids = read_tokens(path, meta, engine.max_context - 1)
   scales = _saved_scales(path, meta) if cache.quantized else None        # [L, 2, n, K]
   engine.limits.check(0, ids, 1)
   n, Z, K, H, L = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"], meta["layers"]

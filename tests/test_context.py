@@ -756,6 +756,41 @@ def test_overwrite_replaces_only_a_saved_context(eng, tmp_path):
   _idle(eng)
 
 
+def test_an_overwrite_killed_at_each_step_loads_the_old_or_the_new_context(eng, tmp_path):
+  """Context.save(overwrite=True) killed before each filesystem change of its commit (tests.test_atomic): the
+  next load_context finds the old context or the new one (put back if the kill fell between the renames), and
+  the next save leaves only the context at the path."""
+  import shutil
+  from tests.test_atomic import Killed, _as_if_dead, _kill_at
+  where = tmp_path / "w"
+  dst = where / "doc"
+  seen = set()
+  with eng.prefill(DOC) as ctx:
+    for k in range(12):
+      shutil.rmtree(where, ignore_errors=True)
+      ctx.meta = {"v": "old"}
+      ctx.save(dst)
+      with pytest.MonkeyPatch.context() as mp:
+        _kill_at(mp, k)
+        ctx.meta = {"v": "new"}
+        try:
+          ctx.save(dst, overwrite=True)
+          killed = False
+        except Killed:
+          killed = True
+      with pytest.MonkeyPatch.context() as mp:
+        _as_if_dead(mp)
+        with eng.load_context(dst) as back:
+          assert back.token_ids == DOC and back.meta["v"] in ("old", "new"), (k, back.meta)
+          seen.add(back.meta["v"])
+        ctx.meta = {"v": "third"}
+        ctx.save(dst, overwrite=True)
+        assert os.listdir(where) == ["doc"], (k, os.listdir(where))
+      if not killed:
+        break
+  assert not killed and seen == {"old", "new"}, (k, seen)
+
+
 def test_the_weights_fingerprint_reads_every_element():
   """_weights_digest: a model that differs from another in one element of one middle layer, or by two swapped
   elements, gets another digest, so a context saved by one is refused by the other (a digest of 16 sampled values

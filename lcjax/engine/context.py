@@ -10,7 +10,9 @@ prefix cache still holds.
 fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
 
 On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk and renamed when complete
-(lcjax.checkpoint.atomic: a killed save leaves nothing that loads, and the next save to DST removes what it left):
+(lcjax.checkpoint.atomic: a killed save leaves nothing that loads, a killed overwrite leaves the old context or the
+new one, put back by the next load or save if the kill fell between its renames, and the next save to DST removes
+what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
                  count and layout, a chat context's continuation (lcjax.tokenizer.ChatContinuation), the checksums
                  of the other files, and `digest`, the checksum of its own other fields; written last
@@ -48,7 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
-from lcjax.checkpoint.atomic import AtomicDirectory
+from lcjax.checkpoint.atomic import AtomicDirectory, recover
 from lcjax.engine.requests import RequestError
 from lcjax.tokenizer import ChatContinuation
 
@@ -509,6 +511,7 @@ def _json_depth(data: bytes) -> int:
 def read_meta(path: str) -> dict:
   """context.json of a saved context, checked: of this format, matching its digest, every field of its type."""
   meta_path = os.path.join(path, META_FILE)
+  recover(path, META_FILE)        # an overwrite killed between its renames
   if not os.path.isdir(path):
     raise ContextError(f"{path}: no such context directory")
   if not os.path.isfile(meta_path):

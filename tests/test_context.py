@@ -434,6 +434,17 @@ def test_closing_a_context_under_a_running_stream_is_a_clear_error():
   _idle(eng)
 
 
+def test_closing_the_engine_under_a_suspended_stream_is_a_clear_error():
+  """Engine.close() while a stream waits between steps: its next step is refused in one line (it read the deleted
+  cache: RuntimeError 'Array has been deleted')."""
+  eng = _engine()
+  stream = eng.scheduler.serve(eng._make_requests(QS, 40, None), decode_steps=2)   # generate_stream's steps
+  next(stream)
+  eng.close()
+  with pytest.raises(RequestError, match="^this engine is closed: load or make a new one$"):
+    next(stream)
+
+
 def test_an_fp8_context_restores_on_another_mesh(tmp_path):
   """fp8 pages saved from (seq, tensor) = (2, 2) (KV heads repeated 2x there) load on one device with their scales,
   bit for bit."""

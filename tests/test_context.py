@@ -338,6 +338,69 @@ def test_offload_and_restore():
   _idle(eng)
 
 
+def _slow_pins(eng, monkeypatch, seconds=0.3):
+  """Each pin of eng's scheduler takes `seconds` longer: a window for a second thread's call."""
+  import time as _time
+  pin = eng.scheduler.pin
+
+  def slow(*a, **kw):
+    _time.sleep(seconds)
+    return pin(*a, **kw)
+  monkeypatch.setattr(eng.scheduler, "pin", slow)
+
+
+def test_two_threads_restoring_one_context_pin_it_once(monkeypatch):
+  """Two threads restore one offloaded context at once: one restores it, the other is refused in one line, and
+  close() then frees all of it (both pinned it, and close freed one)."""
+  import threading
+  eng = _shared()
+  ctx = eng.prefill(DOC)
+  ctx.offload()
+  _slow_pins(eng, monkeypatch)
+  errors, barrier = [], threading.Barrier(2)
+
+  def restore():
+    barrier.wait()
+    try:
+      ctx.restore()
+    except RequestError as e:
+      errors.append(str(e))
+
+  threads = [threading.Thread(target=restore) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == ["this context is being restored by another thread"], errors
+  assert ctx.on_device and len(eng.scheduler.pinned) == 1
+  ctx.close()
+  _idle(eng)
+
+
+def test_close_during_a_restore_gives_its_pages_back(monkeypatch):
+  import threading
+  eng = _shared()
+  ctx = eng.prefill(DOC)
+  ctx.offload()
+  _slow_pins(eng, monkeypatch)
+  errors = []
+
+  def restore():
+    try:
+      ctx.restore()
+    except RequestError as e:
+      errors.append(str(e))
+
+  t = threading.Thread(target=restore)
+  t.start()
+  while not ctx._restoring:
+    pass
+  ctx.close()
+  t.join()
+  assert errors == ["this context was closed while it was being restored"] and ctx.closed
+  _idle(eng)
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "auto"), ("bfloat16", "float8_e4m3fn")])
 def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
   """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged, fp8

@@ -251,6 +251,11 @@ class Context:
     self._finalizer = None
     self._hold(seq)
     self._host = None             # [(layer, first page index, parts)] host blocks while offloaded
+    # Guards seq and _host between threads: held through offload, save and close; restore takes the host blocks
+    # under it, then pins without it (a pin waits for other threads' runs, whose consumers may close the context).
+    self._lock = threading.RLock()
+    self._restoring = False       # a restore has taken the host blocks and waits for its pages
+    self._close_asked = False     # close() during that restore: the restore gives its pages back
     self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
     self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
 
@@ -274,7 +279,7 @@ class Context:
 
   @property
   def closed(self) -> bool:
-    return self.seq is None and self._host is None
+    return self.seq is None and self._host is None and not self._restoring
 
   @property
   def on_device(self) -> bool:
@@ -287,6 +292,8 @@ class Context:
     if engine is not None and engine is not self.engine:
       raise RequestError("this context belongs to another engine: prefill or load it on this one")
     self.engine.scheduler.check_open()
+    if self._restoring:
+      raise RequestError("this context is being restored by another thread")
     if self.closed:
       raise RequestError("this context is closed")
     if self._host is not None:
@@ -296,8 +303,10 @@ class Context:
 
   def close(self) -> None:
     """Return the context's pages (its full pages stay in the prefix cache until the pool needs them)."""
-    self._let_go()
-    self._host = None
+    with self._lock:
+      self._close_asked = self._restoring
+      self._let_go()
+      self._host = None
 
   def __enter__(self) -> "Context":
     return self
@@ -308,28 +317,42 @@ class Context:
   # -- host tier ----------------------------------------------------------------------------------------------
   def offload(self) -> float:
     """Copy the context's K/V to host memory and return its pages to the pool; returns the seconds taken."""
-    self._check_usable()
-    t0 = time.perf_counter()
-    with self.engine.scheduler.lock:
-      self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
-      self._let_go()
-    return time.perf_counter() - t0
+    with self._lock:
+      self._check_usable()
+      t0 = time.perf_counter()
+      with self.engine.scheduler.lock:
+        self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
+        self._let_go()
+      return time.perf_counter() - t0
 
   def restore(self) -> float:
     """Bring an offloaded context back onto the device (sharing pages the prefix cache still holds); returns
-    the seconds taken."""
-    if self._host is None:
-      raise RequestError("this context is not offloaded" if not self.closed else "this context is closed")
+    the seconds taken. One restore at a time: another thread's is refused while this one runs."""
+    with self._lock:
+      if self._host is None:
+        raise RequestError("this context is being restored by another thread" if self._restoring else
+                           "this context is not offloaded" if not self.closed else "this context is closed")
+      host, self._host, self._restoring, self._close_asked = self._host, None, True, False
     t0 = time.perf_counter()
-    host = self._host
 
     def fill(pages, first):
       _write_blocks(self.engine, pages, host, first)
 
-    seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
-    self._hold(seq)
-    self._host = None
-    self.stats.update(cached_tokens=cached)
+    try:
+      seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)   # waits for other threads' runs
+    except BaseException:
+      with self._lock:
+        self._restoring = False
+        if not self._close_asked:
+          self._host = host
+      raise
+    with self._lock:
+      self._restoring = False
+      if self._close_asked:
+        self.engine.scheduler.unpin(seq)
+        raise RequestError("this context was closed while it was being restored")
+      self._hold(seq)
+      self.stats.update(cached_tokens=cached)
     return time.perf_counter() - t0
 
   # -- disk ---------------------------------------------------------------------------------------------------
@@ -337,6 +360,10 @@ class Context:
     """Write the context to directory `path` (atomic: a killed save leaves nothing that loads) with a checksum of
     every file and of every block of kv.bin. overwrite=True replaces a saved context at `path`, never anything
     else. Returns the seconds taken."""
+    with self._lock:
+      return self._save(path, overwrite)
+
+  def _save(self, path, overwrite: bool) -> float:
     self._check_usable()
     eng = self.engine
     dst = os.path.abspath(os.fspath(path))

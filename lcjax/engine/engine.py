@@ -528,6 +528,11 @@ class Engine:
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
     C, Z = self.run.prefill_chunk, self.run.page_size
+    for name, n, top in (("prompt_tokens", prompt_tokens or 0, self.max_context),
+                         ("context_tokens", context_tokens, self.max_context),
+                         *(("more_buckets", b, C) for b in more_buckets)):
+      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= top:
+        raise RequestError(f"{name}: {n!r} must be an integer from 0 to {top}")
     buckets = set(more_buckets)
     if context_tokens and prefill_context:
       buckets |= chunk_buckets(context_tokens, C)
@@ -552,6 +557,9 @@ class Engine:
     that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
     question, since a tokenizer may merge them with what follows)."""
     continuation = None
+    if system is not None and not isinstance(system, str):
+      raise RequestError(f"system= takes the text of a system turn, not {type(system).__name__} "
+                         f"{repr(system)[:60]}")
     if chat:
       self._check_chat_template()
       if not isinstance(document, str):
@@ -564,7 +572,7 @@ class Engine:
         raise RequestError(str(e)) from None
       ids, continuation = self.encode(split.ids), split.continuation
     elif system is not None:
-      raise RequestError(f"system={system[:40]!r} is a chat turn: give chat=True too")
+      raise RequestError(f"system={repr(system)[:40]} is a chat turn: give chat=True too")
     else:
       ids = self.encode(document)
     self.limits.check(0, ids, 1)

@@ -31,6 +31,9 @@ MAX_STEPS = 1_000_000
 MAX_SECONDS = 10.0
 _TEMPLATE_FILE = "<template>"        # the file name of the code jinja2 compiles a template string to
 _DIGITS = re.compile(r"\d+")
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d*))?")     # width, precision of a `%` conversion
+_FORMAT_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")              # the spec of a str.format field
+_NESTED_SPEC = re.compile(r"\{[^{}]*?:[^{}]*\{")                 # a spec with a field inside: {:{width}}
 _WIDTH_METHODS = ("center", "ljust", "rjust", "zfill", "expandtabs")    # str methods whose integer sizes the result
 _WIDTH_FILTERS = ("center", "batch", "slice")                              # filters whose integers size the result
 
@@ -85,15 +88,20 @@ class Budget:
       if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.chars:
         raise self.refuse(f"{what} given {a}")
 
-  def format_string(self, fmt, args, what: str) -> None:
-    """A format string (`%` or str.format) whose widths (written in it, or `*` ones given as arguments) or
-    arguments pass the bound."""
+  def format_string(self, fmt, args, what: str, percent: bool = False) -> None:
+    """A format string (`%` if `percent`, else str.format) whose widths (in its specs, or given as arguments:
+    `*`, nested fields) or string arguments pass the bound."""
     if not isinstance(fmt, str):
       return
-    widths = _DIGITS.findall(fmt)
+    if percent:
+      widths = [g for m in _PERCENT_SPEC.finditer(fmt) for g in m.groups() if g]
+      nested = "*" in fmt
+    else:
+      widths = [d for m in _FORMAT_SPEC.finditer(fmt) for d in _DIGITS.findall(m[1])]
+      nested = _NESTED_SPEC.search(fmt) is not None
     if any(len(d) > 18 or int(d) > self.chars for d in widths):
       raise self.refuse(f"{what} with a width of {max(widths, key=len)[:40]}")
-    if "*" in fmt:
+    if nested:
       self.ints(args, what)
     self.check(len(fmt) + sum(len(a) for a in args if isinstance(a, str)), what)
 
@@ -157,7 +165,7 @@ def _make_environment(budget: Budget | None):
       elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
         budget.check(left.bit_length() * right // 8, "a `**` power")
       elif operator == "%" and isinstance(left, str):
-        budget.format_string(left, right if isinstance(right, tuple) else (right,), "a `%` format")
+        budget.format_string(left, right if isinstance(right, tuple) else (right,), "a `%` format", percent=True)
       return budget.value(super().call_binop(context, operator, left, right), f"a `{operator}` result")
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
@@ -206,7 +214,7 @@ def _make_environment(budget: Budget | None):
       elif name == "wordwrap" and isinstance(value, str):
         budget.check(len(value) * (1 + len(_text(a["wrapstring"] or "\n"))), what)
       elif name == "format" and isinstance(value, str):
-        budget.format_string(value, list(a["args"]) + list(a["kwargs"].values()), what)
+        budget.format_string(value, list(a["args"]) + list(a["kwargs"].values()), what, percent=True)
       return budget.value(f(*bound.args, **bound.kwargs), f"the result of {what}")
 
     if hasattr(f, "jinja_pass_arg"):          # pass_context / pass_environment / pass_eval_context

@@ -41,6 +41,7 @@ BOMBS = {
     "join-method": "{% set l = [messages[0].content] * 1000 %}{{ ''.join(l)|length }}",
     "percent-width": "{{ '%010000000000d' % 1 }}",
     "format-width": "{{ '{:>10000000000}'.format(1) }}",
+    "percent-star": "{{ '%*d' % (10**10, 1) }}",
     "indent": "{% set s = '\n' * 500000 %}{{ s|indent(1000000)|length }}",
     "squaring": "{% set ns = namespace(n=3) %}{% for i in range(60) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
     "macro-doubling": "{% macro d(n) %}{% if n %}{% set x = d(n-1) %}{{ x }}{{ x }}{% else %}a{% endif %}"
@@ -109,3 +110,13 @@ def test_a_real_template_renders_as_jinja2_renders_it():
   fmt = ("{{ '%s|%5d|' % ('a', 3) }}{{ '{}-{:>4}'.format('b', 7) }}{{ 'x'|center(5) }}{{ ['a', 'b']|join(',') }}"
          "{{ 'a b'|replace(' ', '__') }}{{ 'l1\nl2'|indent(2) }}{{ 2 ** 10 }}{{ [1] * 3 }}")
   assert chat_template.render(fmt, "T", messages=[]) == env.from_string(fmt).render()
+
+
+def test_numbers_in_a_format_strings_text_are_not_widths():
+  out = chat_template.render("{{ '%s of 10000000000 at 5%%' % 'x' }}{{ 'y {} of 10000000000'.format(1) }}", "T",
+                             messages=[])
+  assert out == "x of 10000000000 at 5%y 1 of 10000000000"
+  with pytest.raises(ChatTemplateError, match="given 10000000000"):
+    chat_template.render("{{ '{:{w}}'.format(1, w=10**10) }}", "T", messages=[])
+  with pytest.raises(ChatTemplateError, match="width of 10000000000"):
+    chat_template.render("{{ '%10000000000d'|format(1) }}", "T", messages=[])

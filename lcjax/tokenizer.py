@@ -1,7 +1,8 @@
 """Tokenizers of lcjax checkpoints: HF `tokenizer.json` (Llama 3, SmolLM2) or sentencepiece `tokenizer.model`
 (Llama 2), with BOS/EOS as the model config says, the checkpoint's chat template, and streaming decode.
 
-Layer L0: stdlib, numpy, sentencepiece, tokenizers (jinja2 only when a chat template is rendered).
+Layer L0: stdlib, numpy, sentencepiece, tokenizers, lcjax.chat_template (jinja2 only when a checkpoint has a chat
+template).
 
     tok = Tokenizer(ckpt_dir)                 # BOS/EOS/add_bos from lcjax_config.json when present
     ids = tok.encode("Hello")                 # BOS prepended iff the model adds one (never a second)
@@ -11,24 +12,33 @@ Layer L0: stdlib, numpy, sentencepiece, tokenizers (jinja2 only when a chat temp
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import re
 from typing import Any, Iterable, Sequence
 
+from lcjax import chat_template
+
 _REPLACEMENT = "\ufffd"
 
 
-def _read_json(path: str) -> Any:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+def _read_json(path: str) -> dict:
+  """A JSON object file of the tokenizer; TokenizerError naming the file when it is not one."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (ValueError, RecursionError) as e:     # JSONDecodeError, UnicodeDecodeError; nesting past the stack
+    raise TokenizerError(f"{path}: not a readable JSON file: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+  if not isinstance(data, dict):
+    raise TokenizerError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+  return data
 
 
 def _token_str(t) -> str | None:
   if isinstance(t, dict):
-    return t.get("content")
-  return t
+    t = t.get("content")
+  return t if isinstance(t, str) else None
 
 
 def infer_add_bos(path: str) -> bool | None:
@@ -46,31 +56,39 @@ def infer_add_bos(path: str) -> bool | None:
   tj = os.path.join(path, "tokenizer.json")
   if os.path.exists(tj):
     post = _read_json(tj).get("post_processor") or {}
+    post = post if isinstance(post, dict) else {}
     procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
-    for p in procs:
-      if p.get("type") == "TemplateProcessing":
+    for p in procs if isinstance(procs, list) else []:
+      if isinstance(p, dict) and p.get("type") == "TemplateProcessing":
         single = p.get("single") or []
-        return bool(single) and "SpecialToken" in single[0]
+        return isinstance(single, list) and bool(single) and isinstance(single[0], dict) and "SpecialToken" in single[0]
     return False
   if os.path.exists(os.path.join(path, "tokenizer.model")):
     return True
   return None
 
 
-def _chat_template(path: str) -> str | None:
+def _chat_template(path: str) -> tuple[str | None, str | None]:
+  """(the checkpoint's chat template, the file it came from), compiled once (lcjax.chat_template.check)."""
   jinja = os.path.join(path, "chat_template.jinja")
   if os.path.exists(jinja):
-    with open(jinja, encoding="utf-8") as f:
-      return f.read()
+    try:
+      with open(jinja, encoding="utf-8") as f:
+        t = f.read()
+    except UnicodeDecodeError as e:
+      raise TokenizerError(f"{jinja}: not UTF-8 text (byte {e.start})") from None
+    chat_template.check(t, jinja)
+    return t, jinja
   for fname in ("chat_template.json", "tokenizer_config.json"):
     p = os.path.join(path, fname)
     if os.path.exists(p):
       t = _read_json(p).get("chat_template")
       if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
       if t:
-        return t
-  return None
+        chat_template.check(t, p)
+        return t, p
+  return None, None
 
 
 class _HFBackend:
@@ -152,6 +170,10 @@ class TokenizerError(ValueError):
   """A tokenizer file that cannot be read (truncated or corrupt); the message names the file."""
 
 
+def _is_id(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 CHAT_SEPARATOR = "\n\n"          # between a document and a question in one user turn
 CONTINUATION_HELD_TOKENS = 8       # tokens of a document's end re-encoded with each question (Tokenizer.continuable)
 CONTINUATION_SEARCH = 256
@@ -208,7 +230,11 @@ class Tokenizer:
     cfg = os.path.join(path, "lcjax_config.json")
     if os.path.exists(cfg):
       c = _read_json(cfg)
-      d_bos, d_eos, d_add = c.get("bos_id"), tuple(c.get("eos_ids") or ()), c.get("add_bos")
+      d_bos, d_eos, d_add = c.get("bos_id"), c.get("eos_ids") or (), c.get("add_bos")
+      if not (d_bos is None or _is_id(d_bos)) or not (isinstance(d_eos, (list, tuple))
+                                                        and all(_is_id(i) for i in d_eos)):
+        raise TokenizerError(f"{cfg}: bos_id={str(d_bos)[:40]} and eos_ids={str(d_eos)[:60]} must be token ids "
+                             "(integers >= 0)")
     else:
       tc = os.path.join(path, "tokenizer_config.json")
       c = _read_json(tc) if os.path.exists(tc) else {}
@@ -219,7 +245,7 @@ class Tokenizer:
     self.bos_id: int | None = d_bos if bos_id is _UNSET else bos_id
     self.eos_ids: tuple[int, ...] = tuple(int(i) for i in (d_eos if eos_ids is None else eos_ids))
     self.add_bos: bool = bool(d_add if add_bos is None else add_bos) and self.bos_id is not None
-    self.chat_template: str | None = _chat_template(path)
+    self.chat_template, self.template_path = _chat_template(path)
 
   @property
   def vocab_size(self) -> int:
@@ -242,29 +268,15 @@ class Tokenizer:
     return self._b.decode([int(i) for i in ids], skip_special_tokens)
 
   def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-    """The checkpoint's chat template rendered as HF transformers renders it (a sandboxed jinja2)."""
+    """The checkpoint's chat template rendered as HF transformers renders it (a sandboxed jinja2), within the
+    bounds of lcjax.chat_template (ChatTemplateError past them or on the template's own errors)."""
     if self.chat_template is None:
       raise ValueError(f"{self.path}: the checkpoint has no chat template")
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-      raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
     bos = self.id_to_token(self.bos_id) if self.bos_id is not None else None
-    return env.from_string(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos or "",
-        eos_token=eos or "", **kwargs)
+    return chat_template.render(self.chat_template, self.template_path, messages=list(messages),
+                                add_generation_prompt=add_generation_prompt, bos_token=bos or "",
+                                eos_token=eos or "", **kwargs)
 
   def chat_context(self, document: str, system: str | None = None) -> tuple[str, str] | None:
     """Split the chat whose user turn is `document` followed by a question: (the text up to the document's end,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -337,6 +338,69 @@ def test_offload_and_restore():
   _idle(eng)
 
 
+def _slow_pins(eng, monkeypatch, seconds=0.3):
+  """Each pin of eng's scheduler takes `seconds` longer: a window for a second thread's call."""
+  import time as _time
+  pin = eng.scheduler.pin
+
+  def slow(*a, **kw):
+    _time.sleep(seconds)
+    return pin(*a, **kw)
+  monkeypatch.setattr(eng.scheduler, "pin", slow)
+
+
+def test_two_threads_restoring_one_context_pin_it_once(monkeypatch):
+  """Two threads restore one offloaded context at once: one restores it, the other is refused in one line, and
+  close() then frees all of it (both pinned it, and close freed one)."""
+  import threading
+  eng = _shared()
+  ctx = eng.prefill(DOC)
+  ctx.offload()
+  _slow_pins(eng, monkeypatch)
+  errors, barrier = [], threading.Barrier(2)
+
+  def restore():
+    barrier.wait()
+    try:
+      ctx.restore()
+    except RequestError as e:
+      errors.append(str(e))
+
+  threads = [threading.Thread(target=restore) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == ["this context is being restored by another thread"], errors
+  assert ctx.on_device and len(eng.scheduler.pinned) == 1
+  ctx.close()
+  _idle(eng)
+
+
+def test_close_during_a_restore_gives_its_pages_back(monkeypatch):
+  import threading
+  eng = _shared()
+  ctx = eng.prefill(DOC)
+  ctx.offload()
+  _slow_pins(eng, monkeypatch)
+  errors = []
+
+  def restore():
+    try:
+      ctx.restore()
+    except RequestError as e:
+      errors.append(str(e))
+
+  t = threading.Thread(target=restore)
+  t.start()
+  while not ctx._restoring:
+    pass
+  ctx.close()
+  t.join()
+  assert errors == ["this context was closed while it was being restored"] and ctx.closed
+  _idle(eng)
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "auto"), ("bfloat16", "float8_e4m3fn")])
 def test_low_precision_pools_move_bit_identically(tmp_path, dtype, cache_dtype):
   """bf16 and fp8 pools (no buffer protocol of their own in numpy) through host memory and disk, unchanged, fp8
@@ -431,6 +495,17 @@ def test_closing_a_context_under_a_running_stream_is_a_clear_error():
     for _ in stream:
       pass
   _idle(eng)
+
+
+def test_closing_the_engine_under_a_suspended_stream_is_a_clear_error():
+  """Engine.close() while a stream waits between steps: its next step is refused in one line (it read the deleted
+  cache: RuntimeError 'Array has been deleted')."""
+  eng = _engine()
+  stream = eng.scheduler.serve(eng._make_requests(QS, 40, None), decode_steps=2)   # generate_stream's steps
+  next(stream)
+  eng.close()
+  with pytest.raises(RequestError, match="^this engine is closed: load or make a new one$"):
+    next(stream)
 
 
 def test_an_fp8_context_restores_on_another_mesh(tmp_path):
@@ -672,6 +747,58 @@ def test_a_damaged_saved_context_is_refused_and_nothing_of_it_is_cached(fp8, sav
   assert got.stats["cached_tokens"] == 0 and got.token_ids == fp8.want
 
 
+def _grow(size):
+  def corrupt(d, name):
+    os.truncate(d / name, size)        # sparse: no disk, and no memory unless it is read
+  return corrupt
+
+
+def _nest(d, name):
+  (d / name).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _tokens_past_the_context(d, name):
+  """context.json edited consistently (digest and checksum lists too) to 10**7 tokens, tokens.npy of the size
+  that implies."""
+  T = 10**7
+  def change(meta):
+    meta["tokens"], meta["pages"] = T, -(-T // meta["page_size"])
+    blocks = -(-meta["pages"] // ctxlib.BLOCK_PAGES)
+    meta["checksums"]["files"]["kv.bin"].update(block_pages=ctxlib.BLOCK_PAGES,
+                                                blocks=[[["0" * 32] * blocks] * 2] * meta["layers"])
+    return meta
+  _rewrite_json(change)(d, name)
+  os.truncate(d / "tokens.npy", ctxlib._npy_bytes((T,), np.int32))
+
+
+@pytest.mark.parametrize("name, how, names", [
+    ("tokens.npy", _grow(4 << 30), "tokens.npy holds 4294967296 bytes, context.json's int32 \\(45,\\) needs 308"),
+    ("scales.npy", _grow(4 << 30), r"scales.npy holds 4294967296 bytes, context.json's float32 \(2, 2, 6, 2\)"),
+    ("context.json", _grow(1 << 30), "context.json holds 1073741824 bytes, past the 67108864 of any"),
+    ("context.json", _nest, "context.json nests 100000 levels deep, past the 32 of any context.json"),
+    ("context.json", _tokens_past_the_context, "holds 10000000 tokens, past the 255 this engine's context"),
+], ids=["tokens-4GiB", "scales-4GiB", "json-1GiB", "json-nested", "tokens-past-the-context"])
+def test_oversized_saved_context_files_are_refused_before_they_are_read(fp8, saved, tmp_path, name, how, names):
+  """Each size was checked after the file was read whole (gigabytes and seconds) or not at all (a RecursionError):
+  now against what context.json implies, before reading, under a time and memory bound."""
+  import shutil
+  import tracemalloc
+  d = tmp_path / "doc"
+  shutil.copytree(saved, d)
+  how(d, name)
+  tracemalloc.start()
+  t0 = time.monotonic()
+  try:
+    with pytest.raises(ContextError, match=names) as e:
+      fp8.load_context(d)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert time.monotonic() - t0 < 2 and peak < 16 << 20, (time.monotonic() - t0, peak)
+  assert "\n" not in str(e.value)
+  _idle(fp8)
+
+
 def test_an_intact_saved_context_loads_after_the_matrix(fp8, saved):
   """The copy the matrix damaged loads untouched (its checksums match), and answers as the prefill did."""
   fp8.prefix_cache.clear()
@@ -701,6 +828,41 @@ def test_overwrite_replaces_only_a_saved_context(eng, tmp_path):
   with eng.load_context(tmp_path / "doc") as ctx:
     assert ctx.meta == {"second": True}
   _idle(eng)
+
+
+def test_an_overwrite_killed_at_each_step_loads_the_old_or_the_new_context(eng, tmp_path):
+  """Context.save(overwrite=True) killed before each filesystem change of its commit (tests.test_atomic): the
+  next load_context finds the old context or the new one (put back if the kill fell between the renames), and
+  the next save leaves only the context at the path."""
+  import shutil
+  from tests.test_atomic import Killed, _as_if_dead, _kill_at
+  where = tmp_path / "w"
+  dst = where / "doc"
+  seen = set()
+  with eng.prefill(DOC) as ctx:
+    for k in range(12):
+      shutil.rmtree(where, ignore_errors=True)
+      ctx.meta = {"v": "old"}
+      ctx.save(dst)
+      with pytest.MonkeyPatch.context() as mp:
+        _kill_at(mp, k)
+        ctx.meta = {"v": "new"}
+        try:
+          ctx.save(dst, overwrite=True)
+          killed = False
+        except Killed:
+          killed = True
+      with pytest.MonkeyPatch.context() as mp:
+        _as_if_dead(mp)
+        with eng.load_context(dst) as back:
+          assert back.token_ids == DOC and back.meta["v"] in ("old", "new"), (k, back.meta)
+          seen.add(back.meta["v"])
+        ctx.meta = {"v": "third"}
+        ctx.save(dst, overwrite=True)
+        assert os.listdir(where) == ["doc"], (k, os.listdir(where))
+      if not killed:
+        break
+  assert not killed and seen == {"old", "new"}, (k, seen)
 
 
 def test_the_weights_fingerprint_reads_every_element():

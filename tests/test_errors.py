@@ -32,6 +32,7 @@ from lcjax.checkpoint import CheckpointError, convert_gguf, layout, restore, wri
 from lcjax.checkpoint.hf import HF_NAMES, hf_shape
 from lcjax.config import ConfigError, ModelConfig, RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
+from lcjax.chat_template import ChatTemplateError
 from lcjax.tokenizer import TokenizerError
 from tests import cli_inprocess, forkserver
 from tests import fixtures_ckpt as fx
@@ -124,6 +125,14 @@ def paths(tmp_path_factory):
   variant("no_tokenizer", lambda d: os.unlink(os.path.join(d, "tokenizer.json")))
   variant("corrupt_tokenizer", corrupt_tokenizer)
   variant("incomplete", lambda d: os.unlink(os.path.join(d, layout.MANIFEST_FILE)))   # a killed conversion
+
+  def template(text):
+    return lambda d: open(os.path.join(d, "chat_template.jinja"), "w").write(text)
+
+  variant("bomb_template", template("{% set ns = namespace(s='a') %}{% for i in range(60) %}"
+                                    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"))
+  variant("broken_template", template("{% for m in messages %}"))
+  variant("list_tokenizer_config", lambda d: open(os.path.join(d, "tokenizer_config.json"), "w").write("[1]"))
   p["hf"] = str(root / "hf")
   shard = write_hf_folder(p["hf"], CFG)[1]
   os.unlink(os.path.join(p["hf"], shard))
@@ -221,6 +230,12 @@ CLI_CASES = [
      ["no_tokenizer", "no tokenizer", "--prompt_ids"]),
     ("corrupt tokenizer", ["ckpt", "--prompt=hi", "--checkpoint={corrupt_tokenizer}"],
      ["corrupt_tokenizer/tokenizer.json", "not a readable tokenizer file"]),
+    ("chat template past its bounds", ["ckpt", "--prompt=hi", "--checkpoint={bomb_template}"],
+     ["bomb_template/chat_template.jinja", "concatenation of", "characters"]),
+    ("chat template that does not compile", ["ckpt", "--prompt=hi", "--checkpoint={broken_template}"],
+     ["broken_template/chat_template.jinja", "does not compile", "TemplateSyntaxError"]),
+    ("tokenizer config that is not an object", ["ckpt", "--prompt=hi", "--checkpoint={list_tokenizer_config}"],
+     ["list_tokenizer_config/tokenizer_config.json", "holds a JSON list"]),
     # an HF folder or a GGUF file is converted on first use: a bad one is refused by its converter
     ("GGUF file of another architecture as a checkpoint", ["--prompt=hi", "--checkpoint={qwen_gguf}"],
      ["qwen.gguf", "general.architecture='qwen2'"]),
@@ -383,13 +398,38 @@ API_CASES = [
      CheckpointError, ["layers/attn/wq layer 1", "(32, 4, 8)", "(32, 4, 4)"]),
     ("corrupt tokenizer", lambda a: Engine.load(a["corrupt_tokenizer"], run=RUN), TokenizerError,
      ["corrupt_tokenizer/tokenizer.json", "not a readable tokenizer file"]),
+    ("chat template that does not compile", lambda a: Engine.load(a["broken_template"], run=RUN),
+     ChatTemplateError, ["broken_template/chat_template.jinja", "does not compile"]),
+    ("tokenizer config that is not an object", lambda a: Engine.load(a["list_tokenizer_config"], run=RUN),
+     TokenizerError, ["tokenizer_config.json", "holds a JSON list"]),
     ("GGUF of a mixture of experts", lambda a: convert_gguf(a["moe_gguf"], a["root"] + "/moe", progress=False),
      CheckpointError, ["moe.gguf", "expert_count=8", "not supported"]),
     # requests to a working engine
     ("text prompt without a tokenizer",
      lambda a: Engine.load(a["no_tokenizer"], run=RUN).generate("hi", max_new_tokens=2), RequestError,
      ["no tokenizer", "token ids"]),
+    ("chat template past its bounds",
+     lambda a: Engine.load(a["bomb_template"], run=RUN).generate("hi", chat=True, max_new_tokens=2),
+     ChatTemplateError, ["bomb_template/chat_template.jinja", "characters"]),
     ("empty text prompt", _gen(""), RequestError, ["empty prompt"]),
+    ("prompt None", _gen(None), RequestError, ["prompts are text", "NoneType"]),
+    ("prompt an int", _gen(5), RequestError, ["prompts are text", "int 5"]),
+    ("prompt in a batch an int", _gen([[5, 6], 7]), RequestError, ["a prompt is text", "int 7"]),
+    ("float token ids", _gen([[1.5, 2.7]]), RequestError, ["token ids are integers", "[1.5, 2.7]"]),
+    ("one prompt of float token ids", _gen([5, 2.0]), RequestError, ["token ids are integers", "[2.0]"]),
+    ("bool token ids", _gen([True, 5]), RequestError, ["token ids are integers", "[True]"]),
+    ("float array of token ids", _gen(np.array([5.0, 6.0])), RequestError, ["1-D integer array", "float64"]),
+    ("context not a Context", _gen([5], context="abc"), RequestError, ["context= takes a Context", "str 'abc'"]),
+    ("decode_steps past the context", _gen([5], decode_steps=10**9), RequestError,
+     ["decode_steps=1000000000", "max_context=256"]),
+    ("warm-up bucket past the prefill chunk", lambda a: a["eng"].warm_up(4, more_buckets=(10**9,)), RequestError,
+     ["more_buckets: 1000000000", "from 0 to 64"]),
+    ("warm-up prompt past the context", lambda a: a["eng"].warm_up(10**9), RequestError,
+     ["prompt_tokens: 1000000000", "from 0 to 256"]),
+    ("system turn not text", lambda a: a["eng"].prefill("hi", chat=True, system=5), RequestError,
+     ["system= takes the text", "int 5"]),
+    ("decode_steps past the context, streamed", _stream([5], decode_steps=257), RequestError,
+     ["decode_steps=257", "max_context=256"]),
     ("empty prompt in a batch", _gen([[5, 6], []]), RequestError, ["empty prompt"]),
     ("empty prefix", _gen([5, 6], prefix=[]), RequestError, ["empty prompt"]),
     ("text that is not Unicode", _gen("caf\udce9"), RequestError, ["not valid Unicode", "'\\udce9'", "index 3"]),
@@ -473,3 +513,13 @@ def test_corrupt_checkpoint_json_is_named(tmp_path, fname, smollm2_checkpoint):
   (ckpt / fname).write_text('{"format": "lcjax-orb')
   with pytest.raises(CheckpointError, match=rf"{fname} is corrupt .*rerun the conversion"):
     load_config(str(ckpt))
+
+
+@pytest.mark.parametrize("name, exc", [("broken_template", ChatTemplateError),
+                                       ("list_tokenizer_config", TokenizerError)])
+def test_tokenizer_files_are_checked_before_any_weight_is_read(paths, monkeypatch, name, exc):
+  def no_weights(*a, **k):
+    raise AssertionError("weights restored before the tokenizer was checked")
+  monkeypatch.setattr(restore, "restore_params", no_weights)
+  with pytest.raises(exc, match=name):
+    Engine.load(paths[name], run=RUN)

@@ -185,13 +185,16 @@ def _same(a, b) -> bool:
 @pytest.mark.slow
 def test_rerun_removes_what_a_killed_overwrite_left(sources, tmp_path):
   """The state the hooked kills above leave (checked there): the replaced checkpoint renamed DST.old-<pid> and
-  the new one complete in DST.tmp-<pid>, of a process that is dead."""
+  the new one complete in DST.tmp-<pid>, of a process that is dead. The next open puts the new one back at DST
+  (lcjax.checkpoint.atomic.recover); the rerun removes the old."""
   dead = subprocess.Popen(["true"])
   dead.wait()
   dst = str(tmp_path / "out")
   shutil.copytree(sources["ref_old"], f"{dst}.old-{dead.pid}")
   shutil.copytree(sources["ref_new"], f"{dst}.tmp-{dead.pid}")
-  convert_hf(sources["src_new"], dst, progress=False)
+  assert load_config(dst).n_layers == CFG.n_layers
+  assert_same(snapshot(dst), sources["new"])
+  convert_hf(sources["src_new"], dst, overwrite=True, progress=False)
   assert_same(snapshot(dst), sources["new"])
   assert os.listdir(tmp_path) == ["out"], os.listdir(tmp_path)
 

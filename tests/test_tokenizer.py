@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from lcjax.tokenizer import IncrementalDecoder, Tokenizer, infer_add_bos
+from lcjax.chat_template import ChatTemplateError
+from lcjax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError, infer_add_bos
 from tests import fixtures_ckpt as fx
 
 _FFFD = "\ufffd"
@@ -158,8 +159,36 @@ def test_chat_template_errors(sp_dir, tmp_path):
                "{{ bos_token }}{{ messages[0]['content'] | tojson }}"}]}, f)
   tok = Tokenizer(d, bos_id=1)
   assert tok.apply_chat_template([{"role": "user", "content": "héllo"}]) == '<s>"héllo"'
-  import jinja2
-  with pytest.raises(jinja2.TemplateError, match="user first"):
+  with pytest.raises(ChatTemplateError, match="tokenizer_config.json: the chat template failed: TemplateError: user "
+                     "first$"):
     tok.apply_chat_template([{"role": "system", "content": "x"}])
   with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer.model"):
     Tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("fname, content, exc, names", [
+    ("tokenizer_config.json", "[1, 2]", TokenizerError, "holds a JSON list, not an object"),
+    ("tokenizer_config.json", "{", TokenizerError, "not a readable JSON file: JSONDecodeError"),
+    ("tokenizer_config.json", "[" * 100000 + "]" * 100000, TokenizerError, "not a readable JSON file"),
+    ("tokenizer_config.json", json.dumps({"bos_token": 5, "eos_token": ["x"]}), None, None),
+    ("tokenizer_config.json", json.dumps({"chat_template": 7}), ChatTemplateError, "is a int, not text"),
+    ("tokenizer_config.json", json.dumps({"chat_template": [{"name": "default"}, 3]}), None, None),
+    ("lcjax_config.json", json.dumps({"bos_id": "1", "eos_ids": 2}), TokenizerError, "must be token ids"),
+    ("lcjax_config.json", json.dumps({"bos_id": 1, "eos_ids": [True]}), TokenizerError, "must be token ids"),
+    ("chat_template.jinja", "{% for %}", ChatTemplateError, "does not compile: TemplateSyntaxError"),
+    ("chat_template.jinja", b"\xff\xfe{{ x }}", TokenizerError, "chat_template.jinja: not UTF-8 text"),
+], ids=["list", "cut", "deep", "odd-tokens", "template-int", "template-list", "config-types", "config-bool",
+        "syntax", "not-utf8"])
+def test_broken_tokenizer_files_are_refused_when_loaded(sp_dir, tmp_path, fname, content, exc, names):
+  """A tokenizer file of the wrong shape or a template that does not compile is one line naming the file, when
+  the Tokenizer is made (before any weight is restored); odd values that mean nothing are ignored."""
+  d = str(tmp_path / "t")
+  shutil.copytree(sp_dir, d)
+  with open(os.path.join(d, fname), "wb") as f:
+    f.write(content if isinstance(content, bytes) else content.encode())
+  if exc is None:
+    Tokenizer(d)
+    return
+  with pytest.raises(exc, match=names) as e:
+    Tokenizer(d)
+  assert fname in str(e.value) and "\n" not in str(e.value)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from lcjax.checkpoint import atomic
 from lcjax.config import ModelConfig, WeightFormat
 
 FORMAT = "lcjax-orbax-v2"
@@ -165,6 +166,7 @@ def part_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 def read_manifest(ckpt_dir: str) -> dict:
   path = os.path.join(ckpt_dir, MANIFEST_FILE)
+  atomic.recover(ckpt_dir, MANIFEST_FILE)       # an overwrite killed between its renames
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
   if not os.path.exists(path):

@@ -382,7 +382,7 @@ def _context(tokenizer, limits) -> _Document | None:
     with _names_flag("load_context"):
       path = os.path.abspath(FLAGS.load_context)
       meta = read_meta(path)
-      ids = read_tokens(path, meta)
+      ids = read_tokens(path, meta, limits.max_context - 1)
     limits.check(0, ids, 1)
     return _Document(ids, ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None)
   if tokenizer is None:

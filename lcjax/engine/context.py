@@ -10,7 +10,9 @@ prefix cache still holds.
 fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
 
 On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk and renamed when complete
-(lcjax.checkpoint.atomic: a killed save leaves nothing that loads, and the next save to DST removes what it left):
+(lcjax.checkpoint.atomic: a killed save leaves nothing that loads, a killed overwrite leaves the old context or the
+new one, put back by the next load or save if the kill fell between its renames, and the next save to DST removes
+what it left):
   context.json   format, the engine fingerprint (model config, weights digest, dtypes, page size), the token
                  count and layout, a chat context's continuation (lcjax.tokenizer.ChatContinuation), the checksums
                  of the other files, and `digest`, the checksum of its own other fields; written last
@@ -21,7 +23,9 @@ On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk an
 Checksums are blake2b-128, computed from the bytes as they are written and checked as they are read back: a
 context that fails a check, or whose context.json is not of this format's shape, is refused with a ContextError,
 and nothing of it reaches the prefix cache (its pages join it only after every block was read and checked). The
-checksums find damage and edits made without lcjax, not a forger who rewrites them too. Formats lcjax-context-v1
+checksums find damage and edits made without lcjax, not a forger who rewrites them too. Before anything is read,
+context.json's size and nesting are bounded (META_MAX_BYTES, META_MAX_DEPTH), and each other file's size is
+checked against what context.json implies, its token count against the engine's context. Formats lcjax-context-v1
 and v2 carried no checksums: they are refused (save the context again).
 
 Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
@@ -32,8 +36,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import queue
+import re
 import threading
 import time
 import weakref
@@ -44,7 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
-from lcjax.checkpoint.atomic import AtomicDirectory
+from lcjax.checkpoint.atomic import AtomicDirectory, recover
 from lcjax.engine.requests import RequestError
 from lcjax.tokenizer import ChatContinuation
 
@@ -56,6 +62,10 @@ KV_FILE = "kv.bin"
 SCALES_FILE = "scales.npy"
 ALGORITHM = "blake2b-128"
 FP8 = "float8_e4m3fn"
+META_MAX_BYTES = 64 << 20   # context.json of 4M tokens in pages of 16 at 80 layers: 6 MB of checksums
+META_MAX_DEPTH = 32         # this format nests 7 levels, a context's `meta` notes the rest
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 # context.json's fields and their types (int: an integer >= 1)
 _FIELDS = dict(format=str, fingerprint=dict, tokens=int, pages=int, page_size=int, layers=int, kv_heads=int,
                head_dim=int, dtype=str, meta=dict, checksums=dict, digest=str)
@@ -241,6 +251,11 @@ class Context:
     self._finalizer = None
     self._hold(seq)
     self._host = None             # [(layer, first page index, parts)] host blocks while offloaded
+    # Guards seq and _host between threads: held through offload, save and close; restore takes the host blocks
+    # under it, then pins without it (a pin waits for other threads' runs, whose consumers may close the context).
+    self._lock = threading.RLock()
+    self._restoring = False       # a restore has taken the host blocks and waits for its pages
+    self._close_asked = False     # close() during that restore: the restore gives its pages back
     self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
     self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
 
@@ -264,7 +279,7 @@ class Context:
 
   @property
   def closed(self) -> bool:
-    return self.seq is None and self._host is None
+    return self.seq is None and self._host is None and not self._restoring
 
   @property
   def on_device(self) -> bool:
@@ -277,6 +292,8 @@ class Context:
     if engine is not None and engine is not self.engine:
       raise RequestError("this context belongs to another engine: prefill or load it on this one")
     self.engine.scheduler.check_open()
+    if self._restoring:
+      raise RequestError("this context is being restored by another thread")
     if self.closed:
       raise RequestError("this context is closed")
     if self._host is not None:
@@ -286,8 +303,10 @@ class Context:
 
   def close(self) -> None:
     """Return the context's pages (its full pages stay in the prefix cache until the pool needs them)."""
-    self._let_go()
-    self._host = None
+    with self._lock:
+      self._close_asked = self._restoring
+      self._let_go()
+      self._host = None
 
   def __enter__(self) -> "Context":
     return self
@@ -298,28 +317,42 @@ class Context:
   # -- host tier ----------------------------------------------------------------------------------------------
   def offload(self) -> float:
     """Copy the context's K/V to host memory and return its pages to the pool; returns the seconds taken."""
-    self._check_usable()
-    t0 = time.perf_counter()
-    with self.engine.scheduler.lock:
-      self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
-      self._let_go()
-    return time.perf_counter() - t0
+    with self._lock:
+      self._check_usable()
+      t0 = time.perf_counter()
+      with self.engine.scheduler.lock:
+        self._host, self.stats["host_memory"] = _blocks_to_host(self.engine, self.pages())
+        self._let_go()
+      return time.perf_counter() - t0
 
   def restore(self) -> float:
     """Bring an offloaded context back onto the device (sharing pages the prefix cache still holds); returns
-    the seconds taken."""
-    if self._host is None:
-      raise RequestError("this context is not offloaded" if not self.closed else "this context is closed")
+    the seconds taken. One restore at a time: another thread's is refused while this one runs."""
+    with self._lock:
+      if self._host is None:
+        raise RequestError("this context is being restored by another thread" if self._restoring else
+                           "this context is not offloaded" if not self.closed else "this context is closed")
+      host, self._host, self._restoring, self._close_asked = self._host, None, True, False
     t0 = time.perf_counter()
-    host = self._host
 
     def fill(pages, first):
       _write_blocks(self.engine, pages, host, first)
 
-    seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)
-    self._hold(seq)
-    self._host = None
-    self.stats.update(cached_tokens=cached)
+    try:
+      seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)   # waits for other threads' runs
+    except BaseException:
+      with self._lock:
+        self._restoring = False
+        if not self._close_asked:
+          self._host = host
+      raise
+    with self._lock:
+      self._restoring = False
+      if self._close_asked:
+        self.engine.scheduler.unpin(seq)
+        raise RequestError("this context was closed while it was being restored")
+      self._hold(seq)
+      self.stats.update(cached_tokens=cached)
     return time.perf_counter() - t0
 
   # -- disk ---------------------------------------------------------------------------------------------------
@@ -327,6 +360,10 @@ class Context:
     """Write the context to directory `path` (atomic: a killed save leaves nothing that loads) with a checksum of
     every file and of every block of kv.bin. overwrite=True replaces a saved context at `path`, never anything
     else. Returns the seconds taken."""
+    with self._lock:
+      return self._save(path, overwrite)
+
+  def _save(self, path, overwrite: bool) -> float:
     self._check_usable()
     eng = self.engine
     dst = os.path.abspath(os.fspath(path))
@@ -405,13 +442,26 @@ def _mismatch_line(path: str, got: str, want: str, what: str = "") -> ContextErr
                       f"{want[:16]}): it was changed or damaged after the save; save the context again")
 
 
-def _read_npy(ctx_path: str, name: str, meta: dict) -> np.ndarray:
-  """A .npy file of a saved context, read once and checked against its checksum before it is parsed."""
+def _npy_bytes(shape: tuple, dtype) -> int:
+  """The size of the .npy file np.save writes for a C-ordered array of `shape` and `dtype`."""
+  buf = io.BytesIO()
+  np.lib.format.write_array_header_1_0(buf, dict(descr=np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                 fortran_order=False, shape=tuple(shape)))
+  return buf.tell() + math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _read_npy(ctx_path: str, name: str, meta: dict, shape: tuple, dtype) -> np.ndarray:
+  """A .npy file of a saved context: its size checked against the array context.json implies (`shape`, `dtype`)
+  before it is read, then its checksum before it is parsed."""
   path = os.path.join(ctx_path, name)
   want = meta["checksums"]["files"][name]
   try:
+    size, expect = os.path.getsize(path), _npy_bytes(shape, dtype)
+    if size != expect:
+      raise ContextError(f"{path} holds {size} bytes, context.json's {np.dtype(dtype)} {tuple(shape)} needs "
+                         f"{expect}: save the context again")
     with open(path, "rb") as f:
-      data = f.read()
+      data = f.read(expect + 1)
   except FileNotFoundError:
     raise ContextError(f"{ctx_path} has no {name}: save the context again") from None
   got = _digest(data)
@@ -478,16 +528,33 @@ def _check_fields(meta_path: str, meta: dict) -> None:
     raise bad(f"the checksums of {KV_FILE} are not {shape[0]} layers x 2 x {shape[2]} blocks of {B} pages")
 
 
+def _json_depth(data: bytes) -> int:
+  """How deep a JSON text nests its arrays and objects (brackets inside strings not counted)."""
+  outside = np.frombuffer(_JSON_STRING.sub(b'""', data), np.uint8)
+  steps = np.isin(outside, _OPEN).astype(np.int64) - np.isin(outside, _CLOSE)
+  return int(np.cumsum(steps).max(initial=0))
+
+
 def read_meta(path: str) -> dict:
   """context.json of a saved context, checked: of this format, matching its digest, every field of its type."""
   meta_path = os.path.join(path, META_FILE)
+  recover(path, META_FILE)        # an overwrite killed between its renames
   if not os.path.isdir(path):
     raise ContextError(f"{path}: no such context directory")
   if not os.path.isfile(meta_path):
     raise ContextError(f"{path} is not a complete saved context (no {META_FILE}): save it again")
+  size = os.path.getsize(meta_path)
+  if size > META_MAX_BYTES:
+    raise ContextError(f"{meta_path} holds {size} bytes, past the {META_MAX_BYTES} of any context.json: save the "
+                       "context again")
+  with open(meta_path, "rb") as f:
+    data = f.read(size + 1)
+  depth = _json_depth(data)
+  if depth > META_MAX_DEPTH:
+    raise ContextError(f"{meta_path} nests {depth} levels deep, past the {META_MAX_DEPTH} of any context.json: "
+                       "save the context again")
   try:
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
+    meta = json.loads(data.decode("utf-8"))
   except json.JSONDecodeError as e:
     raise ContextError(f"{meta_path} is corrupt ({e.msg} at line {e.lineno}): save the context again") from None
   except UnicodeDecodeError as e:
@@ -507,10 +574,17 @@ def read_meta(path: str) -> dict:
   return meta
 
 
-def read_tokens(path: str, meta: dict) -> list[int]:
-  """The token ids of a saved context (tokens.npy checked against its checksum, its shape against context.json)."""
-  ids = _read_npy(path, TOKENS_FILE, meta)
-  n, Z = meta["pages"], meta["page_size"]
+def read_tokens(path: str, meta: dict, max_tokens: int) -> list[int]:
+  """The token ids of a saved context of at most `max_tokens` tokens (its count and pages in context.json checked
+  before tokens.npy is read, tokens.npy against its size and checksum, its shape against context.json)."""
+  n, Z, T = meta["pages"], meta["page_size"], meta["tokens"]
+  if n != -(-T // Z):
+    raise ContextError(f"{os.path.join(path, META_FILE)} says {T} tokens in {n} pages of {Z}: save the context "
+                       "again")
+  if T > max_tokens:
+    raise ContextError(f"the context at {path} holds {T} tokens, past the {max_tokens} this engine's context "
+                       "leaves room for (max_context less one token to generate): raise max_context")
+  ids = _read_npy(path, TOKENS_FILE, meta, (T,), np.int32)
   if ids.dtype != np.int32 or ids.ndim != 1 or len(ids) != meta["tokens"] or n != -(-len(ids) // Z):
     raise ContextError(f"{path}: {TOKENS_FILE} holds {ids.dtype} {ids.shape}, context.json says {meta['tokens']} "
                        f"int32 tokens in {n} pages of {Z}: save the context again")
@@ -520,7 +594,7 @@ def read_tokens(path: str, meta: dict) -> list[int]:
 def _saved_scales(path: str, meta: dict) -> np.ndarray:
   """The fp8 scales of a saved context's pages, [L, 2, n, K] float32."""
   L, n, K = meta["layers"], meta["pages"], meta["kv_heads"]
-  scales = _read_npy(path, SCALES_FILE, meta)
+  scales = _read_npy(path, SCALES_FILE, meta, (L, 2, n, K), np.float32)
   if scales.shape != (L, 2, n, K) or scales.dtype != np.float32:
     raise ContextError(f"{os.path.join(path, SCALES_FILE)} holds {scales.dtype} {scales.shape}, {n} pages need "
                        f"float32 {(L, 2, n, K)}: save the context again")
@@ -570,7 +644,7 @@ def load_context(engine, path) -> Context:
     if meta[key] != value:
       raise ContextError(f"{os.path.join(path, META_FILE)} says {key}={meta[key]!r}, this engine has {value!r}: "
                          "save the context again")
-  ids = read_tokens(path, meta)
+  ids = read_tokens(path, meta, engine.max_context - 1)
   scales = _saved_scales(path, meta) if cache.quantized else None        # [L, 2, n, K]
   engine.limits.check(0, ids, 1)
   n, Z, K, H, L = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"], meta["layers"]

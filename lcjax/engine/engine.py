@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import logging
+import numbers
 import resource
 import time
 from typing import Iterator, Sequence
@@ -100,6 +101,21 @@ def _weights_digest(params) -> str:
     h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
     h.update(np.asarray(sums).tobytes())
   return h.hexdigest()
+
+
+def _token_ids(prompt) -> list[int]:
+  """A prompt of token ids as a list of ints: a sequence or 1-D array of integers (never floats or bools)."""
+  if isinstance(prompt, np.ndarray):
+    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+      raise RequestError(f"a prompt of token ids is a 1-D integer array, not {prompt.dtype} {prompt.shape}")
+    return prompt.tolist()
+  if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, str)):
+    raise RequestError(f"a prompt is text or a sequence of token ids, not {type(prompt).__name__} "
+                       f"{repr(prompt)[:60]}")
+  bad = [t for t in prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)]
+  if bad:
+    raise RequestError(f"token ids are integers, not {bad[:5]!r}")
+  return [int(t) for t in prompt]
 
 
 class Engine:
@@ -269,9 +285,10 @@ class Engine:
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     ckpt_dir = resolve_checkpoint(ckpt_dir)
+    tokenizer = find_tokenizer(ckpt_dir)        # its files and chat template checked before any weight is read
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
     params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
-    return cls(model_cfg, params, run=run, tokenizer=find_tokenizer(ckpt_dir), mesh=mesh)
+    return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
 
   # -- checks -------------------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:
@@ -318,7 +335,7 @@ class Engine:
                            "tokenizer's vocabulary")
       self.limits.check_ids(ids)        # a tokenizer larger than the model's vocabulary
       return ids
-    ids = [int(t) for t in prompt]
+    ids = _token_ids(prompt)
     if not ids:
       raise RequestError("empty prompt: give at least one token")
     self.limits.check_ids(ids)
@@ -333,10 +350,11 @@ class Engine:
     """A text prompt as the user turn of a chat, or a list of {"role", "content"} messages, through the
     checkpoint's chat template (which writes its own BOS)."""
     self._check_chat_template()
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
+                list(prompt) if isinstance(prompt, Sequence) else [])
     if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
       raise RequestError(f"a chat prompt is text or a non-empty list of {{'role', 'content'}} messages, not "
-                         f"{str(prompt)[:60]!r}")
+                         f"{repr(prompt)[:60]}")
     return self.encode(self.tokenizer.encode_chat(messages))
 
   def _question_ids(self, question, chat) -> list[int]:
@@ -371,13 +389,16 @@ class Engine:
 
   @staticmethod
   def _as_list(prompts) -> tuple[list, bool]:
-    """A str, a flat sequence of ints or a list of chat messages (dicts) is one prompt; anything else is a list
-    of prompts."""
+    """A str, a flat sequence of numbers (token ids, refused by `encode` unless integers) or a list of chat
+    messages (dicts) is one prompt; any other sequence is a list of prompts."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (int, np.integer, dict)) for t in prompts)):
+                                    and all(isinstance(t, (numbers.Number, np.generic, dict)) for t in prompts)):
       return [prompts], True
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-      return [prompts.tolist()], True
+      return [prompts], True
+    if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
+      raise RequestError(f"prompts are text, token ids or a list of them, not {type(prompts).__name__} "
+                         f"{repr(prompts)[:60]}")
     prompts = list(prompts)
     if not prompts:
       raise RequestError("no prompts given")
@@ -392,6 +413,9 @@ class Engine:
                          "prefill it with engine.prefill(document, chat=True) and pass context=")
     plist, single = self._as_list(prompts)
     if context is not None:
+      if not isinstance(context, Context):
+        raise RequestError(f"context= takes a Context (from engine.prefill or engine.load_context), not "
+                           f"{type(context).__name__} {repr(context)[:60]}")
       context._check_usable(self)
       if chat and context.chat is None:
         raise RequestError("chat=True continues a context prefilled with engine.prefill(document, chat=True); this "
@@ -459,12 +483,13 @@ class Engine:
           sent[r.index] = stable
     self.last_results = [self._result(r, t0) for r in reqs]
 
-  @staticmethod
-  def _decode_steps(given, default: int) -> int:
+  def _decode_steps(self, given, default: int) -> int:
+    """A call's decode_steps: an integer from 1 to max_context (a decode call outputs [max_batch, decode_steps]
+    tokens, and no request decodes more than the context holds)."""
     if given is None:
       return default
-    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
-      raise RequestError(f"decode_steps={given!r} must be an integer >= 1")
+    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or not 1 <= given <= self.max_context:
+      raise RequestError(f"decode_steps={given!r} must be an integer from 1 to max_context={self.max_context}")
     return int(given)
 
   def _text(self, ids) -> str:
@@ -503,6 +528,11 @@ class Engine:
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
     C, Z = self.run.prefill_chunk, self.run.page_size
+    for name, n, top in (("prompt_tokens", prompt_tokens or 0, self.max_context),
+                         ("context_tokens", context_tokens, self.max_context),
+                         *(("more_buckets", b, C) for b in more_buckets)):
+      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= top:
+        raise RequestError(f"{name}: {n!r} must be an integer from 0 to {top}")
     buckets = set(more_buckets)
     if context_tokens and prefill_context:
       buckets |= chunk_buckets(context_tokens, C)
@@ -527,6 +557,9 @@ class Engine:
     that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
     question, since a tokenizer may merge them with what follows)."""
     continuation = None
+    if system is not None and not isinstance(system, str):
+      raise RequestError(f"system= takes the text of a system turn, not {type(system).__name__} "
+                         f"{repr(system)[:60]}")
     if chat:
       self._check_chat_template()
       if not isinstance(document, str):
@@ -539,7 +572,7 @@ class Engine:
         raise RequestError(str(e)) from None
       ids, continuation = self.encode(split.ids), split.continuation
     elif system is not None:
-      raise RequestError(f"system={system[:40]!r} is a chat turn: give chat=True too")
+      raise RequestError(f"system={repr(system)[:40]} is a chat turn: give chat=True too")
     else:
       ids = self.encode(document)
     self.limits.check(0, ids, 1)

@@ -327,6 +327,7 @@ class Scheduler:
       steps = self._drive(reqs, decode_steps or self.run.decode_steps)
       while True:
         with self.lock:
+          self.check_open()         # the engine may have been closed while the consumer held a yielded step
           r = next(steps, None)
         if r is None:
           return

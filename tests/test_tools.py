@@ -274,7 +274,7 @@ def test_bench_lengths_rows_and_check(tmp_path):
   assert got == [("document", 100, [64]), ("document", 128, [64]), ("question", 16, [16]), ("question", 40, [64])]
   assert all(r["seconds"] > 0 for r in res["rows"])
   assert [(c["kind"], c["monotone"]) for c in res["checks"]] == [("document", True), ("question", True)]
-  from tools.bench_lengths import monotone_violations
+  from tools.benchlib import monotone_violations
   assert monotone_violations([(100, 1.0), (200, 2.0), (300, 2.05)], 1.05) == []
   assert monotone_violations([(200, 2.2), (100, 1.0), (300, 2.0)], 1.05) == [
       dict(shorter=200, longer=300, shorter_s=2.2, longer_s=2.0)]

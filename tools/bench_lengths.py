@@ -71,13 +71,6 @@ def _engine(variant: str, documents: list[int], questions: list[int]):
   return Engine.random(cfg, run=run, seed=0)
 
 
-def monotone_violations(points: list[tuple[int, float]], tolerance: float) -> list[dict]:
-  """The pairs (n, m), n < m, of a sweep's (length, seconds) points whose time(n) > tolerance * time(m)."""
-  pts = sorted(points)
-  return [dict(shorter=n, longer=m, shorter_s=tn, longer_s=tm)
-          for i, (n, tn) in enumerate(pts) for m, tm in pts[i + 1:] if n < m and tn > tolerance * tm]
-
-
 def sweep(variant: str) -> list[dict]:
   import numpy as np
   from lcjax.engine.scheduler import chunk_buckets
@@ -128,7 +121,7 @@ def checks(rows: list[dict]) -> list[dict]:
   out = []
   for key in sorted({(r["variant"], r["kind"]) for r in rows}):
     pts = [(r["tokens"], r["seconds"]) for r in rows if (r["variant"], r["kind"]) == key]
-    bad = monotone_violations(pts, FLAGS.tolerance)
+    bad = benchlib.monotone_violations(pts, FLAGS.tolerance)
     out.append(dict(variant=key[0], kind=key[1], monotone=not bad, tolerance=FLAGS.tolerance, violations=bad))
   return out
 

@@ -93,6 +93,14 @@ def logits_metrics(got, ref) -> dict:
               top10=len(top(got, 10) & top(ref, 10)) / 10)
 
 
+def monotone_violations(points: list[tuple[int, float]], tolerance: float) -> list[dict]:
+  """The pairs (n, m), n < m, of a sweep's (length, seconds) points whose time(n) > tolerance * time(m)
+  (tools/bench_lengths.py's check that time grows with length)."""
+  pts = sorted(points)
+  return [dict(shorter=n, longer=m, shorter_s=tn, longer_s=tm)
+          for i, (n, tn) in enumerate(pts) for m, tm in pts[i + 1:] if n < m and tn > tolerance * tm]
+
+
 def memory_stat(dev, key: str):
   """A device memory counter in bytes (`peak_bytes_in_use`, `bytes_in_use`), or None where the backend keeps none
   (CPU)."""

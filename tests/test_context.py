@@ -1039,3 +1039,76 @@ def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
     ctx.save(dst)
   with eng.load_context(dst) as ctx:
     assert eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids == want
+
+
+def _forge(path):
+  """A forger's rewrite of a saved context that every checksum accepts: kv.bin's two layers swapped, their block
+  checksums swapped to match, the digest recomputed (the tiny model has two layers)."""
+  import json
+  meta = json.loads((path / "context.json").read_text())
+  data = (path / "kv.bin").read_bytes()
+  (path / "kv.bin").write_bytes(data[len(data) // 2:] + data[:len(data) // 2])
+  meta["checksums"]["files"]["kv.bin"]["blocks"].reverse()
+  meta["digest"] = ctxlib._meta_digest(meta)
+  (path / "context.json").write_text(json.dumps(meta))
+
+
+def _greedy(eng, prompt, n):
+  """n greedy tokens after `prompt` from the uncached forward (the oracle: no pages read)."""
+  out = []
+  for _ in range(n):
+    out.append(int(np.argmax(eng.logits([prompt + out])[0, -1])))
+  return out
+
+
+def test_a_forged_context_answers_its_own_questions_and_never_another_prompt(tmp_path):
+  """A context whose files a forger rewrote consistently (checksums and digest too) loads, unverified, for its own
+  questions; its pages and its questions' pages stay out of the prefix cache, so a plain prompt that starts with
+  its tokens is prefilled afresh and answered as the uncached forward answers it. Saved again it stays unsigned;
+  share=True vouches for it. The genuine file, signed by this user, shares its pages."""
+  eng = _shared()
+  with eng.prefill(DOC) as ctx:
+    assert ctx.stats["shared"]
+    ctx.save(tmp_path / "c")
+  eng.prefix_cache.clear()
+  with eng.load_context(tmp_path / "c") as c:
+    assert c.stats["verified"] and c.stats["shared"]
+  assert len(eng.prefix_cache.match(DOC)) == len(DOC) // 8
+  eng.prefix_cache.clear()
+
+  _forge(tmp_path / "c")
+  with eng.load_context(tmp_path / "c") as c:
+    assert not c.stats["verified"] and not c.stats["shared"]
+    forged = eng.generate(QS[0], context=c, max_new_tokens=6)
+    c.save(tmp_path / "again")
+  assert eng.prefix_cache.match(DOC) == [] and eng.prefix_cache.match(DOC + QS[0] + forged.token_ids) == []
+  plain = eng.generate(DOC + QS[0], max_new_tokens=6)
+  assert plain.stats["cached_tokens"] == 0
+  assert plain.token_ids == _greedy(eng, DOC + QS[0], 6) != forged.token_ids
+  with eng.load_context(tmp_path / "again") as c:
+    assert not c.stats["verified"] and not c.stats["shared"]
+  with eng.load_context(tmp_path / "c", share=True) as c:
+    assert c.stats["shared"] and not c.stats["verified"]
+  assert len(eng.prefix_cache.match(DOC)) == len(DOC) // 8
+  eng.prefix_cache.clear()
+  with pytest.raises(RequestError, match="share='yes' must be True, False or None"):
+    eng.load_context(tmp_path / "c", share="yes")
+  _idle(eng)
+
+
+def test_a_context_signed_by_another_user_loads_unshared(tmp_path, monkeypatch):
+  """The signing key is the user's: a genuine context saved under another user cache (another key) verifies
+  nowhere else. The key file is the user's alone (0600) and made once."""
+  eng = _shared()
+  monkeypatch.setenv("LCJAX_CACHE_DIR", str(tmp_path / "other-user"))
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "c")
+  key = tmp_path / "other-user" / ctxlib.KEY_FILE
+  assert key.stat().st_mode & 0o777 == 0o600 and len(key.read_bytes()) == ctxlib.KEY_BYTES
+  assert ctxlib.user_key() == key.read_bytes()
+  monkeypatch.setenv("LCJAX_CACHE_DIR", str(tmp_path / "me"))
+  eng.prefix_cache.clear()
+  with eng.load_context(tmp_path / "c") as c:
+    assert not c.stats["verified"] and not c.stats["shared"]
+  assert eng.prefix_cache.match(DOC) == []
+  _idle(eng)

@@ -23,7 +23,13 @@ what it left):
 Checksums are blake2b-128, computed from the bytes as they are written and checked as they are read back: a
 context that fails a check, or whose context.json is not of this format's shape, is refused with a ContextError,
 and nothing of it reaches the prefix cache (its pages join it only after every block was read and checked). The
-checksums find damage and edits made without lcjax, not a forger who rewrites them too. Before anything is read,
+checksums find damage and edits made without lcjax, not a forger who rewrites them too: against forgery a context
+is signed (`signature`: HMAC-SHA256 of `digest` under the user's key, a random file KEY_FILE in the private user
+cache, made on first use). A context whose signature verifies was saved by this user from a shared context; its
+pages join the prefix cache, so later prompts that start with its tokens reuse them. Any other context (unsigned,
+from another user or machine, or edited) loads for its own questions only: its pages, and those of requests that
+continue it, stay out of the prefix cache (`Engine.load_context(share=True)` vouches for one), and saving it again
+leaves it unsigned. Before anything is read,
 context.json's size and nesting are bounded (META_MAX_BYTES, META_MAX_DEPTH), and each other file's size is
 checked against what context.json implies, its token count against the engine's context. Formats lcjax-context-v1
 and v2 carried no checksums: they are refused (save the context again).
@@ -33,6 +39,7 @@ Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import logging
@@ -51,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory, recover
+from lcjax.checkpoint.sources import make_private_dir, user_cache_dir
 from lcjax.engine.requests import RequestError
 from lcjax.tokenizer import ChatContinuation
 
@@ -61,6 +69,8 @@ TOKENS_FILE = "tokens.npy"
 KV_FILE = "kv.bin"
 SCALES_FILE = "scales.npy"
 ALGORITHM = "blake2b-128"
+KEY_FILE = "context-key"    # in the user cache: the user's secret key that signs saved contexts
+KEY_BYTES = 32
 FP8 = "float8_e4m3fn"
 META_MAX_BYTES = 64 << 20   # context.json of 4M tokens in pages of 16 at 80 layers: 6 MB of checksums
 META_MAX_DEPTH = 32         # this format nests 7 levels, a context's `meta` notes the rest
@@ -243,8 +253,9 @@ class Context:
   (`Engine.prefill(..., chat=True)`)."""
 
   def __init__(self, engine, token_ids: list[int], seq: int, *, cached_tokens: int = 0, source: str = "prefill",
-               seconds: float = 0.0, chat: ChatContinuation | None = None):
+               seconds: float = 0.0, chat: ChatContinuation | None = None, shared: bool = True):
     self.engine = engine
+    self.shared = shared          # its pages may join the prefix cache (False: restored from an unverified file)
     self.token_ids = list(token_ids)
     self.chat = chat              # set: the context is a chat's open user turn, continued by questions (chat=True)
     self.seq: int | None = None
@@ -257,7 +268,8 @@ class Context:
     self._restoring = False       # a restore has taken the host blocks and waits for its pages
     self._close_asked = False     # close() during that restore: the restore gives its pages back
     self.meta: dict = {}          # the caller's JSON-serializable notes, saved and restored with the context
-    self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds)
+    self.stats = dict(source=source, tokens=len(token_ids), cached_tokens=cached_tokens, seconds=seconds,
+                      shared=shared)
 
   def __len__(self) -> int:
     return len(self.token_ids)
@@ -339,7 +351,8 @@ class Context:
       _write_blocks(self.engine, pages, host, first)
 
     try:
-      seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill)   # waits for other threads' runs
+      # waits for other threads' runs
+      seq, cached = self.engine.scheduler.pin(self.token_ids, fill=fill, share=self.shared)
     except BaseException:
       with self._lock:
         self._restoring = False
@@ -401,6 +414,8 @@ class Context:
                     checksums=dict(algorithm=ALGORITHM, files=files))
       meta = json.loads(json.dumps(meta))      # as it reads back (tuples as lists): the digest below is of that
       meta["digest"] = _meta_digest(meta)
+      if self.shared:
+        meta["signature"] = _signature(meta["digest"])
       with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
         _sync(f)
@@ -416,9 +431,48 @@ def _digest(data) -> str:
 
 
 def _meta_digest(meta: dict) -> str:
-  """The digest of context.json's fields but `digest` itself (keys sorted)."""
-  body = {k: v for k, v in meta.items() if k != "digest"}
+  """The digest of context.json's fields but `digest` and `signature` (keys sorted)."""
+  body = {k: v for k, v in meta.items() if k not in ("digest", "signature")}
   return _digest(json.dumps(body, sort_keys=True).encode())
+
+
+def user_key() -> bytes:
+  """The user's context-signing key: KEY_FILE in the private user cache (0600), made from os.urandom on first use
+  (by whichever process gets there first: an exclusive create)."""
+  path = os.path.join(make_private_dir(user_cache_dir()), KEY_FILE)
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+  except FileExistsError:
+    pass
+  else:
+    key = os.urandom(KEY_BYTES)
+    try:
+      os.write(fd, key)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    return key
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError as e:
+    raise ContextError(f"cannot read the context-signing key {path}: {e.strerror}") from None
+  with os.fdopen(fd, "rb") as f:
+    key = f.read(KEY_BYTES + 1)
+  if len(key) != KEY_BYTES:
+    raise ContextError(f"the context-signing key {path} holds {len(key)} bytes, not {KEY_BYTES} (a concurrent first "
+                       "use, or damage): delete it, and save shared contexts again")
+  return key
+
+
+def _signature(digest: str) -> str:
+  """context.json's signature: HMAC-SHA256 of its digest under the user's key, hex."""
+  return hmac.new(user_key(), digest.encode(), hashlib.sha256).hexdigest()
+
+
+def verified(meta: dict) -> bool:
+  """Whether a context.json (its digest already checked) carries this user's signature of its digest."""
+  sig = meta.get("signature")
+  return isinstance(sig, str) and hmac.compare_digest(sig, _signature(meta["digest"]))
 
 
 def _sync(f) -> None:
@@ -629,9 +683,10 @@ def _kv_blocks(path: str, meta: dict, dtype: np.dtype):
         yield l, s, tuple(parts)
 
 
-def load_context(engine, path) -> Context:
+def load_context(engine, path, share: bool | None = None) -> Context:
   """Restore a saved context: every file and block is checked against its checksum as it is read, and a context
-  that fails any check leaves nothing behind (its pages join the prefix cache only once all of it was written)."""
+  that fails any check leaves nothing behind (its pages join the prefix cache only once all of it was written).
+  share: whether its pages join the prefix cache (None: when its signature verifies, see the module doc)."""
   path = os.path.abspath(os.fspath(path))
   meta = read_meta(path)
   diff = _mismatch(meta["fingerprint"], engine.fingerprint)
@@ -667,8 +722,12 @@ def load_context(engine, path) -> Context:
     _write_blocks(engine, pages, _prefetch(blocks()), first)
 
   t0 = time.perf_counter()
-  seq, cached = engine.scheduler.pin(ids, fill=fill)
+  signed = verified(meta)
+  shared = signed if share is None else bool(share)
+  seq, cached = engine.scheduler.pin(ids, fill=fill, share=shared)
   chat = ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None
-  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0, chat=chat)
+  ctx = Context(engine, ids, seq, cached_tokens=cached, source=path, seconds=time.perf_counter() - t0, chat=chat,
+                shared=shared)
+  ctx.stats["verified"] = signed
   ctx.meta = dict(meta["meta"])
   return ctx

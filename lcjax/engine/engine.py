@@ -580,7 +580,14 @@ class Engine:
     seq, cached = self.scheduler.pin(ids, on_progress=on_progress)
     return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0, chat=continuation)
 
-  def load_context(self, path) -> Context:
+  def load_context(self, path, *, share: bool | None = None) -> Context:
     """Restore a context saved by `Context.save` onto this engine's devices (any mesh). A context saved by
-    another model, dtype or page size is refused with a line naming both values."""
-    return _load_context(self, path)
+    another model, dtype or page size is refused with a line naming both values.
+
+    share: whether its pages join the prefix cache, where later prompts that start with its tokens reuse them.
+    None (default): when it carries this user's signature (`ctx.stats["verified"]`: saved by this user, on this
+    machine's user cache, from a context that was shared). A context from anyone else answers its own questions
+    only; share=True vouches for it."""
+    if share is not None and not isinstance(share, bool):
+      raise RequestError(f"share={share!r} must be True, False or None")
+    return _load_context(self, path, share)

@@ -44,6 +44,7 @@ class Request:
   sampling: SamplingParams
   prefix_len: int = 0              # leading prompt tokens held by `prefix_seq` (a pinned context or prefix)
   prefix_seq: int | None = None
+  private: bool = False            # its pages never join the prefix cache (it continues a private pinned sequence)
   seq: int | None = None           # the request's own sequence in the pool, once admitted
   cached: int = 0                  # leading prompt tokens already in the cache at admission (not prefilled)
   from_host: int = 0               # of those, tokens brought back from the host tier
@@ -111,6 +112,8 @@ class Scheduler:
     self.eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     self.epoch = 0                   # advances whenever the device cache is lost and made afresh
     self.pinned: dict[int, int] = {}  # pinned sequence -> the epoch it was pinned in
+    self.private: set[int] = set()   # pinned sequences whose pages, and their continuations', stay out of the
+                                     # prefix cache (contexts restored from an unverified file)
     self.orphans: list[int] = []     # pinned sequences whose Context was dropped unclosed (unpinned under the lock)
     self.closed = False
     self.peak_pages_used = 0
@@ -141,6 +144,7 @@ class Scheduler:
         raise RequestError(f"request {r.index}'s context lost its pages when a device step was interrupted: "
                            "prefill it again")
       r.seq, r.cached = self.pool.fork(r.prefix_seq), r.prefix_len
+      r.private = r.prefix_seq in self.private
     else:
       limit = n - 1 if cached_limit is None else cached_limit
       pages = self.prefix_cache.match(r.prompt, limit) if self.prefix_cache is not None else []
@@ -207,8 +211,9 @@ class Scheduler:
     self._keep_written(r)
 
   def _keep_written(self, r: Request) -> None:
-    """Hand the request's written full pages to the prefix cache."""
-    if self.prefix_cache is not None and r.seq is not None and r.written and r.epoch == self.epoch:
+    """Hand the request's written full pages to the prefix cache (none of a private request's)."""
+    if (self.prefix_cache is not None and r.seq is not None and r.written and r.epoch == self.epoch
+        and not r.private):
       tokens = (r.prompt + r.out)[:r.written]
       self.prefix_cache.insert(tokens, self.pool.page_table(r.seq)[:len(tokens) // self.run.page_size])
 
@@ -231,18 +236,20 @@ class Scheduler:
 
   # -- pinned sequences (contexts and shared prefixes) ---------------------------------------------------------
   def pin(self, ids: list[int], fill: Callable[[list[int], int], None] | None = None,
-          what: str = "the context", on_progress=None) -> tuple[int, int]:
+          what: str = "the context", on_progress=None, share: bool = True) -> tuple[int, int]:
     """A sequence of `ids` that stays until `unpin`: (sequence, tokens taken from the prefix cache). Its full
     pages already in the prefix cache are shared; the rest are prefilled, or, with `fill`, written by
     `fill(pages, first)`, which must write the K/V of the sequence's pages[first:] (restored from host or
-    disk). on_progress: the prefill's progress callback (Request.on_progress), index -1."""
+    disk). on_progress: the prefill's progress callback (Request.on_progress), index -1. share=False: the pages
+    it writes, and those of every request that continues it, never join the prefix cache (other requests
+    cannot be answered from them)."""
     with self.exclusive():
-      return self._pin(ids, what, fill, on_progress)
+      return self._pin(ids, what, fill, on_progress, share)
 
-  def _pin(self, ids, what, fill, on_progress) -> tuple[int, int]:
+  def _pin(self, ids, what, fill, on_progress, share) -> tuple[int, int]:
     with self.lock:
       self.check_open()
-      r = Request(-1, list(ids), 0, SamplingParams(), on_progress=on_progress)
+      r = Request(-1, list(ids), 0, SamplingParams(), on_progress=on_progress, private=not share)
       if not self.admit(r, cached_limit=len(ids)):
         raise PagePoolExhausted(self.blocked_message(r, what))
       try:
@@ -258,11 +265,14 @@ class Scheduler:
         self.recover_cache()
         raise
       self.pinned[r.seq] = self.epoch
+      if not share:
+        self.private.add(r.seq)
       return r.seq, r.cached
 
   def unpin(self, seq: int) -> None:
     with self.lock:
       if self.pinned.pop(seq, None) is not None:
+        self.private.discard(seq)
         self.pool.free(seq)
 
   def check_open(self) -> None:

@@ -16,7 +16,7 @@ import signal
 import struct
 import time
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,8 +29,8 @@ from lcjax.config import ModelConfig, WeightFormat
 
 CFG = ModelConfig("values-test", vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                   ffn_dim=64, max_position=128, bos_id=0, eos_ids=(1,))
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-_CODES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", E4M3: "F8_E4M3"}
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+_CODES = {np.dtype(np.float32): "F32", np.dtype(jnp.bfloat16): "BF16", E4M3: "F8_E4M3"}
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], offsets: dict[str, list[int]] | None = None,

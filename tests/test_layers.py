@@ -1,7 +1,8 @@
 """One import direction: a module imports only from lower layers.
 
-L0 config, host allocator, prefix cache, tokenizer (stdlib, numpy) < L1 sharding < L2 ops (kernels) < L3 model,
-device cache < L4 checkpoint, engine < L5 the package's API, the CLI; tools/ and configs/ sit above all of it."""
+L0 config, host allocator, prefix cache, tokenizer, chat templates (stdlib, numpy, jinja2) < L1 sharding < L2 ops
+(kernels) < L3 model, device cache < L4 checkpoint, engine < L5 the package's API, the CLI; tools/ and configs/ sit
+above all of it."""
 from __future__ import annotations
 
 import ast
@@ -12,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "lcjax"
 
 LAYERS = {
     "lcjax.config": 0, "lcjax.cache.pages": 0, "lcjax.cache.prefix": 0, "lcjax.cache.host": 0, "lcjax.tokenizer": 0,
+    "lcjax.chat_template": 0,
     "lcjax.sharding": 1,
     "lcjax.ops": 2,
     "lcjax.model": 3, "lcjax.cache.kv": 3, "lcjax.cache": 3,

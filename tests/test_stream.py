@@ -78,5 +78,5 @@ def test_generate_takes_decode_steps_per_call(eng, prompts):
   assert (eng.generate(prompts, max_new_tokens=N, decode_steps=1)[1].token_ids
           == eng.generate(prompts, max_new_tokens=N)[1].token_ids)
   for bad in (0, -3, 2.5, True):
-    with pytest.raises(RequestError, match=f"decode_steps={bad!r} must be an integer >= 1"):
+    with pytest.raises(RequestError, match=f"decode_steps={bad!r} must be an integer from 1 to max_context="):
       eng.generate(prompts[0], max_new_tokens=4, decode_steps=bad)

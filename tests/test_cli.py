@@ -34,7 +34,7 @@ def test_interactive_transcript(ckpt, monkeypatch):
   """Q: / A: per question, a blank line after each answer, the cut at max_new_tokens noted; the answers are the
   API's for the same context and question (this checkpoint has no chat template: plain text, which the CLI says
   once per prompt it builds)."""
-  monkeypatch.setattr("sys.stdin", io.StringIO(QUESTIONS[0] + "\n\n" + QUESTIONS[1] + "\n"))
+  monkeypatch.setattr("sys.stdin", io.StringIO(QUESTIONS[0] + "\n\n" + QUESTIONS[1] + "\n quit \nWho ran it?\n"))
   p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--context_file={ckpt / 'doc.txt'}",
                                    "--interactive", "--max_new_tokens=5"])
   assert p.returncode == 0, p.stderr[-3000:]
@@ -46,7 +46,37 @@ def test_interactive_transcript(ckpt, monkeypatch):
   want = "".join(f"Q: {q}\nA: {a}\n[cut at max_new_tokens=5]\n\n" for q, a in zip(QUESTIONS, answers))
   assert p.stdout == want, (p.stdout, want)
   assert "has no chat template: the prompt is plain text" in p.stderr
-  assert p.stderr.count("time to first token") == 2
+  assert p.stderr.count("time to first token") == 2            # `quit` ended it: the third question never ran
+  assert "(quit, exit or Ctrl-D to end)" in p.stderr
+
+
+def test_a_context_prefilled_and_saved_alone_then_asked(ckpt, tmp_path, monkeypatch):
+  """--context_file with --save_context and no prompt prefills and saves (nothing on stdout); --load_context
+  with --interactive then answers as the API answers on the prefilled context, until `exit`."""
+  saved = tmp_path / "doc.ctx"
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--context_file={ckpt / 'doc.txt'}",
+                                   f"--save_context={saved}"])
+  assert p.returncode == 0 and p.stdout == "" and "context: saved to" in p.stderr, p.stderr[-3000:]
+  monkeypatch.setattr("sys.stdin", io.StringIO(QUESTIONS[0] + "\nexit\n" + QUESTIONS[1] + "\n"))
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--load_context={saved}", "--interactive",
+                                   "--max_new_tokens=5"])
+  assert p.returncode == 0, p.stderr[-3000:]
+  eng = Engine.load(str(ckpt / "ckpt"), run=RUN.replace(decode_steps=32))
+  with eng.prefill(DOC) as ctx:
+    answer = eng.generate(eng.encode(f"\n\n{QUESTIONS[0]}\n", add_bos=False), context=ctx, max_new_tokens=5).text
+  eng.close()
+  assert p.stdout == f"Q: {QUESTIONS[0]}\nA: {answer}\n[cut at max_new_tokens=5]\n\n", p.stdout
+
+
+def test_help_exits_zero():
+  """--help prints the module's doc and its flags on stdout, status 0 (a process of its own: the help is the
+  main module's)."""
+  import sys
+  from tests import forkserver
+  from tests.run_cache import REPO, cpu_env
+  p = forkserver.run([sys.executable, "-m", "lcjax.cli.generate", "--help"], env=cpu_env(), cwd=REPO, timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.startswith("Generate text from a checkpoint") and "--context_file" in p.stdout
 
 
 def test_plan_once_and_the_model_named_by_its_checkpoint(ckpt):

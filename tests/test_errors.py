@@ -283,15 +283,22 @@ CLI_CASES = [
     ("context file that is not UTF-8", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={latin1_file}"],
      ["--context_file=", "not UTF-8"]),
     ("missing saved context", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--load_context={root}/nowhere"],
-     ["--load_context={root}/nowhere", "no such context directory"]),
+     ["--load_context={root}/nowhere", "no such directory"]),
+    ("saved context that is a file", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--load_context={doc_file}"],
+     ["--load_context={doc_file}", "a file, not a saved context's directory"]),
     ("missing context file", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={root}/nowhere.txt"],
-     ["--context_file={root}/nowhere.txt", "No such file"]),
+     ["--context_file={root}/nowhere.txt", "no such file"]),
+    ("context file that is a directory", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={root}"],
+     ["--context_file={root}", "a directory"]),
     ("context saved where no directory can be made", ["ckpt", "--prompt=hi", "--checkpoint={good}",
                                                        "--context_file={doc_file}", "--nochat",
                                                        "--save_context={empty_file}/ctx"],
      ["--save_context={empty_file}/ctx"]),
 ]
 PLAN_PRINTED = {"page pool larger than memory", "context larger than memory", "HF folder of a model past the machine"}
+# Refused from the flags alone, before JAX starts and the memory plan is printed.
+BEFORE_JAX = {"missing saved context", "saved context that is a file", "missing context file",
+              "context file that is a directory"}
 
 
 def _cli_env():
@@ -320,6 +327,8 @@ def test_cli_refuses_in_one_line(paths, case, args, names):
     assert name.format(**paths) in lines[-1], (name, lines[-1])
   if case in PLAN_PRINTED:   # refused before any allocation, the plan shown above the error line
     assert "memory plan per device" in p.stderr and "  total " in p.stderr, p.stderr
+  if case in BEFORE_JAX:
+    assert "memory plan per device" not in p.stderr, p.stderr
   assert p.stdout == "", p.stdout   # nothing was generated
 
 

@@ -107,7 +107,10 @@ def _compile_cache_row() -> str:
   c = compile_cache.stats()
   if c["dir"] is None:
     return "off (every start compiles)"
-  return f"{c['dir']} ({c['hits']} of {c['requests']} programs read from it, the rest compiled and written)"
+  n, hits = c["requests"], c["hits"]
+  if hits == n:
+    return f"{c['dir']} (all {n} programs read from it)"
+  return f"{c['dir']} ({hits} of {n} programs read from it, {n - hits} compiled and written to it)"
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------
@@ -122,6 +125,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with its failures (unknown flag or config key, bad value, unreadable config file)
   refused like every other bad input instead of absl's usage text and status 1."""
   from lcjax.config import RunConfig          # layer L0: no jax yet
+  for a in argv[1:]:
+    if a in HELP_FLAGS:                       # absl prints the help and exits 1; asking for help is no error
+      app.usage(shorthelp=a != "--helpfull", writeto_stdout=True, exitcode=0)
   known = sorted(f.name for f in dataclasses.fields(RunConfig))
   overrides = [a for a in argv[1:] if a.startswith("--config.")]
   for a in overrides:
@@ -142,6 +148,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   if len(rest) > 1:
     _refuse(f"unexpected argument(s) {rest[1:]}: flags are written --name=value")
   return rest
+
+
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
 class UsageError(ValueError):
@@ -197,10 +206,12 @@ def _prompt() -> tuple[str | None, list[int] | None, str | None]:
   """(prompt text, or prompt ids, and the --demo answer) from exactly one of the prompt flags, never empty."""
   given = [f"--{n}" for n in ("prompt", "prompt_file", "prompt_ids") if FLAGS[n].value is not None]
   given += ["--demo"] if FLAGS.demo else []
-  if FLAGS.interactive and not given:
-    return None, None, None
+  if not given and (FLAGS.interactive or (FLAGS.save_context and FLAGS.context_file)):
+    return None, None, None        # questions from stdin, or a context prefilled and saved for later
   if len(given) != 1:
-    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompt_ids or --demo, not {given or 'none'}")
+    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompt_ids or --demo, not {given or 'none'} "
+                     "(with a context, --interactive asks questions from stdin, and --context_file with "
+                     "--save_context alone prefills and saves it)")
   if FLAGS.demo:
     text, answer = demo_prompt(FLAGS.demo_words)
     return text, None, answer
@@ -355,11 +366,23 @@ def _question(tokenizer, question: str, doc) -> tuple[str | list[int], bool, lis
 
 
 def _check_context_flags() -> None:
+  """The context flags' combination, and that the files they name are there (before JAX starts)."""
   if FLAGS.context_file and FLAGS.load_context:
     raise UsageError("give --context_file or --load_context, not both")
   if not (FLAGS.context_file or FLAGS.load_context) and (FLAGS.save_context or FLAGS.interactive):
     raise UsageError(f"--{'save_context' if FLAGS.save_context else 'interactive'} needs a context: give "
                      "--context_file=DOC or --load_context=DIR")
+  if FLAGS.context_file and not os.path.isfile(FLAGS.context_file):
+    what = "a directory" if os.path.isdir(FLAGS.context_file) else "no such file"
+    raise UsageError(f"--context_file={FLAGS.context_file}: {what} (give a UTF-8 text file)")
+  if FLAGS.load_context:
+    path = os.path.abspath(FLAGS.load_context)
+    # A directory, or the leftovers of an overwriting save killed between its renames (the load puts it back).
+    parent, name = os.path.split(path)
+    leftovers = os.path.isdir(parent) and any(f.startswith(name + ".") for f in os.listdir(parent))
+    if not os.path.isdir(path) and not leftovers:
+      what = "a file, not a saved context's directory" if os.path.exists(path) else "no such directory"
+      raise UsageError(f"--load_context={FLAGS.load_context}: {what} (--save_context writes one)")
 
 
 @dataclasses.dataclass
@@ -383,7 +406,10 @@ def _context(tokenizer, limits) -> _Document | None:
       path = os.path.abspath(FLAGS.load_context)
       meta = read_meta(path)
       ids = read_tokens(path, meta, limits.max_context - 1)
-    limits.check(0, ids, 1)
+    limits.check(0, ids, 1, what="the context")
+    if meta.get("chat") and not FLAGS.chat:
+      print(f"note: {FLAGS.load_context} is a chat context: questions continue its chat turn (--nochat applies to "
+            "contexts prefilled from --context_file)", file=sys.stderr)
     return _Document(ids, ChatContinuation.from_dict(meta["chat"]) if meta.get("chat") else None)
   if tokenizer is None:
     raise RequestError("--context_file needs a checkpoint with a tokenizer")
@@ -396,7 +422,7 @@ def _context(tokenizer, limits) -> _Document | None:
     doc = _Document(split.ids, split.continuation, text)
   else:
     doc = _Document(tokenizer.encode(text), None, text)
-  limits.check(0, doc.ids, 1)
+  limits.check(0, doc.ids, 1, what="the context")
   return doc
 
 
@@ -475,9 +501,11 @@ def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
   """Answer questions read from stdin, one per line: the transcript is `Q: question`, `A: answer` (a note when
   the answer was cut at max_new_tokens) and a blank line, on stdout; each answer's stats on stderr."""
   from lcjax.engine.requests import RequestError
-  print("ask a question per line (Ctrl-D to end)", file=sys.stderr)
+  print("ask a question per line (quit, exit or Ctrl-D to end)", file=sys.stderr)
   for line in sys.stdin:
     question = line.strip()
+    if question.lower() in QUIT_WORDS:
+      break
     if not question:
       continue
     try:
@@ -497,6 +525,7 @@ def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
           f"context, {s['prefill_tokens']:,} prefilled; {s['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
 
 
+QUIT_WORDS = ("quit", "exit")                # a line of just one of these ends --interactive
 QUESTION_BUCKETS = (16, 32, 64, 128, 256)   # padded prefill lengths of --interactive questions compiled ahead
 
 

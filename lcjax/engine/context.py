@@ -701,7 +701,7 @@ def load_context(engine, path, share: bool | None = None) -> Context:
                          "save the context again")
   ids = read_tokens(path, meta, engine.max_context - 1)
   scales = _saved_scales(path, meta) if cache.quantized else None        # [L, 2, n, K]
-  engine.limits.check(0, ids, 1)
+  engine.limits.check(0, ids, 1, what="the context")
   n, Z, K, H, L = meta["pages"], meta["page_size"], meta["kv_heads"], meta["head_dim"], meta["layers"]
   dtype = np.dtype(cache.k.dtype)
   kv_path = os.path.join(path, KV_FILE)

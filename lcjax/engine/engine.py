@@ -575,7 +575,7 @@ class Engine:
       raise RequestError(f"system={repr(system)[:40]} is a chat turn: give chat=True too")
     else:
       ids = self.encode(document)
-    self.limits.check(0, ids, 1)
+    self.limits.check(0, ids, 1, what="the context")
     t0 = time.perf_counter()
     seq, cached = self.scheduler.pin(ids, on_progress=on_progress)
     return Context(self, ids, seq, cached_tokens=cached, seconds=time.perf_counter() - t0, chat=continuation)

@@ -62,23 +62,26 @@ class Limits:
     slots = list(range(-(-prefix_len // Z))) + list(range(prefix_len // Z, -(-n // Z)))   # slot m: shard m % S
     return [sum(1 for m in slots if m % S == d) for d in range(S)]
 
-  def check(self, index: int, ids, max_new_tokens: int, prefix_len: int = 0) -> None:
-    """Refuse prompt `index` (all its ids, prefix included) when it can never run."""
+  def check(self, index: int, ids, max_new_tokens: int, prefix_len: int = 0, what: str | None = None) -> None:
+    """Refuse prompt `index` (all its ids, prefix included) when it can never run; `what` names it in the
+    message instead ("the context": a context to prefill or load, which needs room for one more token)."""
     self.check_max_new(max_new_tokens)
     self.check_ids(ids)
     n = len(ids) + max_new_tokens
+    name = what or f"prompt {index}"
     if n > self.max_context:
-      raise RequestError(f"prompt {index} has {len(ids)} tokens + max_new_tokens={max_new_tokens} = {n} > max "
-                         f"context {self.max_context}: shorten the prompt or raise max_context")
+      room = f"{len(ids)} tokens + max_new_tokens={max_new_tokens}" if what is None else f"{len(ids)} tokens + 1"
+      raise RequestError(f"{name} has {room} = {n} > max context {self.max_context}: shorten "
+                         f"{'the prompt' if what is None else 'it'} or raise max_context")
     per_shard = self.pages_held(n, prefix_len)
     need, per = sum(per_shard), self.pages_per_shard - 1
     if max(per_shard) <= per:
       return
-    what = f"{n} tokens" + (", with the shared prefix's pages held beside them" if prefix_len else "")
+    held = f"{n} tokens" + (", with the shared prefix's pages held beside them" if prefix_len else "")
     if self.shards == 1:
-      raise RequestError(f"prompt {index} needs {need} pages ({what}) but the pool has only {per} pages "
+      raise RequestError(f"{name} needs {need} pages ({held}) but the pool has only {per} pages "
                          f"({per * self.page_size} tokens; num_pages={self.pages_per_shard}): raise num_pages or "
                          "lower max_new_tokens")
-    raise RequestError(f"prompt {index} needs {need} pages ({what}), {max(per_shard)} of them on seq shard "
+    raise RequestError(f"{name} needs {need} pages ({held}), {max(per_shard)} of them on seq shard "
                        f"{per_shard.index(max(per_shard))}, but each of the {self.shards} seq shards has only "
                        f"{per} pages: raise num_pages or lower max_new_tokens")

@@ -66,6 +66,13 @@ def test_a_context_prefilled_and_saved_alone_then_asked(ckpt, tmp_path, monkeypa
     answer = eng.generate(eng.encode(f"\n\n{QUESTIONS[0]}\n", add_bos=False), context=ctx, max_new_tokens=5).text
   eng.close()
   assert p.stdout == f"Q: {QUESTIONS[0]}\nA: {answer}\n[cut at max_new_tokens=5]\n\n", p.stdout
+  # Another run config is refused from context.json before any weight is read, naming each field that differs.
+  monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("the weights were loaded"))
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--load_context={saved}", "--prompt=hi",
+                                   "--config.page_size=32", "--config.cache_dtype=float8_e4m3fn"])
+  assert p.returncode == 2 and p.stderr.count("error:") == 1, p.stderr[-3000:]
+  assert ("another model or run config: cache_dtype: saved 'float32', this engine 'float8_e4m3fn'; page_size: "
+          "saved 16, this engine 32") in p.stderr, p.stderr[-3000:]
 
 
 def test_help_exits_zero():

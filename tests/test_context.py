@@ -280,8 +280,10 @@ def test_a_killed_save_leaves_nothing_that_loads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change, names", [
     (dict(page_size=16), ["page_size: saved 8, this engine 16"]),
-    (dict(dtype="bfloat16"), ["dtype: saved 'float32', this engine 'bfloat16'"]),
-    (dict(seed=4), ["weights: saved"]),
+    (dict(dtype="bfloat16"), ["cache_dtype: saved 'float32', this engine 'bfloat16'; dtype: saved 'float32', this "
+                              "engine 'bfloat16'; weight_dtype: saved 'float32', this engine 'bfloat16'; weights:"]),
+    (dict(weight_dtype="float8_e4m3fn"), ["weight_dtype: saved 'float32', this engine 'float8_e4m3fn'; weights:"]),
+    (dict(seed=4), ["another model or run config: weights: saved"]),
 ])
 def test_a_mismatched_restore_is_refused(tmp_path, change, names):
   eng = _shared()
@@ -1111,4 +1113,19 @@ def test_a_context_signed_by_another_user_loads_unshared(tmp_path, monkeypatch):
   with eng.load_context(tmp_path / "c") as c:
     assert not c.stats["verified"] and not c.stats["shared"]
   assert eng.prefix_cache.match(DOC) == []
+  _idle(eng)
+
+
+def test_a_context_saved_before_the_weight_dtype_field_loads(tmp_path):
+  """Contexts saved before the fingerprint named the weight dtype (their weights digest covers it) still load."""
+  eng = _shared()
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "doc")
+
+  def older(meta):
+    del meta["fingerprint"]["weight_dtype"]
+    return meta
+  _rewrite_json(older)(tmp_path / "doc", "context.json")
+  with eng.load_context(tmp_path / "doc") as c:
+    assert len(c) == len(DOC)
   _idle(eng)

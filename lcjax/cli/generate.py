@@ -279,6 +279,7 @@ def _generate() -> None:
   from lcjax.engine import compile_cache, placement
   from lcjax.engine import plan as planlib
   from lcjax.engine.engine import Engine
+  from lcjax.engine.context import fingerprint
   from lcjax.engine.requests import Limits, RequestError, check_context_length
   from lcjax.tokenizer import find_tokenizer
   run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
@@ -298,7 +299,7 @@ def _generate() -> None:
     raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
                        "tokenizer.model): give the prompt as --prompt_ids")
   limits = Limits.of(model_cfg, run, plan.num_pages)
-  doc = _context(tokenizer, limits)
+  doc = _context(tokenizer, limits, fingerprint(model_cfg, run, weights, None))
   prompt, chat = (ids, False) if ids is not None else (None, False)
   if text is not None:
     prompt, chat, ids = _question(tokenizer, text, doc) if doc is not None else _prompt_text(tokenizer, text)
@@ -393,10 +394,11 @@ class _Document:
   text: str | None = None          # --context_file's text (None: --load_context)
 
 
-def _context(tokenizer, limits) -> _Document | None:
+def _context(tokenizer, limits, mine: dict) -> _Document | None:
   """The context from --context_file (a chat context when --chat and the template allow, as
-  Engine.prefill(text, chat=True) makes it) or --load_context, checked against the limits."""
-  from lcjax.engine.context import read_meta, read_tokens
+  Engine.prefill(text, chat=True) makes it) or --load_context, checked against the limits and, for a saved one,
+  against this run's fingerprint `mine` (all but the weights' digest, which needs the weights)."""
+  from lcjax.engine.context import check_fingerprint, read_meta, read_tokens
   from lcjax.engine.requests import RequestError
   from lcjax.tokenizer import ChatContinuation
   if not (FLAGS.context_file or FLAGS.load_context):
@@ -405,6 +407,7 @@ def _context(tokenizer, limits) -> _Document | None:
     with _names_flag("load_context"):
       path = os.path.abspath(FLAGS.load_context)
       meta = read_meta(path)
+      check_fingerprint(path, meta, mine)
       ids = read_tokens(path, meta, limits.max_context - 1)
     limits.check(0, ids, 1, what="the context")
     if meta.get("chat") and not FLAGS.chat:

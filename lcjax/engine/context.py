@@ -530,17 +530,42 @@ def _read_npy(ctx_path: str, name: str, meta: dict, shape: tuple, dtype) -> np.n
 
 # -- reading ------------------------------------------------------------------------------------------------------
 
-def _mismatch(saved: dict, mine: dict, where: str = "") -> str | None:
-  """The first field where two fingerprints differ, as 'name: saved X, this engine Y'."""
-  for key in sorted(set(saved) | set(mine)):
+def fingerprint(model_cfg, run, weights, weights_digest: str | None) -> dict:
+  """What a context's K/V depend on: the model config, the weights (their dtype, and the digest of their bits;
+  None: not known yet, before they are read), the activation and cache dtypes, the page size, and FP8 attention
+  (which changes every layer's output). Saved in context.json; a context loads only where it is the same."""
+  fp = dict(model=model_cfg.to_dict(), weights=weights_digest, weight_dtype=weights.name or run.dtype,
+            dtype=run.dtype, cache_dtype=run.resolved_cache_dtype, page_size=run.page_size)
+  if run.attention_dtype != "auto":
+    fp["attention_dtype"] = run.attention_dtype
+  return fp
+
+
+# Fingerprint fields that contexts saved by earlier versions lack (their weights digest covers them).
+_LATER_FIELDS = ("weight_dtype",)
+
+
+def mismatches(saved: dict, mine: dict, where: str = "") -> list[str]:
+  """Every field where two fingerprints differ, as 'name: saved X, this engine Y', the weights digest last; a
+  field `mine` holds as None (the weights digest before the weights are read) is not compared."""
+  out = []
+  for key in sorted(set(saved) | set(mine), key=lambda k: (k == "weights", k)):
     a, b = saved.get(key), mine.get(key)
+    if b is None and key in mine or (not where and key in _LATER_FIELDS and key not in saved):
+      continue
     if isinstance(a, dict) and isinstance(b, dict):
-      found = _mismatch(a, b, f"{where}{key}.")
-      if found:
-        return found
+      out += mismatches(a, b, f"{where}{key}.")
     elif a != b:
-      return f"{where}{key}: saved {a!r}, this engine {b!r}"
-  return None
+      out.append(f"{where}{key}: saved {a!r}, this engine {b!r}")
+  return out
+
+
+def check_fingerprint(path: str, meta: dict, mine: dict) -> None:
+  """Refuse a saved context (its context.json `meta`) made by another model or run config, naming every field
+  that differs."""
+  diff = mismatches(meta["fingerprint"], mine)
+  if diff:
+    raise ContextError(f"the context at {path} was saved by another model or run config: {'; '.join(diff)}")
 
 
 def _is_int(x) -> bool:
@@ -689,9 +714,7 @@ def load_context(engine, path, share: bool | None = None) -> Context:
   share: whether its pages join the prefix cache (None: when its signature verifies, see the module doc)."""
   path = os.path.abspath(os.fspath(path))
   meta = read_meta(path)
-  diff = _mismatch(meta["fingerprint"], engine.fingerprint)
-  if diff:
-    raise ContextError(f"the context at {path} was saved by another model or run config ({diff})")
+  check_fingerprint(path, meta, engine.fingerprint)
   cache = engine.scheduler.cache
   mine = dict(page_size=engine.run.page_size, layers=engine.cfg.n_layers, kv_heads=engine.cfg.n_kv_heads,
               head_dim=engine.cfg.head_dim, dtype=str(cache.k.dtype))

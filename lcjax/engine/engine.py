@@ -29,7 +29,7 @@ from lcjax.cache.pages import PagePoolExhausted
 from lcjax.config import ModelConfig, RunConfig, WeightFormat
 from lcjax.engine import compile_cache, placement
 from lcjax.engine import plan as planlib
-from lcjax.engine.context import Context, load_context as _load_context
+from lcjax.engine.context import Context, fingerprint as context_fingerprint, load_context as _load_context
 from lcjax.engine.requests import Limits, RequestError, check_context_length
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
@@ -153,11 +153,7 @@ class Engine:
                                                                       self.attention, self.weights,
                                                                       linear=self.decode_linear,
                                                                       page=self.page_write)
-    self.fingerprint = dict(model=model_cfg.to_dict(), weights=_weights_digest(params), dtype=self.run.dtype,
-                            cache_dtype=self.run.resolved_cache_dtype, page_size=self.run.page_size)
-    if self.run.attention_dtype != "auto":
-      # FP8 attention changes every layer's output, hence the K/V cached from it.
-      self.fingerprint["attention_dtype"] = self.run.attention_dtype
+    self.fingerprint = context_fingerprint(model_cfg, self.run, self.weights, _weights_digest(params))
     self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings,
                                          self.weights)
     self.plan = planlib.plan(model_cfg, self.run, weights=self.weights)

@@ -138,3 +138,23 @@ def test_the_split_holds_back_what_a_question_could_merge(tok):
     assert held and split.continuation.text("q").startswith(held)
     for q in ("q", "\n\nq", " q"):
       assert split.ids + tok.encode(split.continuation.text(q), add_bos=False) == _cold(tok, doc, q), (doc, q)
+
+
+def test_warm_up_takes_the_question_as_text(eng):
+  """Engine.warm_up(question, context=ctx, chat=True) compiles the chunk lengths the question's tokens need (the
+  rest of the chat turn, not the question's own token count), so its generate compiles nothing: compile_s is 0
+  there and was not on the cold call before it."""
+  from tests.test_engine import _Compiles
+  q = QUESTIONS[2]                                  # longer than a page
+  with eng.prefill(DOCS["a sentence"], chat=True) as ctx:
+    count = _Compiles()
+    try:
+      eng.warm_up(q, context=ctx, chat=True, decode_steps=2)
+      count.seen.clear()
+      res = eng.generate(q, context=ctx, chat=True, max_new_tokens=3, decode_steps=2)
+      assert count.seen == [] and res.stats["compile_s"] == 0.0
+    finally:
+      count.close()
+  cold = Engine.random(CFG, run=RUN, seed=1, tokenizer=eng.tokenizer)
+  assert cold.generate("hi", chat=True, max_new_tokens=2).stats["compile_s"] > 0
+  cold.close()

@@ -92,7 +92,9 @@ def _stats_table(engine, res, warmup) -> str:
            else f"{warmup[0]:.2f} s (compiling this run's {warmup[1]} programs without running them)"),
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s)"),
-          ("time to first token", f"{s['time_to_first_token_s']:.2f} s"),
+          ("time to first token", f"{s['time_to_first_token_s']:.2f} s"
+                                  + (f" (the call spent {s['compile_s']:.2f} s making programs)"
+                                     if s["compile_s"] >= 0.005 else "")),
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']}"
                      + (f", fp8 page write: {s['page_write']})" if s["cache_dtype"] == "float8_e4m3fn" else ")")),
           ("peak device memory", (f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]

@@ -15,6 +15,9 @@ other processes' cache keys differ from process 0's (checked on CPUs with gloo c
 missed on process 1 while process 0 read all of its own), so with a warm cache process 0 runs executables read
 from disk and the others freshly compiled ones, and their first collective hung (tests/test_multihost.py's engines,
 second run). A directory given by name is used anyway, with a warning.
+
+`compile_seconds()` is the time this thread has spent making programs (tracing, lowering, compiling or reading
+them from the cache), from JAX's monitoring events: a call's stats report what it spent there.
 """
 from __future__ import annotations
 
@@ -33,6 +36,24 @@ _counts = {"requests": 0, "hits": 0}  # programs compiled through the cache, and
 _warned: set = set()
 
 SUBDIR = "jax-compile"
+# JAX's duration events of making a program: tracing, lowering to MLIR, and the backend's compile (or cache read).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_thread = threading.local()
+
+
+def _add_compile_time(event: str, seconds: float, **kwargs) -> None:
+  if event in _COMPILE_EVENTS:
+    _thread.seconds = getattr(_thread, "seconds", 0.0) + seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_add_compile_time)
+
+
+def compile_seconds() -> float:
+  """Seconds this thread has spent making JAX programs since the process started: the difference across a call
+  is the call's compilation."""
+  return getattr(_thread, "seconds", 0.0)
 
 
 def resolve(setting: str, *, jax_dir: str | None, jax_enabled: bool, user_cache: str,

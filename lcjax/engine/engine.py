@@ -446,14 +446,15 @@ class Engine:
     decode_steps: tokens per decode call of the device loop (default: run.decode_steps); it never changes the
     tokens, only how often the host sees them.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
       r.on_progress = on_progress
     for _ in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
       pass
-    self.last_results = [self._result(r, t0) for r in reqs]
+    compile_s = compile_cache.compile_seconds() - c0
+    self.last_results = [self._result(r, t0, compile_s) for r in reqs]
     return self.last_results[0] if single else self.last_results
 
   def generate_stream(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
@@ -463,7 +464,7 @@ class Engine:
     `decode_steps` tokens (default: run.stream_decode_steps, else run.decode_steps), at a time; decode_steps=1
     yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
     The other arguments are generate()'s."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
@@ -477,7 +478,8 @@ class Engine:
         if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
           yield r.index, stable[len(sent[r.index]):]
           sent[r.index] = stable
-    self.last_results = [self._result(r, t0) for r in reqs]
+    compile_s = compile_cache.compile_seconds() - c0
+    self.last_results = [self._result(r, t0, compile_s) for r in reqs]
 
   def _decode_steps(self, given, default: int) -> int:
     """A call's decode_steps: an integer from 1 to max_context (a decode call outputs [max_batch, decode_steps]
@@ -493,8 +495,9 @@ class Engine:
       return ""
     return self.tokenizer.decode([t for t in ids if t not in self.cfg.eos_ids], skip_special_tokens=True)
 
-  def _result(self, r: Request, t_call: float | None = None) -> GenerationResult:
-    """r's result; its prefill stats include the shared prefix's prefill when r paid it (Scheduler.serve)."""
+  def _result(self, r: Request, t_call: float | None = None, compile_s: float = 0.0) -> GenerationResult:
+    """r's result; its prefill stats include the shared prefix's prefill when r paid it (Scheduler.serve).
+    compile_s: the call's seconds of making programs (compile_cache.compile_seconds), in its times."""
     n_dec = max(len(r.out) - 1, 0)
     prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
     ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")
@@ -505,24 +508,34 @@ class Engine:
                  prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=len(r.prompt) - prefilled,
                  host_cached_tokens=r.from_host, prefill_tokens=prefilled,
                  prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,
-                 time_to_first_token_s=ttft,
+                 time_to_first_token_s=ttft, compile_s=compile_s,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
 
-  def warm_up(self, prompt_tokens: int | None, *, context_tokens: int = 0, prefill_context: bool = True,
-              sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
-    """Compile, without running anything, the programs a generate of one prompt of `prompt_tokens` tokens uses
-    (after a pinned context of `context_tokens`, whose prefill's chunks are compiled too unless
-    prefill_context=False): its prefill chunks, the first token, the decode loop of its sampling and decode_steps
-    (default run.decode_steps), the copy of a context's partly filled last page, and prefill chunks of the padded
-    lengths `more_buckets` (questions to come). With a warm persistent compilation cache this is tracing and
-    lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks elsewhere). Returns the
-    number of programs compiled."""
+  def warm_up(self, prompt_tokens, *, context: Context | None = None, chat: bool = False, context_tokens: int = 0,
+              prefill_context: bool = True, sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
+    """Compile, without running anything, the programs a generate of one prompt uses: `prompt_tokens`, the
+    prompt's token count, or the prompt itself as generate takes it (text, ids or messages, with `context` and
+    `chat` as generate's: `warm_up("What does it conclude?", context=ctx, chat=True)` counts the tokens the
+    question becomes); after a pinned context (`context`, or one of `context_tokens` tokens whose prefill's chunks
+    are compiled too unless prefill_context=False): its prefill chunks, the first token, the decode loop of its
+    sampling and decode_steps (default run.decode_steps), the copy of a context's partly filled last page, and
+    prefill chunks of the padded lengths `more_buckets` (questions to come). With a warm persistent compilation
+    cache this is tracing and lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks
+    elsewhere). Returns the number of programs compiled."""
     try:
       sp = SamplingParams.make(sampling)
     except (TypeError, ValueError) as e:
       raise RequestError(str(e)) from None
+    if context is not None:
+      if context_tokens:
+        raise RequestError(f"give context= or context_tokens={context_tokens}, not both")
+      context._check_usable(self)
+      context_tokens, prefill_context = len(context), False
+    if prompt_tokens is not None and not isinstance(prompt_tokens, (int, np.integer)):     # the prompt itself
+      (r,), _, _ = self._requests([prompt_tokens], 1, None, None, context, chat)
+      prompt_tokens = len(r.prompt) - r.prefix_len
     C, Z = self.run.prefill_chunk, self.run.page_size
     for name, n, top in (("prompt_tokens", prompt_tokens or 0, self.max_context),
                          ("context_tokens", context_tokens, self.max_context),

@@ -246,7 +246,7 @@ class Scheduler:
     with self.exclusive():
       return self._pin(ids, what, fill, on_progress, share)
 
-  def _pin(self, ids, what, fill, on_progress, share) -> tuple[int, int]:
+  def _pin(self, ids, what, fill, on_progress, share: bool = True) -> tuple[int, int]:
     with self.lock:
       self.check_open()
       r = Request(-1, list(ids), 0, SamplingParams(), on_progress=on_progress, private=not share)

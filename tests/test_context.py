@@ -1129,3 +1129,35 @@ def test_a_context_saved_before_the_weight_dtype_field_loads(tmp_path):
   with eng.load_context(tmp_path / "doc") as c:
     assert len(c) == len(DOC)
   _idle(eng)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
+def test_a_context_of_nan_pages_is_refused_and_leaves_no_nan(tmp_path, cache_dtype):
+  """A forged context whose kv.bin is all NaN (0xFF bytes: NaN in float32 and in e4m3), checksums and digest
+  recomputed: refused with one line, and no page of the pool holds a NaN after it (a freed page keeps its values,
+  and attention masks the slots a sequence has not written by a zero weight, which a NaN survives), so a plain
+  prompt afterwards is answered as the uncached forward answers it."""
+  import json
+  eng = _shared(cache_dtype=cache_dtype)
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "c")
+  meta = json.loads((tmp_path / "c" / "context.json").read_text())
+  size = (tmp_path / "c" / "kv.bin").stat().st_size
+  (tmp_path / "c" / "kv.bin").write_bytes(b"\xff" * size)
+  blocks = meta["checksums"]["files"]["kv.bin"]["blocks"]
+  seg = size // (2 * len(blocks))
+  for layer in blocks:
+    for part in layer:
+      part[:] = [ctxlib._digest(b"\xff" * seg)]
+  meta.pop("signature")
+  meta["digest"] = ctxlib._meta_digest(meta)
+  (tmp_path / "c" / "context.json").write_text(json.dumps(meta))
+  eng.prefix_cache.clear()
+  with pytest.raises(ContextError, match=r"page\(s\) with a NaN or infinite K/V value") as e:
+    eng.load_context(tmp_path / "c")
+  assert "\n" not in str(e.value)
+  assert not any(np.isnan(np.asarray(x, np.float32)).any() for x in eng.cache.parts())
+  other = RNG.integers(3, TINY.vocab_size, 20).tolist()
+  if cache_dtype == "float32":
+    assert eng.generate(other, max_new_tokens=6).token_ids == _greedy(eng, other, 6)
+  _idle(eng)

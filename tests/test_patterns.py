@@ -54,10 +54,41 @@ def test_refusals(pattern, why):
   assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_the_work_of_one_pattern_is_bounded(monkeypatch):
-  """A pattern small enough to build whose matches would visit too many states is stopped at MAX_VISITS."""
-  monkeypatch.setattr(patterns, "MAX_VISITS", 20_000)
-  p = Pattern("(.?){300}Z")
+def test_the_work_of_one_pattern_is_bounded():
+  """A pattern small enough to build whose matches would visit too many states is stopped at its max_visits."""
+  p = Pattern("(.?){300}Z", max_visits=20_000)
   with pytest.raises(ValueError, match="more than 20,000 automaton steps"):
     for _ in range(100):
       p.match("model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("pattern", ["(?:){4294967294}x", "(?:)*x", "(?:){4294967294}(?:){4294967294}x"])
+def test_empty_repeats_cost_nothing(pattern):
+  """A repeat of nothing matches the empty string whatever its count: built in no steps (its count once cost a
+  loop of that many turns), matching as re does."""
+  t0 = time.perf_counter()
+  p = Pattern(pattern)
+  assert [p.match(name) for name in ("", "x", "xa", "ax")] == [re.match(pattern, n) is not None
+                                                              for n in ("", "x", "xa", "ax")]
+  assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_repeat_of_a_repeat_of_nothing_is_refused_at_once():
+  """Each turn of a repeat is a building step: a repeat of a huge repeat of nothing is refused within the step
+  bound instead of turning 4294967294 times (Python's re itself loops on it)."""
+  t0 = time.perf_counter()
+  with pytest.raises(ValueError, match="steps to compile"):
+    Pattern("(?:(?:){4294967294}){4294967294}x")
+  assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_large_set_costs_its_items():
+  """A character set of hundreds of ranges tested at every position counts each range tested against the bound,
+  so a pattern that would run for tens of seconds is refused at once."""
+  ranges = "".join(f"{chr(0x100 + 2 * i)}-{chr(0x101 + 2 * i)}" for i in range(320))
+  t0 = time.perf_counter()
+  with pytest.raises(ValueError, match="automaton steps"):
+    p = Pattern(f"(?:[{ranges}]|a){{0,1900}}$", max_visits=200_000)
+    for _ in range(50):
+      p.match("a" * 1900 + "b")
+  assert time.perf_counter() - t0 < 5.0

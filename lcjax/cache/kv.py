@@ -238,10 +238,11 @@ def gather_pages(cache: PagedKV, pages) -> tuple:
 
 def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
   """Write what gather_pages returned (K, V [L, n, Z, K, H], then the scales [L, n, K] of fp8 pools) into `pages`
-  [n] of every layer (pages back from the host tier)."""
+  [n] of every layer (pages back from the host tier); entries naming the null page (padding) write nothing."""
   if len(parts) != len(cache.parts()):
     raise ValueError(f"{len(parts)} arrays for a cache of {len(cache.parts())} (K, V and, for fp8, their scales)")
-  return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype)) for x, y in zip(cache.parts(), parts)))
+  pages = jnp.where(pages != 0, pages, cache.num_pages)
+  return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype), mode="drop") for x, y in zip(cache.parts(), parts)))
 
 
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------

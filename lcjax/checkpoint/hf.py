@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
                                      stored_tensor, unwrap)
-from lcjax.checkpoint.patterns import Pattern
+from lcjax.checkpoint.patterns import MAX_VISITS, Pattern
 from lcjax.checkpoint.values import check_e4m3, check_scale
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig, WeightFormat
@@ -160,6 +160,7 @@ class SafetensorsFile:
 # -- validation: every field of a header, config or index is checked before it is used -----------------------------
 
 MAX_HEADER = 100 << 20          # bytes of a safetensors JSON header (the format's own limit)
+MAX_IGNORE = 1000               # entries of a quantization_config `ignore` list
 
 
 def _parse_header(path: str, raw: bytes) -> dict:
@@ -375,13 +376,18 @@ def _ignored_projections(hf: dict, cfg: ModelConfig, where: str) -> None:
   if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
     raise CheckpointError(f"{where}: quantization_config ignore={json.dumps(ignore, default=str)[:100]} is not a "
                           "list of module names and 're:' patterns")
+  if len(ignore) > MAX_IGNORE:
+    raise CheckpointError(f"{where}: quantization_config ignore has {len(ignore)} entries, more than the "
+                          f"{MAX_IGNORE} lcjax reads")
   names = [k.replace("{i}", str(i))[:-len(".weight")] for k in HF_NAMES if "{i}" in k and QUANTIZED.get(
       HF_NAMES[k][0]) for i in range(cfg.n_layers)]
+  left = MAX_VISITS                       # one matching budget for all the entries
   for p in ignore:
     if p.startswith("re:"):
       try:
-        pattern = Pattern(p[3:])
+        pattern = Pattern(p[3:], max_visits=left)
         hits = [n for n in names if pattern.match(n)]
+        left -= pattern.visits
       except ValueError as e:
         raise CheckpointError(f"{where}: quantization_config ignore entry {p[:80]!r} {e}") from None
     else:

@@ -110,8 +110,6 @@ def _compile_cache_row() -> str:
   if c["dir"] is None:
     return "off (every start compiles)"
   n, hits = c["requests"], c["hits"]
-  if hits == n:
-    return f"{c['dir']} (all {n} programs read from it)"
   return f"{c['dir']} ({hits} of {n} programs read from it, {n - hits} compiled and written to it)"
 
 

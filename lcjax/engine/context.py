@@ -38,6 +38,8 @@ Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's 
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hashlib
 import hmac
 import io
@@ -74,6 +76,7 @@ KEY_BYTES = 32
 FP8 = "float8_e4m3fn"
 META_MAX_BYTES = 64 << 20   # context.json of 4M tokens in pages of 16 at 80 layers: 6 MB of checksums
 META_MAX_DEPTH = 32         # this format nests 7 levels, a context's `meta` notes the rest
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 # context.json's fields and their types (int: an integer >= 1)
@@ -87,6 +90,9 @@ class ContextError(ValueError):
 
 BLOCK_PAGES = 256    # pages per gather / scatter call
 _IN_FLIGHT = 8       # gathers to pinned host memory dispatched ahead of the one waited for
+# Threads that checksum kv.bin's blocks beside its reads and writes (hashlib releases the GIL: one blake2b runs at
+# about 1 GB/s a core, below a disk's rate), and the blocks a load reads ahead of the one it hands over.
+HASH_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
 def _block(n: int) -> int:
@@ -103,10 +109,25 @@ def _gather(cache, layer, pages, rep: int) -> tuple:
 
 
 def _scatter(cache, layer, pages, parts, rep: int):
-  """Write what _gather returned (the model's KV heads) into `pages` of one layer."""
+  """Write what _gather returned (the model's KV heads) into `pages` of one layer; rows aimed at the null page 0
+  write nothing. Returns (cache, the count of written rows holding a value no computation leaves in a cache: a
+  K or V that is not finite, or a page scale that is not finite and > 0)."""
   k, v, *scales = parts
+  b = len(pages)
+  ok = jnp.ones((b,), bool)                                           # [b]: every value of the row's page sane
+  for x in (k, v):
+    ok &= jnp.isfinite(x.astype(jnp.float32)).reshape(b, -1).all(axis=1)
+  for x in scales:
+    ok &= (jnp.isfinite(x) & (x > 0)).reshape(b, -1).all(axis=1)
+  written = pages != 0
+  bad = jnp.sum(written & ~ok).astype(jnp.int32)
+  pages = jnp.where(written, pages, cache.num_pages)                  # out of range: dropped
+  # A page that fails is written as zeros, never as what it held: the caller refuses the context and frees it.
+  clean = lambda y: jnp.where(ok.reshape((b,) + (1,) * (y.ndim - 1)), y, jnp.zeros((), y.dtype))
   parts = (jnp.repeat(k, rep, axis=-2), jnp.repeat(v, rep, axis=-2), *(jnp.repeat(s, rep, axis=-1) for s in scales))
-  return kvc.PagedKV(*(x.at[layer, pages].set(y.astype(x.dtype)) for x, y in zip(cache.parts(), parts)))
+  new = kvc.PagedKV(*(x.at[layer, pages].set(clean(y).astype(x.dtype), mode="drop")
+                      for x, y in zip(cache.parts(), parts)))
+  return new, bad
 
 
 class _Mover:
@@ -122,7 +143,7 @@ class _Mover:
     self.gather = jax.jit(gather, out_shardings=replicated)
     out = kvc.cache_shardings(mesh, engine.fp8_cache)
     self.scatter = jax.jit(lambda c, l, p, parts: _scatter(c, l, p, parts, rep), donate_argnums=0,
-                           out_shardings=out)
+                           out_shardings=(out, replicated))
     self.pinned = None
     if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
       host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
@@ -188,10 +209,14 @@ def _blocks_to_host(engine, pages: list[int]) -> tuple[list, str]:
 def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
   """Write host blocks (layer, first page index s, parts: K, V [b, Z, K, H] and fp8 scales [b, K]) into the
   context's pages[s:s + b]. Blocks wholly before page index `first` (shared from the prefix cache) are skipped;
-  rows before it in a block, and rows past the context, go to the null page, which is never read."""
+  rows before it in a block, and rows past the context, are aimed at the null page and write nothing. A page
+  holding a value no computation leaves in a cache (NaN, inf, a page scale not finite and > 0) is written as
+  zeros and refused with a ContextError once all are written (the caller frees the pages): a freed page keeps
+  its values, and attention masks unseen keys by a zero weight, which a NaN survives."""
   mover, sched = _mover(engine), engine.scheduler
   n = len(pages)
   sent = 0
+  bad = []
   for l, s, parts in blocks:
     b = len(parts[0])
     if s + b <= first:
@@ -203,11 +228,17 @@ def _write_blocks(engine, pages: list[int], blocks, first: int = 0) -> None:
     if B != b:
       parts = [np.concatenate([np.asarray(x), np.zeros((B - b, *x.shape[1:]), x.dtype)]) for x in parts]
     parts = tuple(jax.device_put(x, mover.replicated) for x in parts)
-    sched.cache = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), parts)
+    sched.cache, count = mover.scatter(sched.cache, jnp.int32(l), jnp.asarray(target), parts)
+    bad.append((l, s, count))
     sent += 1
     if sent % _IN_FLIGHT == 0:    # each block waits on the device until its scatter runs: bound them
       jax.block_until_ready(sched.cache.k)
   jax.block_until_ready(sched.cache.k)
+  for (l, s, _), count in zip(bad, jax.device_get([c for _, _, c in bad])):
+    if count:
+      raise ContextError(f"layer {l}, pages {s}.. of the context hold {int(count)} page(s) with a NaN or infinite "
+                         "K/V value or a page scale that is not finite and > 0: no computation writes such a "
+                         "cache (the context is damaged or forged)")
 
 
 def _prefetch(it, depth: int = 2):
@@ -390,18 +421,21 @@ class Context:
         cache = eng.scheduler.cache
         scales = np.zeros((L, 2, n, eng.cfg.n_kv_heads), np.float32)
         blocks = [[[], []] for _ in range(L)]        # [L][K, V][block]: blake2b of each block's bytes
-        with open(os.path.join(out.tmp, KV_FILE), "wb") as f:
+        with open(os.path.join(out.tmp, KV_FILE), "wb") as f, \
+             concurrent.futures.ThreadPoolExecutor(HASH_THREADS) as pool:
           layer = []                                 # one layer's blocks: its K pages are written before its V
           for l, s, parts in _blocks_out(eng, pages):
             layer.append(parts)
             if cache.quantized:
               scales[l, :, s:s + len(parts[0])] = parts[2:]
             if len(layer) * B >= n:
+              sums = [[], []]
               for part in (0, 1):
                 for kv in layer:
                   data = np.ascontiguousarray(kv[part]).reshape(-1).view(np.uint8)
+                  sums[part].append(pool.submit(_digest, data))     # checksummed while the bytes are written
                   f.write(data)
-                  blocks[l][part].append(_digest(data))
+              blocks[l] = [[d.result() for d in part] for part in sums]
               layer = []
           _sync(f)
         files[KV_FILE] = dict(block_pages=B, blocks=blocks)
@@ -437,21 +471,24 @@ def _meta_digest(meta: dict) -> str:
 
 
 def user_key() -> bytes:
-  """The user's context-signing key: KEY_FILE in the private user cache (0600), made from os.urandom on first use
-  (by whichever process gets there first: an exclusive create)."""
+  """The user's context-signing key: KEY_FILE in the private user cache (0600), made from os.urandom on first use.
+  It is written whole to a file of its own, then linked into place (a link fails where the key exists), so a
+  process never reads a partly written key, and two first uses agree on one."""
   path = os.path.join(make_private_dir(user_cache_dir()), KEY_FILE)
-  try:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-  except FileExistsError:
-    pass
-  else:
-    key = os.urandom(KEY_BYTES)
+  if not os.path.lexists(path):
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-      os.write(fd, key)
+      os.write(fd, os.urandom(KEY_BYTES))
       os.fsync(fd)
     finally:
       os.close(fd)
-    return key
+    try:
+      os.link(tmp, path)
+    except FileExistsError:
+      pass
+    finally:
+      os.unlink(tmp)
   try:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
   except OSError as e:
@@ -459,8 +496,8 @@ def user_key() -> bytes:
   with os.fdopen(fd, "rb") as f:
     key = f.read(KEY_BYTES + 1)
   if len(key) != KEY_BYTES:
-    raise ContextError(f"the context-signing key {path} holds {len(key)} bytes, not {KEY_BYTES} (a concurrent first "
-                       "use, or damage): delete it, and save shared contexts again")
+    raise ContextError(f"the context-signing key {path} holds {len(key)} bytes, not {KEY_BYTES} (damaged): delete "
+                       "it, and save shared contexts again")
   return key
 
 
@@ -605,6 +642,9 @@ def _check_fields(meta_path: str, meta: dict) -> None:
                                                              and all(isinstance(z, str) for z in y) for y in x)
                  for x in kv["blocks"])):
     raise bad(f"the checksums of {KV_FILE} are not {shape[0]} layers x 2 x {shape[2]} blocks of {B} pages")
+  # The signature is outside the digest (it signs it): a damaged one is refused here, not taken for a stranger's.
+  if "signature" in meta and not (isinstance(meta["signature"], str) and _HEX64.fullmatch(meta["signature"])):
+    raise bad("its signature is not 64 hex digits")
 
 
 def _json_depth(data: bytes) -> int:
@@ -691,21 +731,33 @@ def _kv_blocks(path: str, meta: dict, dtype: np.dtype):
   B, sums = kv["block_pages"], kv["blocks"]
   page_bytes = Z * K * H * dtype.itemsize
   kv_path = os.path.join(path, KV_FILE)
-  with open(kv_path, "rb") as f:
+
+  def checked(l, j, s, b, reads):
+    """The block's (K, V) once both parts' checksums (futures of (bytes read, digest)) match."""
+    parts = []
+    for part, (raw, digest) in enumerate(reads):
+      got, digest = raw.size, digest.result()
+      if got != b * page_bytes or digest != sums[l][part][j]:
+        raise _mismatch_line(kv_path, digest, sums[l][part][j], f" (layer {l} {'KV'[part]} pages {s}..{s + b - 1})")
+      parts.append(raw.view(dtype).reshape(b, Z, K, H))
+    return l, s, tuple(parts)
+
+  ahead = collections.deque()           # blocks read, their checksums running on the pool
+  with open(kv_path, "rb") as f, concurrent.futures.ThreadPoolExecutor(HASH_THREADS) as pool:
     for l in range(L):
       for j, s in enumerate(range(0, n, B)):
         b = min(B, n - s)
-        parts = []
+        reads = []
         for part in range(2):
           f.seek((2 * l + part) * n * page_bytes + s * page_bytes)
           raw = np.empty(b * page_bytes, np.uint8)
-          got = f.readinto(raw)
-          digest = _digest(raw[:got])
-          if got != raw.size or digest != sums[l][part][j]:
-            raise _mismatch_line(kv_path, digest, sums[l][part][j],
-                                 f" (layer {l} {'KV'[part]} pages {s}..{s + b - 1})")
-          parts.append(raw.view(dtype).reshape(b, Z, K, H))
-        yield l, s, tuple(parts)
+          raw = raw[:f.readinto(raw)]
+          reads.append((raw, pool.submit(_digest, raw)))
+        ahead.append((l, j, s, b, reads))
+        if len(ahead) > HASH_THREADS:
+          yield checked(*ahead.popleft())
+    while ahead:
+      yield checked(*ahead.popleft())
 
 
 def load_context(engine, path, share: bool | None = None) -> Context:

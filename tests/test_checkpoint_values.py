@@ -1,5 +1,5 @@
 """Checkpoint values that a header cannot show, refused in one line before they give silent wrong answers: fp8
-weight and input scales that are not finite and > 0, NaN bytes of e4m3 weights, e4m3 tensors outside an fp8
+weight and input scales outside [float32 tiny, float32 max / 448] (NaN, inf, zero, negative, subnormal), NaN bytes of e4m3 weights, e4m3 tensors outside an fp8
 quantization_config or without a scale, safetensors spans that overlap or leave gaps; and a quantization_config
 whose `ignore` patterns would hang the loader (or do not parse) or whose structure is malformed.
 
@@ -112,18 +112,20 @@ def test_a_well_formed_fp8_folder_converts(tmp_path):
   assert convert_hf(src, str(tmp_path / "out"), progress=False)["tensors"] > 0
 
 
-@pytest.mark.parametrize("value", [np.inf, np.nan, 0.0, -1e-3], ids=["inf", "nan", "zero", "negative"])
+@pytest.mark.parametrize("value", [np.inf, np.nan, 0.0, -1e-3, 1e-45, 3e38],
+                         ids=["inf", "nan", "zero", "negative", "subnormal", "overflows-448"])
 @pytest.mark.parametrize("which", ["weight_scale", "input_scale"])
 def test_a_scale_that_is_not_finite_and_positive_is_refused(tmp_path, which, value):
   """One bad channel of layer 0's down_proj scale (an inf scale gives NaN logits and token 0 forever, a NaN
-  channel finite wrong logits) refuses the conversion before anything is written."""
+  channel finite wrong logits; 3e38 times a weight of 448 overflows float32, 1e-45 is a subnormal that flushes
+  to zero) refuses the conversion before anything is written."""
   t = fp8_tensors(static=True)
   name = f"model.layers.0.mlp.down_proj.{which}"
   t[name] = t[name].copy()
   t[name].reshape(-1)[-1] = value
   src = write_folder(str(tmp_path / "src"), t, fp8_config(static=True))
   refused(src, str(tmp_path / "out"), name, f"scale {float(np.float32(value))} at index {t[name].size - 1}",
-          "not finite and > 0")
+          "is outside [1.18e-38, 7.6e+35]")
 
 
 @pytest.mark.parametrize("byte", [0x7F, 0xFF])
@@ -279,11 +281,12 @@ def _plant_last(target: str, value):
 
 
 @pytest.mark.parametrize("target,value,names", [
-    ("layers/mlp/w_down_scale", np.inf, ["layer 0 of layers/mlp/w_down", "a scale that is not finite and > 0"]),
-    ("layers/attn/wk_scale", np.nan, ["layer 0 of layers/attn/wqkv", "a scale that is not finite and > 0"]),
+    ("layers/mlp/w_down_scale", np.inf, ["layer 0 of layers/mlp/w_down", "a scale outside [1.18e-38, 7.6e+35]"]),
+    ("layers/attn/wk_scale", np.nan, ["layer 0 of layers/attn/wqkv", "a scale outside"]),
+    ("layers/mlp/w_down_scale", 3e38, ["layer 0 of layers/mlp/w_down", "a scale outside"]),
     ("layers/attn/wo", 0xFF, ["layer 0 of layers/attn/wo", "a NaN float8_e4m3fn weight"]),
-    ("layers/mlp/w_gate_up_in_scale", 0.0, ["layer 0 of layers/mlp/w_gate_up_in_scale", "not finite and > 0"]),
-], ids=["inf-weight-scale", "nan-weight-scale", "nan-weight", "zero-input-scale"])
+    ("layers/mlp/w_gate_up_in_scale", 0.0, ["layer 0 of layers/mlp/w_gate_up_in_scale", "input scale outside"]),
+], ids=["inf-weight-scale", "nan-weight-scale", "huge-weight-scale", "nan-weight", "zero-input-scale"])
 def test_an_lcjax_checkpoints_fp8_values_are_checked_on_restore(tmp_path, target, value, names):
   ckpt = write_fp8_checkpoint(str(tmp_path / "ckpt"), _plant_last(target, value))
   with pytest.raises(CheckpointError) as e:

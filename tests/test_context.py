@@ -1161,3 +1161,30 @@ def test_a_context_of_nan_pages_is_refused_and_leaves_no_nan(tmp_path, cache_dty
   if cache_dtype == "float32":
     assert eng.generate(other, max_new_tokens=6).token_ids == _greedy(eng, other, 6)
   _idle(eng)
+
+
+def test_a_signing_key_others_can_reach_signs_nothing(tmp_path, monkeypatch):
+  """A user cache others can write to (they could plant their own key), or a key file others can read, signs no
+  context: it saves unsigned and loads unverified (and unshared), with a warning, never an error."""
+  eng = _shared()
+  shared_dir = tmp_path / "shared"
+  shared_dir.mkdir()
+  shared_dir.chmod(0o777)
+  monkeypatch.setenv("LCJAX_CACHE_DIR", str(shared_dir))
+  with pytest.raises(ContextError, match="directory .* is unsafe: it is writable by its group and all users"):
+    ctxlib.user_key()
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "c")
+  assert "signature" not in (tmp_path / "c" / "context.json").read_text()
+  mine = tmp_path / "mine"
+  monkeypatch.setenv("LCJAX_CACHE_DIR", str(mine))
+  key = ctxlib.user_key()
+  (mine / ctxlib.KEY_FILE).chmod(0o644)
+  with pytest.raises(ContextError, match="must be this user's alone"):
+    ctxlib.user_key()
+  (mine / ctxlib.KEY_FILE).chmod(0o600)
+  assert ctxlib.user_key() == key
+  eng.prefix_cache.clear()
+  with eng.load_context(tmp_path / "c") as c:
+    assert not c.stats["verified"] and not c.stats["shared"]
+  _idle(eng)

@@ -324,3 +324,17 @@ def test_reader_refuses_what_the_gguf_package_refused_in_one_line(tmp_path):
   assert g.get("ok") == 7
   with pytest.raises(CheckpointError, match=r"utf8.gguf: metadata bad cannot be read: UnicodeDecodeError"):
     g.get("bad")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_value_is_refused(tmp_path, bad):
+  """A NaN (or inf) anywhere in a tensor, one value of a norm included, turned every logit NaN and the answer
+  into token 0 without a word: the reader refuses it, naming the tensor and where."""
+  from lcjax.checkpoint.gguf import GGUFFile
+  w = np.ones((4, 8), np.float32)
+  w[2, 5] = bad
+  path = str(tmp_path / "bad.gguf")
+  fx.write_gguf(path, tensors={"output_norm.weight": w})
+  with pytest.raises(CheckpointError, match=r"bad.gguf: tensor output_norm.weight \(F32\) holds 1 value\(s\) that "
+                                            r"are NaN or infinite, the first at \(2, 5\)"):
+    GGUFFile(path).read("output_norm.weight")

@@ -127,10 +127,17 @@ class GGUFFile:
       shape = (*shape[:-1], shape[-1] // block * block_bytes)
     try:
       data = (raw if item is None else raw.view(item)).reshape(shape)
-      return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
+      with np.errstate(all="ignore"):        # a damaged block scale overflows: refused below, not warned about
+        out = np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
     except Exception as e:
       raise CheckpointError(f"{self.path}: tensor {name} ({qtype.name}) cannot be dequantized: "
                             f"{type(e).__name__}: {e}") from None
+    bad = np.flatnonzero(~np.isfinite(out.reshape(-1)))
+    if bad.size:
+      at = tuple(int(i) for i in np.unravel_index(bad[0], out.shape))
+      raise CheckpointError(f"{self.path}: tensor {name} ({qtype.name}) holds {bad.size} value(s) that are NaN or "
+                            f"infinite, the first at {at} ({out.reshape(-1)[bad[0]]}); the file is corrupt")
+    return out
 
 
 # ggml types stored as plain elements (the rest as blocks of bytes), as gguf.GGUFReader reads them

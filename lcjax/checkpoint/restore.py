@@ -18,6 +18,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from lcjax.checkpoint import items
+from lcjax.checkpoint.values import SCALE_MAX, SCALE_MIN
 from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, CheckpointError, flatten, item_dir, load_config,
                                      path_name, read_manifest, stored_format, stored_shape, tensor_sources, unwrap)
 from lcjax.config import WeightFormat
@@ -277,16 +278,22 @@ def _format_of(abstract: dict) -> WeightFormat:
   return WeightFormat(fp8="layers/attn/wqkv_scale" in abstract, static_inputs="layers/attn/wqkv_in_scale" in abstract)
 
 
+def _sane_scale(scale):
+  """Whether each scale entry is within [SCALE_MIN, SCALE_MAX] (lcjax.checkpoint.values; NaN is not)."""
+  return (scale >= SCALE_MIN) & (scale <= SCALE_MAX)
+
+
 def _fp8_faults(w8, scale):
-  """[scale entries not finite and > 0, NaN bytes (0x7F, 0xFF) of w8], any of each, as an int32 pair."""
-  bad_scale = ~jnp.all(jnp.isfinite(scale) & (scale > 0))
+  """[scale entries outside [SCALE_MIN, SCALE_MAX], NaN bytes (0x7F, 0xFF) of w8], any of each, as an int32
+  pair."""
+  bad_scale = ~jnp.all(_sane_scale(scale))
   nan = jnp.any((jax.lax.bitcast_convert_type(w8, jnp.uint8) & 0x7F) == 0x7F)
   return jnp.stack([bad_scale, nan]).astype(jnp.int32)
 
 
 def _scale_ok(scales):
-  """Per layer of stacked [L, ...] scales: every entry finite and > 0."""
-  return jnp.all((jnp.isfinite(scales) & (scales > 0)).reshape(scales.shape[0], -1), axis=1)
+  """Per layer of stacked [L, ...] scales: every entry within [SCALE_MIN, SCALE_MAX]."""
+  return jnp.all(_sane_scale(scales).reshape(scales.shape[0], -1), axis=1)
 
 
 def _check_fp8_values(ckpt_dir: str, checks, in_scales: dict) -> None:
@@ -295,7 +302,7 @@ def _check_fp8_values(ckpt_dir: str, checks, in_scales: dict) -> None:
   faults = jax.device_get([f.addressable_data(0) for _, _, f in checks])
   for (name, layer, _), (bad_scale, nan) in zip(checks, faults):
     if bad_scale or nan:
-      what = "a scale that is not finite and > 0" if bad_scale else "a NaN float8_e4m3fn weight"
+      what = (f"a scale outside [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}]" if bad_scale else "a NaN float8_e4m3fn weight")
       parts = f" (stored as {', '.join(FUSED[name][1])})" if name in FUSED else ""
       raise CheckpointError(f"{ckpt_dir}: layer {layer} of {name}{parts} holds {what} (the checkpoint is corrupt)")
   for name, arr in in_scales.items():
@@ -306,8 +313,8 @@ def _check_fp8_values(ckpt_dir: str, checks, in_scales: dict) -> None:
     ok = np.asarray(jax.device_get(ok.addressable_data(0)))
     if not ok.all():
       layer = int(np.flatnonzero(~ok)[0])
-      raise CheckpointError(f"{ckpt_dir}: layer {layer} of {name} is an input scale that is not finite and > 0 "
-                            "(the checkpoint is corrupt)")
+      raise CheckpointError(f"{ckpt_dir}: layer {layer} of {name} is an input scale outside [{SCALE_MIN:.3g}, "
+                            f"{SCALE_MAX:.3g}] (the checkpoint is corrupt)")
 
 
 def _convert_linear(reader, restored: dict, name, stored: WeightFormat, target: WeightFormat, spec, sharding,

@@ -13,12 +13,16 @@ import numpy as np
 from lcjax.checkpoint.layout import CheckpointError
 
 CHUNK = 1 << 18               # bytes of an e4m3 tensor compared at a time (temporaries that stay in cache)
+# A scale lcjax multiplies (weights) or divides by (activations) in float32: at least float32's smallest normal,
+# and small enough that a weight of 448 (e4m3's largest) times it stays finite.
+SCALE_MIN = float(np.finfo(np.float32).tiny)
+SCALE_MAX = float(np.finfo(np.float32).max) / 448.0
 
 
 def bad_scale(scale: np.ndarray) -> tuple[int, float] | None:
-  """(flat index, value) of the first entry of `scale` that is not finite and > 0, or None."""
+  """(flat index, value) of the first entry of `scale` outside [SCALE_MIN, SCALE_MAX] (NaN included), or None."""
   s = np.asarray(scale, np.float32).reshape(-1)
-  bad = np.flatnonzero(~(np.isfinite(s) & (s > 0)))
+  bad = np.flatnonzero(~((s >= SCALE_MIN) & (s <= SCALE_MAX)))
   return (int(bad[0]), float(s[bad[0]])) if bad.size else None
 
 
@@ -28,8 +32,9 @@ def check_scale(scale: np.ndarray, where: str) -> None:
   bad = bad_scale(scale)
   if bad is not None:
     i, v = bad
-    raise CheckpointError(f"{where}: scale {v} at index {i} of {np.size(scale)} is not finite and > 0 (fp8 scales "
-                          "multiply the weights and divide the activations; the checkpoint is corrupt)")
+    raise CheckpointError(f"{where}: scale {v} at index {i} of {np.size(scale)} is outside [{SCALE_MIN:.3g}, "
+                          f"{SCALE_MAX:.3g}] (fp8 scales multiply the weights and divide the activations in float32; "
+                          "the checkpoint is corrupt)")
 
 
 def nan_e4m3(w: np.ndarray) -> int | None:

@@ -60,7 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory, recover
-from lcjax.checkpoint.sources import make_private_dir, user_cache_dir
+from lcjax.checkpoint.sources import make_private_dir, unsafe_dir, user_cache_dir
 from lcjax.engine.requests import RequestError
 from lcjax.tokenizer import ChatContinuation
 
@@ -448,8 +448,9 @@ class Context:
                     checksums=dict(algorithm=ALGORITHM, files=files))
       meta = json.loads(json.dumps(meta))      # as it reads back (tuples as lists): the digest below is of that
       meta["digest"] = _meta_digest(meta)
-      if self.shared:
-        meta["signature"] = _signature(meta["digest"])
+      signature = _signature(meta["digest"]) if self.shared else None
+      if signature is not None:
+        meta["signature"] = signature
       with open(os.path.join(out.tmp, META_FILE), "w") as f:   # the marker: written last
         json.dump(meta, f)
         _sync(f)
@@ -473,27 +474,37 @@ def _meta_digest(meta: dict) -> str:
 def user_key() -> bytes:
   """The user's context-signing key: KEY_FILE in the private user cache (0600), made from os.urandom on first use.
   It is written whole to a file of its own, then linked into place (a link fails where the key exists), so a
-  process never reads a partly written key, and two first uses agree on one."""
-  path = os.path.join(make_private_dir(user_cache_dir()), KEY_FILE)
-  if not os.path.lexists(path):
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-      os.write(fd, os.urandom(KEY_BYTES))
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-    try:
-      os.link(tmp, path)
-    except FileExistsError:
-      pass
-    finally:
-      os.unlink(tmp)
+  process never reads a partly written key, and two first uses agree on one. A key in a directory others can
+  write to, or a key file another user owns or others can read, signs nothing (they could sign too)."""
   try:
+    folder = make_private_dir(user_cache_dir())
+    path = os.path.join(folder, KEY_FILE)
+    unsafe = unsafe_dir(folder)
+    if unsafe:
+      raise ContextError(f"the context-signing key's directory {folder} is unsafe: {unsafe}")
+    if not os.path.lexists(path):
+      tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+      try:
+        os.write(fd, os.urandom(KEY_BYTES))
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      try:
+        os.link(tmp, path)
+      except FileExistsError:
+        pass
+      finally:
+        os.unlink(tmp)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
   except OSError as e:
-    raise ContextError(f"cannot read the context-signing key {path}: {e.strerror}") from None
+    raise ContextError(f"cannot make or read the context-signing key in {user_cache_dir()}: "
+                       f"{e.strerror or e}") from None
   with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o077):
+      raise ContextError(f"the context-signing key {path} is owned by uid {st.st_uid} with mode "
+                         f"{st.st_mode & 0o777:o}: it must be this user's alone (0600)")
     key = f.read(KEY_BYTES + 1)
   if len(key) != KEY_BYTES:
     raise ContextError(f"the context-signing key {path} holds {len(key)} bytes, not {KEY_BYTES} (damaged): delete "
@@ -501,15 +512,24 @@ def user_key() -> bytes:
   return key
 
 
-def _signature(digest: str) -> str:
-  """context.json's signature: HMAC-SHA256 of its digest under the user's key, hex."""
-  return hmac.new(user_key(), digest.encode(), hashlib.sha256).hexdigest()
+def _signature(digest: str) -> str | None:
+  """context.json's signature: HMAC-SHA256 of its digest under the user's key, hex; None (logged) where the key
+  cannot be made or read: the context is then saved unsigned, or loaded unverified."""
+  try:
+    key = user_key()
+  except ContextError as e:
+    logging.getLogger(__name__).warning("contexts are neither signed nor verified: %s", e)
+    return None
+  return hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
 
 
 def verified(meta: dict) -> bool:
   """Whether a context.json (its digest already checked) carries this user's signature of its digest."""
   sig = meta.get("signature")
-  return isinstance(sig, str) and hmac.compare_digest(sig, _signature(meta["digest"]))
+  if not isinstance(sig, str):
+    return False
+  mine = _signature(meta["digest"])
+  return mine is not None and hmac.compare_digest(sig, mine)
 
 
 def _sync(f) -> None:

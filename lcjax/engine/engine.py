@@ -103,6 +103,11 @@ def _weights_digest(params) -> str:
   return h.hexdigest()
 
 
+def _check_callback(on_progress) -> None:
+  if on_progress is not None and not callable(on_progress):
+    raise RequestError(f"on_progress={on_progress!r} must be a callable or None")
+
+
 def _token_ids(prompt) -> list[int]:
   """A prompt of token ids as a list of ints: a sequence or 1-D array of integers (never floats or bools)."""
   if isinstance(prompt, np.ndarray):
@@ -288,11 +293,20 @@ class Engine:
 
   # -- checks -------------------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:
-    """Full causal forward without cache: float32 logits [B, T, V]."""
+    """Full causal forward without cache: float32 logits [B, T, V] of a batch of B prompts of T token ids each
+    (one prompt: [1, T, V]); T at most max_context (its cost grows as T^2)."""
     self.scheduler.check_open()
-    tokens = np.atleast_2d(np.asarray(token_ids, np.int32))
-    self.limits.check_ids(tokens.ravel().tolist())
-    return np.asarray(self.steps.forward(self.params, jnp.asarray(tokens)))
+    rows = token_ids if isinstance(token_ids, (list, tuple)) and token_ids and not isinstance(
+        token_ids[0], numbers.Integral) else [token_ids]
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
+      rows = list(token_ids)
+    rows = [_token_ids(r) for r in rows]
+    if len({len(r) for r in rows}) != 1 or not rows[0]:
+      raise RequestError(f"logits takes prompts of one length >= 1, not lengths {sorted({len(r) for r in rows})}")
+    if len(rows[0]) > self.max_context:
+      raise RequestError(f"logits of {len(rows[0])} tokens > max context {self.max_context}")
+    self.limits.check_ids([t for r in rows for t in r])
+    return np.asarray(self.steps.forward(self.params, jnp.asarray(np.asarray(rows, np.int32))))
 
   def prompt_logits(self, prompt, *, context: Context | None = None) -> np.ndarray:
     """float32 logits [V] of the last position of one prompt (text or ids) through the serving path: chunked
@@ -447,6 +461,7 @@ class Engine:
     tokens, only how often the host sees them.
     """
     t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
+    _check_callback(on_progress)
     steps = self._decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
@@ -465,6 +480,7 @@ class Engine:
     yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
     The other arguments are generate()'s."""
     t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
+    _check_callback(on_progress)
     steps = self._decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
@@ -537,11 +553,13 @@ class Engine:
       (r,), _, _ = self._requests([prompt_tokens], 1, None, None, context, chat)
       prompt_tokens = len(r.prompt) - r.prefix_len
     C, Z = self.run.prefill_chunk, self.run.page_size
-    for name, n, top in (("prompt_tokens", prompt_tokens or 0, self.max_context),
-                         ("context_tokens", context_tokens, self.max_context),
-                         *(("more_buckets", b, C) for b in more_buckets)):
-      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= top:
-        raise RequestError(f"{name}: {n!r} must be an integer from 0 to {top}")
+    if not isinstance(more_buckets, (list, tuple, set, frozenset, range)):
+      raise RequestError(f"more_buckets={more_buckets!r} must be a sequence of chunk lengths")
+    for name, n, low, top in (("prompt_tokens", prompt_tokens or 0, 0, self.max_context),
+                              ("context_tokens", context_tokens, 0, self.max_context),
+                              *(("more_buckets", b, 1, C) for b in more_buckets)):
+      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not low <= n <= top:
+        raise RequestError(f"{name}: {n!r} must be an integer from {low} to {top}")
     buckets = set(more_buckets)
     if context_tokens and prefill_context:
       buckets |= chunk_buckets(context_tokens, C)
@@ -565,6 +583,7 @@ class Engine:
     it with "\n\n" + question, the end of the turn and the assistant's prompt, in the tokens of the cold chat of
     that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
     question, since a tokenizer may merge them with what follows)."""
+    _check_callback(on_progress)
     continuation = None
     if system is not None and not isinstance(system, str):
       raise RequestError(f"system= takes the text of a system turn, not {type(system).__name__} "

@@ -66,6 +66,7 @@ class Limits:
     """Refuse prompt `index` (all its ids, prefix included) when it can never run; `what` names it in the
     message instead ("the context": a context to prefill or load, which needs room for one more token)."""
     self.check_max_new(max_new_tokens)
+    max_new_tokens = int(max_new_tokens)        # a narrow numpy integer would wrap in the sums below
     self.check_ids(ids)
     n = len(ids) + max_new_tokens
     name = what or f"prompt {index}"

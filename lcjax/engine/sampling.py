@@ -12,9 +12,12 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 _I32_MAX, _F32_MAX = 2**31 - 1, 3.4028234663852886e38
+# Past this, logits / temperature fall into float32's subnormals and flush to ties, and top-k picks among the ties.
+MAX_TEMPERATURE = 1e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +28,13 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-      raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+    for name in ("temperature", "top_k", "top_p", "seed"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number, not {type(value).__name__}")
+    if not (0 <= self.temperature <= MAX_TEMPERATURE):
+      raise ValueError(f"temperature={self.temperature} must be a number from 0 to {MAX_TEMPERATURE:g} (above it "
+                       "the scaled logits underflow to ties)")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
     if not (0 < self.top_p <= 1):

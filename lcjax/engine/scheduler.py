@@ -208,12 +208,13 @@ class Scheduler:
     if n > len(host):
       parts = [np.concatenate([x, np.zeros((x.shape[0], n - len(host), *x.shape[2:]), x.dtype)], 1) for x in parts]
     self.cache = self.steps.scatter_pages(self.cache, jnp.asarray(idx), *(jnp.asarray(x) for x in parts))
-    self._keep_written(r)
+    self._keep_written(r, cached_only=True)       # the prefix cache's own pages, back from the host: kept
 
-  def _keep_written(self, r: Request) -> None:
-    """Hand the request's written full pages to the prefix cache (none of a private request's)."""
+  def _keep_written(self, r: Request, cached_only: bool = False) -> None:
+    """Hand the request's written full pages to the prefix cache (none of a private request's, but for
+    cached_only=True: r.written then counts only pages that came from the prefix cache or its host tier)."""
     if (self.prefix_cache is not None and r.seq is not None and r.written and r.epoch == self.epoch
-        and not r.private):
+        and (cached_only or not r.private)):
       tokens = (r.prompt + r.out)[:r.written]
       self.prefix_cache.insert(tokens, self.pool.page_table(r.seq)[:len(tokens) // self.run.page_size])
 

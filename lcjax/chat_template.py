@@ -415,8 +415,9 @@ def _environment():
       iterable = map(jinja2.filters.make_attrgetter(environment, attribute), iterable)
     if isinstance(start, (list, tuple)):
       items = list(iterable)
-      if all(isinstance(i, type(start)) for i in items):
-        return start + type(start)(itertools.chain.from_iterable(items))
+      kind = list if isinstance(start, list) else tuple
+      if all(isinstance(i, kind) for i in items):
+        return start + kind(itertools.chain.from_iterable(items))
       return sum(items, start)
     return sum(iterable, start)
 

@@ -40,6 +40,7 @@ def prose(tmp_path, monkeypatch, smollm2_checkpoint):
   return dict(long_document=DOC, prompts=["Hi!", "What is the password?"], CKPT=str(smollm2_checkpoint))
 
 
+@pytest.mark.optimized_xla            # the real model decodes hundreds of tokens: optimized code pays back
 @pytest.mark.parametrize("page", EXAMPLES, ids=[str(p.relative_to(REPO)) for p in EXAMPLES])
 def test_the_pages_examples_run(page, prose):
   namespace = dict(prose, __name__="__doc_example__")

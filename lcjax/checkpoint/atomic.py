@@ -277,8 +277,8 @@ class AtomicDirectory:
       try:
         if os.path.lexists(self.dst):
           _write_owner(self.dst)      # a DST written before OWNER_FILE existed: its .old- stays recoverable
+          os.rename(self.dst, f"{self.dst}.old-{self.token}")
           old = f"{self.dst}.old-{self.token}"
-          os.rename(self.dst, old)
         os.rename(self.tmp, self.dst)
       except OSError as e:
         if old and not os.path.lexists(self.dst):

@@ -867,6 +867,69 @@ def test_an_overwrite_killed_at_each_step_loads_the_old_or_the_new_context(eng, 
   assert not killed and seen == {"old", "new"}, (k, seen)
 
 
+def test_a_save_or_load_touches_none_of_the_users_entries_named_like_leftovers(eng, tmp_path):
+  """The user's own `report.old-2023/` and `report.tmp-77777` beside `report` survive its saves; `backup` missing
+  with the user's `backup.old-3000/` (even a complete-looking saved context) beside it is no such context, and
+  the directory is left where it is; a path under a regular file is no such context either."""
+  import shutil
+  mine = tmp_path / "report.old-2023"
+  mine.mkdir()
+  (mine / "q3.txt").write_text("numbers")
+  (tmp_path / "report.tmp-77777").write_text("draft")
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "report")
+    ctx.save(tmp_path / "report", overwrite=True)
+    shutil.copytree(tmp_path / "report", tmp_path / "backup.old-3000")
+  assert (mine / "q3.txt").read_text() == "numbers" and (tmp_path / "report.tmp-77777").read_text() == "draft"
+  (tmp_path / "afile").write_text("x")
+  for path in (tmp_path / "backup", tmp_path / "afile" / "ctx"):
+    with pytest.raises(ContextError, match="no such context directory") as e:
+      eng.load_context(path)
+    assert "\n" not in str(e.value)
+  assert sorted(os.listdir(tmp_path)) == ["afile", "backup.old-3000", "report", "report.old-2023",
+                                          "report.tmp-77777"]
+  _idle(eng)
+
+
+def test_two_threads_saving_two_contexts_to_one_path(eng, tmp_path):
+  """Two contexts saved from two threads at once to one path (overwrite=True), several rounds: each save succeeds
+  or raises a one-line ContextError, and the path then loads as one of the two contexts, complete, with nothing
+  else beside it."""
+  import threading
+  dst = tmp_path / "doc"
+  a, b = eng.prefill(DOC), eng.prefill(DOC48)
+  a.meta, b.meta = {"who": "a"}, {"who": "b"}
+  try:
+    for _ in range(3):
+      out = {}
+      start = threading.Barrier(2)
+
+      def save(ctx):
+        start.wait()
+        try:
+          ctx.save(dst, overwrite=True)
+          out[ctx.meta["who"]] = "ok"
+        except ContextError as e:
+          out[ctx.meta["who"]] = str(e)
+          assert "\n" not in str(e)
+        except BaseException as e:          # noqa: BLE001: any other exception is the failure this test finds
+          out[ctx.meta["who"]] = e
+      threads = [threading.Thread(target=save, args=(c,)) for c in (a, b)]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+      assert all(isinstance(v, str) for v in out.values()) and len(out) == 2, out
+      with eng.load_context(dst) as back:
+        who = back.meta["who"]
+        assert out[who] == "ok" and back.token_ids == (DOC if who == "a" else DOC48), (out, who)
+      assert os.listdir(tmp_path) == ["doc"], os.listdir(tmp_path)
+  finally:
+    a.close()
+    b.close()
+  _idle(eng)
+
+
 def test_the_weights_fingerprint_reads_every_element():
   """_weights_digest: a model that differs from another in one element of one middle layer, or by two swapped
   elements, gets another digest, so a context saved by one is refused by the other (a digest of 16 sampled values
@@ -1022,12 +1085,14 @@ def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
   import sys
   import time
   from tests import forkserver
+  from tests.test_atomic import tmp_of
   dst = tmp_path / "doc"
   p = forkserver.start([sys.executable, "-c", _KILLED_SAVE, str(dst)], env=cpu_env())   # the CLI test's server
-  tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 120
-  while not os.path.exists(os.path.join(tmp, "kv.bin")) and time.time() < deadline and p.poll() is None:
+  while not os.path.exists(os.path.join(tmp_of(dst, p.pid), "kv.bin")) and time.time() < deadline \
+      and p.poll() is None:
     time.sleep(0.05)
+  tmp = tmp_of(dst, p.pid)
   p.send_signal(signal.SIGKILL)
   p.wait()
   assert os.path.isdir(tmp) and not dst.exists(), p.stderr[-2000:]

@@ -25,6 +25,7 @@ from lcjax.model.llama import Llama
 from tests import fixtures_ckpt as fx, forkserver
 from tests import hf_oracle
 from tests.run_cache import REPO, cpu_env
+from tests.test_atomic import tmp_of
 
 
 CFG = ModelConfig("hf-test", vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -365,13 +366,12 @@ def kill_mid_conversion(src: str, dst: str) -> str:
   """Run tools/convert_hf.py from src to dst and kill -9 it once its first tensors are on disk (no cleanup code
   runs); returns the temporary directory it leaves."""
   p = _tool([f"--src={src}", f"--dst={dst}"])
-  tmp = f"{dst}.tmp-{p.pid}"
   deadline = time.time() + 60
-  while not os.path.isdir(os.path.join(tmp, "params", "layers")) and time.time() < deadline:
+  while not os.path.isdir(os.path.join(tmp_of(dst, p.pid), "params", "layers")) and time.time() < deadline:
     time.sleep(0.02)
   p.send_signal(signal.SIGKILL)
   p.wait()
-  return tmp
+  return tmp_of(dst, p.pid)
 
 
 def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):

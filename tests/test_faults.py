@@ -35,6 +35,7 @@ from lcjax.engine.engine import Engine
 from tests import fixtures_ckpt as fx
 from tests import forkserver
 from tests.run_cache import REPO, cpu_env
+from tests.test_atomic import tmp_of
 
 # Four layers: 39 stored items, so that kill points land all through the writes.
 CFG = ModelConfig("fault-test", vocab_size=320, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -72,7 +73,8 @@ def _items(tmp: str) -> int:
 
 
 def _wait_items(p, tmp, k, deadline):
-  while p.poll() is None and time.time() < deadline and _items(tmp) < k:
+  """Until process p's temporary directory (the path tmp() names) holds k items."""
+  while p.poll() is None and time.time() < deadline and _items(tmp()) < k:
     time.sleep(0.002)
 
 
@@ -120,9 +122,9 @@ def _kill(s, parent, how, mode, where):
     p = forkserver.start([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), f"--src={s['src_new']}",
                           f"--dst={dst}"] + (["--overwrite"] if mode == "overwrite" else []), env=cpu_env(), cwd=REPO)
     if how == "items":
-      _wait_items(p, f"{dst}.tmp-{p.pid}", where, time.time() + 120)
+      _wait_items(p, lambda: tmp_of(dst, p.pid), where, time.time() + 120)
     else:                        # seconds after the writer starts
-      while p.poll() is None and not os.path.exists(f"{dst}.tmp-{p.pid}"):
+      while p.poll() is None and not os.path.exists(tmp_of(dst, p.pid)):
         time.sleep(0.002)
       time.sleep(where)
     p.send_signal(signal.SIGKILL)
@@ -184,14 +186,14 @@ def _same(a, b) -> bool:
 
 @pytest.mark.slow
 def test_rerun_removes_what_a_killed_overwrite_left(sources, tmp_path):
-  """The state the hooked kills above leave (checked there): the replaced checkpoint renamed DST.old-<pid> and
-  the new one complete in DST.tmp-<pid>, of a process that is dead. The next open puts the new one back at DST
+  """The state the hooked kills above leave (checked there): the replaced checkpoint renamed DST.old-<pid>-<token>
+  and the new one complete in DST.tmp-<pid>-<token>, of a process that is dead. The next open puts the new one back at DST
   (lcjax.checkpoint.atomic.recover); the rerun removes the old."""
   dead = subprocess.Popen(["true"])
   dead.wait()
   dst = str(tmp_path / "out")
-  shutil.copytree(sources["ref_old"], f"{dst}.old-{dead.pid}")
-  shutil.copytree(sources["ref_new"], f"{dst}.tmp-{dead.pid}")
+  shutil.copytree(sources["ref_old"], f"{dst}.old-{dead.pid}-{'0' * 16}")     # both carry OWNER_FILE
+  shutil.copytree(sources["ref_new"], f"{dst}.tmp-{dead.pid}-{'0' * 16}")
   assert load_config(dst).n_layers == CFG.n_layers
   assert_same(snapshot(dst), sources["new"])
   convert_hf(sources["src_new"], dst, overwrite=True, progress=False)

@@ -1,8 +1,8 @@
 """Writing a checkpoint (the format of lcjax.checkpoint.layout), atomically.
 
-Everything goes to `DST.tmp-<pid>` and is renamed to DST only after the manifest is written
-(lcjax.checkpoint.atomic), so an interrupted conversion leaves nothing that looks like a checkpoint; leftovers of
-dead processes are removed by the next run.
+Everything goes to `DST.tmp-<pid>-<token>` (a name of this writer's own) and is renamed to DST only after the
+manifest is written (lcjax.checkpoint.atomic), so an interrupted conversion leaves nothing that looks like a
+checkpoint; the leftovers of dead processes are removed by the next run.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lcjax.config import ModelConfig, WeightFormat
 
 
 class CheckpointWriter:
-  """Writes a checkpoint tensor by tensor into `DST.tmp-<pid>`, renamed to DST on a clean exit.
+  """Writes a checkpoint tensor by tensor into `DST.tmp-<pid>-<token>`, renamed to DST on a clean exit.
 
     with CheckpointWriter(dst, cfg) as w:
       w.write("embed/embedding", array)            # unstacked tensor, full shape
@@ -36,16 +36,21 @@ class CheckpointWriter:
     self.cfg = cfg
     self.overwrite = overwrite
     self.source = source
-    self.tmp = f"{self.dst}.tmp-{os.getpid()}"     # AtomicDirectory's, named here for the writes below
+    self._dir = AtomicDirectory(self.dst, MANIFEST_FILE, overwrite=overwrite, exists_error=CheckpointError(
+        f"{self.dst} already exists; pass --overwrite to replace it"), error=CheckpointError,
+        what="lcjax checkpoint")
+    self.tmp = self._dir.tmp                        # where the writes below go
     self.expected = param_shapes(cfg, weights)
     self.written: dict[str, dict[str, Any]] = {}
     self._ckptr = None
 
   def __enter__(self) -> "CheckpointWriter":
-    self._dir = AtomicDirectory(self.dst, MANIFEST_FILE, overwrite=self.overwrite, exists_error=CheckpointError(
-        f"{self.dst} already exists; pass --overwrite to replace it"), error=CheckpointError,
-        what="lcjax checkpoint").__enter__()
-    os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
+    self._dir.__enter__()
+    try:
+      os.makedirs(os.path.join(self.tmp, PARAMS_DIR))
+    except OSError as e:
+      self._dir.__exit__(None, None, None)
+      raise CheckpointError(f"cannot write {self.tmp}: {e.strerror}") from None
     self._ckptr = ocp.PyTreeCheckpointer()
     return self
 

@@ -9,7 +9,7 @@ prefix cache still holds.
 
 fp8 pages travel with their scales (lcjax.cache.kv), [n_pages, K] per layer.
 
-On disk a context is a directory, written as `DST.tmp-<pid>`, flushed to disk and renamed when complete
+On disk a context is a directory, written as `DST.tmp-<pid>-<token>`, flushed to disk and renamed when complete
 (lcjax.checkpoint.atomic: a killed save leaves nothing that loads, a killed overwrite leaves the old context or the
 new one, put back by the next load or save if the kill fell between its renames, and the next save to DST removes
 what it left):

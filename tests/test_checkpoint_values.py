@@ -1,7 +1,8 @@
 """Checkpoint values that a header cannot show, refused in one line before they give silent wrong answers: fp8
-weight and input scales outside [float32 tiny, float32 max / 448] (NaN, inf, zero, negative, subnormal), NaN bytes of e4m3 weights, e4m3 tensors outside an fp8
-quantization_config or without a scale, safetensors spans that overlap or leave gaps; and a quantization_config
-whose `ignore` patterns would hang the loader (or do not parse) or whose structure is malformed.
+weight and input scales outside [float32 tiny, float32 max / 448] (NaN, inf, zero, negative, subnormal), NaN
+bytes of e4m3 weights, e4m3 tensors outside an fp8 quantization_config or without a scale, safetensors spans
+that overlap or leave gaps; and a quantization_config whose `ignore` patterns would hang the loader (or do not
+parse) or whose structure is malformed.
 
 The HF folders here are written byte by byte (tests.test_checkpoint_values.write_safetensors: the format's 8-byte
 header length, JSON header, data), so a test can plant any value or offset; a well-formed folder converts (the

@@ -186,9 +186,9 @@ def _same(a, b) -> bool:
 
 @pytest.mark.slow
 def test_rerun_removes_what_a_killed_overwrite_left(sources, tmp_path):
-  """The state the hooked kills above leave (checked there): the replaced checkpoint renamed DST.old-<pid>-<token>
-  and the new one complete in DST.tmp-<pid>-<token>, of a process that is dead. The next open puts the new one back at DST
-  (lcjax.checkpoint.atomic.recover); the rerun removes the old."""
+  """The state the hooked kills above leave (checked there): the replaced checkpoint renamed
+  DST.old-<pid>-<token> and the new one complete in DST.tmp-<pid>-<token>, of a process that is dead. The next
+  open puts the new one back at DST (lcjax.checkpoint.atomic.recover); the rerun removes the old."""
   dead = subprocess.Popen(["true"])
   dead.wait()
   dst = str(tmp_path / "out")

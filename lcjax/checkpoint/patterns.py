@@ -6,8 +6,9 @@ would), compiled to a nondeterministic automaton (Thompson's construction) and r
 time linear in the name's length times the automaton's size, whatever the pattern. Both are bounded: a pattern
 of more than MAX_STATES states or MAX_STEPS building steps (a repeat counts each of its repetitions), or whose
 match of the given names would cost more than its `max_visits` (a state visited costs 1, a character tested
-against a set costs the set's items), is refused. Constructs that no automaton has (back-references, lookarounds, conditionals, atomic groups,
-possessive repeats) are refused by name. Every refusal is a ValueError of one line.
+against a set costs the set's items), is refused. Constructs that no automaton has (back-references,
+lookarounds, conditionals, atomic groups, possessive repeats) are refused by name. Every refusal is a ValueError
+of one line.
 """
 from __future__ import annotations
 

@@ -375,8 +375,9 @@ def load_checkpoint(ckpt_dir: str, *, dtype: str = "bfloat16", mesh: jax.shardin
                     progress: bool | None = None):
   """(ModelConfig, params, Tokenizer or None) of a checkpoint, for `Engine.load`.
 
-  params is `nnx.state(Llama(cfg, dtype=dtype, weights=<the checkpoint's format>), nnx.Param)` filled from the checkpoint, each array placed with
-  its sharding on `mesh` (lcjax.sharding.param_shardings) when one is given, else on the default device.
+  params is `nnx.state(Llama(cfg, dtype=dtype, weights=<the checkpoint's format>), nnx.Param)` filled from the
+  checkpoint, each array placed with its sharding on `mesh` (lcjax.sharding.param_shardings) when one is given,
+  else on the default device.
   """
   from lcjax.model.llama import Llama
   from lcjax.tokenizer import find_tokenizer

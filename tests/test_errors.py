@@ -213,7 +213,7 @@ CLI_CASES = [
     ("top_p above 1", ["--prompt=hi", "--top_p=1.5"], ["top_p=1.5", "(0, 1]"]),
     ("negative top_p", ["--prompt=hi", "--top_p=-0.1"], ["top_p=-0.1", "(0, 1]"]),
     ("negative top_k", ["--prompt=hi", "--top_k=-1"], ["top_k=-1", ">= 0"]),
-    ("negative temperature", ["--prompt=hi", "--temperature=-0.5"], ["temperature=-0.5", ">= 0"]),
+    ("negative temperature", ["--prompt=hi", "--temperature=-0.5"], ["temperature=-0.5", "from 0 to 1e+06"]),
     ("seed outside uint32", ["--prompt=hi", "--seed=-1"], ["seed=-1", "[0, 2**32)"]),
     # checkpoints and sources
     ("missing checkpoint dir", ["--prompt=hi", "--checkpoint={root}/nowhere"],

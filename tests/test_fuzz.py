@@ -140,9 +140,11 @@ def _valid_sampling(s) -> bool:
   """The rule the engine documents, written independently of lcjax.engine.sampling."""
   def integer(x):
     return isinstance(x, int) and not isinstance(x, bool)
+  def number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
   t, k, p, seed = s["temperature"], s["top_k"], s["top_p"], s["seed"]
-  return (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 and integer(k) and k >= 0
-          and isinstance(p, (int, float)) and 0 < p <= 1 and integer(seed) and 0 <= seed < 2**32)
+  return (number(t) and 0 <= t <= 1e6 and integer(k) and k >= 0
+          and number(p) and 0 < p <= 1 and integer(seed) and 0 <= seed < 2**32)
 
 
 any_number = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**40, 2**40))

@@ -65,11 +65,12 @@ def test_the_work_of_one_pattern_is_bounded():
 @pytest.mark.parametrize("pattern", ["(?:){4294967294}x", "(?:)*x", "(?:){4294967294}(?:){4294967294}x"])
 def test_empty_repeats_cost_nothing(pattern):
   """A repeat of nothing matches the empty string whatever its count: built in no steps (its count once cost a
-  loop of that many turns), matching as re does."""
+  loop of that many turns). Each pattern matches as `x` does (Python's re itself spins on the huge counts, so the
+  answers are `x`'s)."""
   t0 = time.perf_counter()
   p = Pattern(pattern)
-  assert [p.match(name) for name in ("", "x", "xa", "ax")] == [re.match(pattern, n) is not None
-                                                              for n in ("", "x", "xa", "ax")]
+  names = ("", "x", "xa", "ax")
+  assert [p.match(n) for n in names] == [re.match("x", n) is not None for n in names]
   assert time.perf_counter() - t0 < 1.0
 
 

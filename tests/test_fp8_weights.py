@@ -22,8 +22,15 @@ from lcjax.config import ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import weight_format
 from lcjax.ops import linear
 
-torch = pytest.importorskip("torch", reason="the oracle, HF transformers, runs on torch: pip install -e '.[test]'")
-transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
+torch = transformers = None      # the oracle's packages, imported by _oracle() in the tests that compare with it
+
+
+def _oracle() -> None:
+  """Import torch and transformers for a test that compares with HF transformers; skip it where they are missing
+  (the tests of lcjax's own products need neither)."""
+  global torch, transformers
+  torch = pytest.importorskip("torch", reason="the oracle, HF transformers, runs on torch: pip install -e '.[test]'")
+  transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
 
 CFG = ModelConfig("fp8-test", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   ffn_dim=128, rope_theta=10000.0, max_position=512, bos_id=0, eos_ids=(1,))
@@ -83,6 +90,7 @@ def test_static_input_scale_saturates():
 # -- FP8 checkpoints (compressed-tensors and quant_method "fp8"), against transformers -------------------------
 
 def _hf_model(seed=0, std=0.3):
+  _oracle()
   torch.manual_seed(seed)
   hf_cfg = transformers.LlamaConfig(**{k: v for k, v in CFG.to_hf().items() if k != "architectures"})
   model = transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -97,6 +105,7 @@ def write_fp8_folder(dst, model, *, method="compressed-tensors", weights="channe
   """An FP8 HF folder written to the formats' specs: e4m3 weights [out, in] with `weight_scale` ([out, 1] per
   channel, [1] per tensor) and, for static activations, a per-tensor `input_scale` (the largest |x| seen on a
   calibration batch / 448, as llm-compressor computes it)."""
+  _oracle()
   from safetensors.torch import save_file
   sd, calib = {}, {}
   if activations == "tensor":
@@ -148,6 +157,7 @@ def hf_model():
 
 
 def _transformers_logits(folder, ids):
+  _oracle()
   pytest.importorskip("compressed_tensors", reason="transformers loads FP8 checkpoints through compressed-tensors "
                       "(the test extra installs it)")
   m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

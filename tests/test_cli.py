@@ -135,3 +135,23 @@ def test_warm_up_leaves_nothing_to_compile(ckpt, monkeypatch, args):
   finally:
     count["after"].close()
   assert re.search(r"warm-up +[0-9.]+ s \(compiling this run's [0-9]+ programs", p.stdout) or "--interactive" in args
+
+
+def test_the_warm_up_counter_sees_a_run_that_was_not_warmed_up(ckpt, monkeypatch):
+  """The positive control of the test above: with Engine.warm_up compiling nothing, the same counter sees the
+  run trace and compile its programs (so an empty count there means the warm-up did the work)."""
+  from tests.test_engine import _Compiles
+  count = {}
+
+  def skipped(self, *a, **kw):
+    count["after"] = _Compiles()
+    return 0
+
+  monkeypatch.setattr(Engine, "warm_up", skipped)
+  try:
+    p = cli_inprocess.run([*CLI_RUN[:-1], f"--checkpoint={ckpt / 'ckpt'}", "--max_new_tokens=3",
+                           "--prompt=a prompt of its own length"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert count["after"].seen, "the counter saw nothing of a run that compiled its programs"
+  finally:
+    count["after"].close()

@@ -2,9 +2,9 @@
 
 K and V live in one array each, `[L, P, Z, K, H]` (layers, pages, page size, kv heads, head dim). Page 0 is the
 null page: unused page-table slots and padded tokens point at it; it is never read unmasked, and writes to it
-are dropped. A token's
-cache slot is `page * Z + offset`; the host allocator (`lcjax.cache.pages`) computes slots and page tables, the
-device only scatters into them. Pools are donated through every jitted step, so writes happen in place.
+are dropped (`drop_null`). A token's cache slot is `page * Z + offset`; the host allocator (`lcjax.cache.pages`)
+computes slots and page tables, the device only scatters into them. Pools are donated through every jitted step,
+so writes happen in place.
 
 FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, page, kv head), `[L, P, K]`: values are stored as
 x / scale. A page's scale is set by the tokens written into it: the smallest power of two that keeps every one of
@@ -128,6 +128,12 @@ def _local_pages(global_pages, first, pages: int):
   return jnp.where((page >= 0) & (page < pages) & (global_pages != 0), page, pages)
 
 
+def drop_null(pages, num_pages: int):
+  """Page ids of a whole pool of `num_pages` pages, with the null page 0 mapped to `num_pages`: a write with
+  mode="drop" then skips those rows (the rule `_local_pages` applies within a shard)."""
+  return _local_pages(pages, 0, num_pages)
+
+
 def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
   """Write new [B, T, K, H] at global slots [B, T] into layer `layer` of a pool [L, Pl, Z, K, H] holding the
   global pages first .. first + Pl - 1 (tokens of other pages are dropped). Returns (pool, scale).
@@ -241,7 +247,7 @@ def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
   [n] of every layer (pages back from the host tier); entries naming the null page (padding) write nothing."""
   if len(parts) != len(cache.parts()):
     raise ValueError(f"{len(parts)} arrays for a cache of {len(cache.parts())} (K, V and, for fp8, their scales)")
-  pages = jnp.where(pages != 0, pages, cache.num_pages)
+  pages = drop_null(pages, cache.num_pages)
   return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype), mode="drop") for x, y in zip(cache.parts(), parts)))
 
 

@@ -29,10 +29,10 @@ cache, made on first use). A context whose signature verifies was saved by this 
 pages join the prefix cache, so later prompts that start with its tokens reuse them. Any other context (unsigned,
 from another user or machine, or edited) loads for its own questions only: its pages, and those of requests that
 continue it, stay out of the prefix cache (`Engine.load_context(share=True)` vouches for one), and saving it again
-leaves it unsigned. Before anything is read,
-context.json's size and nesting are bounded (META_MAX_BYTES, META_MAX_DEPTH), and each other file's size is
-checked against what context.json implies, its token count against the engine's context. Formats lcjax-context-v1
-and v2 carried no checksums: they are refused (save the context again).
+leaves it unsigned. Before anything is read, context.json's size and nesting are bounded (META_MAX_BYTES,
+META_MAX_DEPTH), and each other file's size is checked against what context.json implies, its token count
+against the engine's context. Formats lcjax-context-v1 and v2 carried no checksums: they are refused (save the
+context again).
 
 Legend: L layers, P pages, Z page size, K KV heads, H head dim, n the context's pages.
 """
@@ -119,9 +119,8 @@ def _scatter(cache, layer, pages, parts, rep: int):
     ok &= jnp.isfinite(x.astype(jnp.float32)).reshape(b, -1).all(axis=1)
   for x in scales:
     ok &= (jnp.isfinite(x) & (x > 0)).reshape(b, -1).all(axis=1)
-  written = pages != 0
-  bad = jnp.sum(written & ~ok).astype(jnp.int32)
-  pages = jnp.where(written, pages, cache.num_pages)                  # out of range: dropped
+  bad = jnp.sum((pages != 0) & ~ok).astype(jnp.int32)
+  pages = kvc.drop_null(pages, cache.num_pages)
   # A page that fails is written as zeros, never as what it held: the caller refuses the context and frees it.
   clean = lambda y: jnp.where(ok.reshape((b,) + (1,) * (y.ndim - 1)), y, jnp.zeros((), y.dtype))
   parts = (jnp.repeat(k, rep, axis=-2), jnp.repeat(v, rep, axis=-2), *(jnp.repeat(s, rep, axis=-1) for s in scales))
@@ -753,7 +752,7 @@ def _kv_blocks(path: str, meta: dict, dtype: np.dtype):
   kv_path = os.path.join(path, KV_FILE)
 
   def checked(l, j, s, b, reads):
-    """The block's (K, V) once both parts' checksums (futures of (bytes read, digest)) match."""
+    """The block's (K, V) once both parts' checksums match (`reads`: (bytes read, future of their digest))."""
     parts = []
     for part, (raw, digest) in enumerate(reads):
       got, digest = raw.size, digest.result()

@@ -296,11 +296,7 @@ class Engine:
     """Full causal forward without cache: float32 logits [B, T, V] of a batch of B prompts of T token ids each
     (one prompt: [1, T, V]); T at most max_context (its cost grows as T^2)."""
     self.scheduler.check_open()
-    rows = token_ids if isinstance(token_ids, (list, tuple)) and token_ids and not isinstance(
-        token_ids[0], numbers.Integral) else [token_ids]
-    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
-      rows = list(token_ids)
-    rows = [_token_ids(r) for r in rows]
+    rows = [_token_ids(r) for r in self._as_list(token_ids)[0]]
     if len({len(r) for r in rows}) != 1 or not rows[0]:
       raise RequestError(f"logits takes prompts of one length >= 1, not lengths {sorted({len(r) for r in rows})}")
     if len(rows[0]) > self.max_context:

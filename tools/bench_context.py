@@ -24,7 +24,6 @@ Rows go to --out/--name.{json,md}.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import shutil
@@ -89,7 +88,7 @@ def _h2d_floor(eng, blocks) -> float:
 
 
 def _engine(S: int):
-  from lcjax.config import RunConfig, preset
+  from lcjax.config import RunConfig
   from lcjax.engine.engine import Engine
   ctx = -(-(S + 2 * FLAGS.question + 64) // FLAGS.page_size) * FLAGS.page_size
   run = RunConfig(dtype=FLAGS.dtype, cache_dtype=FLAGS.cache_dtype, page_size=FLAGS.page_size, max_context=ctx,
@@ -101,8 +100,7 @@ def _engine(S: int):
     from lcjax.checkpoint.bundled import bundled_checkpoint
     path = bundled_checkpoint() if FLAGS.checkpoint == "bundled" else FLAGS.checkpoint
     return Engine.load(path, run=run)
-  cfg = dataclasses.replace(preset(FLAGS.preset), eos_ids=(), max_position=max(ctx, preset(FLAGS.preset).max_position))
-  return Engine.random(cfg, run=run, seed=0)
+  return Engine.random(benchlib.random_model_cfg(FLAGS.preset, ctx), run=run, seed=0)
 
 
 STAGE = {"now": "start"}

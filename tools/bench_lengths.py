@@ -21,7 +21,6 @@ Rows go to --out/--name.{json,md}.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -56,15 +55,11 @@ def _stage(msg: str) -> None:
 
 
 def _engine(variant: str, documents: list[int], questions: list[int]):
-  from lcjax.config import RunConfig, preset
+  from lcjax.config import RunConfig
   from lcjax.engine.engine import Engine
   need = max(max(documents, default=0), FLAGS.context + max(questions) if questions else 0) + 1
   ctx = -(-need // FLAGS.page_size) * FLAGS.page_size
-  cfg = preset(FLAGS.preset)
-  # Random weights: no token ends a generation, and max_position covers the longest run (no context was trained).
-  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, ctx))
-  if FLAGS.layers:
-    cfg = dataclasses.replace(cfg, n_layers=FLAGS.layers)
+  cfg = benchlib.random_model_cfg(FLAGS.preset, ctx, FLAGS.layers)
   # One pinned document at a time; the prefix cache off, so no length reuses another's pages.
   run = RunConfig(dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_context=ctx, max_batch=1,
                   prefill_chunk=FLAGS.prefill_chunk, prefix_cache=False, **benchlib.variant(variant))

@@ -25,7 +25,6 @@ Implementations:
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib
 import os
@@ -72,15 +71,10 @@ GiB = 1024 ** 3
 
 
 def _model_cfg():
-  from lcjax.config import preset
-  cfg = preset(FLAGS.preset)
-  # Random weights: no token is special, so every run decodes exactly decode_steps tokens; and no context was
-  # trained, so the longest run (prompt, decode steps, a page of rounding) sets max_position.
+  # Every run decodes exactly decode_steps tokens; the longest (prompt, decode steps, a page of rounding) sets
+  # max_position.
   longest = max(map(int, FLAGS.contexts)) + FLAGS.decode_steps + 1 + FLAGS.page_size
-  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, longest))
-  if FLAGS.layers:
-    cfg = dataclasses.replace(cfg, n_layers=FLAGS.layers)
-  return cfg
+  return benchlib.random_model_cfg(FLAGS.preset, longest, FLAGS.layers)
 
 
 def run_config(impl: str, S: int, *, page_size: int, decode_steps: int, prefill_chunk: int,

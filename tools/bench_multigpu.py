@@ -78,11 +78,8 @@ def _mesh(s: str) -> tuple[int, int]:
 
 
 def _model_cfg():
-  from lcjax.config import preset
-  cfg = preset(FLAGS.preset)
   longest = max(map(int, FLAGS.contexts + FLAGS.predict_contexts)) + FLAGS.decode_steps + 1
-  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, longest))
-  return dataclasses.replace(cfg, n_layers=FLAGS.layers) if FLAGS.layers else cfg
+  return benchlib.random_model_cfg(FLAGS.preset, longest, FLAGS.layers)
 
 
 def _run_cfg(tensor, seq, context, batch, sp_mode=None):

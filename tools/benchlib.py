@@ -93,6 +93,17 @@ def logits_metrics(got, ref) -> dict:
               top10=len(top(got, 10) & top(ref, 10)) / 10)
 
 
+def random_model_cfg(preset_name: str, longest: int, layers: int = 0):
+  """The ModelConfig a benchmark of random weights runs: the preset's, with no token that ends a generation (every
+  run generates all its tokens), max_position at least `longest` (no context was trained, so the longest run sets
+  it), and only the first `layers` layers when given."""
+  import dataclasses
+  from lcjax.config import preset
+  cfg = preset(preset_name)
+  cfg = dataclasses.replace(cfg, eos_ids=(), max_position=max(cfg.max_position, longest))
+  return dataclasses.replace(cfg, n_layers=layers) if layers else cfg
+
+
 def monotone_violations(points: list[tuple[int, float]], tolerance: float) -> list[dict]:
   """The pairs (n, m), n < m, of a sweep's (length, seconds) points whose time(n) > tolerance * time(m)
   (tools/bench_lengths.py's check that time grows with length)."""

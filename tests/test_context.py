@@ -1108,14 +1108,20 @@ def test_a_save_killed_with_sigkill_leaves_nothing_that_loads(tmp_path):
     assert eng.generate([50, 51], max_new_tokens=4, context=ctx).token_ids == want
 
 
-def _forge(path):
-  """A forger's rewrite of a saved context that every checksum accepts: kv.bin's two layers swapped, their block
-  checksums swapped to match, the digest recomputed (the tiny model has two layers)."""
+def _forge(path, rewrite=lambda data: data[len(data) // 2:] + data[:len(data) // 2]):
+  """A forger's rewrite of a saved context that every checksum accepts: kv.bin rewritten (default: its two layers
+  swapped; the tiny model has two), each block's checksum and the digest recomputed, no signature (the forger has
+  no key). The contexts here hold one block of pages per layer and part."""
   import json
   meta = json.loads((path / "context.json").read_text())
-  data = (path / "kv.bin").read_bytes()
-  (path / "kv.bin").write_bytes(data[len(data) // 2:] + data[:len(data) // 2])
-  meta["checksums"]["files"]["kv.bin"]["blocks"].reverse()
+  data = rewrite((path / "kv.bin").read_bytes())
+  (path / "kv.bin").write_bytes(data)
+  blocks = meta["checksums"]["files"]["kv.bin"]["blocks"]
+  assert all(len(part) == 1 for layer in blocks for part in layer)
+  seg = len(data) // (2 * len(blocks))
+  meta["checksums"]["files"]["kv.bin"]["blocks"] = [[[ctxlib._digest(data[(2 * l + p) * seg:(2 * l + p + 1) * seg])]
+                                                     for p in range(2)] for l in range(len(blocks))]
+  meta.pop("signature", None)
   meta["digest"] = ctxlib._meta_digest(meta)
   (path / "context.json").write_text(json.dumps(meta))
 
@@ -1202,21 +1208,10 @@ def test_a_context_of_nan_pages_is_refused_and_leaves_no_nan(tmp_path, cache_dty
   recomputed: refused with one line, and no page of the pool holds a NaN after it (a freed page keeps its values,
   and attention masks the slots a sequence has not written by a zero weight, which a NaN survives), so a plain
   prompt afterwards is answered as the uncached forward answers it."""
-  import json
   eng = _shared(cache_dtype=cache_dtype)
   with eng.prefill(DOC) as ctx:
     ctx.save(tmp_path / "c")
-  meta = json.loads((tmp_path / "c" / "context.json").read_text())
-  size = (tmp_path / "c" / "kv.bin").stat().st_size
-  (tmp_path / "c" / "kv.bin").write_bytes(b"\xff" * size)
-  blocks = meta["checksums"]["files"]["kv.bin"]["blocks"]
-  seg = size // (2 * len(blocks))
-  for layer in blocks:
-    for part in layer:
-      part[:] = [ctxlib._digest(b"\xff" * seg)]
-  meta.pop("signature")
-  meta["digest"] = ctxlib._meta_digest(meta)
-  (tmp_path / "c" / "context.json").write_text(json.dumps(meta))
+  _forge(tmp_path / "c", lambda data: b"\xff" * len(data))
   eng.prefix_cache.clear()
   with pytest.raises(ContextError, match=r"page\(s\) with a NaN or infinite K/V value") as e:
     eng.load_context(tmp_path / "c")

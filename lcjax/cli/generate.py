@@ -379,9 +379,11 @@ def _check_context_flags() -> None:
     raise UsageError(f"--context_file={FLAGS.context_file}: {what} (give a UTF-8 text file)")
   if FLAGS.load_context:
     path = os.path.abspath(FLAGS.load_context)
-    # A directory, or the leftovers of an overwriting save killed between its renames (the load puts it back).
+    # A directory, or the leftovers of an overwriting save killed between its renames, which the load puts back
+    # (lcjax.checkpoint.atomic names them DST.tmp-* and DST.old-*; importing it here would start JAX).
     parent, name = os.path.split(path)
-    leftovers = os.path.isdir(parent) and any(f.startswith(name + ".") for f in os.listdir(parent))
+    leftovers = os.path.isdir(parent) and any(f.startswith((name + ".tmp-", name + ".old-"))
+                                              for f in os.listdir(parent))
     if not os.path.isdir(path) and not leftovers:
       what = "a file, not a saved context's directory" if os.path.exists(path) else "no such directory"
       raise UsageError(f"--load_context={FLAGS.load_context}: {what} (--save_context writes one)")

@@ -265,6 +265,11 @@ class WeightFormat:
     return WeightFormat()
 
 
+# RunConfig.draft and its limits: k + 1 <= 16 rows a sequence keeps a verify step decode-shaped for the kernels.
+DRAFT_SOURCES = ("off", "prompt")
+MAX_DRAFT_NGRAM, MAX_DRAFT_TOKENS = 16, 15
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """How lcjax runs a model. Every field can be overridden from the CLI (`--config.page_size=128`)."""
@@ -302,6 +307,14 @@ class RunConfig:
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).
                                      # Groups are the largest divisor of decode_steps up to N (1 if none)
+  draft: str = "off"                 # speculative decoding (lcjax.engine.speculate): "off", or "prompt": each
+                                     # decode step also feeds up to draft_tokens tokens that followed the
+                                     # sequence's last draft_ngram tokens where they occurred before in it
+                                     # (the document, the question, the answer), and keeps those the model
+                                     # agrees with; greedy output is unchanged, sampled output keeps its
+                                     # distribution (docs/speculative-decoding.md says when it pays)
+  draft_ngram: int = 3               # tokens that must match for a draft (1 to 16)
+  draft_tokens: int = 4              # k: drafts verified per step (1 to 15; a step feeds k + 1 rows a sequence)
   attention: str = "auto"            # auto | reference | cudnn | pallas | dense (baseline)
   attention_dtype: str = "auto"      # "auto" (attention computes in `dtype`) | "float8_e4m3fn": FP8 attention for
                                      # prefill (the pallas backend's FP8 kernel; independent of cache_dtype) |
@@ -332,6 +345,12 @@ class RunConfig:
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):
       if getattr(self, f) < 1:
         raise ConfigError(f"{f}={getattr(self, f)} must be >= 1")
+    if self.draft not in DRAFT_SOURCES:
+      raise ConfigError(f"draft={self.draft!r} must be 'off' or 'prompt' (drafts looked up in the sequence itself)")
+    for f, top in (("draft_ngram", MAX_DRAFT_NGRAM), ("draft_tokens", MAX_DRAFT_TOKENS)):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+        raise ConfigError(f"{f}={v!r} must be an integer from 1 to {top}")
     if self.stream_decode_steps < 0:
       raise ConfigError(f"stream_decode_steps={self.stream_decode_steps} must be >= 0 (0: decode_steps)")
     if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():

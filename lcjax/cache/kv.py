@@ -179,16 +179,33 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   values times old / new scale (exact: a power of two, 1 where the scale did not grow, or 0 for a new page) with
   the token at its offset; then the scale. Every row rewrites its whole page on every step, so rows must write
   distinct pages (a page shared by two sequences is copied before either writes it); padding rows (the null page,
-  mapped to Pl by `_local_pages`) write nothing."""
+  mapped to Pl by `_local_pages`) write nothing. layer=slice(None) writes every layer at once, x [L, B, K, H]
+  holding each layer's token."""
   Pl, Z = pool.shape[1:3]
   pc = jnp.minimum(page, Pl - 1)
-  old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [B, K]
+  old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [(L,) B, K]
   new_scale = jnp.maximum(old, scale_for(jnp.abs(x).max(axis=-1)))
-  stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[:, None, :, None]   # [B, Z, K, H]
-  y = jnp.clip(x / new_scale[:, :, None], -FP8_MAX, FP8_MAX)                           # [B, K, H]
+  stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[..., None, :, None]  # [(L,) B, Z, K, H]
+  y = jnp.clip(x / new_scale[..., None], -FP8_MAX, FP8_MAX)                            # [(L,) B, K, H]
   here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
-  contents = jnp.where(here, y[:, None], stored).astype(pool.dtype)                    # [B, Z, K, H]
+  contents = jnp.where(here, y[..., None, :, :], stored).astype(pool.dtype)           # [(L,) B, Z, K, H]
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
+
+
+def rewrite_tokens(cache: PagedKV, saved: tuple, pages, k, v, slots) -> PagedKV:
+  """An fp8 cache as if only the tokens at `slots` had been written since `saved = gather_pages(cache, pages)`:
+  `pages` [n] (the pages written since, null page entries ignored) get their saved contents and scales back, then
+  each token t of k, v [L, B, T, K, H] (every layer's K and V) is written at slots [B, T] (0: not written) one t
+  after another, as decode steps write them: the same pages, bit for bit, as those steps leave. Speculative
+  decoding undoes the writes of rejected drafts with it, which could have raised a page's scale."""
+  cache = scatter_pages(cache, pages, *saved)
+  k_all, v_all, k_scale, v_scale = cache.parts()
+  Pl, Z = k_all.shape[1:3]
+  for t in range(slots.shape[1]):
+    page, offset = token_page_offset(slots[:, t:t + 1], Z, Pl)
+    k_all, k_scale = _write_one_token(k_all, k_scale, k[:, :, t].astype(jnp.float32), page, offset, slice(None))
+    v_all, v_scale = _write_one_token(v_all, v_scale, v[:, :, t].astype(jnp.float32), page, offset, slice(None))
+  return PagedKV(k_all, v_all, k_scale, v_scale)
 
 
 def token_page_offset(slots, page_size: int, pool_pages: int, first: int | jax.Array = 0):

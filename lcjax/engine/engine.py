@@ -522,6 +522,9 @@ class Engine:
                  prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,
                  time_to_first_token_s=ttft, compile_s=compile_s,
                  decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
+                 draft=self.run.draft, decode_calls=r.decode_calls,
+                 tokens_per_decode_call=(n_dec / r.decode_calls) if r.decode_calls else float("nan"),
+                 drafts_proposed=r.drafts_proposed, drafts_accepted=r.drafts_accepted,
                  peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
     return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
 

@@ -76,14 +76,11 @@ def all_greedy(params: list[SamplingParams]) -> bool:
   return all(p.temperature == 0 for p in params)
 
 
-def sample(logits, sp: dict, positions, greedy: bool = False):
-  """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32.
-  greedy=True (static; every row's temperature is 0, `all_greedy`) returns the argmax without the top-k / top-p
-  machinery, whose [B, V] sort is ~0.08 ms a token on an H200 for a 128K vocabulary."""
+def filtered_logits(logits, sp: dict):
+  """logits [B, V] float32 -> the distribution each row samples from, as logits [B, V]: scaled by the row's
+  temperature, -inf outside its top-k and top-p sets (rows of temperature 0: scaled by 1). softmax of it is the
+  probability `sample` draws each token with."""
   B, V = logits.shape
-  greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  if greedy:
-    return greedy_tok
   temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
   scaled = logits / temp[:, None]
   desc = -jnp.sort(-scaled, axis=-1)                                             # [B, V] descending
@@ -96,11 +93,27 @@ def sample(logits, sp: dict, positions, greedy: bool = False):
   n_keep = jnp.maximum(keep.sum(-1), 1)
   pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
   thresh = jnp.maximum(kth, pth)
-  masked = jnp.where(scaled >= thresh, scaled, -jnp.inf)
+  return jnp.where(scaled >= thresh, scaled, -jnp.inf)
+
+
+def token_key(seed, position, stream: int = 0):
+  """The random key of the token at `position` of a sequence with `seed` (scalars); stream > 0 gives independent
+  keys of the same token for other draws (speculative decoding's acceptance tests)."""
+  key = jax.random.fold_in(jax.random.key(seed), position)
+  return key if stream == 0 else jax.random.fold_in(key, stream)
+
+
+def sample(logits, sp: dict, positions, greedy: bool = False):
+  """logits [B, V] float32; sp from `stack`; positions [B] (the position the token will take) -> [B] int32.
+  greedy=True (static; every row's temperature is 0, `all_greedy`) returns the argmax without the top-k / top-p
+  machinery, whose [B, V] sort is ~0.08 ms a token on an H200 for a 128K vocabulary."""
+  greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if greedy:
+    return greedy_tok
+  masked = filtered_logits(logits, sp)
 
   def draw(seed, pos, row):
-    key = jax.random.fold_in(jax.random.key(seed), pos)
-    return jax.random.categorical(key, row).astype(jnp.int32)
+    return jax.random.categorical(token_key(seed, pos), row).astype(jnp.int32)
 
   sampled = jax.vmap(draw)(sp["seed"], positions.astype(jnp.uint32), masked)
   return jnp.where(sp["temperature"] > 0, sampled, greedy_tok)

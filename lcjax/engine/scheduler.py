@@ -56,6 +56,9 @@ class Request:
   shared_prefill_tokens: int = 0  # tokens of that prefix prefilled (not taken from the prefix cache)
   first_token_at: float | None = None   # time.perf_counter() when the first token was sampled
   decode_s: float = 0.0
+  decode_calls: int = 0            # model calls of the decode loop it took part in (speculation: verify steps)
+  drafts_proposed: int = 0         # speculative decoding (RunConfig.draft): drafts fed, and those accepted
+  drafts_accepted: int = 0
   finish: str | None = None        # "eos" | "length"
   # Called after each prefill chunk of this request with (index, tokens prefilled, tokens to prefill); the chunk is
   # waited for first, so the numbers are what the device has done. Each call's own: never another caller's.
@@ -431,8 +434,13 @@ class Scheduler:
     for steps, greedy in sorted(set(decode)):
       state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
       sp = stack_sampling([SamplingParams()] * B)
-      self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
-                              greedy=greedy).compile()
+      if self.run.draft == "off":
+        self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
+                                greedy=greedy).compile()
+      else:
+        self.steps.decode_spec.lower(self.params, self.cache, state, sp, i32(B, W), self.eos,
+                                     i32(B, W * self.run.page_size), steps=steps, greedy=greedy,
+                                     **self._draft_args()).compile()
       n += 1
     for k in sorted(set(copies)):
       src = jnp.asarray(tuple(range(k)), jnp.int32)
@@ -479,6 +487,20 @@ class Scheduler:
       r.finish = "length"
     self._keep_written(r)                    # the prompt's full pages serve requests admitted from now on
 
+  def _draft_args(self) -> dict:
+    return dict(ngram=self.run.draft_ngram, k=self.run.draft_tokens)
+
+  def _history(self, live: list[Request | None]) -> np.ndarray:
+    """Each batch slot's tokens by position [B, table_width * page_size] (the prompt, then the generated tokens;
+    zeros past them): where speculative decoding looks up its drafts."""
+    hist = np.zeros((len(live), self.table_width * self.run.page_size), np.int32)
+    for b, r in enumerate(live):
+      if r is not None:
+        n = len(r.prompt)
+        hist[b, :n] = r.prompt
+        hist[b, n:n + len(r.out)] = r.out
+    return hist
+
   def decode_call(self, live: list[Request | None], steps: int | None = None) -> list[Request]:
     """One call of the on-device decode loop over the batch slots `live`: up to `steps` tokens each (None:
     run.decode_steps). Returns the requests that took part."""
@@ -496,19 +518,32 @@ class Scheduler:
         table[b] = self.pool.page_table_array([r.seq], self.table_width)[0]
     sampling = [r.sampling if r is not None else SamplingParams() for r in live]
     state = DecodeState(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(done), jnp.asarray(remaining))
+    args = (self.params, self.cache, state, stack_sampling(sampling), jnp.asarray(table), self.eos)
+    kw = dict(steps=steps or self.run.decode_steps, greedy=all_greedy(sampling))
     t0 = time.perf_counter()
-    out, state, self.cache = self.steps.decode(self.params, self.cache, state, stack_sampling(sampling),
-                                               jnp.asarray(table), self.eos, steps=steps or self.run.decode_steps,
-                                               greedy=all_greedy(sampling))
+    if self.run.draft == "off":
+      out, state, self.cache = self.steps.decode(*args, **kw)
+      counts = None
+    else:
+      out, state, self.cache, counts = self.steps.decode_spec(*args, jnp.asarray(self._history(live)), **kw,
+                                                              **self._draft_args())
+      counts = {f.name: np.asarray(getattr(counts, f.name)) for f in dataclasses.fields(counts)}
     out = np.asarray(out)
     dt = time.perf_counter() - t0
     final_done = np.asarray(state.done)
     for b, r in enumerate(live):
       if r is None:
         continue
-      r.out.extend(int(t) for t in out[b] if t >= 0)
+      got = [int(t) for t in out[b] if t >= 0]
+      r.out.extend(got)
       r.written = len(r.prompt) + len(r.out) - 1        # the last token is sampled, not yet fed
       r.decode_s += dt
+      if counts is None:
+        r.decode_calls += len(got)
+      else:
+        r.decode_calls += int(counts["steps"][b])
+        r.drafts_proposed += int(counts["proposed"][b])
+        r.drafts_accepted += int(counts["accepted"][b])
       if final_done[b]:
         r.finish = "eos" if r.out[-1] in self.eos_ids else "length"
     return alive

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
+from lcjax.engine import speculate
 from lcjax.engine.sampling import sample
 
 
@@ -30,6 +31,17 @@ class DecodeState:
   pos: jax.Array         # [B] int32, its position
   done: jax.Array        # [B] bool
   remaining: jax.Array   # [B] int32, tokens still allowed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCounts:
+  """Per batch slot, over one speculative decode call: model calls it took part in, tokens it gained, drafts
+  proposed to it and drafts accepted (each [B] int32)."""
+  steps: jax.Array
+  tokens: jax.Array
+  proposed: jax.Array
+  accepted: jax.Array
 
 
 def decode_compiler_options() -> dict | None:
@@ -76,6 +88,10 @@ class Steps:
     self.decode = jax.jit(self._decode, donate_argnames=("cache",), static_argnames=("steps", "greedy"),
                           compiler_options=decode_compiler_options(),
                           **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
+    self.decode_spec = jax.jit(self._decode_spec, donate_argnames=("cache",),
+                               static_argnames=("steps", "greedy", "ngram", "k"),
+                               compiler_options=decode_compiler_options(),
+                               **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings, rep))))
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
                               **({} if mesh is None else dict(out_shardings=cache_shardings)))
@@ -135,6 +151,97 @@ class Steps:
     out = jnp.full((B, steps), -1, jnp.int32)
     _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, cache, out))
     return out, state, cache
+
+
+  def _decode_spec(self, params, cache, state: DecodeState, sp, page_table, eos_ids, history, *, steps: int,
+                   greedy: bool, ngram: int, k: int):
+    """`_decode` with prompt-lookup speculation (lcjax.engine.speculate): each model call feeds every live slot's
+    last token and up to k drafts found in its `history` [B, W] (the token at each position; the slot's fed token
+    at `pos`) and gains 1 to k + 1 tokens; a call where no slot has a draft is a plain decode step. Up to `steps`
+    tokens per slot. Returns (tokens [B, steps] (-1 past a slot's last), the new state, the cache, DraftCounts).
+
+    The verify rows write their K/V at the positions after `pos`; those of rejected drafts lie past the slot's
+    new length, where attention never reads (kv_len) and the next tokens overwrite them."""
+    model = self._model(params)
+    B = state.tokens.shape[0]
+    Z, M = self.page_size, page_table.shape[1]
+    W = history.shape[1]
+    T = k + 1
+    rows = jnp.arange(T, dtype=jnp.int32)[None, :]
+
+    def slots_at(positions, real):
+      page = jnp.take_along_axis(page_table, jnp.clip(positions // Z, 0, M - 1), axis=1)
+      return jnp.where(real, page * Z + positions % Z, 0)                     # others: the null page (dropped)
+
+    def trim(tokens, n, room):
+      """The tokens a slot keeps of the n it gained: at most `room`, and none after an end-of-sequence token.
+      -> (kept [B], whether the last kept one ends the sequence [B])."""
+      n = jnp.minimum(n, room)
+      is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
+      eos = jnp.any(is_eos, axis=1)
+      return jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n), eos
+
+    def verify(cache, st, room, drafts, count):
+      positions = st.pos[:, None] + rows                                      # [B, T]
+      fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
+      slots = slots_at(positions, (room > 0)[:, None] & (rows <= count[:, None]))
+      call = dict(cache=cache, slots=slots, page_table=page_table, kv_len=st.pos + 1 + count)
+      if not cache.quantized:
+        logits, cache = model(fed, positions, **call)
+        tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
+        return tokens, *trim(tokens, n, room), accepted, cache
+      # fp8 pages: a rejected draft's K/V may have raised its page's scale (requantizing the page), so the pages
+      # the rows wrote are put back as they were and the kept tokens' K/V written again, one at a time.
+      pages = kvc.written_pages(slots, Z).reshape(-1)
+      saved = kvc.gather_pages(cache, pages)
+      logits, cache, (k_new, v_new) = model(fed, positions, **call, kv_out=True)
+      tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
+      n, eos = trim(tokens, n, room)
+      kept = jnp.where(rows < n[:, None], slots, 0)          # the fed tokens of the kept ones: rows 0 .. n - 1
+      return tokens, n, eos, accepted, kvc.rewrite_tokens(cache, saved, pages, k_new, v_new, kept)
+
+    def plain(cache, st, room, drafts, count):
+      slots = slots_at(st.pos[:, None], (room > 0)[:, None])
+      logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slots, page_table=page_table,
+                            kv_len=st.pos + 1)
+      nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
+      tokens = jnp.zeros((B, T), jnp.int32).at[:, 0].set(nxt)
+      return tokens, *trim(tokens, jnp.ones(B, jnp.int32), room), jnp.zeros(B, jnp.int32), cache
+
+    def one(c):
+      i, st, cache, out, n_out, history, counts = c
+      active = ~st.done & (n_out < steps)
+      room = jnp.where(active, jnp.minimum(st.remaining, steps - n_out), 0)  # tokens the slot may still gain
+      drafts, count = speculate.find_drafts(history, st.pos + 1, ngram=ngram, k=k)
+      count = jnp.clip(jnp.minimum(count, room - 1), 0, k)
+      tokens, n, eos, accepted, cache = jax.lax.cond(jnp.any(count > 0), verify, plain, cache, st, room, drafts,
+                                                     count)
+      keep = rows < n[:, None]
+      out = out.at[jnp.arange(B)[:, None], jnp.where(keep, n_out[:, None] + rows, steps)].set(tokens, mode="drop")
+      history = history.at[jnp.arange(B)[:, None], jnp.where(keep, st.pos[:, None] + 1 + rows, W)].set(
+          tokens, mode="drop")
+      last = jnp.take_along_axis(tokens, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+      remaining = st.remaining - n
+      done = st.done | (active & (eos | (remaining <= 0)))
+      st = DecodeState(jnp.where(n > 0, last, st.tokens), st.pos + n, done, remaining)
+      counts = DraftCounts(counts.steps + active, counts.tokens + n, counts.proposed + count,
+                           counts.accepted + jnp.minimum(accepted, n))
+      return i + 1, st, cache, out, n_out + n, history, counts
+
+    def cond(c):
+      i, st, _, _, n_out, _, _ = c
+      return (i < steps) & jnp.any(~st.done & (n_out < steps))
+
+    group = sync_group(steps, self.sync_every)
+
+    def body(c):
+      return jax.lax.fori_loop(0, group, lambda _, c: one(c), c) if group > 1 else one(c)
+
+    zeros = jnp.zeros(B, jnp.int32)
+    out = jnp.full((B, steps), -1, jnp.int32)
+    carry = (jnp.int32(0), state, cache, out, zeros, history, DraftCounts(zeros, zeros, zeros, zeros))
+    _, state, cache, out, _, _, counts = jax.lax.while_loop(cond, body, carry)
+    return out, state, cache, counts
 
 
 def sync_group(steps: int, most: int) -> int:

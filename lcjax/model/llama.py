@@ -458,12 +458,13 @@ class Llama(nnx.Module):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
 
   def _layer(self, block: Block, x, step: CallContext, cache_l, gemv=None):
+    """-> (x, the layer's new cache part, the call's (k, v) [B, T, K, H] of this layer)."""
     h = block.attn_norm(x)
     q, k, v = block.attn.qkv(h, step.rope, gemv)
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
     x = self._constrain(x + block.attn.out(o, gemv), self._x_axes(step))
     x = self._constrain(x + block.mlp(block.mlp_norm(x), gemv), self._x_axes(step))
-    return x, new_cache_l
+    return x, new_cache_l, (k, v)
 
   def holds_weights(self, rows: int) -> bool:
     """Whether a call of `rows` rows (batch x tokens) runs its fp8 products through the GEMV kernel: the layer
@@ -490,7 +491,9 @@ class Llama(nnx.Module):
 
   # -- forward -----------------------------------------------------------------------------------
   def __call__(self, tokens, positions=None, *, cache: kvc.PagedKV | None = None, slots=None,
-               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None):
+               page_table=None, prefix_len=None, kv_len=None, lengths=None, logits_at=None, kv_out: bool = False):
+    """-> (logits, cache); with kv_out=True (a call with a cache, outside a split layout) (logits, cache, (k, v)):
+    every layer's K and V of the call's tokens, [L, B, T, K, H] each, as the cache write received them."""
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -498,6 +501,8 @@ class Llama(nnx.Module):
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
     seq = 1 if self.mesh is None else self.mesh.shape[SEQ]
     split = seq > 1 and kv_len is None
+    if kv_out and (cache is None or split):
+      raise ValueError("kv_out=True needs a call with a cache whose tokens are not split over seq (a decode call)")
     # The pages an fp8 cache's writes requantize, found in the call's own token order (before any permutation).
     pages = None if cache is None or not cache.quantized else kvc.written_pages(slots, cache.page_size)
     if split:
@@ -535,7 +540,7 @@ class Llama(nnx.Module):
     if cache is None:
       def body(x, xs):
         block, gemv = block_and_gemv(*xs)
-        x, _ = self._layer(block, x, step, None, gemv)
+        x, _, _ = self._layer(block, x, step, None, gemv)
         return x, None
       x, _ = jax.lax.scan(body, x, (layer_state, layer_ids))
     else:
@@ -544,9 +549,9 @@ class Llama(nnx.Module):
         layer_params, i = xs
         block, gemv = block_and_gemv(layer_params, i)
         k_all, v_all, k_scale, v_scale = parts
-        x, parts = self._layer(block, x, step, (k_all, v_all, i, k_scale, v_scale), gemv)
-        return (x, parts), None
-      (x, parts), _ = jax.lax.scan(body, (x, (cache.k, cache.v, cache.k_scale, cache.v_scale)),
+        x, parts, kv = self._layer(block, x, step, (k_all, v_all, i, k_scale, v_scale), gemv)
+        return (x, parts), kv if kv_out else None
+      (x, parts), new_kv = jax.lax.scan(body, (x, (cache.k, cache.v, cache.k_scale, cache.v_scale)),
                                    (layer_state, layer_ids))
       k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in parts[:2])
       k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in parts[2:])
@@ -563,4 +568,4 @@ class Llama(nnx.Module):
     logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
     if split and logits_at is None:
       logits = logits[:, inv[:T]]
-    return logits, cache
+    return (logits, cache, new_kv) if kv_out else (logits, cache)

@@ -420,6 +420,12 @@ class Llama(nnx.Module):
     k_all, v_all, layer, k_scale, v_scale = cache_l
     decode = step.prefix_len is None
     cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
+    # Decode rows of several tokens (a speculative verify step): a shard's local key index is below the key's
+    # position, so the paged part's causal check cannot keep a row from the call's later tokens. The paged part
+    # reads the keys before the call's first token and the call's tokens are attended as a causal block.
+    several = decode and q.shape[1] > 1
+    if several:
+      cached = step.positions[:, 0]
     L, Pl, Z = k_all.shape[0], k_all.shape[1] // S, k_all.shape[2]
     pool = P(None, SEQ, None, TENSOR, None)
     fp8 = () if k_scale is None else (step.pages, k_scale, v_scale)
@@ -441,7 +447,7 @@ class Llama(nnx.Module):
                         page_offset=layer * Pl)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
-      if not decode:
+      if not decode or several:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
       return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
 

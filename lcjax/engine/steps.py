@@ -92,6 +92,9 @@ class Steps:
                                static_argnames=("steps", "greedy", "ngram", "k"),
                                compiler_options=decode_compiler_options(),
                                **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings, rep))))
+    self.spec_once = jax.jit(self._spec_once, donate_argnames=("cache",), static_argnames=("greedy",),
+                             compiler_options=decode_compiler_options(),
+                             **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
     self.first_token = jax.jit(sample, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
                               **({} if mesh is None else dict(out_shardings=cache_shardings)))
@@ -153,60 +156,77 @@ class Steps:
     return out, state, cache
 
 
-  def _decode_spec(self, params, cache, state: DecodeState, sp, page_table, eos_ids, history, *, steps: int,
-                   greedy: bool, ngram: int, k: int):
-    """`_decode` with prompt-lookup speculation (lcjax.engine.speculate): each model call feeds every live slot's
-    last token and up to k drafts found in its `history` [B, W] (the token at each position; the slot's fed token
-    at `pos`) and gains 1 to k + 1 tokens; a call where no slot has a draft is a plain decode step. Up to `steps`
-    tokens per slot. Returns (tokens [B, steps] (-1 past a slot's last), the new state, the cache, DraftCounts).
+  def _spec_step(self, model, cache, st: DecodeState, room, drafts, count, sp, page_table, eos_ids, greedy: bool):
+    """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
+    count [B] of drafts [B, k] (a plain decode step when no slot has a draft). room [B]: tokens the slot may still
+    gain (0: none; it writes nothing). Returns (tokens [B, k + 1], n [B] kept of them, whether the n-th ends the
+    sequence [B], drafts accepted [B], cache).
 
     The verify rows write their K/V at the positions after `pos`; those of rejected drafts lie past the slot's
-    new length, where attention never reads (kv_len) and the next tokens overwrite them."""
-    model = self._model(params)
-    B = state.tokens.shape[0]
+    new length, where attention never reads (kv_len) and the next tokens overwrite them. fp8 pages are put back
+    as they were and the kept tokens' K/V written again, one at a time: a rejected draft's K/V could have raised a
+    page's scale (requantizing the page), and the pages are then bit for bit plain decoding's."""
+    B, k = drafts.shape
     Z, M = self.page_size, page_table.shape[1]
-    W = history.shape[1]
-    T = k + 1
-    rows = jnp.arange(T, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
     def slots_at(positions, real):
       page = jnp.take_along_axis(page_table, jnp.clip(positions // Z, 0, M - 1), axis=1)
       return jnp.where(real, page * Z + positions % Z, 0)                     # others: the null page (dropped)
 
-    def trim(tokens, n, room):
-      """The tokens a slot keeps of the n it gained: at most `room`, and none after an end-of-sequence token.
-      -> (kept [B], whether the last kept one ends the sequence [B])."""
+    def trim(tokens, n):
+      """At most `room` of the n tokens gained, and none after an end-of-sequence token: (n, eos)."""
       n = jnp.minimum(n, room)
       is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
       eos = jnp.any(is_eos, axis=1)
       return jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n), eos
 
-    def verify(cache, st, room, drafts, count):
-      positions = st.pos[:, None] + rows                                      # [B, T]
+    def verify(cache):
+      positions = st.pos[:, None] + rows                                      # [B, k + 1]
       fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
       slots = slots_at(positions, (room > 0)[:, None] & (rows <= count[:, None]))
       call = dict(cache=cache, slots=slots, page_table=page_table, kv_len=st.pos + 1 + count)
       if not cache.quantized:
         logits, cache = model(fed, positions, **call)
         tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
-        return tokens, *trim(tokens, n, room), accepted, cache
-      # fp8 pages: a rejected draft's K/V may have raised its page's scale (requantizing the page), so the pages
-      # the rows wrote are put back as they were and the kept tokens' K/V written again, one at a time.
+        return tokens, *trim(tokens, n), accepted, cache
       pages = kvc.written_pages(slots, Z).reshape(-1)
       saved = kvc.gather_pages(cache, pages)
       logits, cache, (k_new, v_new) = model(fed, positions, **call, kv_out=True)
       tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
-      n, eos = trim(tokens, n, room)
+      n, eos = trim(tokens, n)
       kept = jnp.where(rows < n[:, None], slots, 0)          # the fed tokens of the kept ones: rows 0 .. n - 1
       return tokens, n, eos, accepted, kvc.rewrite_tokens(cache, saved, pages, k_new, v_new, kept)
 
-    def plain(cache, st, room, drafts, count):
+    def plain(cache):
       slots = slots_at(st.pos[:, None], (room > 0)[:, None])
       logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slots, page_table=page_table,
                             kv_len=st.pos + 1)
       nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
-      tokens = jnp.zeros((B, T), jnp.int32).at[:, 0].set(nxt)
-      return tokens, *trim(tokens, jnp.ones(B, jnp.int32), room), jnp.zeros(B, jnp.int32), cache
+      tokens = jnp.zeros((B, k + 1), jnp.int32).at[:, 0].set(nxt)
+      return tokens, *trim(tokens, jnp.ones(B, jnp.int32)), jnp.zeros(B, jnp.int32), cache
+
+    return jax.lax.cond(jnp.any(count > 0), verify, plain, cache)
+
+  def _spec_once(self, params, cache, state: DecodeState, sp, page_table, eos_ids, drafts, count, *,
+                 greedy: bool = True):
+    """One `_spec_step` with the given drafts, every slot that is not done taking part (tools/bench_speculation.py
+    times it beside a plain step). Returns (tokens, n, cache)."""
+    room = jnp.where(state.done, 0, state.remaining)
+    count = jnp.clip(jnp.minimum(count, room - 1), 0, drafts.shape[1])
+    tokens, n, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp, page_table,
+                                             eos_ids, greedy)
+    return tokens, n, cache
+
+  def _decode_spec(self, params, cache, state: DecodeState, sp, page_table, eos_ids, history, *, steps: int,
+                   greedy: bool, ngram: int, k: int):
+    """`_decode` with prompt-lookup speculation (lcjax.engine.speculate): each model call (`_spec_step`) feeds
+    every live slot's last token and up to k drafts found in its `history` [B, W] (the token at each position; the
+    slot's fed token at `pos`) and gains 1 to k + 1 tokens. Up to `steps` tokens per slot. Returns (tokens
+    [B, steps] (-1 past a slot's last), the new state, the cache, DraftCounts)."""
+    model = self._model(params)
+    B, W = history.shape
+    rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
     def one(c):
       i, st, cache, out, n_out, history, counts = c
@@ -214,8 +234,8 @@ class Steps:
       room = jnp.where(active, jnp.minimum(st.remaining, steps - n_out), 0)  # tokens the slot may still gain
       drafts, count = speculate.find_drafts(history, st.pos + 1, ngram=ngram, k=k)
       count = jnp.clip(jnp.minimum(count, room - 1), 0, k)
-      tokens, n, eos, accepted, cache = jax.lax.cond(jnp.any(count > 0), verify, plain, cache, st, room, drafts,
-                                                     count)
+      tokens, n, eos, accepted, cache = self._spec_step(model, cache, st, room, drafts, count, sp, page_table,
+                                                        eos_ids, greedy)
       keep = rows < n[:, None]
       out = out.at[jnp.arange(B)[:, None], jnp.where(keep, n_out[:, None] + rows, steps)].set(tokens, mode="drop")
       history = history.at[jnp.arange(B)[:, None], jnp.where(keep, st.pos[:, None] + 1 + rows, W)].set(

@@ -61,6 +61,16 @@ def test_linear_shapes_are_the_models(name):
     R, N, Kd, _ = fp8_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
     assert (w8.shape[0], product_dims(ckpt, shape)) == (2, (N, Kd)), ckpt
     assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
+  # With `tensor`, the shapes are those of one device's shard of the weights the model shards by their axes.
+  from lcjax import sharding
+  for tensor in (2, 8):
+    if cfg.n_kv_heads % tensor:
+      continue
+    shardings = sharding.param_shardings(nnx.state(state, nnx.Param), sharding.make_mesh(tensor=tensor))
+    for ckpt, shape in linear_shapes(cfg, tensor).items():
+      _, block, w = ckpt.split("/")
+      local = shardings["layers"][block][w].shard_shape(layers[block][w].shape)
+      assert local[1:] == tuple(shape[i] for i in linear.kmajor_order(LINEAR[ckpt])), (ckpt, tensor, local, shape)
 
 
 def test_x_shape_is_what_einsum_multiplies():
@@ -177,10 +187,6 @@ def test_model_holds_weights_for_decode_sized_calls():
     nnx.update(m, state)
     logits[k], _ = m(tokens)
   np.testing.assert_allclose(logits["pallas-interpret"], logits["xla"], rtol=2e-5, atol=2e-5)
-  with pytest.raises(ValueError, match="decode_linear='pallas' runs on one device"):
-    from lcjax import sharding
-    Llama(cfg, weights=WeightFormat(fp8=True), decode_linear="pallas", mesh=sharding.make_mesh(tensor=2, seq=1),
-          rngs=nnx.Rngs(0))
 
 
 def _count_kernel_calls(monkeypatch):

@@ -281,10 +281,11 @@ class RunConfig:
                                      # "float8_e4m3fn" (a checkpoint in dtype is quantized at load, one scale per
                                      # output channel; lcjax.ops.linear). Embeddings, norms and the LM head stay
                                      # in dtype
-  linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (on one GPU mosaic
-                                     # on Hopper for products that tile by 64, else pallas; else xla; the log
-                                     # says why), "mosaic" (lcjax.ops.mgpu_gemv: reads the stacked fp8
-                                     # weights in place, one byte a weight, TMA and wgmma),
+  linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (on a GPU, each
+                                     # device of a mesh on its shards: mosaic on Hopper for products that tile by
+                                     # 64, else pallas; else xla; the log says why), "mosaic"
+                                     # (lcjax.ops.mgpu_gemv: reads the stacked fp8 weights in place, one byte
+                                     # a weight, TMA and wgmma),
                                      # "pallas" (lcjax.ops.fp8_gemv: the same product in Pallas' Triton
                                      # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
                                      # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)

@@ -102,8 +102,8 @@ with_run_xla_flags(os.environ)
 # runs whole on one worker, which builds them once (see pytest_xdist_make_scheduler).
 ONE_WORKER_MODULES = {"test_bos.py", "test_capacity.py", "test_context.py", "test_convert_gguf.py",
                       "test_convert_hf.py", "test_engine.py", "test_errors.py", "test_faults.py", "test_fuzz.py",
-                      "test_mesh.py", "test_restore_batches.py", "test_stream.py", "test_threads.py",
-                      "test_tokenizer.py", "test_tools.py"}
+                      "test_mesh.py", "test_mesh_gemv.py", "test_restore_batches.py", "test_stream.py",
+                      "test_threads.py", "test_tokenizer.py", "test_tools.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

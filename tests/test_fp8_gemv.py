@@ -61,6 +61,16 @@ def test_linear_shapes_are_the_models(name):
     R, N, Kd, _ = fp8_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
     assert (w8.shape[0], product_dims(ckpt, shape)) == (2, (N, Kd)), ckpt
     assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
+  # With `tensor`, the shapes are those of one device's shard of the weights the model shards by their axes.
+  from lcjax import sharding
+  for tensor in (2, 8):
+    if cfg.n_kv_heads % tensor:
+      continue
+    shardings = sharding.param_shardings(nnx.state(state, nnx.Param), sharding.make_mesh(tensor=tensor))
+    for ckpt, shape in linear_shapes(cfg, tensor).items():
+      _, block, w = ckpt.split("/")
+      local = shardings["layers"][block][w].shard_shape(layers[block][w].shape)
+      assert local[1:] == tuple(shape[i] for i in linear.kmajor_order(LINEAR[ckpt])), (ckpt, tensor, local, shape)
 
 
 def test_x_shape_is_what_einsum_multiplies():
@@ -177,10 +187,6 @@ def test_model_holds_weights_for_decode_sized_calls():
     nnx.update(m, state)
     logits[k], _ = m(tokens)
   np.testing.assert_allclose(logits["pallas-interpret"], logits["xla"], rtol=2e-5, atol=2e-5)
-  with pytest.raises(ValueError, match="decode_linear='pallas' runs on one device"):
-    from lcjax import sharding
-    Llama(cfg, weights=WeightFormat(fp8=True), decode_linear="pallas", mesh=sharding.make_mesh(tensor=2, seq=1),
-          rngs=nnx.Rngs(0))
 
 
 def _count_kernel_calls(monkeypatch):
@@ -234,20 +240,16 @@ def test_linear_kernel_refusals():
   on_ada = {"mosaic": "needs a Hopper GPU", "pallas": None}
   assert placement.gemv_kernels_unsupported(preset("tiny")) == on_cpu      # this test runs on CPUs
   with pytest.raises(ConfigError, match="linear_kernel='pallas': the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"):
-    placement.decode_linear(run, fp8, None, on_cpu)
+    placement.decode_linear(run, fp8, on_cpu)
   with pytest.raises(ConfigError, match="linear_kernel='mosaic': needs a Hopper GPU$"):
-    placement.decode_linear(run.replace(linear_kernel="mosaic"), fp8, None, on_ada)
+    placement.decode_linear(run.replace(linear_kernel="mosaic"), fp8, on_ada)
   with pytest.raises(ConfigError, match="linear_kernel='pallas' multiplies fp8 weights, and these are float32"):
-    placement.decode_linear(run, WeightFormat(), None, on_hopper)
-  from lcjax import sharding
-  for ask in ("pallas", "mosaic"):
-    with pytest.raises(ConfigError, match="runs on one device, not a mesh"):
-      placement.decode_linear(run.replace(linear_kernel=ask), fp8, sharding.make_mesh(tensor=2, seq=1), on_hopper)
-  assert placement.decode_linear(run, fp8, None, on_hopper)[0] == "pallas"
+    placement.decode_linear(run, WeightFormat(), on_hopper)
+  assert placement.decode_linear(run, fp8, on_hopper)[0] == "pallas"
   auto = run.replace(linear_kernel="auto")
-  assert placement.decode_linear(auto, fp8, None, on_hopper)[0] == "mosaic"
-  assert placement.decode_linear(auto, fp8, None, on_ada) == ("pallas", "linear_kernel='auto'; needs a Hopper GPU")
-  assert placement.decode_linear(auto, fp8, None, on_cpu) == ("xla", f"linear_kernel='auto': {mcpu}; {cpu}")
+  assert placement.decode_linear(auto, fp8, on_hopper)[0] == "mosaic"
+  assert placement.decode_linear(auto, fp8, on_ada) == ("pallas", "linear_kernel='auto'; needs a Hopper GPU")
+  assert placement.decode_linear(auto, fp8, on_cpu) == ("xla", f"linear_kernel='auto': {mcpu}; {cpu}")
   with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, mosaic, pallas, "
                                         "pallas-interpret"):
     RunConfig(linear_kernel="fast")
@@ -257,7 +259,8 @@ def test_linear_kernel_refusals():
 
 def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   """On a Hopper GPU (both kernels' device checks pass), a model whose products do not tile by 64 names the first
-  such weight: a refusal for linear_kernel='mosaic', the Triton kernel with that reason for 'auto'."""
+  such weight: a refusal for linear_kernel='mosaic', the Triton kernel with that reason for 'auto'; on a mesh, the
+  first such shard."""
   from lcjax.ops import mgpu_gemv
   monkeypatch.setattr(mgpu_gemv, "unsupported", lambda: None)
   monkeypatch.setattr(fp8_gemv, "unsupported", lambda: None)
@@ -272,10 +275,15 @@ def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   fp8 = WeightFormat(fp8=True)
   run = RunConfig(dtype="float32", linear_kernel="mosaic")
   with pytest.raises(ConfigError, match=f"^linear_kernel='mosaic': {why}$"):
-    placement.decode_linear(run, fp8, None, placement.gemv_kernels_unsupported(odd_ffn))
-  auto = placement.decode_linear(run.replace(linear_kernel="auto"), fp8, None,
+    placement.decode_linear(run, fp8, placement.gemv_kernels_unsupported(odd_ffn))
+  auto = placement.decode_linear(run.replace(linear_kernel="auto"), fp8,
                                  placement.gemv_kernels_unsupported(odd_ffn))
   assert auto == ("pallas", f"linear_kernel='auto'; {why}")
+  # On a mesh each device multiplies its own shards: at tensor=2, wo's contracted length is 2 heads x 16.
+  shard_why = "wo: the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: Kd=32 is not a multiple of 64"
+  assert placement.gemv_kernels_unsupported(tiny, tensor=2)["mosaic"] == shard_why
+  with pytest.raises(ConfigError, match=f"^linear_kernel='mosaic': {shard_why}$"):
+    placement.check_kernels(tiny, run.replace(tensor=2), fp8)
 
 
 def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeypatch):

@@ -19,7 +19,7 @@ from flax import nnx
 
 from lcjax import sharding as sh
 from lcjax.cache import kv as kvc
-from lcjax.config import PRESETS, ConfigError, ModelConfig, RunConfig, preset
+from lcjax.config import PRESETS, ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.engine import plan as planlib
 from lcjax.engine.engine import Engine
 from lcjax.engine.placement import serving_config, serving_model, serving_shardings
@@ -40,13 +40,21 @@ def _device_bytes(tree) -> dict:
   return out
 
 
-@pytest.mark.parametrize("tensor,seq,cache_dtype", [(1, 1, "auto"), (2, 4, "auto"), (4, 2, "float8_e4m3fn"),
-                                                     (8, 1, "auto"), (1, 8, "bfloat16")])
-def test_plan_equals_sharded_state(tensor, seq, cache_dtype):
+FP8 = "float8_e4m3fn"
+
+
+@pytest.mark.parametrize("tensor,seq,cache_dtype,weight_dtype", [
+    (1, 1, "auto", "auto"), (2, 4, "auto", "auto"), (4, 2, FP8, "auto"), (8, 1, "auto", "auto"),
+    (1, 8, "bfloat16", "auto"), (1, 1, FP8, FP8), (2, 1, FP8, FP8), (2, 2, FP8, FP8), (4, 2, FP8, FP8),
+    (8, 1, "auto", FP8)])
+def test_plan_equals_sharded_state(tensor, seq, cache_dtype, weight_dtype):
+  """fp8 weights: one byte a weight sharded as in the parameter dtype, float32 scales sharded with their output
+  channels (wo's and w_down's, along D, replicated), the KV heads' repeats counted (tensor 4 and 8)."""
   run = RunConfig(dtype="float32", cache_dtype=cache_dtype, page_size=4, prefill_chunk=32, max_context=100,
-                  max_batch=3, tensor=tensor, seq=seq, attention="reference")
+                  max_batch=3, tensor=tensor, seq=seq, attention="reference", weight_dtype=weight_dtype)
   eng = Engine.random(TINY8, run=run)
   p = eng.plan
+  assert eng.weights.fp8 == (weight_dtype == FP8) and p.weight_dtype.startswith("float8") == eng.weights.fp8
   weights, cache = _device_bytes(eng.params), _device_bytes(eng.cache)
   assert len(weights) == len(cache) == tensor * seq
   assert set(weights.values()) == {p.weights}
@@ -79,6 +87,30 @@ def test_plan_equals_eval_shape_of_presets(name, tensor, seq):
   pool = kvc.cache_shardings(mesh, quantized=False).k
   assert 2 * math.prod(pool.shard_shape(shape)) * 2 == p.kv_cache
   assert rep == p.kv_replication
+
+
+@pytest.mark.parametrize("tensor,seq", [(2, 1), (1, 2), (4, 1), (2, 2), (8, 1), (4, 2), (2, 4)])
+def test_plan_of_fp8_70b_equals_eval_shape(tensor, seq):
+  """Llama-3.1-70B with fp8 weights and an fp8 cache at 512K tokens on meshes of 2, 4 and 8 devices: the plan's
+  weights and KV cache per device are the shards of the serving model's abstract state (e4m3 weights and their
+  float32 scales) and of the pools with their float32 scales."""
+  cfg = preset("llama3.1-70b")
+  run = RunConfig(dtype="bfloat16", weight_dtype=FP8, cache_dtype=FP8, tensor=tensor, seq=seq, max_batch=1,
+                  page_size=256, prefill_chunk=16384, max_context=524288, allow_beyond_trained_context=True)
+  mesh = sh.make_mesh(tensor=tensor, seq=seq)
+  fp8 = WeightFormat(fp8=True)
+  p = planlib.plan(cfg, run, weights=fp8)
+  _, shardings = serving_shardings(cfg, run, mesh, weights=fp8)
+  abstract = nnx.state(nnx.eval_shape(lambda: serving_model(cfg, run, mesh, weights=fp8)), nnx.Param)
+  leaves = list(zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+  assert {a.dtype.name for a, _ in leaves} == {"float8_e4m3fn", "float32", "bfloat16"}
+  assert sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in leaves) == p.weights
+  net, _ = serving_config(cfg, run)
+  shape = kvc.cache_shape(cfg.n_layers, p.num_pages, run.page_size, net.n_kv_heads, cfg.head_dim)
+  pools = kvc.cache_shardings(mesh, quantized=True)
+  scales = pools.k_scale.shard_shape((cfg.n_layers, p.num_pages, net.n_kv_heads))
+  assert 2 * math.prod(pools.k.shard_shape(shape)) + 2 * math.prod(scales) * 4 == p.kv_cache
+  assert p.tokens_capacity >= 524288
 
 
 def test_plan_kv_replication_and_comm_model():

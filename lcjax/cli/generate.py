@@ -289,7 +289,7 @@ def _generate() -> None:
   placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
   check_context_length(model_cfg, run)
   weights = stored.for_run(run.weight_dtype)
-  placement.check_kernels(model_cfg, run, weights, mesh)   # a kernel the run names that cannot serve
+  placement.check_kernels(model_cfg, run, weights)   # a kernel the run names that cannot serve
   plan = planlib.plan(model_cfg, run, weights=weights)
   print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
   planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))

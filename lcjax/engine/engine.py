@@ -142,8 +142,8 @@ class Engine:
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
     self.weights = weight_format(params).for_run(self.run.weight_dtype)
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
-    self.decode_linear, why = placement.decode_linear(self.run, self.weights, self.mesh,
-                                                      placement.gemv_kernels_unsupported(self.serving_cfg))
+    self.decode_linear, why = placement.decode_linear(
+        self.run, self.weights, placement.gemv_kernels_unsupported(self.serving_cfg, self.run.tensor))
     if self.weights.fp8 and self.decode_linear == "xla":
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
@@ -206,7 +206,8 @@ class Engine:
   @property
   def linear_kernels(self) -> str:
     """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
-    and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call)."""
+    and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call), and on a mesh that a GEMV kernel
+    runs on each device's shards."""
     if not self.weights.fp8:
       return self.run.dtype
     acts = "static" if self.weights.static_inputs else "per-token"
@@ -214,6 +215,8 @@ class Engine:
              "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)",
              "pallas": "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)",
              "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[self.decode_linear]
+    if self.decode_linear != "xla" and self.mesh.size > 1:
+      small += f" on each device's shards (seq={self.run.seq} x tensor={self.run.tensor})"
     return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else {small}"
 
   def close(self) -> None:
@@ -248,7 +251,7 @@ class Engine:
     placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
     # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
     weights = WeightFormat().for_run(run.weight_dtype)
-    placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
+    placement.check_kernels(model_cfg, run, weights)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
@@ -282,7 +285,7 @@ class Engine:
     weights = stored.for_run(run.weight_dtype)
     check_context_length(model_cfg, run)         # refuse before reading what cannot run
     placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
-    placement.check_kernels(model_cfg, run, weights, mesh)   # refuse a kernel that cannot serve
+    placement.check_kernels(model_cfg, run, weights)   # refuse a kernel that cannot serve
     planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
                         *placement.device_memory(mesh))
     ckpt_dir = resolve_checkpoint(ckpt_dir)

@@ -74,18 +74,20 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
   return serving, rep
 
 
-def gemv_kernels_unsupported(cfg: ModelConfig) -> dict[str, str | None]:
+def gemv_kernels_unsupported(cfg: ModelConfig, tensor: int = 1) -> dict[str, str | None]:
   """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
-  prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+)."""
-  dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg).items()}
+  prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+). On a mesh of
+  `tensor` devices each runs the kernel on its shard of every weight: the shapes checked are the shards'."""
+  dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg, tensor).items()}
   bad = [f"{name}: {why}" for name, s in dims.items() if (why := mgpu_gemv.unsupported_shape(*s))]
   return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": fp8_gemv.unsupported()}
 
 
-def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: dict[str, str | None]) -> tuple[str, str]:
+def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, str | None]) -> tuple[str, str]:
   """(Llama's decode_linear for RunConfig.linear_kernel, why): what multiplies fp8 weights in decode-sized
-  calls. no_kernel: `gemv_kernels_unsupported()`. A kernel asked for by name that cannot serve raises ConfigError;
-  "auto" takes the first kernel that can ("mosaic", then "pallas"), else "xla", and says why."""
+  calls, on one device or on each device of a mesh (Llama._gemv_mesh). no_kernel: `gemv_kernels_unsupported()`
+  for the run's tensor size. A kernel asked for by name that cannot serve raises ConfigError; "auto" takes the
+  first kernel that can ("mosaic", then "pallas"), else "xla", and says why."""
   ask = run.linear_kernel
   named = ask in ("mosaic", "pallas", "pallas-interpret")
   if not weights.fp8:
@@ -93,11 +95,6 @@ def decode_linear(run: RunConfig, weights: WeightFormat, mesh, no_kernel: dict[s
       raise ConfigError(f"linear_kernel={ask!r} multiplies fp8 weights, and these are {run.dtype} "
                         f"(weight_dtype={run.weight_dtype!r})")
     return "xla", "the weights are not fp8"
-  if mesh is not None and mesh.size > 1:
-    why = f"the fp8 GEMV kernel runs on one device, not a mesh of {dict(mesh.shape)}"
-    if named:
-      raise ConfigError(f"linear_kernel={ask!r}: {why}")
-    return "xla", why
   if ask in ("mosaic", "pallas") and no_kernel[ask]:
     hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
     raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{hint}")
@@ -136,10 +133,12 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
   return ("pallas" if ask == "auto" else ask), f"page_write={ask!r}"
 
 
-def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat, mesh) -> None:
-  """Refuse (ConfigError) a kernel the run names that cannot serve it here: RunConfig.linear_kernel and
-  RunConfig.page_write. For the checks before any weight is read or made."""
-  decode_linear(run, weights, mesh, gemv_kernels_unsupported(model_cfg))
+def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat) -> None:
+  """Refuse (ConfigError) a kernel the run names that cannot serve it here: RunConfig.linear_kernel (for the
+  serving model's shards on run.tensor devices) and RunConfig.page_write. For the checks before any weight is read
+  or made."""
+  serving, _ = serving_config(model_cfg, run)
+  decode_linear(run, weights, gemv_kernels_unsupported(serving, run.tensor))
   page_write(run, model_cfg.head_dim)
 
 
@@ -152,7 +151,7 @@ def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, 
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
   if linear is None:
-    linear, _ = decode_linear(run, weights, mesh, gemv_kernels_unsupported(serving))
+    linear, _ = decode_linear(run, weights, gemv_kernels_unsupported(serving, run.tensor))
   if page is None:
     page, _ = page_write(run, serving.head_dim)
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,

@@ -17,7 +17,8 @@ logits of one position per sequence (prefill needs just the last one). An fp8 ca
 from the tokens written into them (lcjax.cache.kv).
 
 On a mesh (`mesh=`, axes "seq" x "tensor"; lcjax.sharding) the same call forms hold, inputs and outputs in
-natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP);
+natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP,
+but for the GEMV kernel's fp8 products, which run on each device's shards in a shard_map: `Llama._gemv_mesh`);
 attention runs in one shard_map over both axes with the heads local:
   full forward / prefill chunk   the call's tokens are padded to a multiple of 2 * seq and permuted into the
       zigzag layout (lcjax.ops.ring) before the embedding, so activations stay split over `seq` through every
@@ -51,10 +52,11 @@ from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops import mgpu_gemv
 from lcjax.ops.fp8_gemv import gemv_stacked
-from lcjax.ops.linear import (WIDEN_MAX_ROWS, dense, dequantize_weight, kmajor_axes, quantize_axes,
-                               quantize_weight)
+from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
+                               quantize_axes, quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
+from lcjax import sharding as sh
 from lcjax.sharding import SEQ, TENSOR, constrain
 
 
@@ -86,6 +88,12 @@ def _draw(rngs, shape, dtype, std, n_layers, transform=None):
   return one(key) if n_layers is None else jax.lax.map(one, jax.random.split(key, n_layers))
 
 
+# The logical axes of the linear layers' weights in the model's layout, by checkpoint name.
+LINEAR_AXES = {"layers/attn/wqkv": ("embed", "kv_heads", None, "head_dim"),
+               "layers/attn/wo": ("heads", "head_dim", "embed"),
+               "layers/mlp/w_gate_up": ("embed", None, "mlp"), "layers/mlp/w_down": ("mlp", "embed")}
+
+
 def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights: WeightFormat):
   """Set the weight `name` of a linear layer (the second operand of einsum `spec`) on `module`: in `dtype`, or for
   fp8 weights as e4m3 `name` with float32 `name_scale`, both K-major (lcjax.ops.linear: the same draw in `dtype`,
@@ -105,12 +113,15 @@ def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights
 
 def _apply(module, name, x, spec, gemv=None):
   """einsum(spec, x, weight `name`) for a weight set by `_linear`. gemv: for fp8 weights held whole by the layer
-  scan (stacked [L, ...]), the product of this layer's slice (`Llama._gemv`)."""
+  scan (stacked [L, ...]), the product of this layer's slice (`Llama._gemv`), handed the weight's and the scale's
+  logical axes."""
   w = getattr(module, name)[...]
   if not hasattr(module, name + "_scale"):
     return jnp.einsum(spec, x, w)
   if gemv is not None:
-    return gemv(x, w, getattr(module, name + "_scale")[...], spec)
+    scale = getattr(module, name + "_scale")
+    axes = (getattr(module, name).get_metadata()["axes"], scale.get_metadata()["axes"])
+    return gemv(x, w, scale[...], spec, axes)
   in_scale = getattr(module, name + "_in_scale", None)
   return dense(x, w, getattr(module, name + "_scale")[...], spec,
                in_scale=None if in_scale is None else in_scale[...])
@@ -145,9 +156,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     D, N, H = cfg.dim, cfg.n_heads, cfg.head_dim
     shapes = linear_shapes(cfg)
-    _linear(self, "wqkv", rngs, shapes["layers/attn/wqkv"], ("embed", "kv_heads", None, "head_dim"), dtype,
-            D ** -0.5, n_layers, self.QKV, weights)
-    _linear(self, "wo", rngs, shapes["layers/attn/wo"], ("heads", "head_dim", "embed"), dtype, (N * H) ** -0.5,
+    _linear(self, "wqkv", rngs, shapes["layers/attn/wqkv"], LINEAR_AXES["layers/attn/wqkv"], dtype, D ** -0.5,
+            n_layers, self.QKV, weights)
+    _linear(self, "wo", rngs, shapes["layers/attn/wo"], LINEAR_AXES["layers/attn/wo"], dtype, (N * H) ** -0.5,
             n_layers, self.OUT, weights)
 
   def qkv(self, x, rope, gemv=None):
@@ -171,10 +182,10 @@ class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype, rngs, n_layers=None, weights: WeightFormat = WeightFormat()):
     D, F = cfg.dim, cfg.ffn_dim
     shapes = linear_shapes(cfg)
-    _linear(self, "w_gate_up", rngs, shapes["layers/mlp/w_gate_up"], ("embed", None, "mlp"), dtype, D ** -0.5,
-            n_layers, self.GATE_UP, weights)
-    _linear(self, "w_down", rngs, shapes["layers/mlp/w_down"], ("mlp", "embed"), dtype, F ** -0.5, n_layers,
-            self.DOWN, weights)
+    _linear(self, "w_gate_up", rngs, shapes["layers/mlp/w_gate_up"], LINEAR_AXES["layers/mlp/w_gate_up"], dtype,
+            D ** -0.5, n_layers, self.GATE_UP, weights)
+    _linear(self, "w_down", rngs, shapes["layers/mlp/w_down"], LINEAR_AXES["layers/mlp/w_down"], dtype,
+            F ** -0.5, n_layers, self.DOWN, weights)
 
   def __call__(self, x, gemv=None):
     gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv)      # [B, T, 2, F]
@@ -224,11 +235,15 @@ LINEAR = {"layers/attn/wqkv": Attention.QKV, "layers/attn/wo": Attention.OUT, "l
           "layers/mlp/w_down": MLP.DOWN}
 
 
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """The model-layout shapes of one layer's four linear weights, by checkpoint name (LINEAR's keys)."""
+def linear_shapes(cfg: ModelConfig, tensor: int = 1) -> dict[str, tuple[int, ...]]:
+  """The model-layout shapes of one layer's four linear weights, by checkpoint name (LINEAR's keys); with `tensor`
+  the shapes of one device's shard on a mesh of that tensor size (the dimensions LINEAR_AXES puts on `tensor`
+  divided; check_mesh's divisibility assumed)."""
   D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-  return {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
-          "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+  shapes = {"layers/attn/wqkv": (D, K, N // K + 2, H), "layers/attn/wo": (N, H, D),
+            "layers/mlp/w_gate_up": (D, 2, F), "layers/mlp/w_down": (F, D)}
+  return {name: tuple(n // tensor if sh.spec((a,))[0] == TENSOR else n for n, a in zip(shape, LINEAR_AXES[name]))
+          for name, shape in shapes.items()}
 
 
 def product_dims(name: str, shape) -> tuple[int, int]:
@@ -320,15 +335,13 @@ class Llama(nnx.Module):
     are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
     of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
     layer's slice), "mosaic" (lcjax.ops.mgpu_gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
-    (lcjax.ops.fp8_gemv's kernel on the stacked weights; one device) or "pallas-interpret" (that kernel in the
-    Pallas interpreter, for CPUs). page_write: what writes a decode
+    (lcjax.ops.fp8_gemv's kernel on the stacked weights) or "pallas-interpret" (that kernel in the Pallas
+    interpreter, for CPUs); on a mesh the kernels run per shard (`_gemv_mesh`). page_write: what writes a decode
     step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel)."""
     if decode_linear not in DECODE_LINEAR:
       raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
     if decode_linear != "xla" and not weights.fp8:
       raise ValueError(f"{decode_linear=} multiplies fp8 weights; these are in the parameter dtype")
-    if decode_linear != "xla" and mesh is not None and mesh.size > 1:
-      raise ValueError(f"{decode_linear=} runs on one device, not a mesh of {dict(mesh.shape)}")
     self.cfg = cfg
     self.weights = weights
     self.decode_linear = decode_linear
@@ -477,12 +490,47 @@ class Llama(nnx.Module):
     scan then holds the fp8 weights and scales whole, and the kernel reads layer i's slice in place."""
     return self.weights.fp8 and self.decode_linear != "xla" and rows <= WIDEN_MAX_ROWS
 
-  def _gemv(self, layer):
-    """The product `_apply` runs for layer `layer` over the whole stacked fp8 weights."""
+  def _gemv(self, layer, split: bool = False):
+    """The product `_apply` runs for layer `layer` over the whole stacked fp8 weights (on a mesh: `_gemv_mesh`,
+    the call's tokens split over `seq` when `split`)."""
+    if self.mesh is not None:
+      return functools.partial(self._gemv_mesh, layer, split)
     if self.decode_linear == "mosaic":
-      return lambda x, w8, scale, spec: mgpu_gemv.gemv_stacked(x, w8, scale, layer, spec)
+      return lambda x, w8, scale, spec, axes: mgpu_gemv.gemv_stacked(x, w8, scale, layer, spec)
     interpret = self.decode_linear == "pallas-interpret"
-    return lambda x, w8, scale, spec: gemv_stacked(x, w8, scale, layer, spec, interpret=interpret)
+    return lambda x, w8, scale, spec, axes: gemv_stacked(x, w8, scale, layer, spec, interpret=interpret)
+
+  def _gemv_mesh(self, layer, split: bool, x, w8, scale, spec: str, axes):
+    """The GEMV kernel's product on the mesh, in one shard_map over ("seq", "tensor") in which each device runs the
+    kernel on its own slices. The stacked weight and its scale come in as their logical `axes` shard them; x's
+    rows as the call's tokens lie (split over `seq`, or replicated: a decode call's few tokens) and x's
+    contracted channels as the weight's. Output channels sharded on `tensor` (wqkv by KV heads, w_gate_up by
+    MLP channels) give the output sharded alike; contracted channels sharded on `tensor` (wo by heads, w_down by
+    MLP channels) give each device a partial product of its input and weight slices, summed in float32 by a psum
+    over `tensor`."""
+    w_axes, s_axes = axes
+    xs, ws, out = contracted(kmajor_spec(spec))
+    w_spec = sh.spec(w_axes)
+    if len(w_spec) != len(ws) + 1:
+      raise ValueError(f"einsum {spec!r}: a stacked weight with logical axes {tuple(w_axes)} is not [L, {ws}]")
+    on = dict(zip(ws, tuple(w_spec)[1:]))                    # weight label -> mesh axis (the leading L is whole)
+    rows = [c for c in xs if c not in ws]                    # x's batch and token labels
+    on.update(zip(rows, sh.spec(self._row_axes(split))))
+    x_spec, out_spec = P(*(on[c] for c in xs)), P(*(on[c] for c in out))
+    summed = tuple(dict.fromkeys(on[c] for c in xs if c in ws and c not in out and on[c] is not None))
+    if self.decode_linear == "mosaic":
+      kernel = mgpu_gemv.gemv_stacked
+    else:
+      kernel = functools.partial(gemv_stacked, interpret=self.decode_linear == "pallas-interpret")
+
+    def body(layer, x, w8, scale):
+      if not summed:
+        return kernel(x, w8, scale, layer, spec)
+      return lax.psum(kernel(x, w8, scale, layer, spec, dtype=jnp.float32), summed).astype(x.dtype)
+
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), x_spec, w_spec, sh.spec(s_axes)), out_specs=out_spec,
+                       check_vma=False)
+    return fn(layer, x, w8, scale)
 
   def _split_layers(self, rows: int):
     """(graphdef, the layer state the scan slices, the state it holds whole) of the stacked layers."""
@@ -492,8 +540,13 @@ class Llama(nnx.Module):
     return nnx.split(self.layers, lambda path, _: str(path[-1]) not in _HELD, ...)
 
   @staticmethod
+  def _row_axes(split: bool):
+    """The logical axes of the batch and token dimensions of a call's activations."""
+    return ("batch", "length" if split else None)
+
+  @staticmethod
   def _x_axes(step: CallContext):
-    return ("batch", "length" if step.split else None, "embed")
+    return (*Llama._row_axes(step.split), "embed")
 
   # -- forward -----------------------------------------------------------------------------------
   def __call__(self, tokens, positions=None, *, cache: kvc.PagedKV | None = None, slots=None,
@@ -540,7 +593,7 @@ class Llama(nnx.Module):
     def block_and_gemv(layer_params, i):
       if held is None:
         return nnx.merge(graphdef, layer_params), None
-      return nnx.merge(graphdef, layer_params, held), self._gemv(i)
+      return nnx.merge(graphdef, layer_params, held), self._gemv(i, split)
 
     layer_ids = jnp.arange(self.cfg.n_layers)
     if cache is None:

@@ -188,9 +188,11 @@ def scale_rows(x2):
   return jnp.stack([hi, (xf - jax.lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float16)]), s
 
 
-def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False):
-  """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
-  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar."""
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False,
+                 dtype=None):
+  """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most tuning.max_rows rows,
+  w8 [L, ...] e4m3 and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int
+  scalar."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
   L = w8.shape[0]
@@ -221,7 +223,7 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   )(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w)
   w_scale = jax.lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)     # [N]
   y = jnp.sum(parts[:, :R], axis=0) * xs * w_scale
-  return y.reshape(out_shape).astype(x.dtype)
+  return y.reshape(out_shape).astype(dtype or x.dtype)
 
 
 def gemv_stacked_reference(x, w8, scale, layer, spec: str):

@@ -276,11 +276,11 @@ def _call(layer, x16, w, p: Plan):
   )(layer, x16, w)
 
 
-def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning()):
-  """einsum(spec, x, w8[layer] * scale[layer]) in x's dtype: x of at most tuning.max_rows rows, w8 [L, ...] e4m3
-  and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int scalar. Its float32
-  model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
-  return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning).astype(x.dtype)
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning(), dtype=None):
+  """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most tuning.max_rows rows,
+  w8 [L, ...] e4m3 and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int
+  scalar. Its float32 model is lcjax.ops.fp8_gemv.gemv_stacked_reference."""
+  return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning).astype(dtype or x.dtype)
 
 
 def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning()):

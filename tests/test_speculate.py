@@ -265,3 +265,17 @@ def test_verify_rows_on_a_seq_mesh_see_only_earlier_tokens():
   finally:
     eng.scheduler.release(r)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_warm_up_compiles_the_speculative_loop_generate_then_uses():
+  from tests.test_engine import _Compiles
+  eng = Engine.random(TINY, run=RUN.replace(decode_steps=4, **SPEC), seed=3)
+  count = _Compiles()
+  try:
+    assert eng.warm_up(len(PROMPTS[1])) == 3                # chunks of 32 (both), first token, decode
+    count.seen.clear()
+    out = eng.generate(PROMPTS[1], max_new_tokens=40)
+    assert count.seen == [] and out.stats["drafts_accepted"] > 0
+  finally:
+    count.close()
+    eng.close()

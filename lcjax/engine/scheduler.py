@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -63,6 +64,11 @@ class Request:
   # Called after each prefill chunk of this request with (index, tokens prefilled, tokens to prefill); the chunk is
   # waited for first, so the numbers are what the device has done. Each call's own: never another caller's.
   on_progress: Callable[[int, int, int], None] | None = None
+
+  @functools.cached_property
+  def prompt_ids(self) -> np.ndarray:
+    """The prompt as an int32 array (made once: speculative decoding copies it into every decode call's input)."""
+    return np.asarray(self.prompt, np.int32)
 
 
 def _bucket(n: int, lo: int, hi: int | None = None) -> int:
@@ -497,7 +503,7 @@ class Scheduler:
     for b, r in enumerate(live):
       if r is not None:
         n = len(r.prompt)
-        hist[b, :n] = r.prompt
+        hist[b, :n] = r.prompt_ids
         hist[b, n:n + len(r.out)] = r.out
     return hist
 

@@ -37,6 +37,7 @@ TOPICS = {
   "stream": "decode steps per device call: ms/token of streamed decoding",
   "multigpu": "the 70B shape on one H200 (8 of 80 layers), and its extrapolation to 8 GPUs",
   "lengths": "prefill and question times at unaligned lengths beside aligned ones, checked to grow with length",
+  "speculation": "prompt-lookup speculative decoding: tokens per model call on real answers, a verify step's cost",
 }
 
 

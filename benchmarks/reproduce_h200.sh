@@ -47,6 +47,10 @@
 #                 checked to grow with length: lengths-8b-h200 (8B shape, fp8 weights + fp8 KV + FP8 attention),
 #                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072)
 #                                                                                         ~2.5 + 2 + 2 min
+#   speculation   speculation.{json,md}: prompt-lookup speculative decoding: tokens per model call on real answers
+#                 with the bundled SmolLM2 (speculation-smollm2-h200, and speculation-smollm2-cpu on the CPU), and
+#                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200, -8b-512k-h200 at
+#                 512K, -70b-h200)                                         predicted ~2 + 5 + 4 + 3 + 4 min
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
@@ -59,7 +63,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 PARTS=${PARTS:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
-all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths tables)
+all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths speculation tables)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all[@]}")
 for step in "${steps[@]}"; do
@@ -183,6 +187,15 @@ for step in "${steps[@]}"; do
       python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8w --out="$P" --name=lengths-8b-bf16attn-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_lengths.py --preset=llama3.1-70b \
         --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200 ;;
+    speculation)
+      python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-h200
+      JAX_PLATFORMS=cpu python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-cpu
+      python3 tools/bench_speculation.py --task=cost --contexts=32768,131072 --batches=1,8 \
+        --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-8b-h200
+      python3 tools/bench_speculation.py --task=cost --contexts=524288 --batches=1 \
+        --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-8b-512k-h200
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_speculation.py --task=cost --preset=llama3.1-70b \
+        --contexts=131072 --batches=1 --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-70b-h200 ;;
     tables)
       # The tables of README.md and docs/ that benchmarks/tables.py makes from the topic files
       if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi

@@ -197,9 +197,33 @@ def lengths(kind: str) -> list[str]:
   return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
 
 
+# Speculation: the parts of speculation.json that measured tokens per model call on real answers
+# (tools/bench_speculation.py --task=answers), and the device each ran on.
+SPECULATION_ANSWERS = [("speculation-smollm2-cpu", "CPU")]
+ANSWER_KINDS = [("quote", "quoting answers"), ("summary", "summaries"), ("unrelated", "answers not about it")]
+
+
+def speculation_answers() -> list[str]:
+  """Per setting (plain, then each draft_ngram x draft_tokens): decoded tokens per model call, the mean over each
+  kind's questions; drafts kept of those proposed; answers with the same tokens as plain decoding."""
+  out = []
+  for part, device in SPECULATION_ANSWERS:
+    rows = _rows("speculation", part)
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+      mine = [r for r in rows if r["setting"] == setting]
+      per = [sum(r["tokens_per_call"] for r in mine if r["kind"] == k) / sum(r["kind"] == k for r in mine)
+             for k, _ in ANSWER_KINDS]
+      kept = f"{sum(r['drafts_accepted'] for r in mine)} of {sum(r['drafts_proposed'] for r in mine)}"
+      same = f"{sum(r['same_tokens_as_plain'] for r in mine)} of {len(mine)}"
+      out.append([setting, *(f"{x:.2f}" for x in per), kept, same, f"{device}; {_file('speculation', part)}"])
+  return _table(["setting", *(f"tokens / call, {label}" for _, label in ANSWER_KINDS), "drafts kept",
+                 "same tokens as plain", "device; file"], out)
+
+
 TABLES = {"longctx-8b": longctx_8b, "longctx-8b-headline": longctx_8b_headline, "fp8w": fp8w,
           "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache,
-          "lengths-documents": lambda: lengths("document"), "lengths-questions": lambda: lengths("question")}
+          "lengths-documents": lambda: lengths("document"), "lengths-questions": lambda: lengths("question"),
+          "speculation-answers": speculation_answers}
 
 
 def pages(repo: pathlib.Path = REPO) -> list[pathlib.Path]:

@@ -278,3 +278,16 @@ def test_bench_lengths_rows_and_check(tmp_path):
   assert monotone_violations([(100, 1.0), (200, 2.0), (300, 2.05)], 1.05) == []
   assert monotone_violations([(200, 2.2), (100, 1.0), (300, 2.0)], 1.05) == [
       dict(shorter=200, longer=300, shorter_s=2.2, longer_s=2.0)]
+
+
+def test_bench_speculation_cost_rows(tmp_path):
+  """The verify-step cost task end to end on the CPU: a row per (cache dtype, context, batch, k), k = 0 the plain
+  step through the same entry; its ratio is 1 and the kernels that ran are named."""
+  _run("bench_speculation.py", "--task=cost", "--preset=tiny", "--variants=float32,float8_e4m3fn", "--contexts=100",
+       "--batches=1,2", "--draft_tokens=3", "--reps=2", "--page_size=16", f"--out={tmp_path}", "--name=sc")
+  rows = json.load(open(tmp_path / "sc.json"))["rows"]
+  assert [(r["variant"], r["batch"], r["k"]) for r in rows] == [
+      (v, b, k) for v in ("float32", "float8_e4m3fn") for b in (1, 2) for k in (0, 3)]
+  assert all(r["step_ms"] > 0 and r["plain_decode_ms_per_token"] > 0 for r in rows)
+  assert all(r["step_over_plain_step"] == 1.0 for r in rows if r["k"] == 0)
+  assert {r["kernels"]["page_write"] for r in rows} == {"xla"} and all(r["kernels"]["attention"] for r in rows)

@@ -102,6 +102,21 @@ def test_plan_once_and_the_model_named_by_its_checkpoint(ckpt):
   assert re.search(r"^  decode +[0-9.]+ ms/token \(kernel: reference, fp8 page write: xla\)$", fp8.stdout, re.M)
 
 
+def test_speculation_from_the_command_line(ckpt):
+  """--config.draft=prompt: the stats say how many tokens each decode call gained and how many drafts were kept;
+  the answer is plain decoding's (greedy)."""
+  args = CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", "--prompt_ids=" + ",".join(["5", "6", "7", "8"] * 6),
+                    "--max_new_tokens=24"]
+  plain, spec = (cli_inprocess.run(args + extra) for extra in ([], ["--config.draft=prompt", "--config.draft_ngram=2"]))
+  assert plain.returncode == spec.returncode == 0, spec.stderr[-3000:]
+  assert "speculation" not in plain.stdout
+  kept = re.search(r"^  speculation +([0-9.]+) tokens per decode call \(([0-9,]+) of ([0-9,]+) drafts from the "
+                   r"prompt kept\)$", spec.stdout, re.M)
+  assert kept and int(kept.group(3)) > 0, spec.stdout
+  answer = lambda p: p.stdout.split("\n  model")[0]
+  assert answer(spec) == answer(plain)
+
+
 def test_config_overrides_without_a_config_file(ckpt):
   """--config.FIELD=VALUE alone overrides RunConfig's defaults (the plan shows them)."""
   p = cli_inprocess.run([f"--checkpoint={ckpt / 'ckpt'}", "--prompt_ids=5,6,7", "--max_new_tokens=2", "--nowarmup",

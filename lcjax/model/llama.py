@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import math
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,10 +164,9 @@ class Attention(nnx.Module):
 
   def qkv(self, x, rope, gemv=None):
     """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
-    B, T, _ = x.shape
     qkv = _apply(self, "wqkv", x, self.QKV, gemv)              # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
-    q = qkv[:, :, :, :G].reshape(B, T, -1, qkv.shape[-1])       # [B, T, N, H]
+    q = einops.rearrange(qkv[:, :, :, :G], "b t k g h -> b t (k g) h")    # query head n = k * G + g
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 

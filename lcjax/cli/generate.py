@@ -278,30 +278,27 @@ def _generate() -> None:
     raise UsageError(str(e)) from None
   model_cfg, stored, source = _model(run)
 
-  import jax
-  from lcjax.engine import compile_cache, placement
-  from lcjax.engine import plan as planlib
+  from lcjax.engine import compile_cache
   from lcjax.engine.engine import Engine
   from lcjax.engine.context import fingerprint
-  from lcjax.engine.requests import Limits, RequestError, check_context_length
+  from lcjax.engine.requests import RequestError
+  from lcjax.engine.serving import resolve
   from lcjax.tokenizer import find_tokenizer
-  run = run.for_platform(jax.default_backend())   # bfloat16 on a GPU, float32 on a CPU unless the config says
-  compile_cache.enable(run.compile_cache)         # before anything compiles
-  mesh = placement.mesh_for(run)
-  placement.serving_config(model_cfg, run)       # the heads split over tensor (and seq for Ulysses)
-  check_context_length(model_cfg, run)
-  weights = stored.for_run(run.weight_dtype)
-  placement.check_kernels(model_cfg, run, weights)   # a kernel the run names that cannot serve
-  plan = planlib.plan(model_cfg, run, weights=weights)
-  print(plan.table(), file=sys.stderr)             # the plan, printed once (the stats give the measured peak)
-  planlib.require_fit(plan, model_cfg, run, *placement.device_memory(mesh))
+  # Everything the run needs decided, and refused in one line if it cannot serve, before any weight is read.
+  serving = resolve(model_cfg, run, weights=stored, check_fit=False)
+  run = serving.run                              # bfloat16 on a GPU, float32 on a CPU unless the config says
+  compile_cache.enable(run.compile_cache)        # before anything compiles
+  print(serving.plan.table(), file=sys.stderr)   # the plan, printed once (the stats give the measured peak)
+  print(serving.table(), file=sys.stderr)
+  serving.require_fit()
+  weights = serving.weights
   ckpt = _checkpoint(source) if source is not None else None
 
   tokenizer = find_tokenizer(ckpt) if ckpt is not None else None
   if text is not None and tokenizer is None:
     raise RequestError(f"{ckpt or f'--preset={FLAGS.preset}'} has no tokenizer (tokenizer.json or "
                        "tokenizer.model): give the prompt as --prompt_ids")
-  limits = Limits.of(model_cfg, run, plan.num_pages)
+  limits = serving.limits
   doc = _context(tokenizer, limits, fingerprint(model_cfg, run, weights, None))
   prompt, chat = (ids, False) if ids is not None else (None, False)
   if text is not None:
@@ -310,7 +307,7 @@ def _generate() -> None:
     head = doc.ids if doc is not None else []
     limits.check(0, head + ids, max_new, prefix_len=len(head))
 
-  engine = Engine.load(ckpt, run=run, mesh=mesh) if ckpt else Engine.random(model_cfg, run=run, mesh=mesh)
+  engine = Engine.load(ckpt, serving=serving) if ckpt else Engine.random(model_cfg, serving=serving)
   warmup = None
   if FLAGS.warmup:
     t0 = time.perf_counter()

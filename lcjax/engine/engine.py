@@ -26,16 +26,15 @@ from flax import nnx
 
 from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePoolExhausted
-from lcjax.config import ModelConfig, RunConfig, WeightFormat
+from lcjax.config import ModelConfig, RunConfig
 from lcjax.engine import compile_cache, placement
-from lcjax.engine import plan as planlib
 from lcjax.engine.context import Context, fingerprint as context_fingerprint, load_context as _load_context
-from lcjax.engine.requests import Limits, RequestError, check_context_length
+from lcjax.engine.requests import Limits, RequestError
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
+from lcjax.engine.serving import Serving, resolve
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
-from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
 _log = logging.getLogger(__name__)
@@ -125,32 +124,39 @@ def _token_ids(prompt) -> list[int]:
 
 class Engine:
   def __init__(self, model_cfg: ModelConfig, params, *, run: RunConfig | None = None, tokenizer=None,
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None, serving: Serving | None = None):
     """params: the checkpoint-shaped `nnx.State` of Llama(model_cfg) (on the host, one device, or already placed
     by `placement.checkpoint_shardings`); the engine places it on the mesh of `run.seq` x `run.tensor` devices
-    (or `mesh`) and repeats KV heads when `tensor` needs it."""
+    (or `mesh`) and repeats KV heads when `tensor` needs it. serving: the run already resolved for these
+    parameters (lcjax.engine.serving.resolve), instead of run and mesh."""
+    if serving is None:
+      serving = resolve(model_cfg, run or RunConfig(), weights=weight_format(params), mesh=mesh, check_fit=False)
+    elif run is not None or mesh is not None:
+      raise ValueError("give serving= or run= and mesh=, not both: the serving holds its run and mesh")
+    elif serving.model != model_cfg or serving.weights != weight_format(params).for_run(serving.run.weight_dtype):
+      raise ValueError(f"serving= was resolved for model {serving.model.name} with {serving.weights} weights, not "
+                       f"{model_cfg.name} with these parameters' {weight_format(params)}")
+    self.serving = serving
     self.cfg = model_cfg
-    self.run = (run or RunConfig()).for_platform(jax.default_backend())
+    self.run = serving.run
     compile_cache.enable(self.run.compile_cache)      # before the first compile (a no-op after the first engine)
     self.tokenizer = tokenizer
-    self.max_context = self.run.context_for(model_cfg)
-    self.attention = get_backend(self.run.attention, head_dim=model_cfg.head_dim, dtype=self.run.dtype,
-                                 attention_dtype=self.run.attention_dtype)
-    self.mesh = placement.mesh_for(self.run, mesh)
-    self.serving_cfg, self.kv_rep = placement.serving_config(model_cfg, self.run)
+    self.max_context = serving.max_context
+    self.attention = serving.attention
+    self.mesh = serving.mesh
+    self.serving_cfg, self.kv_rep = serving.serving_cfg, serving.kv_rep
     # The linear weights as the run asks (RunConfig.weight_dtype): params in another format are converted here;
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
-    self.weights = weight_format(params).for_run(self.run.weight_dtype)
+    self.weights = serving.weights
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
-    self.decode_linear, why = placement.decode_linear(
-        self.run, self.weights, placement.gemv_kernels_unsupported(self.serving_cfg, self.run.tensor))
+    self.decode_linear, why = serving.linear.name, serving.linear.why
     if self.weights.fp8 and self.decode_linear == "xla":
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     elif self.weights.fp8 and self.decode_linear == "pallas" and self.run.linear_kernel == "auto":
       _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.fp8_gemv): %s", why)
-    self.page_write, why = placement.page_write(self.run, self.serving_cfg.head_dim)
+    self.page_write, why = serving.page_write.name, serving.page_write.why
     if self.fp8_cache and self.page_write == "xla":
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", why)
@@ -161,8 +167,7 @@ class Engine:
     self.fingerprint = context_fingerprint(model_cfg, self.run, self.weights, _weights_digest(params))
     self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings,
                                          self.weights)
-    self.plan = planlib.plan(model_cfg, self.run, weights=self.weights)
-    self.limits = Limits.of(model_cfg, self.run, self.plan.num_pages)
+    self.plan, self.limits = serving.plan, serving.limits
     self.steps = Steps(self.graphdef, self.run.page_size, self.mesh,
                        kvc.cache_shardings(self.mesh, self.fp8_cache), sync_every=self.run.decode_sync_every,
                        fp8_weights=self.weights.fp8)
@@ -192,16 +197,11 @@ class Engine:
   def fp8_cache(self) -> bool:
     return self.run.resolved_cache_dtype == "float8_e4m3fn"
 
-  @functools.cached_property
+  @property
   def decode_kernel(self) -> str:
     """The kernel decode steps run: the backend's name, or for pallas which of its decode kernels serves this
-    model's pages ('mgpu-fp8' or 'triton'; when fp8 pages take 'triton', the log said why)."""
-    pick = getattr(self.attention, "decode_kernel", None)
-    if pick is None:
-      return self.attention.name
-    cfg = self.serving_cfg
-    return pick(head_dim=cfg.head_dim, page_size=self.run.page_size, rows=cfg.n_heads // cfg.n_kv_heads,
-                page_dtype=self.run.resolved_cache_dtype)
+    model's pages ('mgpu-fp8' or 'triton'; `serving.decode.why` says why)."""
+    return self.serving.decode.name
 
   @property
   def linear_kernels(self) -> str:
@@ -240,32 +240,30 @@ class Engine:
 
   @classmethod
   def random(cls, model_cfg: ModelConfig, *, run: RunConfig | None = None, seed: int = 0, tokenizer=None,
-             mesh: jax.sharding.Mesh | None = None):
+             mesh: jax.sharding.Mesh | None = None, serving: Serving | None = None):
     """Random weights made on the devices, each shard in place (benchmarks and tests; no checkpoint needed).
     The weights depend on `seed` only, never on the mesh. A run whose memory plan does not fit the devices is
     refused (ConfigError) before anything is allocated, as `load` and the CLI refuse it."""
-    run = (run or RunConfig()).for_platform(jax.default_backend())
+    if serving is None:
+      # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
+      serving = resolve(model_cfg, run or RunConfig(), mesh=mesh)
+    elif run is not None or mesh is not None:
+      raise ValueError("give serving= or run= and mesh=, not both: the serving holds its run and mesh")
+    run, weights = serving.run, serving.weights
     compile_cache.enable(run.compile_cache)
-    mesh = placement.mesh_for(run, mesh)
-    check_context_length(model_cfg, run)
-    placement.serving_config(model_cfg, run)     # refuse a mesh the heads cannot split over before any work
-    # fp8 weights are drawn in dtype and quantized a layer at a time: the same model as in dtype, quantized.
-    weights = WeightFormat().for_run(run.weight_dtype)
-    placement.check_kernels(model_cfg, run, weights)   # refuse a kernel that cannot serve
-    planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
-                        *placement.device_memory(mesh))
-    _, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
+    _, shardings = placement.checkpoint_shardings(model_cfg, serving.mesh, run.dtype, weights)
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def make():
       return nnx.state(Llama(model_cfg, dtype=jnp.dtype(run.dtype), weights=weights, rngs=nnx.Rngs(seed)),
                        nnx.Param)
 
-    return cls(model_cfg, make(), run=run, tokenizer=tokenizer, mesh=mesh)
+    return cls(model_cfg, make(), tokenizer=tokenizer, serving=serving)
 
   @classmethod
   def load(cls, ckpt_dir, *, tensor: int | None = None, seq: int | None = None, dtype: str | None = None,
-           run: RunConfig | None = None, mesh: jax.sharding.Mesh | None = None, **overrides):
+           run: RunConfig | None = None, mesh: jax.sharding.Mesh | None = None, serving: Serving | None = None,
+           **overrides):
     """Restore a checkpoint ready to generate: an lcjax checkpoint directory, or an HF model folder
     (config.json + safetensors) or a GGUF file, converted once into the user cache (~/.cache/lcjax).
 
@@ -277,22 +275,21 @@ class Engine:
     from lcjax.checkpoint.restore import restore_params
     from lcjax.checkpoint.sources import resolve_checkpoint, source_config
     from lcjax.tokenizer import find_tokenizer
-    given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
-    run = (run or RunConfig()).replace(**given, **overrides).for_platform(jax.default_backend())
-    compile_cache.enable(run.compile_cache)
     model_cfg, stored = source_config(ckpt_dir)
-    mesh = placement.mesh_for(run, mesh)
-    weights = stored.for_run(run.weight_dtype)
-    check_context_length(model_cfg, run)         # refuse before reading what cannot run
-    placement.serving_config(model_cfg, run)    # refuse a mesh the heads cannot split over before reading
-    placement.check_kernels(model_cfg, run, weights)   # refuse a kernel that cannot serve
-    planlib.require_fit(planlib.plan(model_cfg, run, weights=weights), model_cfg, run,
-                        *placement.device_memory(mesh))
+    given = {k: v for k, v in dict(tensor=tensor, seq=seq, dtype=dtype).items() if v is not None}
+    if serving is None:
+      serving = resolve(model_cfg, (run or RunConfig()).replace(**given, **overrides), weights=stored, mesh=mesh)
+    elif run is not None or mesh is not None or given or overrides:
+      raise ValueError("give serving= or the run's fields, not both: the serving holds its run and mesh")
+    elif serving.model != model_cfg:
+      raise ValueError(f"serving= was resolved for model {serving.model.name}, and {ckpt_dir} holds {model_cfg.name}")
+    run, weights, mesh = serving.run, serving.weights, serving.mesh
+    compile_cache.enable(run.compile_cache)
     ckpt_dir = resolve_checkpoint(ckpt_dir)
     tokenizer = find_tokenizer(ckpt_dir)        # its files and chat template checked before any weight is read
     abstract, shardings = placement.checkpoint_shardings(model_cfg, mesh, run.dtype, weights)
     params = restore_params(ckpt_dir, abstract, shardings, dtype=run.dtype)
-    return cls(model_cfg, params, run=run, tokenizer=tokenizer, mesh=mesh)
+    return cls(model_cfg, params, tokenizer=tokenizer, serving=serving)
 
   # -- checks -------------------------------------------------------------------------------------------------
   def logits(self, token_ids) -> np.ndarray:

@@ -1,0 +1,127 @@
+"""What runs, decided once: `resolve(model_cfg, run, weights=...)` turns a model and a RunConfig into a `Serving`.
+
+A Serving is the concrete run (every "auto" made concrete), its mesh, the serving model's config (KV heads
+repeated for `tensor`), the memory plan and request limits, and each kernel choice with the reason it was made:
+the attention backend, the decode kernel that backend runs over this cache's pages, the product of fp8 weights in
+decode-sized calls, the fp8 page write, and speculative decoding. `Serving.table()` prints them. It reads no
+weights, so the CLI and `Engine.load` refuse a run that cannot serve (its context, mesh, kernels or memory) before
+a checkpoint is read; `Engine`, `Engine.load`, `Engine.random` and the CLI take the Serving and never resolve
+again.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
+from lcjax.engine import placement
+from lcjax.engine import plan as planlib
+from lcjax.engine.requests import Limits, check_context_length
+from lcjax.ops.backends import get_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A kernel or mode that runs, and why it was chosen."""
+  name: str
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+  model: ModelConfig                 # the checkpoint's model
+  run: RunConfig                     # for_platform: dtype concrete
+  mesh: jax.sharding.Mesh            # ("seq", "tensor")
+  serving_cfg: ModelConfig           # model with KV heads repeated kv_rep times (placement.serving_config)
+  kv_rep: int
+  weights: WeightFormat              # how the linear weights are held while serving
+  attention: object                  # the backend (lcjax.ops.backends), `name` says which
+  decode: Choice                     # the kernel decode steps run over this cache's pages
+  linear: Choice                     # Llama's decode_linear: the product of fp8 weights in decode-sized calls
+  page_write: Choice                 # Llama's page_write: what writes a decode step's token into fp8 pages
+  draft: Choice                      # speculative decoding (RunConfig.draft)
+  plan: planlib.MemoryPlan
+  limits: Limits
+
+  @property
+  def max_context(self) -> int:
+    return self.run.context_for(self.model)
+
+  @property
+  def cache_dtype(self) -> str:
+    return self.run.resolved_cache_dtype
+
+  def require_fit(self) -> None:
+    """Refuse (ConfigError, one line) a memory plan the mesh's devices cannot hold."""
+    planlib.require_fit(self.plan, self.model, self.run, *placement.device_memory(self.mesh))
+
+  def table(self) -> str:
+    """What runs and why, one row each."""
+    mesh = f"seq={self.run.seq} x tensor={self.run.tensor}" + (f", KV heads repeated x{self.kv_rep}"
+                                                               if self.kv_rep > 1 else "")
+    rows = [("devices", f"{mesh} ({self.mesh.devices.flat[0].platform})"),
+            ("dtypes", f"{self.run.dtype} activations, {self.weights.name or self.run.dtype} weights, "
+                       f"{self.cache_dtype} KV cache"),
+            ("attention", f"{self.attention.name} (attention={self.run.attention!r}, "
+                          f"attention_dtype={self.run.attention_dtype!r})"),
+            ("decode attention", f"{self.decode.name}: {self.decode.why}"),
+            ("fp8 products, decode", f"{self.linear.name}: {self.linear.why}"),
+            ("fp8 page write", f"{self.page_write.name}: {self.page_write.why}"),
+            ("speculation", f"{self.draft.name}: {self.draft.why}")]
+    w = max(len(k) for k, _ in rows)
+    return "what runs\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choice:
+  pick = getattr(attention, "decode_kernel", None)
+  if pick is None:
+    return Choice(attention.name, f"the {attention.name} backend's own paged attention")
+  rows = serving_cfg.n_heads // serving_cfg.n_kv_heads
+  kwargs = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
+                page_dtype=run.resolved_cache_dtype)
+  name = pick(**kwargs)
+  if name == "mgpu-fp8":
+    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mgpu_paged)")
+  if name == "triton":
+    reason = attention.fp8_decode_reason(**kwargs)
+    return Choice(name, "the Triton paged decode kernel (lcjax.ops.pallas_paged)"
+                        + ("" if run.resolved_cache_dtype != "float8_e4m3fn" else f": {reason}"))
+  if name == "reference":
+    return Choice(name, f"the jnp reference, slow: {attention.decode_reason(page_dtype=run.resolved_cache_dtype)}")
+  return Choice(name, f"the {name} backend's paged decode")
+
+
+def _draft_choice(run: RunConfig) -> Choice:
+  if run.draft == "off":
+    return Choice("off", "draft='off' (one token a decode step)")
+  return Choice(run.draft, f"up to {run.draft_tokens} drafts a step after the last {run.draft_ngram} tokens' most "
+                           "recent earlier occurrence in the sequence (lcjax.engine.speculate)")
+
+
+def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = WeightFormat(), mesh=None,
+            check_fit: bool = True) -> Serving:
+  """The Serving of `model_cfg` under `run`, its linear weights stored as `weights` (WeightFormat() for the
+  parameter dtype; RunConfig.weight_dtype converts them). mesh: the devices (default: the first seq x tensor).
+  check_fit: refuse (ConfigError) a memory plan the devices cannot hold. Raises a one-line ConfigError for a run
+  that cannot serve the model."""
+  run = run.for_platform(jax.default_backend())
+  mesh = placement.mesh_for(run, mesh)
+  check_context_length(model_cfg, run)
+  serving_cfg, rep = placement.serving_config(model_cfg, run)
+  weights = weights.for_run(run.weight_dtype)
+  try:
+    attention = get_backend(run.attention, head_dim=model_cfg.head_dim, dtype=run.dtype,
+                            attention_dtype=run.attention_dtype)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  linear = Choice(*placement.decode_linear(run, weights,
+                                           placement.gemv_kernels_unsupported(serving_cfg, run.tensor)))
+  page_write = Choice(*placement.page_write(run, serving_cfg.head_dim))
+  plan = planlib.plan(model_cfg, run, weights=weights)
+  serving = Serving(model_cfg, run, mesh, serving_cfg, rep, weights, attention,
+                    _decode_choice(attention, serving_cfg, run), linear, page_write, _draft_choice(run), plan,
+                    Limits.of(model_cfg, run, plan.num_pages))
+  if check_fit:
+    serving.require_fit()
+  return serving

@@ -1,0 +1,68 @@
+"""What runs, in one table: `resolve()` on this CPU, on an emulated Ada (sm_89) and Hopper (sm_90) GPU, and on a
+2 x 4 mesh, for the Llama-3.1-8B shape with fp8 weights and an fp8 KV cache. Nothing is read or compiled: the
+emulation answers `jax.default_backend()` and the compute capability the kernels' checks read, and cuDNN's
+presence (a CPU jaxlib has none)."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+from lcjax.config import ConfigError, RunConfig, preset
+from lcjax.engine.serving import resolve
+from lcjax.ops import cudnn, mgpu_gemv, pallas_backend
+
+CFG = preset("llama3.1-8b")
+RUN = RunConfig(max_context=4096, page_size=64, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
+
+
+def _gpu(monkeypatch, cc):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  for module in (pallas_backend, mgpu_gemv):
+    monkeypatch.setattr(module, "compute_capability", lambda: cc)
+  monkeypatch.setattr(cudnn.CudnnBackend, "why_not", lambda self, **kw: None)
+
+
+def _kernels(s):
+  return dict(attention=s.attention.name, decode=s.decode.name, linear=s.linear.name, page_write=s.page_write.name)
+
+
+def test_on_this_cpu():
+  s = resolve(CFG, RUN, check_fit=False)
+  assert s.run.dtype == "float32"
+  assert _kernels(s) == dict(attention="reference", decode="reference", linear="xla", page_write="xla")
+  assert "needs a CUDA GPU" in s.page_write.why and "linear_kernel='auto'" in s.linear.why
+  assert s.draft.name == "off"
+  table = s.table()
+  for row in ("attention", "decode attention", "fp8 products, decode", "fp8 page write", "speculation"):
+    assert f"\n  {row} " in table, table
+
+
+def test_on_hopper(monkeypatch):
+  _gpu(monkeypatch, (9, 0))
+  s = resolve(CFG, RUN.replace(draft="prompt"), check_fit=False)
+  assert s.run.dtype == "bfloat16"
+  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
+  assert "mgpu_paged" in s.decode.why and s.draft.name == "prompt" and "4 drafts" in s.draft.why
+
+
+def test_on_ada(monkeypatch):
+  _gpu(monkeypatch, (8, 9))
+  s = resolve(CFG, RUN, check_fit=False)
+  # cuDNN's paged decode reads no fp8 pages, so fp8 decode rows fall to the jnp reference, and the table says so.
+  assert _kernels(s) == dict(attention="cudnn", decode="reference", linear="pallas", page_write="pallas")
+  assert "Hopper" in s.linear.why and "slow: a decode row over fp8 pages" in s.decode.why
+  bf16 = resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False)
+  assert bf16.decode.name == "cudnn" and bf16.page_write.name == "xla"
+  with pytest.raises(ConfigError, match="linear_kernel='mosaic'.*Hopper"):
+    resolve(CFG, RUN.replace(linear_kernel="mosaic"), check_fit=False)
+  with pytest.raises(ConfigError, match="attention_dtype=float8_e4m3fn cannot run here"):
+    resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
+def test_on_a_hopper_mesh(monkeypatch):
+  _gpu(monkeypatch, (9, 0))
+  s = resolve(CFG, RUN.replace(seq=2, tensor=4), check_fit=False)
+  assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
+  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
+  assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2

@@ -265,7 +265,7 @@ class WeightFormat:
     return WeightFormat()
 
 
-# RunConfig.draft and its limits: k + 1 <= 16 rows a sequence keeps a verify step decode-shaped for the kernels.
+# RunConfig.draft and its limits: a verify step feeds k + 1 <= 16 rows a sequence.
 DRAFT_SOURCES = ("off", "prompt")
 MAX_DRAFT_NGRAM, MAX_DRAFT_TOKENS = 16, 15
 

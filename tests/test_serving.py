@@ -66,3 +66,11 @@ def test_on_a_hopper_mesh(monkeypatch):
   assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
   assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
   assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2
+
+
+def test_speculation_over_fp8_weights_stays_within_the_decode_product():
+  with pytest.raises(ConfigError, match=r"draft_tokens=8 with max_batch=8 feeds 72 rows .* past the 64 rows"):
+    resolve(CFG, RUN.replace(draft="prompt", draft_tokens=8, max_batch=8), check_fit=False)
+  assert resolve(CFG, RUN.replace(draft="prompt", draft_tokens=7, max_batch=8), check_fit=False).draft.name == "prompt"
+  assert resolve(CFG, RUN.replace(draft="prompt", draft_tokens=8, max_batch=8, weight_dtype="auto"),
+                 check_fit=False).draft.name == "prompt"           # bf16 weights: one product at any row count

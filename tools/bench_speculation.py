@@ -14,9 +14,9 @@ answers  A chat context of a short document (DOCUMENT) with the real model (--ch
          proposed and accepted, decode ms/token on this device, and whether the tokens equal plain decoding's
          (greedy: they must).
 cost     Random weights of --preset. For each --contexts length, a pinned document of that length and each
-         --batches size: a plain decode step (`generate`'s ms/token, the on-device loop) and one speculative step
-         with k = each --draft_tokens drafts (Steps.spec_once: the verify call, acceptance and, on fp8 caches, the
-         pages put back), timed --reps times back to back. The ratio verify / plain is what a step with k drafts
+         --batches size: a plain decode step (Steps.decode of one step) and one speculative step with k = each
+         --draft_tokens drafts (Steps.spec_once: the verify call, acceptance and the kept tokens' cache writes),
+         each a device call timed --reps times; generate's decode loop ms/token beside them. The ratio verify / plain is what a step with k drafts
          costs; tokens per step over that ratio is the speed-up (the answers task measures tokens per step).
 Rows go to --out/--name.{json,md}.
 """
@@ -135,6 +135,7 @@ def cost() -> list[dict]:
   from lcjax.engine.engine import Engine
   from lcjax.engine.sampling import SamplingParams, stack
   from lcjax.engine.steps import DecodeState
+  from lcjax.ops.linear import WIDEN_MAX_ROWS
   contexts = sorted(map(int, FLAGS.contexts))
   batches = sorted(map(int, FLAGS.batches))
   ks = sorted(map(int, FLAGS.draft_tokens))
@@ -169,13 +170,19 @@ def cost() -> list[dict]:
                                 jnp.full(B, 2 * FLAGS.reps, jnp.int32))
             sp = stack([SamplingParams()] * B)
             for k in [0] + ks:
+              if k and eng.weights.fp8 and B * (k + 1) > WIDEN_MAX_ROWS:
+                continue           # refused by lcjax.engine.serving.resolve: past the decode product's rows
               drafts = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, max(k, 1))), jnp.int32)
               count = jnp.full(B, k, jnp.int32)
               times = []
               for rep in range(FLAGS.reps + 2):
                 t0 = time.perf_counter()
-                out, _, sched.cache = eng.steps.spec_once(eng.params, sched.cache, state, sp, table, sched.eos,
-                                                          drafts, count)
+                if k == 0:         # a plain decode step: the loop of one step
+                  out, _, sched.cache = eng.steps.decode(eng.params, sched.cache, state, sp, table, sched.eos,
+                                                         steps=1, greedy=True)
+                else:
+                  out, _, sched.cache = eng.steps.spec_once(eng.params, sched.cache, state, sp, table, sched.eos,
+                                                            drafts, count)
                 jax.block_until_ready(out)
                 times.append(time.perf_counter() - t0)
               step_ms = 1000 * statistics.median(times[2:])
@@ -215,8 +222,9 @@ def main(argv):
     benchlib.write_result(FLAGS.out, name, rows, answers_markdown(rows), note=note)
   else:
     rows = cost()
-    note = ("k = 0: a plain decode step through the same entry (Steps.spec_once); every other row feeds k drafts "
-            "per sequence. loop ms/token: generate's decode loop of the same engine, for reference.")
+    note = ("k = 0: a plain decode step (Steps.decode, one step a call); every other row is one speculative step "
+            "feeding k drafts per sequence (Steps.spec_once). loop ms/token: generate's decode loop of the same "
+            "engine, for reference.")
     benchlib.write_result(FLAGS.out, name, rows, cost_markdown(rows), note=note)
 
 

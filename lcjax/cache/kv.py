@@ -192,19 +192,21 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
-def rewrite_tokens(cache: PagedKV, saved: tuple, pages, k, v, slots) -> PagedKV:
-  """An fp8 cache as if only the tokens at `slots` had been written since `saved = gather_pages(cache, pages)`:
-  `pages` [n] (the pages written since, null page entries ignored) get their saved contents and scales back, then
-  each token t of k, v [L, B, T, K, H] (every layer's K and V) is written at slots [B, T] (0: not written) one t
-  after another, as decode steps write them: the same pages, bit for bit, as those steps leave. Speculative
-  decoding undoes the writes of rejected drafts with it, which could have raised a page's scale."""
-  cache = scatter_pages(cache, pages, *saved)
-  k_all, v_all, k_scale, v_scale = cache.parts()
+def write_tokens(cache: PagedKV, k, v, slots) -> PagedKV:
+  """Every layer's K and V [L, B, T, K, H] of T tokens per row into the pools at slots [B, T] (0: not written),
+  token t after token t - 1, each as a decode step writes its token (`_write_one_token` in every layer at once
+  for fp8 pools): the pages, values and scales, are those T decode steps leave given these K and V. Speculative
+  decoding writes the tokens a verify step kept with it."""
+  k_all, v_all, k_scale, v_scale = cache.k, cache.v, cache.k_scale, cache.v_scale
   Pl, Z = k_all.shape[1:3]
   for t in range(slots.shape[1]):
     page, offset = token_page_offset(slots[:, t:t + 1], Z, Pl)
-    k_all, k_scale = _write_one_token(k_all, k_scale, k[:, :, t].astype(jnp.float32), page, offset, slice(None))
-    v_all, v_scale = _write_one_token(v_all, v_scale, v[:, :, t].astype(jnp.float32), page, offset, slice(None))
+    if cache.quantized:
+      k_all, k_scale = _write_one_token(k_all, k_scale, k[:, :, t].astype(jnp.float32), page, offset, slice(None))
+      v_all, v_scale = _write_one_token(v_all, v_scale, v[:, :, t].astype(jnp.float32), page, offset, slice(None))
+    else:
+      k_all = k_all.at[:, page, offset].set(k[:, :, t].astype(k_all.dtype), mode="drop")
+      v_all = v_all.at[:, page, offset].set(v[:, :, t].astype(v_all.dtype), mode="drop")
   return PagedKV(k_all, v_all, k_scale, v_scale)
 
 

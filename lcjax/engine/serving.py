@@ -19,6 +19,7 @@ from lcjax.engine import placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.requests import Limits, check_context_length
 from lcjax.ops.backends import get_backend
+from lcjax.ops.linear import WIDEN_MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,11 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
   linear = Choice(*placement.decode_linear(run, weights,
                                            placement.gemv_kernels_unsupported(serving_cfg, run.tensor)))
   page_write = Choice(*placement.page_write(run, serving_cfg.head_dim))
+  rows = run.max_batch * (run.draft_tokens + 1)
+  if run.draft != "off" and weights.fp8 and rows > WIDEN_MAX_ROWS:
+    raise ConfigError(f"draft_tokens={run.draft_tokens} with max_batch={run.max_batch} feeds {rows} rows a verify "
+                      f"step, past the {WIDEN_MAX_ROWS} rows fp8 weights multiply as decode does (more quantize the "
+                      f"activations and change the tokens): lower draft_tokens or max_batch")
   plan = planlib.plan(model_cfg, run, weights=weights)
   serving = Serving(model_cfg, run, mesh, serving_cfg, rep, weights, attention,
                     _decode_choice(attention, serving_cfg, run), linear, page_write, _draft_choice(run), plan,

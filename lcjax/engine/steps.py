@@ -158,60 +158,36 @@ class Steps:
 
   def _spec_step(self, model, cache, st: DecodeState, room, drafts, count, sp, page_table, eos_ids, greedy: bool):
     """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
-    count [B] of drafts [B, k] (a plain decode step when no slot has a draft). room [B]: tokens the slot may still
-    gain (0: none; it writes nothing). Returns (tokens [B, k + 1], n [B] kept of them, whether the n-th ends the
-    sequence [B], drafts accepted [B], cache).
+    count [B] of drafts [B, k] as k + 1 rows (a slot without drafts gains one token, as from a plain step). room
+    [B]: tokens the slot may still gain (0: none). Returns (tokens [B, k + 1], n [B] kept of them, whether the
+    n-th ends the sequence [B], drafts accepted [B], cache).
 
-    The verify rows write their K/V at the positions after `pos`; those of rejected drafts lie past the slot's
-    new length, where attention never reads (kv_len) and the next tokens overwrite them. fp8 pages are put back
-    as they were and the kept tokens' K/V written again, one at a time: a rejected draft's K/V could have raised a
-    page's scale (requantizing the page), and the pages are then bit for bit plain decoding's."""
+    The call writes nothing into the cache: its rows attend to the cache's keys before them and to each other
+    (lcjax.model.llama.rows_block), and the kept rows' K/V (the fed token and the accepted drafts before the last
+    kept token) are then written one token after another, as decode steps write them (kvc.write_tokens). Rejected
+    drafts leave no trace, fp8 page scales included. Every step runs the k + 1 rows: a branch to a one-row step
+    when no slot has a draft made XLA copy the KV pools on every step (a conditional holding the donated cache)."""
     B, k = drafts.shape
     Z, M = self.page_size, page_table.shape[1]
     rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-
-    def slots_at(positions, real):
-      page = jnp.take_along_axis(page_table, jnp.clip(positions // Z, 0, M - 1), axis=1)
-      return jnp.where(real, page * Z + positions % Z, 0)                     # others: the null page (dropped)
-
-    def trim(tokens, n):
-      """At most `room` of the n tokens gained, and none after an end-of-sequence token: (n, eos)."""
-      n = jnp.minimum(n, room)
-      is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
-      eos = jnp.any(is_eos, axis=1)
-      return jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n), eos
-
-    def verify(cache):
-      positions = st.pos[:, None] + rows                                      # [B, k + 1]
-      fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
-      slots = slots_at(positions, (room > 0)[:, None] & (rows <= count[:, None]))
-      call = dict(cache=cache, slots=slots, page_table=page_table, kv_len=st.pos + 1 + count)
-      if not cache.quantized:
-        logits, cache = model(fed, positions, **call)
-        tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
-        return tokens, *trim(tokens, n), accepted, cache
-      pages = kvc.written_pages(slots, Z).reshape(-1)
-      saved = kvc.gather_pages(cache, pages)
-      logits, cache, (k_new, v_new) = model(fed, positions, **call, kv_out=True)
-      tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
-      n, eos = trim(tokens, n)
-      kept = jnp.where(rows < n[:, None], slots, 0)          # the fed tokens of the kept ones: rows 0 .. n - 1
-      return tokens, n, eos, accepted, kvc.rewrite_tokens(cache, saved, pages, k_new, v_new, kept)
-
-    def plain(cache):
-      slots = slots_at(st.pos[:, None], (room > 0)[:, None])
-      logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slots, page_table=page_table,
-                            kv_len=st.pos + 1)
-      nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
-      tokens = jnp.zeros((B, k + 1), jnp.int32).at[:, 0].set(nxt)
-      return tokens, *trim(tokens, jnp.ones(B, jnp.int32)), jnp.zeros(B, jnp.int32), cache
-
-    return jax.lax.cond(jnp.any(count > 0), verify, plain, cache)
+    positions = st.pos[:, None] + rows                                      # [B, k + 1]
+    fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
+    page = jnp.take_along_axis(page_table, jnp.clip(positions // Z, 0, M - 1), axis=1)
+    logits, cache, (k_new, v_new) = model(fed, positions, cache=cache, slots=jnp.zeros_like(positions),
+                                          page_table=page_table, kv_len=st.pos + 1 + count,
+                                          lengths=jnp.where(room > 0, count + 1, 1), kv_out=True)
+    tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
+    n = jnp.minimum(n, room)
+    is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
+    eos = jnp.any(is_eos, axis=1)
+    n = jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n)                  # nothing after an end-of-sequence token
+    kept = jnp.where(rows < n[:, None], page * Z + positions % Z, 0)        # the fed tokens of the n kept: rows < n
+    return tokens, n, eos, accepted, kvc.write_tokens(cache, k_new, v_new, kept)
 
   def _spec_once(self, params, cache, state: DecodeState, sp, page_table, eos_ids, drafts, count, *,
                  greedy: bool = True):
     """One `_spec_step` with the given drafts, every slot that is not done taking part (tools/bench_speculation.py
-    times it beside a plain step). Returns (tokens, n, cache)."""
+    times it beside `decode` of one step). Returns (tokens, n, cache)."""
     room = jnp.where(state.done, 0, state.remaining)
     count = jnp.clip(jnp.minimum(count, room - 1), 0, drafts.shape[1])
     tokens, n, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp, page_table,

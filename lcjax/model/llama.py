@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
-from lcjax.ops.attention import merge
+from lcjax.ops.attention import attention_dense, merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops import mgpu_gemv
 from lcjax.ops.fp8_gemv import gemv_stacked
@@ -215,6 +215,13 @@ class CallContext:
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a call the page-write kernel writes, unsharded
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
+
+
+def rows_block(q, k, v, positions, lengths):
+  """The rows of a decode call of several tokens (a speculative verify step) against the call's own keys, causal:
+  (out [B, T, N, H], lse [B, T, N]). T <= 16, so the jnp dense form (float32 softmax) is the whole cost of a tiny
+  block, in any backend: the rows see the cache through the backend's paged kernel, merged with this by LSE."""
+  return attention_dense(q, k, v, q_pos=positions - positions[:, :1], kv_len=lengths, causal=True)
 
 
 def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:
@@ -401,6 +408,12 @@ class Llama(nnx.Module):
       o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
                                 kv_len=step.prefix_len, k_scale=ks, v_scale=vs, page_offset=offset)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
+    elif q.shape[1] > 1:
+      # Decode rows of several tokens: the cache's keys before the call's first token, merged with the call's own
+      # keys as a causal block (whether or not the call wrote them into the cache).
+      o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
+                                kv_len=step.positions[:, 0], k_scale=ks, v_scale=vs, page_offset=offset)
+      o, _ = merge(*rows_block(q, k, v, step.positions, step.lengths), o_pre, lse_pre)
     else:
       o, _ = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions, kv_len=step.kv_len,
                       k_scale=ks, v_scale=vs, page_offset=offset)
@@ -433,9 +446,10 @@ class Llama(nnx.Module):
     k_all, v_all, layer, k_scale, v_scale = cache_l
     decode = step.prefix_len is None
     cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
-    # Decode rows of several tokens (a speculative verify step): a shard's local key index is below the key's
-    # position, so the paged part's causal check cannot keep a row from the call's later tokens. The paged part
-    # reads the keys before the call's first token and the call's tokens are attended as a causal block.
+    # Decode rows of several tokens (a speculative verify step), as without a mesh: the paged part reads the keys
+    # before the call's first token and the call's own tokens are a causal block (`rows_block`). (A shard's local
+    # key index is below the key's position, so a causal check in the paged part could not keep a row from the
+    # call's later tokens.)
     several = decode and q.shape[1] > 1
     if several:
       cached = step.positions[:, 0]
@@ -460,7 +474,9 @@ class Llama(nnx.Module):
                         page_offset=layer * Pl)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
-      if not decode or several:
+      if several:
+        o, _ = merge(*rows_block(q, k, v, pos, lengths), o, lse)
+      elif not decode:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
       return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
 

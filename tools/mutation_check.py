@@ -124,8 +124,8 @@ def _copy(repo: str, root: str) -> None:
 
 
 def _failures(output: str) -> dict[str, str]:
-  """{test id: pytest's one-line reason} of the FAILED lines of pytest's -rf summary."""
-  return {m[1]: m[2] for m in re.finditer(r"^FAILED (\S+)(?: - (.*))?$", output, flags=re.M)}
+  """{test id: pytest's one-line reason} of the FAILED lines of pytest's -rf summary (parameters may hold spaces)."""
+  return {m[1]: m[2] for m in re.finditer(r"^FAILED (\S+?(?:\[[^\]]*\])?)(?: - (.*))?$", output, flags=re.M)}
 
 
 def _fails(test: str, failed) -> bool:

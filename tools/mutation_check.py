@@ -78,6 +78,13 @@ MUTANTS = (
            "scales[l, :, s:s + len(parts[0])] = parts[2:]",
            "scales[l, :, :len(parts[0])] = parts[2:]",
            ("tests/test_context.py::test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds[fp8]",)),
+    Mutant("fp8-checkpoint-scales-on-the-wrong-axis",
+           "an fp8 checkpoint's per-channel scales of a (head, dim) output (q, k, v) are laid out with the head "
+           "axis varying fastest: each scale lands on another channel's row",
+           "lcjax/checkpoint/hf.py",
+           "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out))",
+           "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out, order=\"F\"))",
+           ("tests/test_fp8_weights.py::test_per_channel_scales_stay_on_their_channels",)),
 )
 
 

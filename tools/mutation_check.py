@@ -85,6 +85,13 @@ MUTANTS = (
            "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out))",
            "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out, order=\"F\"))",
            ("tests/test_fp8_weights.py::test_per_channel_scales_stay_on_their_channels",)),
+    Mutant("gemv-reference-quantizes-x",
+           "the GEMV kernels' float32 reference quantizes x to e4m3 (the prefill product) instead of widening the "
+           "weight, so the kernel tests compare against another product",
+           "lcjax/ops/fp8_gemv.py",
+           'dense_reference(x, w, s, spec, path="widened")',
+           'dense_reference(x, w, s, spec, path="fp8")',
+           ("tests/test_fp8_gemv.py::test_reference_is_the_widened_product",)),
 )
 
 

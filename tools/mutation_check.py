@@ -92,6 +92,14 @@ MUTANTS = (
            'dense_reference(x, w, s, spec, path="widened")',
            'dense_reference(x, w, s, spec, path="fp8")',
            ("tests/test_fp8_gemv.py::test_reference_is_the_widened_product",)),
+    Mutant("warm-up-compiles-the-whole-length-bucket",
+           "warm-up compiles the padded length of a prompt's whole length, not of its last chunk: a prompt longer "
+           "than a chunk then compiles its last chunk's program in the call",
+           "lcjax/engine/scheduler.py",
+           "{chunk_bucket(n % chunk or chunk, chunk)}",
+           "{chunk_bucket(n, chunk)}",
+           ("tests/test_engine.py::test_warm_up_compiles_what_generate_then_uses[greedy]",
+            "tests/test_cli.py::test_warm_up_leaves_nothing_to_compile[context]")),
 )
 
 

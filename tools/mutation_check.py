@@ -100,6 +100,14 @@ MUTANTS = (
            "{chunk_bucket(n, chunk)}",
            ("tests/test_engine.py::test_warm_up_compiles_what_generate_then_uses[greedy]",
             "tests/test_cli.py::test_warm_up_leaves_nothing_to_compile[context]")),
+    Mutant("chat-context-separator-one-newline",
+           "a question continues a chat context after one newline, not the blank line of the cold chat of "
+           "document + \"\\n\\n\" + question",
+           "lcjax/tokenizer.py",
+           'CHAT_SEPARATOR = "\\n\\n"',
+           'CHAT_SEPARATOR = "\\n"',
+           ("tests/test_chat_context.py::test_the_split_holds_back_what_a_question_could_merge",
+            "tests/test_chat_context.py::test_chat_context_tokens_are_the_cold_chat[a sentence]")),
 )
 
 

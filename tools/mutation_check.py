@@ -108,6 +108,13 @@ MUTANTS = (
            'CHAT_SEPARATOR = "\\n"',
            ("tests/test_chat_context.py::test_the_split_holds_back_what_a_question_could_merge",
             "tests/test_chat_context.py::test_chat_context_tokens_are_the_cold_chat[a sentence]")),
+    Mutant("context-load-writes-shared-pages",
+           "a load writes its saved pages into the pages it shares from the prefix cache too: a damaged load "
+           "(NaN pages, written as zeros) wipes the K/V of the open context that holds them",
+           "lcjax/engine/context.py",
+           "    for i in range(max(0, first - s), min(b, n - s)):",
+           "    for i in range(min(b, n - s)):",
+           ("tests/test_context.py::test_a_damaged_load_onto_shared_pages_leaves_their_context_as_it_was[nan-pages]",)),
 )
 
 

@@ -4,9 +4,11 @@
 
 Each part is the `<name>.json` + `<name>.md` pair a tool wrote (its `--name`). The merge writes OUT/TOPIC.json:
 {"topic", "title", "command", "parts": [{"name", "command", "device", "versions", "commit", ... the part's own
-JSON}]} (`commit`: the part's `source`, null where it recorded none), and OUT/TOPIC.md: each part's own markdown
-under a heading of its name, its command first. Parts go in name order. The merge reads every part before it
-writes anything: a part without a command, two parts of one name or a missing markdown is one line naming it.
+JSON}]} (`commit`: the part's `source`, the revision tools/benchlib.py records: $LCJAX_SOURCE_REVISION, else git),
+and OUT/TOPIC.md: each part's own markdown under a heading of its name, its command first. Parts go in name order.
+The merge reads every part before it writes anything: a part without a command or a commit, two parts of one name
+or a missing markdown is one line naming it. WITHOUT_COMMIT names the committed parts measured before parts
+recorded their commit, each with why; they merge with `commit: null` until they are measured again.
 
 Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
 sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",
@@ -39,6 +41,43 @@ TOPICS = {
   "lengths": "prefill and question times at unaligned lengths beside aligned ones, checked to grow with length",
   "speculation": "prompt-lookup speculative decoding: tokens per model call on real answers, a verify step's cost",
 }
+
+
+# Parts measured before result files named their commit (tools/benchlib.py's `source`, since aeedb17 of
+# 2026-12-01 23:26 UTC), each awaiting a run of `bash benchmarks/reproduce_h200.sh TOPIC` at a commit: part ->
+# why it has none and what else is stale in it. Only these merge without a commit; tests/test_results.py fails on
+# a part without one that is not listed and on a listed part that has one, so the list only shrinks.
+# benchmarks/tables.py writes it into docs/performance.md.
+_BEFORE = "measured before result files named their commit"
+_V2 = "; measured the v2 context format (no checksums, no fsync), which the current code refuses"
+WITHOUT_COMMIT = {
+  "attention-h200": _BEFORE,
+  "context-h200-512k-fp8": _BEFORE + _V2,
+  "context-smollm2-cpu": _BEFORE + _V2,
+  "exact-fp8-llama3-8b-h200": _BEFORE,
+  "exact-fp8-smollm2-h200": _BEFORE,
+  "exact-int8-smollm2-h200": _BEFORE,
+  "exact-llama3-8b-h200": _BEFORE,
+  "exact-smollm2-cpu-pagescale": _BEFORE,
+  "longctx-int8-128k-h200": _BEFORE,
+  "longctx-h200-j": _BEFORE,
+  "longctx-h200-o-8layers": _BEFORE,
+  "longctx-h200-q": _BEFORE,
+  "longctx-h200-v": _BEFORE,
+  "longctx-h200-w": _BEFORE,
+  "8xh200-predicted": _BEFORE + "; extrapolated from l70b-8layers-h200, which has none either",
+  "l70b-8layers-h200": _BEFORE,
+  "needle-fp8-smollm2-h200": _BEFORE,
+  "needle-fp8decode-smollm2-h200": _BEFORE,
+  "needle-int8-smollm2-h200": _BEFORE,
+  "needle-smollm2": _BEFORE,
+  "fp8-quality": _BEFORE,
+  "fp8-quality-model-cpu": _BEFORE,
+  "startup-h200": _BEFORE + "; predates the ahead-of-time warm-up (Engine.warm_up)",
+  "stream-h200": _BEFORE,
+}
+# The `source` tools/benchlib.py records when neither $LCJAX_SOURCE_REVISION nor git gave a revision.
+NO_SOURCE = (None, "", "unknown")
 
 
 def fail(msg: str):
@@ -80,6 +119,9 @@ def read_parts(paths: list[str]) -> list[tuple[dict, str]]:
     for key in ("name", "commit"):
       if key in d:
         fail(f"{path} has its own {key!r} ({d[key]!r}); the merge sets it")
+    if d.get("source") in NO_SOURCE and name not in WITHOUT_COMMIT:
+      fail(f"{path} has no commit (source={d.get('source')!r}): measure it again with $LCJAX_SOURCE_REVISION set "
+           "or from a git checkout")
     md = path[:-len(".json")] + ".md"
     if not os.path.isfile(md):
       fail(f"{path} has no markdown beside it ({md})")

@@ -220,10 +220,33 @@ def speculation_answers() -> list[str]:
                  "same tokens as plain", "device; file"], out)
 
 
+def _merger():
+  """benchmarks/merge_results.py, loaded from its path (benchmarks/ is not a package)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("lcjax_bench_merge_results", REPO / "benchmarks" / "merge_results.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def without_commit() -> list[str]:
+  """Every committed part without a commit, by topic, with its date and merge_results.WITHOUT_COMMIT's reason."""
+  m = _merger()
+  out = []
+  for path in sorted(RESULTS.glob("*.json")):
+    for p in json.loads(path.read_text())["parts"]:
+      if p.get("commit") in m.NO_SOURCE:
+        if p["name"] not in m.WITHOUT_COMMIT:
+          raise ValueError(f"{path.name}: part {p['name']} has no commit and merge_results.WITHOUT_COMMIT does "
+                           "not list it")
+        out.append([f"`{path.stem}.md`", p["name"], (p.get("date") or "-")[:10], m.WITHOUT_COMMIT[p["name"]]])
+  return _table(["file", "part", "measured", "why it has no commit, and what else is stale"], out)
+
+
 TABLES = {"longctx-8b": longctx_8b, "longctx-8b-headline": longctx_8b_headline, "fp8w": fp8w,
           "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache,
           "lengths-documents": lambda: lengths("document"), "lengths-questions": lambda: lengths("question"),
-          "speculation-answers": speculation_answers}
+          "speculation-answers": speculation_answers, "without-commit": without_commit}
 
 
 def pages(repo: pathlib.Path = REPO) -> list[pathlib.Path]:

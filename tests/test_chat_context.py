@@ -15,7 +15,7 @@ import pytest
 from lcjax.config import ModelConfig, RunConfig
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.engine.scheduler import Scheduler
-from lcjax.tokenizer import CHAT_SEPARATOR, Tokenizer
+from lcjax.tokenizer import Tokenizer
 
 CFG = ModelConfig("smollm2-vocab-tiny", vocab_size=49152, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                   ffn_dim=64, max_position=1024, tie_embeddings=True, bos_id=1, eos_ids=(2,), add_bos=False)
@@ -57,7 +57,9 @@ def seen(monkeypatch):
 
 
 def _cold(tok, doc, q):
-  return tok.encode_chat([{"role": "user", "content": doc + CHAT_SEPARATOR + q}])
+  """The oracle's ids: the user turn's text written out here ("\\n\\n" between document and question, as
+  Engine.prefill documents it), not taken from lcjax.tokenizer."""
+  return tok.encode_chat([{"role": "user", "content": doc + "\n\n" + q}])
 
 
 @pytest.mark.parametrize("name", list(DOCS))

@@ -126,11 +126,12 @@ def test_config_overrides_without_a_config_file(ckpt):
   assert "384 tokens of KV" in p.stderr                        # 3 sequences of 128 tokens
 
 
-@pytest.mark.parametrize("args", [["--prompt=hello there"], ["--context_file={doc}", "--prompt=What is it?"],
+@pytest.mark.parametrize("args", [["--prompt=hello there"], ["--context_file={doc}", f"--prompt={QUESTIONS[0]}"],
                                   ["--context_file={doc}", "--interactive"]], ids=["prompt", "context", "interactive"])
 def test_warm_up_leaves_nothing_to_compile(ckpt, monkeypatch, args):
   """After the CLI's warm-up (Engine.warm_up: compiled, nothing run), the run traces and compiles nothing more:
-  the context's prefill, the prompt's or questions' chunks, the first token, the streamed decode."""
+  the context's prefill (132 tokens: two chunks of 64, then 4 run as 16), the prompt's or questions' chunks (the
+  question's 20 tokens run as 32), the first token, the streamed decode."""
   from tests.test_engine import _Compiles
   monkeypatch.setattr("sys.stdin", io.StringIO("Where?\n" + "Why is the mill by the river at all? " * 3 + "\n"))
   count = {}

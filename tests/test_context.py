@@ -1223,6 +1223,36 @@ def test_a_context_of_nan_pages_is_refused_and_leaves_no_nan(tmp_path, cache_dty
   _idle(eng)
 
 
+@pytest.mark.parametrize("how", ["nan-pages", "flip-late"])
+def test_a_damaged_load_onto_shared_pages_leaves_their_context_as_it_was(tmp_path, how):
+  """A damaged saved context of DOC loaded while another context of DOC is open: the load shares that context's 5
+  full pages from the prefix cache and is refused (nan-pages: every page NaN, checksums recomputed, refused once
+  written; flip-late: kv.bin's last layer fails its checksum after the first layer was written). The shared
+  pages keep, bit for bit, what the open context computed, stay cached, and its question gets the uncached
+  forward's answer; the engine is idle once it closes."""
+  eng = _shared()
+  with eng.prefill(DOC) as ctx:
+    ctx.save(tmp_path / "c")
+  if how == "nan-pages":
+    _forge(tmp_path / "c", lambda data: b"\xff" * len(data))
+  else:
+    _flip(0.98)(tmp_path / "c", "kv.bin")
+  eng.prefix_cache.clear()
+  with eng.prefill(DOC) as live:
+    full = live.pages()[:len(DOC) // RUN.page_size]
+    before = _pages(eng, live.pages())
+    assert eng.prefix_cache.match(DOC) == full
+    with pytest.raises(ContextError, match="NaN or infinite" if how == "nan-pages" else "kv.bin") as e:
+      eng.load_context(tmp_path / "c")
+    assert "\n" not in str(e.value)
+    for got, want in zip(_pages(eng, live.pages()), before, strict=True):
+      np.testing.assert_array_equal(got, want)
+    assert eng.prefix_cache.match(DOC) == full and list(eng.scheduler.pinned) == [live.seq]
+    out = eng.generate(QS[0], context=live, max_new_tokens=6).token_ids
+    _assert_greedy(eng, DOC + QS[0], out)
+  _idle(eng)
+
+
 def test_a_signing_key_others_can_reach_signs_nothing(tmp_path, monkeypatch):
   """A user cache others can write to (they could plant their own key), or a key file others can read, signs no
   context: it saves unsigned and loads unverified (and unshared), with a warning, never an error."""

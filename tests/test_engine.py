@@ -347,10 +347,10 @@ class _Compiles:
 def test_warm_up_compiles_what_generate_then_uses(sampling):
   """Engine.warm_up compiles without running (the cache and the pool are untouched), and the generate it was
   told about then traces and compiles nothing: a prompt of two chunks, and a question on a context whose last
-  page is partly filled."""
+  page is partly filled and whose last chunk (13 tokens, run as 16) is shorter than the question's (20, as 32)."""
   eng = _engine(decode_steps=4)
   rng = np.random.default_rng(13)
-  doc, q, prompt = (rng.integers(3, TINY.vocab_size, n).tolist() for n in (45, 7, 50))
+  doc, q, prompt = (rng.integers(3, TINY.vocab_size, n).tolist() for n in (45, 20, 50))
   count = _Compiles()
   try:
     cache_before = np.asarray(eng.cache.k).copy()
@@ -360,7 +360,7 @@ def test_warm_up_compiles_what_generate_then_uses(sampling):
     eng.generate(prompt, max_new_tokens=6, sampling=sampling)
     assert count.seen == []
     n = eng.warm_up(len(q), context_tokens=len(doc), sampling=sampling, decode_steps=2)
-    assert n == 2 + 1 + 1 + 1     # chunks of 32 and 16 (the context's 45, the question's 7), first token, decode, copy
+    assert n == 2 + 1 + 1 + 1     # chunks of 32 and 16 (context 32 + 13, question 20), first token, decode, copy
     count.seen.clear()
     with eng.prefill(doc) as ctx:
       eng.generate(q, context=ctx, max_new_tokens=6, sampling=sampling, decode_steps=2)

@@ -217,6 +217,25 @@ def test_fused_projections_keep_each_parts_scale(tmp_path, hf_model):
   np.testing.assert_array_equal(scale[:, G], ks)
 
 
+def test_per_channel_scales_stay_on_their_channels(tmp_path, hf_model):
+  """Per-channel weight scales (HF's [out, 1], one per row of an [out, in] weight) land on their own output
+  channels: every projection lcjax dequantizes at load, written back in HF's layout, is HF's e4m3 weight times
+  its scale row by row (q, k and v's rows are (head, dim) pairs in lcjax, a single axis in HF)."""
+  from safetensors.torch import load_file
+  from lcjax.checkpoint.hf import export_hf
+  folder = write_fp8_folder(str(tmp_path / "ct"), hf_model, weights="channel", activations="token")
+  eng = lcjax.Engine.load(folder, dtype="float32", max_context=256, weight_dtype="bfloat16")
+  sd = load_file(os.path.join(folder, "model.safetensors"))
+  checked = 0
+  for name, got in export_hf(eng.params, CFG):
+    if name.endswith("proj.weight"):
+      scale = sd[name[:-len("weight")] + "weight_scale"].float()
+      assert scale.shape == (got.shape[0], 1) and len(set(scale.ravel().tolist())) > 1, name
+      np.testing.assert_array_equal(got, (sd[name].float() * scale).numpy(), err_msg=name)
+      checked += 1
+  assert checked == 7 * CFG.n_layers
+
+
 def test_dequantize_at_load(tmp_path, hf_model):
   """weight_dtype=bfloat16 (the run's dtype) serves an FP8 checkpoint with its weights dequantized at load."""
   folder = write_fp8_folder(str(tmp_path / "ct"), hf_model)

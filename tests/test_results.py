@@ -33,7 +33,8 @@ def _write_part(folder: pathlib.Path, name: str, d: dict, md: str | None = None)
 
 BENCH = dict(command="bench_x.py --n=2 --name=b-part", device="GPU X", versions={"jax": "0"}, source="abc123",
              date="2026-01-02", rows=[dict(impl="lcjax", S=8, ms=1.5), dict(impl="peer", S=8, ms=2.25)])
-PROBE = dict(command="probe.py --name=a-part", rows=[dict(op="gemv", tb_per_s=3.1)], extra={"k": [1, 2]})
+PROBE = dict(command="probe.py --name=a-part", source="def456", rows=[dict(op="gemv", tb_per_s=3.1)],
+             extra={"k": [1, 2]})
 B_MD = ("# b-part\n\ndevice: GPU X\n\ncommand: `bench_x.py --n=2 --name=b-part`\n\n### detail\n\n"
         "| impl | S | ms |\n|---|---|---|\n| lcjax | 8 | 1.5 |\n| peer | 8 | 2.25 |\n")
 A_MD = "# a-part\n\n| op | TB/s |\n|---|---|\n| gemv | 3.1 |\n"
@@ -50,7 +51,7 @@ def test_parts_merge_into_one_topic_with_every_row_kept(tmp_path):
   assert a["name"] == "a-part" and b["name"] == "b-part"
   # Each part is its own JSON, every key and row as written, with its name and commit beside them.
   assert {k: b[k] for k in BENCH} == BENCH and b["commit"] == "abc123"
-  assert {k: a[k] for k in PROBE} == PROBE and a["commit"] is None and a["device"] is None
+  assert {k: a[k] for k in PROBE} == PROBE and a["commit"] == "def456" and a["device"] is None
   assert list(b)[:5] == ["name", "command", "device", "versions", "commit"]
   md = (tmp_path / "out" / "stream.md").read_text()
   assert md.startswith(f"# stream: {m.TOPICS['stream']}\n")
@@ -95,6 +96,12 @@ def test_bad_parts_are_one_line_and_write_nothing(tmp_path):
   listed.parent.mkdir()
   listed.write_text("[1, 2]")
   _one_line_error(m, ["stream", str(out), str(listed)], r"f-part\.json holds a list", out)
+  for source in (None, "unknown"):          # unknown: what benchlib records when neither the variable nor git gave one
+    bare = _write_part(tmp_path / f"p7-{source}", "g-part", {k: v for k, v in BENCH.items() if k != "source"} |
+                       ({"source": source} if source else {}))
+    _one_line_error(m, ["stream", str(out), str(good), str(bare)],
+                    rf"g-part\.json has no commit \(source={source!r}\): measure it again with \$LCJAX_SOURCE_REVISION",
+                    out)
   _one_line_error(m, ["nosuch", str(out), str(good)], r"unknown topic 'nosuch'; known: attention, longctx", out)
   (tmp_path / "empty").mkdir()
   _one_line_error(m, ["stream", str(out), str(tmp_path / "empty")], r"no part files", out)
@@ -128,6 +135,20 @@ def test_each_committed_topic_file_is_the_merge_of_its_parts(tmp_path):
     text = (RESULTS / f"{name}.md").read_text()
     assert [ln for ln in text.splitlines() if ln.startswith("- `")] == \
       [ln for ln in markdown.splitlines() if ln.startswith("- `")], f"{name}.md lists other parts than its JSON"
+
+
+def test_every_committed_part_names_its_commit_or_awaits_remeasurement():
+  """A committed part without a commit is one merge_results.WITHOUT_COMMIT lists (measured before parts recorded
+  their commit, with the reason); a listed part that has a commit now, or that no topic holds, leaves the list."""
+  m = _merger()
+  parts = {p["name"]: p for d in _topics().values() for p in d["parts"]}
+  bare = sorted(name for name, p in parts.items() if p["commit"] in m.NO_SOURCE)
+  unlisted = [name for name in bare if name not in m.WITHOUT_COMMIT]
+  assert not unlisted, f"committed parts without a commit that merge_results.WITHOUT_COMMIT does not list: {unlisted}"
+  stale = sorted(set(m.WITHOUT_COMMIT) - set(bare))
+  assert not stale, ("parts merge_results.WITHOUT_COMMIT lists that have a commit or are no longer committed "
+                     f"(take them off the list): {stale}")
+  assert all(isinstance(why, str) and why for why in m.WITHOUT_COMMIT.values())
 
 
 def _expand(token: str) -> list[str]:

@@ -78,6 +78,43 @@ MUTANTS = (
            "scales[l, :, s:s + len(parts[0])] = parts[2:]",
            "scales[l, :, :len(parts[0])] = parts[2:]",
            ("tests/test_context.py::test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds[fp8]",)),
+    Mutant("fp8-checkpoint-scales-on-the-wrong-axis",
+           "an fp8 checkpoint's per-channel scales of a (head, dim) output (q, k, v) are laid out with the head "
+           "axis varying fastest: each scale lands on another channel's row",
+           "lcjax/checkpoint/hf.py",
+           "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out))",
+           "  return np.ascontiguousarray(s.reshape((1,) * in_dims + out, order=\"F\"))",
+           ("tests/test_fp8_weights.py::test_per_channel_scales_stay_on_their_channels",)),
+    Mutant("gemv-reference-quantizes-x",
+           "the GEMV kernels' float32 reference quantizes x to e4m3 (the prefill product) instead of widening the "
+           "weight, so the kernel tests compare against another product",
+           "lcjax/ops/fp8_gemv.py",
+           'dense_reference(x, w, s, spec, path="widened")',
+           'dense_reference(x, w, s, spec, path="fp8")',
+           ("tests/test_fp8_gemv.py::test_reference_is_the_widened_product",)),
+    Mutant("warm-up-compiles-the-whole-length-bucket",
+           "warm-up compiles the padded length of a prompt's whole length, not of its last chunk: a prompt longer "
+           "than a chunk then compiles its last chunk's program in the call",
+           "lcjax/engine/scheduler.py",
+           "{chunk_bucket(n % chunk or chunk, chunk)}",
+           "{chunk_bucket(n, chunk)}",
+           ("tests/test_engine.py::test_warm_up_compiles_what_generate_then_uses[greedy]",
+            "tests/test_cli.py::test_warm_up_leaves_nothing_to_compile[context]")),
+    Mutant("chat-context-separator-one-newline",
+           "a question continues a chat context after one newline, not the blank line of the cold chat of "
+           "document + \"\\n\\n\" + question",
+           "lcjax/tokenizer.py",
+           'CHAT_SEPARATOR = "\\n\\n"',
+           'CHAT_SEPARATOR = "\\n"',
+           ("tests/test_chat_context.py::test_the_split_holds_back_what_a_question_could_merge",
+            "tests/test_chat_context.py::test_chat_context_tokens_are_the_cold_chat[a sentence]")),
+    Mutant("context-load-writes-shared-pages",
+           "a load writes its saved pages into the pages it shares from the prefix cache too: a damaged load "
+           "(NaN pages, written as zeros) wipes the K/V of the open context that holds them",
+           "lcjax/engine/context.py",
+           "    for i in range(max(0, first - s), min(b, n - s)):",
+           "    for i in range(min(b, n - s)):",
+           ("tests/test_context.py::test_a_damaged_load_onto_shared_pages_leaves_their_context_as_it_was[nan-pages]",)),
 )
 
 
@@ -124,8 +161,8 @@ def _copy(repo: str, root: str) -> None:
 
 
 def _failures(output: str) -> dict[str, str]:
-  """{test id: pytest's one-line reason} of the FAILED lines of pytest's -rf summary."""
-  return {m[1]: m[2] for m in re.finditer(r"^FAILED (\S+)(?: - (.*))?$", output, flags=re.M)}
+  """{test id: pytest's one-line reason} of the FAILED lines of pytest's -rf summary (parameters may hold spaces)."""
+  return {m[1]: m[2] for m in re.finditer(r"^FAILED (\S+?(?:\[[^\]]*\])?)(?: - (.*))?$", output, flags=re.M)}
 
 
 def _fails(test: str, failed) -> bool:

@@ -52,10 +52,12 @@ def dequantize(x, scale, dtype):
   return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
-def gather_pages(pages, scale, ids, dtype):
+def gather_pages(pages, scale, ids, dtype, layer=None):
   """Pages ids [B, M] of a pool [P, Z, K, H] -> [B, M, Z, K, H] in `dtype`, dequantized by scale [P, K] (fp8 pools)
-  or None."""
-  return dequantize(pages[ids], None if scale is None else scale[ids][:, :, None, :], dtype)
+  or None. With `layer` (a scalar), pages [L, P, Z, K, H] and scale [L, P, K] hold every layer's pool and layer
+  `layer`'s pages ids are read (one gather: no layer's pool is sliced out)."""
+  at = ids if layer is None else (layer, ids)
+  return dequantize(pages[at], None if scale is None else scale[at][:, :, None, :], dtype)
 
 
 def over_table_blocks(block, table, lengths, page_size: int, block_tokens: int, out_shape, out_dtype):
@@ -169,15 +171,17 @@ def attention_reference(q, k, v, *, q_pos=None, k_start=None, kv_len=None, causa
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len, causal=True,
-                              pages_per_block=8, scale=None, k_scale=None, v_scale=None):
+                              pages_per_block=8, scale=None, k_scale=None, v_scale=None, layer=None):
   """Exact attention of q [B, T, N, H] over a paged cache.
 
   k_pages, v_pages: [P, Z, K, H]; page_table [B, M] int32 (slot m holds tokens m*Z .. m*Z+Z-1 of a sequence);
   kv_len [B]: valid tokens per sequence; q_pos [B, T] absolute query positions. Optional per-page scales
-  k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale).
+  k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale). With `layer` (a scalar), k_pages and
+  v_pages are the pools of every layer [L, P, Z, K, H] (scales [L, P, K]) and the table names pages of layer
+  `layer`.
   """
   B, T, N, H = q.shape
-  P, Z, K, _ = k_pages.shape
+  Z, K = k_pages.shape[-3:-1]
   M = page_table.shape[1]
   pb = max(1, min(pages_per_block, M))
   n_blocks = -(-M // pb)
@@ -187,7 +191,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
   kv_len = jnp.broadcast_to(kv_len, (B,))
 
   def load(pages, scales, ids):
-    return gather_pages(pages, scales, ids, jnp.float32).reshape(B, pb * Z, K, H)
+    return gather_pages(pages, scales, ids, jnp.float32, layer).reshape(B, pb * Z, K, H)
 
   def block(i):
     ids = jax.lax.dynamic_slice_in_dim(page_table, i * pb, pb, axis=1)  # [B, pb]

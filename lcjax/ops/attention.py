@@ -97,7 +97,10 @@ def merge(o_a, lse_a, o_b, lse_b):
 def _online_softmax(q, n_blocks, block_fn, scale):
   """Flash-style online softmax over key blocks. q [B, T, N, H]; block_fn(i) -> (k, v, visible).
 
-  k, v: [B, C, K, H]; visible: [B, T, C] bool. Memory is O(B*T*N*C), never O(T*S).
+  k, v: [B, C, K, H]; visible: [B, T, C] bool. Memory is O(B*T*N*C), never O(T*S). n_blocks: a Python int, the
+  blocks 0 .. n_blocks - 1, each skipped (a lax.cond) when no query sees any of its keys; or a traced int32
+  scalar: a loop over the blocks 0 .. n_blocks - 1, each attended (masked by `visible`), where the caller bounds
+  n_blocks by the last block that holds a visible key.
   """
   B, T, N, H = q.shape
   qf = q.astype(jnp.float32) * scale
@@ -125,7 +128,10 @@ def _online_softmax(q, n_blocks, block_fn, scale):
 
   init = (jnp.full((B, T, N), _MASKED, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
           jnp.zeros((B, T, N, H), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+  if isinstance(n_blocks, int):
+    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+  else:
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, lambda i, carry: update(carry, *block_fn(i)), init)
   seen = l > 0
   out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
@@ -179,6 +185,9 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
   k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale). With `layer` (a scalar), k_pages and
   v_pages are the pools of every layer [L, P, Z, K, H] (scales [L, P, K]) and the table names pages of layer
   `layer`.
+
+  The table is read `pages_per_block` slots at a time, up to the block that holds the longest kv_len's last key:
+  the loop's trip count follows the tokens cached, not the table's width M (shapes do not depend on kv_len).
   """
   B, T, N, H = q.shape
   Z, K = k_pages.shape[-3:-1]
@@ -200,7 +209,9 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
     kb, vb = load(k_pages, k_scale, ids), load(v_pages, v_scale, ids)
     return kb, vb, _visible(q_pos, jnp.broadcast_to(j, (B, pb * Z)), valid, causal)
 
-  return _online_softmax(q, n_blocks, block, scale or _default_scale(H))
+  # Blocks from the one after the longest kv_len's last key on hold no valid key: the loop stops before them.
+  used = jnp.clip((jnp.max(kv_len) + pb * Z - 1) // (pb * Z), 0, n_blocks).astype(jnp.int32)
+  return _online_softmax(q, used, block, scale or _default_scale(H))
 
 
 def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None):

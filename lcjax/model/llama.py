@@ -265,11 +265,12 @@ def default_pool_reads(attention) -> str:
   """Llama's pool_reads when none is given: "layer" on XLA:CPU for backends that take it (`reads_layer_pools`: the
   jnp reference and dense), "view" elsewhere (GPU kernels read the view's pages in place).
 
-  On XLA:CPU the view of a pool just written, [L, P, Z, K, H] reshaped to [L * P, Z, K, H], as an operand of the
-  reference's block loop (a while loop), is made by a fusion of the write and the reshape whose output shape is not
-  the pool's, so it cannot write in place: the pool is copied for it, and again for the write the layer scan
-  carries (4 copies of K and 4 of V in every layer of every decode step), so a decode step cost O(pool) per layer.
-  Read as pools[layer, page] the written pool is never reshaped, and XLA:CPU writes and reads it in place."""
+  On XLA:CPU, reading a pool just written through the view ([L, P, Z, K, H] reshaped to [L * P, Z, K, H]) copies
+  it when the write is a dynamic-update-slice (XLA's form of a one-row scatter: batch-1 decode) and the view is an
+  operand of the reference's block loop (a while loop): XLA fuses the write with the reshape, a fusion whose output
+  shape is not the pool's cannot update in place, and the pool is copied for it and again for the write the layer
+  scan carries: 4 copies of K and 4 of V in every layer of every decode step, O(pool) per layer. Read as
+  pools[layer, page], the written pool is never reshaped and XLA:CPU writes and reads it in place."""
   return "layer" if jax.default_backend() == "cpu" and getattr(attention, "reads_layer_pools", False) else "view"
 
 

@@ -5,6 +5,8 @@ engine running the same paged path."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import time
 
 import jax
@@ -367,6 +369,38 @@ def test_warm_up_compiles_what_generate_then_uses(sampling):
     assert count.seen == []
   finally:
     count.close()
+    eng.close()
+
+
+def _copies_of_at_least(hlo: str, elements: int) -> list[str]:
+  """The copy instructions of optimized HLO text whose result holds at least `elements` elements."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+    if m and math.prod(int(d) for d in m.group(1).split(",") if d) >= elements:
+      found.append(line.strip()[:160])
+  return found
+
+
+@pytest.mark.optimized_xla
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program (Llama.pool_reads)")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_loop_copies_no_pool_on_cpu(batch):
+  """The decode loop XLA:CPU compiles (as serving runs it: Scheduler.lower_decode, the arguments of warm-up)
+  copies no array as large as one layer's KV pool: the layer scan writes the pools and attention reads them in
+  place, so a step costs the tokens cached, not the pools (Llama's pool_reads: with attention reading them as the
+  reshaped [L * P] view, pool_reads="view", XLA:CPU copies K and V 4 times each in every layer of every step).
+  The pools are made larger than any weight, so a copy that size is a copy of a pool. Batch 1 (XLA turns the
+  write of one row into a dynamic-update-slice) and 3 (a scatter)."""
+  eng = _engine(page_size=16, max_context=2048, max_batch=batch)
+  try:
+    k = eng.cache.k
+    layer_pool = k.size // k.shape[0]
+    assert max(x.size for x in jax.tree.leaves(eng.scheduler.params)) < layer_pool
+    hlo = eng.scheduler.lower_decode(4, greedy=True).compile().as_text()
+    assert "while" in hlo
+    assert _copies_of_at_least(hlo, layer_pool) == []
+  finally:
     eng.close()
 
 

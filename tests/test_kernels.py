@@ -303,6 +303,47 @@ def test_paged_page_offset(name):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
+@pytest.mark.parametrize("longest", [0, 15, 16, 17, 64])
+def test_paged_reference_reads_up_to_the_longest_kv_len(longest):
+  """The reference's block loop stops after the block holding the longest kv_len's last key, cutting none: at and
+  around a block boundary (blocks of one page, 16 keys), an empty and a full table; pages in the table past the
+  longest kv_len hold NaN, which any read of them would spread into the output."""
+  B, T, N, K, H, Z, M, P = 2, 1, 8, 2, 32, 16, 4, 10
+  q, kp, vp, table, _, _, kd, vd = rand_pages(13, B, T, N, K, H, Z, M, P, dtype=jnp.float32)
+  kv_len = jnp.array([longest, longest // 2], jnp.int32)
+  past = np.asarray(table)[:, -(-max(longest, 1) // Z):].reshape(-1) if longest < M * Z else []
+  kp, vp = (x.at[jnp.asarray(past, jnp.int32)].set(jnp.nan) for x in (kp, vp))
+  q_pos = jnp.maximum(kv_len[:, None] - 1, 0)
+  got = backends.ReferenceBackend(pages_per_block=1).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
+  if longest == 0:
+    assert np.all(np.asarray(got[0]) == 0) and np.all(np.isneginf(np.asarray(got[1])))
+    return
+  kd, vd = np.nan_to_num(kd), np.nan_to_num(vd)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("name", ["reference", "dense"])
+def test_paged_reads_one_layer_of_the_layer_pools(name, fp8):
+  """paged(..., layer=l) over pools of every layer [L, P, Z, K, H] (scales [L, P, K]) reads layer l's pages: the
+  other layers, filled with values no key holds, do not change the oracle's answer."""
+  B, T, N, K, H, Z, M, P = 2, 3, 8, 2, 32, 16, 4, 10
+  q, kp, vp, table, ks, vs, kd, vd = rand_pages(12, B, T, N, K, H, Z, M, P, fp8=fp8)
+  kv_len = jnp.array([50, 21], jnp.int32)
+  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  be = {"reference": backends.ReferenceBackend(), "dense": backends.DenseBackend()}[name]
+  assert be.reads_layer_pools
+
+  def layers(x, fill):        # layer 1 holds x, layers 0 and 2 hold `fill`
+    junk = jnp.full(x.shape, fill, x.dtype)
+    return jnp.stack([junk, x, junk])
+
+  scales = {} if ks is None else dict(k_scale=layers(ks, 4.0), v_scale=layers(vs, 4.0))
+  got = be.paged(q, layers(kp, 50.0), layers(vp, -50.0), table, q_pos=q_pos, kv_len=kv_len, layer=jnp.int32(1),
+                 **scales)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
 # ---------------------------------------------------------------- selection
 def test_backend_registry_and_reasons():
   assert backends.get_backend("reference").name == "reference"

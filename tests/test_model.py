@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig, RopeScaling, preset
 from lcjax.model.llama import Llama
 from tests import hf_oracle
@@ -62,3 +63,58 @@ def test_bf16_close_to_f32():
   assert b.dtype == jnp.float32  # logits are accumulated and returned in float32
   rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
   assert rel < 0.05, rel
+
+
+def test_pool_reads_default_and_refusal():
+  """pool_reads: "layer" on CPUs for the reference and dense backends, "view" for backends that read one layer's
+  pages as an offset into the [L * P] view; "layer" is refused for those."""
+  from lcjax.ops.backends import DenseBackend
+  from lcjax.ops.pallas_backend import PallasBackend
+  cfg = _cfg()
+  build = lambda **kw: nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), **kw))
+  cpu = jax.default_backend() == "cpu"
+  assert build().pool_reads == build(attention=DenseBackend()).pool_reads == ("layer" if cpu else "view")
+  assert build(attention=PallasBackend(interpret=True)).pool_reads == "view"
+  with pytest.raises(ValueError, match="pool_reads"):
+    build(attention=PallasBackend(interpret=True), pool_reads="layer")
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float8_e4m3fn], ids=["f32", "fp8"])
+def test_pool_reads_layer_and_view_compute_the_same(cache_dtype):
+  """A chunked prefill through the paged cache, then decode steps, with the pools read with the layer index
+  (pool_reads="layer") and as the [L * P] view with page offsets (pool_reads="view", what GPU kernels read): the same
+  logits and the same pools, and for float32 pools the uncached forward's logits."""
+  cfg = _cfg()
+  L, K, H, Z, M = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, 12
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, cfg.vocab_size, 30)
+  table = jnp.asarray(rng.permutation(np.arange(1, 2 * M))[None, :M], jnp.int32)   # pages out of order, 0: null
+
+  def slots(start, n):
+    pos = np.arange(start, start + n)
+    return jnp.asarray(np.asarray(table)[0, pos // Z] * Z + pos % Z, jnp.int32)[None]
+
+  def run(pool_reads):
+    model = Llama(cfg, dtype=jnp.float32, pool_reads=pool_reads, rngs=nnx.Rngs(0))
+    cache = kvc.init_cache(L, 2 * M, Z, K, H, cache_dtype)
+    out = []
+    for c0 in (0, 8, 16):            # prefill: 24 tokens in 3 chunks of 8
+      chunk = jnp.asarray(tokens[None, c0:c0 + 8], jnp.int32)
+      logits, cache = model(chunk, jnp.arange(c0, c0 + 8, dtype=jnp.int32)[None], cache=cache, slots=slots(c0, 8),
+                            page_table=table, prefix_len=jnp.asarray([c0], jnp.int32))
+      out.append(logits)
+    for n in range(24, 30):          # decode: one token a step
+      logits, cache = model(jnp.asarray(tokens[None, n:n + 1], jnp.int32), jnp.asarray([[n]], jnp.int32),
+                            cache=cache, slots=slots(n, 1), page_table=table, kv_len=jnp.asarray([n + 1], jnp.int32))
+      out.append(logits)
+    return model, np.concatenate([np.asarray(x) for x in out], axis=1), cache
+
+  model, view, view_cache = run("view")
+  _, layer, layer_cache = run("layer")
+  assert model.pool_reads == "view"
+  np.testing.assert_allclose(layer, view, rtol=1e-6, atol=1e-6)
+  for a, b in zip(view_cache.parts(), layer_cache.parts()):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+  if cache_dtype == jnp.float32:
+    full, _ = model(jnp.asarray(tokens[None], jnp.int32))
+    np.testing.assert_allclose(view, np.asarray(full), rtol=1e-4, atol=1e-4)

@@ -424,7 +424,7 @@ class Scheduler:
     the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
     then neither trace nor compile. Returns the number of programs."""
     i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
-    W, B, n = self.table_width, self.run.max_batch, 0
+    W, n = self.table_width, 0
     logits = None
     for Tb in sorted(set(buckets)):
       z = i32(1, Tb)
@@ -438,21 +438,27 @@ class Scheduler:
       self.steps.first_token.lower(logits, stack_sampling([SamplingParams()]), i32(1)).compile()
       n += 1
     for steps, greedy in sorted(set(decode)):
-      state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
-      sp = stack_sampling([SamplingParams()] * B)
-      if self.run.draft == "off":
-        self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
-                                greedy=greedy).compile()
-      else:
-        self.steps.decode_spec.lower(self.params, self.cache, state, sp, i32(B, W), self.eos,
-                                     i32(B, W * self.run.page_size), steps=steps, greedy=greedy,
-                                     **self._draft_args()).compile()
+      self.lower_decode(steps, greedy).compile()
       n += 1
     for k in sorted(set(copies)):
       src = jnp.asarray(tuple(range(k)), jnp.int32)
       self.steps.copy_pages.lower(self.cache, src, src).compile()
       n += 1
     return n
+
+  def lower_decode(self, steps: int, greedy: bool):
+    """The decode loop of `steps` steps (speculative when RunConfig.draft says so) lowered, not compiled, on
+    arguments of the kinds and shapes serving calls pass it (`compile_programs` compiles it)."""
+    i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
+    W, B = self.table_width, self.run.max_batch
+    state = DecodeState(i32(B), i32(B), jnp.asarray(np.ones(B, bool)), i32(B))
+    sp = stack_sampling([SamplingParams()] * B)
+    if self.run.draft == "off":
+      return self.steps.decode.lower(self.params, self.cache, state, sp, i32(B, W), self.eos, steps=steps,
+                                     greedy=greedy)
+    return self.steps.decode_spec.lower(self.params, self.cache, state, sp, i32(B, W), self.eos,
+                                        i32(B, W * self.run.page_size), steps=steps, greedy=greedy,
+                                        **self._draft_args())
 
   def prefill(self, r: Request, sample: bool = True):
     """Prefill r.prompt[r.cached:] in chunks (what comes before is in the cache), then sample a token (or, with

@@ -264,6 +264,21 @@ def product_dims(name: str, shape) -> tuple[int, int]:
 _HELD = frozenset(n.split("/")[-1] + sfx for n in LINEAR for sfx in ("", "_scale"))
 # Llama(decode_linear=...): the product decode-sized calls over fp8 weights run.
 DECODE_LINEAR = ("xla", "mosaic", "pallas", "pallas-interpret")
+# Llama(pool_reads=...): how attention reads a layer's pages out of the pools of every layer.
+POOL_READS = ("view", "layer")
+
+
+def default_pool_reads(attention) -> str:
+  """Llama's pool_reads when none is given: "layer" on XLA:CPU for backends that take it (`reads_layer_pools`: the
+  jnp reference and dense), "view" elsewhere (GPU kernels read the view's pages in place).
+
+  On XLA:CPU, reading a pool just written through the view ([L, P, Z, K, H] reshaped to [L * P, Z, K, H]) copies
+  it when the write is a dynamic-update-slice (XLA's form of a one-row scatter: batch-1 decode) and the view is an
+  operand of the reference's block loop (a while loop): XLA fuses the write with the reshape, a fusion whose output
+  shape is not the pool's cannot update in place, and the pool is copied for it and again for the write the layer
+  scan carries: 4 copies of K and 4 of V in every layer of every decode step, O(pool) per layer. Read as
+  pools[layer, page], the written pool is never reshaped and XLA:CPU writes and reads it in place."""
+  return "layer" if jax.default_backend() == "cpu" and getattr(attention, "reads_layer_pools", False) else "view"
 
 
 def convert_weights(params, cfg: ModelConfig, target: WeightFormat, dtype):
@@ -337,14 +352,18 @@ def repeat_kv_heads(params, rep: int):
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
                sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), decode_linear: str = "xla",
-               page_write: str = "xla", rngs: nnx.Rngs):
+               page_write: str = "xla", pool_reads: str | None = None, rngs: nnx.Rngs):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
     are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
     of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
     layer's slice), "mosaic" (lcjax.ops.mgpu_gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
     (lcjax.ops.fp8_gemv's kernel on the stacked weights) or "pallas-interpret" (that kernel in the Pallas
     interpreter, for CPUs); on a mesh the kernels run per shard (`_gemv_mesh`). page_write: what writes a decode
-    step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel)."""
+    step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel). pool_reads: how the attention backend reads
+    layer l's pages out of the pools of every layer [L, P, Z, K, H] that the layer scan carries (`_paged`): "view"
+    (the pools reshaped to [L * P, Z, K, H], a free reshape, with page_offset = l * P) or "layer" (the pools
+    themselves with layer=l; backends with `reads_layer_pools`); None: `default_pool_reads` decides, once, here.
+    Both compute the same values."""
     if decode_linear not in DECODE_LINEAR:
       raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
     if decode_linear != "xla" and not weights.fp8:
@@ -358,6 +377,13 @@ class Llama(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
+    pool_reads = default_pool_reads(self.attention) if pool_reads is None else pool_reads
+    if pool_reads not in POOL_READS:
+      raise ValueError(f"{pool_reads=} must be one of {', '.join(POOL_READS)}")
+    if pool_reads == "layer" and not getattr(self.attention, "reads_layer_pools", False):
+      raise ValueError(f"pool_reads='layer' needs a backend that reads the pools of every layer; "
+                       f"{self.attention.name} reads one layer's pages as an offset into their [L * P] view")
+    self.pool_reads = pool_reads
     # A mesh of one device is no mesh: the single-device code path, unchanged.
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
     self.sp_mode = sp_mode
@@ -389,24 +415,18 @@ class Llama(nnx.Module):
       return o, None
     if self.mesh is not None:
       return self._attend_mesh(q, k, v, step, cache_l)
-    # The whole pools [L, P, Z, K, H] come in with the layer index: written in place at (layer, page, offset),
-    # read as L*P pages (a free reshape) where layer `layer`'s page p is page layer*P + p. Slicing pool[layer]
-    # instead makes XLA copy the layer's pool (GiBs at long context) for every kernel call. fp8 scales
-    # [L, P, K] are read the same way, as [L*P, K].
+    # The whole pools [L, P, Z, K, H] come in with the layer index: written in place at (layer, page, offset)
+    # and read by `_paged`.
     k_all, v_all, layer, k_scale, v_scale = cache_l
-    L, P = k_all.shape[:2]
     k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
                                                   layer, kernel=self.page_write, token_at=step.token_at)
-    k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
-    offset = layer * P                      # layer `layer`'s page p is pool page offset + p
-    ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
       o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
                                    causal=True)
-      o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
-                                kv_len=step.prefix_len, k_scale=ks, v_scale=vs, page_offset=offset)
+      o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
+                                   q_pos=step.positions, kv_len=step.prefix_len)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     elif q.shape[1] > 1:
       # Decode rows of several tokens: the cache's keys before the call's first token, merged with the call's own
@@ -415,9 +435,24 @@ class Llama(nnx.Module):
                                 kv_len=step.positions[:, 0], k_scale=ks, v_scale=vs, page_offset=offset)
       o, _ = merge(*rows_block(q, k, v, step.positions, step.lengths), o_pre, lse_pre)
     else:
-      o, _ = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions, kv_len=step.kv_len,
-                      k_scale=ks, v_scale=vs, page_offset=offset)
+      o, _ = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer, q_pos=step.positions,
+                         kv_len=step.kv_len)
     return o, (k_all, v_all, k_scale, v_scale)
+
+  def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len):
+    """The backend's `paged` over layer `layer`'s pages of the pools of every layer k_all, v_all [L, P, Z, K, H]
+    (fp8 scales [L, P, K] or None), read as `pool_reads` says. "view": the pools as L * P pages (a free reshape)
+    where layer `layer`'s page p is page layer * P + p; slicing pool[layer] instead makes XLA copy the layer's
+    pool (GiBs at long context) for every kernel call. "layer": the pools as they are, with the layer index."""
+    be = self.attention
+    if self.pool_reads == "layer":
+      return be.paged(q, k_all, v_all, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale,
+                      layer=layer)
+    L, P = k_all.shape[:2]
+    k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
+    ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
+    return be.paged(q, k_pool, v_pool, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
+                    page_offset=layer * P)
 
   def _attend_mesh(self, q, k, v, step: CallContext, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
@@ -441,8 +476,9 @@ class Llama(nnx.Module):
                          out_specs=heads, check_vma=False)
       return fn(q, k, v, step.positions, start, step.lengths)
 
-    # Whole pools [L, P, Z, K, H] with the layer index, as without a mesh: locally [L, P/S, Z, K/T, H] viewed
-    # as L * P/S pages, layer `layer`'s local page p being page layer * P/S + p; fp8 scales [L, P/S, K/T] alike.
+    # Whole pools [L, P, Z, K, H] with the layer index, as without a mesh: locally [L, P/S, Z, K/T, H], read by
+    # `_paged` (as L * P/S pages, layer `layer`'s local page p being page layer * P/S + p, or with the layer
+    # index); fp8 scales [L, P/S, K/T] alike.
     k_all, v_all, layer, k_scale, v_scale = cache_l
     decode = step.prefix_len is None
     cached = step.kv_len if decode else step.prefix_len     # tokens the paged part reads
@@ -453,7 +489,7 @@ class Llama(nnx.Module):
     several = decode and q.shape[1] > 1
     if several:
       cached = step.positions[:, 0]
-    L, Pl, Z = k_all.shape[0], k_all.shape[1] // S, k_all.shape[2]
+    Pl, Z = k_all.shape[1] // S, k_all.shape[2]
     pool = P(None, SEQ, None, TENSOR, None)
     fp8 = () if k_scale is None else (step.pages, k_scale, v_scale)
 
@@ -464,14 +500,11 @@ class Llama(nnx.Module):
       slots_all = gather(slots)
       k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), slots_all, pages, layer,
                                           shard=d, kernel=self.page_write)
-      kp, vp = (a.reshape(L * Pl, *a.shape[2:]) for a in (k_all, v_all))
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
-      kb, vb = (None if s is None else s.reshape(L * Pl, s.shape[-1]) for s in (ks, vs))
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
-      o, lse = be.paged(gather(q), kp, vp, table_l, q_pos=gather(pos), kv_len=lens, k_scale=kb, v_scale=vb,
-                        page_offset=layer * Pl)
+      o, lse = self._paged(gather(q), k_all, v_all, ks, vs, table_l, layer, q_pos=gather(pos), kv_len=lens)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if several:

@@ -52,10 +52,12 @@ def dequantize(x, scale, dtype):
   return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
-def gather_pages(pages, scale, ids, dtype):
+def gather_pages(pages, scale, ids, dtype, layer=None):
   """Pages ids [B, M] of a pool [P, Z, K, H] -> [B, M, Z, K, H] in `dtype`, dequantized by scale [P, K] (fp8 pools)
-  or None."""
-  return dequantize(pages[ids], None if scale is None else scale[ids][:, :, None, :], dtype)
+  or None. With `layer` (a scalar), pages [L, P, Z, K, H] and scale [L, P, K] hold every layer's pool and layer
+  `layer`'s pages ids are read (one gather: no layer's pool is sliced out)."""
+  at = ids if layer is None else (layer, ids)
+  return dequantize(pages[at], None if scale is None else scale[at][:, :, None, :], dtype)
 
 
 def over_table_blocks(block, table, lengths, page_size: int, block_tokens: int, out_shape, out_dtype):
@@ -95,7 +97,10 @@ def merge(o_a, lse_a, o_b, lse_b):
 def _online_softmax(q, n_blocks, block_fn, scale):
   """Flash-style online softmax over key blocks. q [B, T, N, H]; block_fn(i) -> (k, v, visible).
 
-  k, v: [B, C, K, H]; visible: [B, T, C] bool. Memory is O(B*T*N*C), never O(T*S).
+  k, v: [B, C, K, H]; visible: [B, T, C] bool. Memory is O(B*T*N*C), never O(T*S). n_blocks: a Python int, the
+  blocks 0 .. n_blocks - 1, each skipped (a lax.cond) when no query sees any of its keys; or a traced int32
+  scalar: a loop over the blocks 0 .. n_blocks - 1, each attended (masked by `visible`), where the caller bounds
+  n_blocks by the last block that holds a visible key.
   """
   B, T, N, H = q.shape
   qf = q.astype(jnp.float32) * scale
@@ -123,7 +128,10 @@ def _online_softmax(q, n_blocks, block_fn, scale):
 
   init = (jnp.full((B, T, N), _MASKED, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
           jnp.zeros((B, T, N, H), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+  if isinstance(n_blocks, int):
+    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
+  else:
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, lambda i, carry: update(carry, *block_fn(i)), init)
   seen = l > 0
   out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
@@ -169,15 +177,20 @@ def attention_reference(q, k, v, *, q_pos=None, k_start=None, kv_len=None, causa
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len, causal=True,
-                              pages_per_block=8, scale=None, k_scale=None, v_scale=None):
+                              pages_per_block=8, scale=None, k_scale=None, v_scale=None, layer=None):
   """Exact attention of q [B, T, N, H] over a paged cache.
 
   k_pages, v_pages: [P, Z, K, H]; page_table [B, M] int32 (slot m holds tokens m*Z .. m*Z+Z-1 of a sequence);
   kv_len [B]: valid tokens per sequence; q_pos [B, T] absolute query positions. Optional per-page scales
-  k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale).
+  k_scale, v_scale [P, K] dequantize fp8 pages (value = page * scale). With `layer` (a scalar), k_pages and
+  v_pages are the pools of every layer [L, P, Z, K, H] (scales [L, P, K]) and the table names pages of layer
+  `layer`.
+
+  The table is read `pages_per_block` slots at a time, up to the block that holds the longest kv_len's last key:
+  the loop's trip count follows the tokens cached, not the table's width M (shapes do not depend on kv_len).
   """
   B, T, N, H = q.shape
-  P, Z, K, _ = k_pages.shape
+  Z, K = k_pages.shape[-3:-1]
   M = page_table.shape[1]
   pb = max(1, min(pages_per_block, M))
   n_blocks = -(-M // pb)
@@ -187,7 +200,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
   kv_len = jnp.broadcast_to(kv_len, (B,))
 
   def load(pages, scales, ids):
-    return gather_pages(pages, scales, ids, jnp.float32).reshape(B, pb * Z, K, H)
+    return gather_pages(pages, scales, ids, jnp.float32, layer).reshape(B, pb * Z, K, H)
 
   def block(i):
     ids = jax.lax.dynamic_slice_in_dim(page_table, i * pb, pb, axis=1)  # [B, pb]
@@ -196,7 +209,9 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, *, q_pos, kv_len,
     kb, vb = load(k_pages, k_scale, ids), load(v_pages, v_scale, ids)
     return kb, vb, _visible(q_pos, jnp.broadcast_to(j, (B, pb * Z)), valid, causal)
 
-  return _online_softmax(q, n_blocks, block, scale or _default_scale(H))
+  # Blocks from the one after the longest kv_len's last key on hold no valid key: the loop stops before them.
+  used = jnp.clip((jnp.max(kv_len) + pb * Z - 1) // (pb * Z), 0, n_blocks).astype(jnp.int32)
+  return _online_softmax(q, used, block, scale or _default_scale(H))
 
 
 def attention_dense(q, k, v, *, q_pos=None, kv_len=None, causal=True, scale=None):

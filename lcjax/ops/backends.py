@@ -3,7 +3,9 @@
 A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
 `backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
 `(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
-the pools (the model passes one layer's pages as an offset into the pools of every layer). `why_not(...)`
+the pools (the model passes one layer's pages as an offset into the pools of every layer). Backends whose
+`reads_layer_pools` is true also take `paged(..., layer=l)`: k_pages and v_pages are then the pools of every layer
+[L, P, Z, K, H] (scales [L, P, K]) and page `page_table[b, m]` of layer l is read (Llama's `pool_reads`). `why_not(...)`
 returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
 ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn, PallasBackend and PallasFp8Backend
 in lcjax.ops.pallas_backend (apart from the kernels they choose between).
@@ -25,6 +27,7 @@ class ReferenceBackend:
   name: str = "reference"
   block_k: int = 512
   pages_per_block: int = 8
+  reads_layer_pools = True
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     return None
@@ -33,10 +36,11 @@ class ReferenceBackend:
     return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, causal=causal,
                                    block_k=self.block_k)
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
+            layer=None):
     return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kv_len,
                                          pages_per_block=self.pages_per_block, k_scale=k_scale,
-                                         v_scale=v_scale)
+                                         v_scale=v_scale, layer=layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class DenseBackend:
   """The unoptimised baseline: XLA attention that materialises every [T, S] score matrix (O(S^2) memory).
   Benchmarks use it to show where a model without flash attention runs out of memory."""
   name: str = "dense"
+  reads_layer_pools = True
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     return None
@@ -55,13 +60,14 @@ class DenseBackend:
       q_pos = q_pos - k_start[:, None]
     return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
+            layer=None):
     B, M = page_table.shape
-    Z = k_pages.shape[1]
+    Z = k_pages.shape[-3]
     page_table = page_table + page_offset
 
     def gather(pages, scale):
-      return ref.gather_pages(pages, scale, page_table, q.dtype).reshape(B, M * Z, *pages.shape[2:])
+      return ref.gather_pages(pages, scale, page_table, q.dtype, layer).reshape(B, M * Z, *pages.shape[-2:])
 
     return ref.attention_dense(q, gather(k_pages, k_scale), gather(v_pages, v_scale), q_pos=q_pos,
                                kv_len=kv_len, causal=True)

@@ -431,8 +431,8 @@ class Llama(nnx.Module):
     elif q.shape[1] > 1:
       # Decode rows of several tokens: the cache's keys before the call's first token, merged with the call's own
       # keys as a causal block (whether or not the call wrote them into the cache).
-      o_pre, lse_pre = be.paged(q, k_pool, v_pool, step.page_table, q_pos=step.positions,
-                                kv_len=step.positions[:, 0], k_scale=ks, v_scale=vs, page_offset=offset)
+      o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
+                                   q_pos=step.positions, kv_len=step.positions[:, 0])
       o, _ = merge(*rows_block(q, k, v, step.positions, step.lengths), o_pre, lse_pre)
     else:
       o, _ = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer, q_pos=step.positions,

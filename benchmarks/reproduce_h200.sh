@@ -43,6 +43,11 @@
 #   stream        stream.{json,md}: stream-h200, ms/token per decode steps per call                         ~1 min
 #   multigpu      multigpu.{json,md}: l70b-8layers-h200 (70B shape, 8 of 80 layers, one H200) and
 #                 8xh200-predicted (its extrapolation to 8 GPUs, nothing run)                                ~2 min
+#   multigpu-2    (2 GPUs; not in the default run) the multigpu step, plus multigpu-70b-512k-2xh200: the 70B at
+#                 512K with fp8 weights + fp8 KV + FP8 attention on tensor=2 and on seq=2, merged into
+#                 multigpu.{json,md}; tools/bench_multigpu.py refuses in one line on fewer GPUs  predicted ~12 min
+#   multigpu-8    (8 GPUs; not in the default run) the multigpu step, plus multigpu-70b-1m-8xh200: the 70B at 1M,
+#                 fp8 weights + fp8 KV + FP8 attention, on 8x1, 4x2 and 2x4                  predicted ~27 min
 #   lengths       lengths.{json,md}: unaligned document and question lengths beside aligned ones, each sweep
 #                 checked to grow with length: lengths-8b-h200 (8B shape, fp8 weights + fp8 KV + FP8 attention),
 #                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072)
@@ -64,10 +69,11 @@ OUT=${OUT:-benchmarks/results}
 PARTS=${PARTS:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths speculation tables)
+more=(multigpu-2 multigpu-8)         # steps for machines of several GPUs, asked for by name
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all[@]}")
 for step in "${steps[@]}"; do
-  [[ " ${all[*]} " == *" $step "* ]] || { echo "unknown step $step: ${all[*]}" >&2; exit 2; }
+  [[ " ${all[*]} ${more[*]} " == *" $step "* ]] || { echo "unknown step $step: ${all[*]} ${more[*]}" >&2; exit 2; }
 done
 
 for step in "${steps[@]}"; do
@@ -176,7 +182,17 @@ for step in "${steps[@]}"; do
     stream)
       python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
         --out="$P" --name=stream-h200 ;;
-    multigpu)
+    multigpu|multigpu-2|multigpu-8)
+      if [ "$step" = multigpu-2 ]; then
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b --meshes=2x1,1x2 \
+          --contexts=524288 --decode_batches=1 --cache_dtype=float8_e4m3fn --weight_dtype=float8_e4m3fn \
+          --attention_dtype=float8_e4m3fn --time_budget_s=1500 --out="$P" --name=multigpu-70b-512k-2xh200
+      elif [ "$step" = multigpu-8 ]; then
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
+          --meshes=8x1,4x2,2x4 --contexts=1048576 --decode_batches=1 --cache_dtype=float8_e4m3fn \
+          --weight_dtype=float8_e4m3fn --attention_dtype=float8_e4m3fn --time_budget_s=3000 --out="$P" \
+          --name=multigpu-70b-1m-8xh200
+      fi
       python3 tools/bench_longctx.py --preset=llama3.1-70b --layers=8 --contexts=65536,131072 --impls=lcjax \
         --decode_steps=16 --prefill_chunk=32768 --time_budget_s=100 --out="$P" --name=l70b-8layers-h200
       python3 tools/bench_multigpu.py --preset=llama3.1-70b --layers=8 --measured="$P/l70b-8layers-h200.json" \
@@ -201,5 +217,7 @@ for step in "${steps[@]}"; do
       if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi
       continue ;;
   esac
-  python3 benchmarks/merge_results.py "$step" "$OUT" "$P"
+  topic=$step
+  case "$step" in multigpu-2|multigpu-8) topic=multigpu ;; esac
+  python3 benchmarks/merge_results.py "$topic" "$OUT" "$P"
 done

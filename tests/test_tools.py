@@ -140,6 +140,16 @@ def test_bench_multigpu_extrapolates_measured_rows(tmp_path):
   assert p.returncode != 0 and "measured preset=tiny" in p.stderr
 
 
+def test_bench_multigpu_refuses_meshes_larger_than_the_machine(tmp_path):
+  """A mesh of more devices than the machine has is refused in one line before any worker runs (the 2- and 8-GPU
+  steps of reproduce_h200.sh on a machine of one GPU); fp8 weights and an fp8 cache are flags of the rows."""
+  p = _tool("bench_multigpu.py", "--preset=tiny", "--meshes=2x1,1x2", "--contexts=256", "--cache_dtype=float8_e4m3fn",
+            "--weight_dtype=float8_e4m3fn", f"--out={tmp_path}", "--name=m")
+  assert p.returncode != 0
+  assert "the meshes 2x1,1x2 need 2 devices and this machine has 0 GPUs" in p.stderr, p.stderr[-1000:]
+  assert not (tmp_path / "m.json").exists()
+
+
 def test_is_oom_tells_memory_from_a_kernel_launch_limit():
   """Both come as RESOURCE_EXHAUSTED; a benchmark row must say OOM only for the first (a 2x H200 run recorded a
   Pallas kernel's shared-memory overflow as five OOM rows)."""

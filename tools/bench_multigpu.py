@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -52,6 +53,9 @@ flags.DEFINE_integer("page_size", 256, "KV page size")
 flags.DEFINE_string("attention", "auto", "attention backend")
 flags.DEFINE_string("dtype", "bfloat16", "parameter / activation dtype")
 flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
+flags.DEFINE_string("weight_dtype", "auto", "linear weights: auto (the dtype), float8_e4m3fn (fp8, per-channel "
+                    "scales; decode runs the fp8 GEMV kernel on each device's shards)")
+flags.DEFINE_string("attention_dtype", "auto", "auto | float8_e4m3fn | int8_fp8 (8-bit prefill attention)")
 flags.DEFINE_string("sp_mode", "ring", "ring | ring-plain | ulysses (the table's rows; scaling rows use their "
                     "--scaling_orders)")
 flags.DEFINE_integer("scaling_tokens_per_gpu", 0, "ring scaling rows: this many prompt tokens per seq device "
@@ -93,7 +97,8 @@ def _run_cfg(tensor, seq, context, batch, sp_mode=None):
     # own decode pages; round-robin placement leaves a shard at most a page per sequence over its share.
     pages = -(-context // page) + batch * (-(-(FLAGS.decode_steps + 3) // page) + 1)
     num_pages = seq * (-(-pages // seq) + batch + 1)
-  return RunConfig(dtype=FLAGS.dtype, cache_dtype=FLAGS.cache_dtype, page_size=page, max_context=ctx,
+  return RunConfig(dtype=FLAGS.dtype, cache_dtype=FLAGS.cache_dtype, weight_dtype=FLAGS.weight_dtype,
+                   attention_dtype=FLAGS.attention_dtype, page_size=page, max_context=ctx,
                    max_batch=batch, prefill_chunk=chunk, decode_steps=FLAGS.decode_steps,
                    attention=FLAGS.attention, tensor=tensor, seq=seq, sp_mode=sp_mode or FLAGS.sp_mode,
                    num_pages=num_pages)
@@ -113,7 +118,8 @@ def worker(spec: str):
   cfg = _model_cfg()
   sp_mode = {"scaling": "ring", "scaling-plain": "ring-plain"}.get(kind)     # the layouts the gain compares
   run = _run_cfg(tensor, seq, S, batch, sp_mode=sp_mode)
-  p = planlib.plan(cfg, run)
+  from lcjax.config import WeightFormat
+  p = planlib.plan(cfg, run, weights=WeightFormat().for_run(run.weight_dtype))
   base = dict(impl="lcjax", kind=kind, sp_mode=run.sp_mode, S=S, tensor=tensor, seq=seq, gpus=tensor * seq,
               batch=batch,
               predicted=False, planned_gib=p.total / GiB, weights_gib=p.weights / GiB, kv_gib=p.kv_cache / GiB,
@@ -138,7 +144,9 @@ def worker(spec: str):
     flops = prefill_flops(cfg, S)
     benchlib.emit_row(**base, prefill_s=prefill_s, prefill_tok_s=S / prefill_s if prefill_s else None,
                       prefill_tflops=flops / prefill_s / 1e12 if prefill_s else None, decode_ms_per_token=decode_ms,
-                      peak_gib=peak, warmup_s=warm, attention=eng.attention.name, oom=False)
+                      peak_gib=peak, warmup_s=warm, attention=eng.attention.name, decode_kernel=eng.decode_kernel,
+                      page_write=eng.page_write, linear=eng.linear_kernels, cache_dtype=eng.run.resolved_cache_dtype,
+                      weight_dtype=eng.weights.name or eng.run.dtype, oom=False)
   except Exception as e:  # noqa: BLE001 - every failure is a row
     oom = benchlib.is_oom(e)
     benchlib.emit_row(**base, oom=oom, error=repr(e)[:400])
@@ -287,8 +295,14 @@ def orchestrate():
     rows += predict(rows)
     print(write_results(rows))
     return
+  specs = _specs()
+  need = max((math.prod(map(int, spec.split(",")[:2])) for spec in specs), default=0)
+  have = FLAGS.cpu_devices or len(benchlib.gpu_names())
+  if need > have:
+    raise app.UsageError(f"the meshes {','.join(FLAGS.meshes)} need {need} devices and this machine has {have} "
+                         f"{'CPU devices (--cpu_devices)' if FLAGS.cpu_devices else 'GPUs'}")
   rows = []
-  for spec in _specs():
+  for spec in specs:
     tensor, seq, S, batch = map(int, spec.split(",")[:4])
     if time.time() - start > FLAGS.time_budget_s:
       rows.append(dict(impl="lcjax", S=S, tensor=tensor, seq=seq, gpus=tensor * seq, batch=batch, predicted=False,

@@ -382,6 +382,18 @@ def _copies_of_at_least(hlo: str, elements: int) -> list[str]:
   return found
 
 
+def pool_copies_in_decode_loop(eng) -> list[str]:
+  """The copies at least one layer's KV pool in size in the decode loop XLA compiles for `eng` (as serving runs it:
+  Scheduler.lower_decode, the arguments of warm-up). The engine's pools must be larger than any weight, so such a
+  copy is a copy of a pool."""
+  k = eng.cache.k
+  layer_pool = k.size // k.shape[0]
+  assert max(x.size for x in jax.tree.leaves(eng.scheduler.params)) < layer_pool
+  hlo = eng.scheduler.lower_decode(4, greedy=True).compile().as_text()
+  assert "while" in hlo
+  return _copies_of_at_least(hlo, layer_pool)
+
+
 @pytest.mark.optimized_xla
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program (Llama.pool_reads)")
 @pytest.mark.parametrize("batch", [1, 3])
@@ -394,12 +406,7 @@ def test_decode_loop_copies_no_pool_on_cpu(batch):
   write of one row into a dynamic-update-slice) and 3 (a scatter)."""
   eng = _engine(page_size=16, max_context=2048, max_batch=batch)
   try:
-    k = eng.cache.k
-    layer_pool = k.size // k.shape[0]
-    assert max(x.size for x in jax.tree.leaves(eng.scheduler.params)) < layer_pool
-    hlo = eng.scheduler.lower_decode(4, greedy=True).compile().as_text()
-    assert "while" in hlo
-    assert _copies_of_at_least(hlo, layer_pool) == []
+    assert pool_copies_in_decode_loop(eng) == []
   finally:
     eng.close()
 

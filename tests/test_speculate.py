@@ -330,16 +330,11 @@ def test_the_speculative_loop_copies_no_pool(cache_dtype):
   """The speculative decode loop, compiled as serving runs it (Scheduler.lower_decode), copies no array as large as
   one layer's KV pool: nothing in a step costs the pools' size (a lax.cond holding the cache, or a gather of the
   pages a step writes before the step, each made XLA copy the pools every step)."""
-  from tests.test_engine import _copies_of_at_least
+  from tests.test_engine import pool_copies_in_decode_loop
   eng = Engine.random(TINY, run=RUN.replace(page_size=16, max_context=2048, max_batch=1, cache_dtype=cache_dtype,
                                             **SPEC), seed=3)
   try:
-    k = eng.cache.k
-    layer_pool = k.size // k.shape[0]
-    assert max(x.size for x in jax.tree.leaves(eng.scheduler.params)) < layer_pool
-    hlo = eng.scheduler.lower_decode(4, greedy=True).compile().as_text()
-    assert "while" in hlo
-    copies = _copies_of_at_least(hlo, layer_pool)
+    copies = pool_copies_in_decode_loop(eng)
     assert copies == [], copies
   finally:
     eng.close()

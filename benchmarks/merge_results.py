@@ -53,7 +53,6 @@ _V2 = "; measured the v2 context format (no checksums, no fsync), which the curr
 WITHOUT_COMMIT = {
   "attention-h200": _BEFORE,
   "context-h200-512k-fp8": _BEFORE + _V2,
-  "context-smollm2-cpu": _BEFORE + _V2,
   "exact-fp8-llama3-8b-h200": _BEFORE,
   "exact-fp8-smollm2-h200": _BEFORE,
   "exact-int8-smollm2-h200": _BEFORE,

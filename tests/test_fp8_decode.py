@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lcjax.ops import attention as ref
+from lcjax.ops import hardware
 from lcjax.ops import mgpu_paged
 from lcjax.ops import pallas_backend
 from lcjax.ops import pallas_paged
@@ -139,7 +140,7 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
   another GPU take the Triton kernel with one warning naming the reason; bf16 pages and interpret mode never
   reach it."""
   calls = []
-  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)                 # as on a Hopper GPU
+  monkeypatch.setattr(hardware, "on_sm90", lambda: None)                       # as on a Hopper GPU
   monkeypatch.setattr(ref, "_announced", set())
   monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, **k: calls.append("mgpu") or "mgpu")
   monkeypatch.setattr(pallas_paged, "paged_decode", lambda *a, **k: calls.append("triton") or "triton")
@@ -155,14 +156,14 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
       be.paged(q, pages, pages, table, q_pos=qp, kv_len=kl, k_scale=scale, v_scale=scale)
   assert calls == ["mgpu", "triton", "triton", "triton"]
   assert sum("page_size=32" in r.getMessage() for r in caplog.records) == 1    # once per process
-  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: "not Hopper")
+  monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")
   be.paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl,
            k_scale=sc, v_scale=sc)
   assert calls[-1] == "triton"
   pallas_backend.PallasBackend(interpret=True).paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(
       jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl, k_scale=sc, v_scale=sc)
   assert calls[-1] == "triton"
-  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)
+  monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   fp8 = jnp.zeros((9, 64, 2, 64), jnp.float8_e4m3fn)
   for backend in (be, pallas_backend.PallasBackend(interpret=True)):         # the page dtype routes, not the scale
     with pytest.raises(ValueError, match="needs their k_scale and v_scale"):
@@ -191,14 +192,14 @@ def test_combine_reads_transposed_partials():
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
-  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: None)
+  monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "triton"
   interp = pallas_backend.PallasBackend(interpret=True)
   assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
-  monkeypatch.setattr(pallas_backend, "_on_sm90", lambda: "not Hopper")
+  monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   # cuDNN's paged kernel reads bf16 / fp16 pages; decode rows over fp8 or float32 pages take the jnp reference
   from lcjax.ops import cudnn_calls

@@ -9,7 +9,7 @@ import pytest
 
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine.serving import resolve
-from lcjax.ops import cudnn, mgpu_gemv, pallas_backend
+from lcjax.ops import cudnn, hardware, mgpu_gemv
 
 CFG = preset("llama3.1-8b")
 RUN = RunConfig(max_context=4096, page_size=64, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
@@ -17,7 +17,7 @@ RUN = RunConfig(max_context=4096, page_size=64, cache_dtype="float8_e4m3fn", wei
 
 def _gpu(monkeypatch, cc):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  for module in (pallas_backend, mgpu_gemv):
+  for module in (hardware, mgpu_gemv):
     monkeypatch.setattr(module, "compute_capability", lambda: cc)
   monkeypatch.setattr(cudnn.CudnnBackend, "why_not", lambda self, **kw: None)
 

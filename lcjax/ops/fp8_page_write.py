@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from lcjax.ops.fp8 import E4M3_MAX
 from lcjax.ops.fp8_gemv import as_pairs, pack_for, pair_value
-from lcjax.ops.pallas_backend import fp8_convert_reason
+from lcjax.ops.hardware import fp8_convert_reason
 
 _SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32
 _MANTISSA = (1 << 23) - 1

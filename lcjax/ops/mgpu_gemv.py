@@ -59,7 +59,7 @@ from jax import lax
 from lcjax.ops.fp8_gemv import product_layout, scale_rows
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 from lcjax.ops.mgpu_common import smem_transforms
-from lcjax.ops.pallas_backend import compute_capability, fp8_convert_reason
+from lcjax.ops.hardware import compute_capability, fp8_convert_reason
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops import hardware
 from lcjax.ops import mgpu_paged
 from lcjax.ops import pallas_flash
 from lcjax.ops import pallas_paged
@@ -27,40 +27,6 @@ from lcjax.ops.cudnn import PAGED_PAST, CudnnBackend, paged_case
 
 # Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
 PREFIX_BLOCK_TOKENS = 131072
-
-
-def compute_capability() -> tuple[int, int] | None:
-  """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
-  cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
-  return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
-
-
-def fp8_convert_reason(kernel: str) -> str | None:
-  """Why `kernel` (named in the message) cannot be compiled here (None: it can): it needs a CUDA GPU that converts
-  e4m3 in hardware (sm_89+; measured on sm_90)."""
-  if jax.default_backend() != "gpu":
-    return f"the {kernel} needs a CUDA GPU, not {jax.default_backend()!r}"
-  cc = compute_capability()
-  if cc is None or cc < (8, 9):
-    return f"the {kernel} needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
-  return None
-
-
-def _on_hopper() -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
-  cc = compute_capability()
-  if cc is None or cc < (9, 0):
-    return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
-  return None
-
-
-def _on_sm90() -> str | None:
-  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
-  cc = compute_capability()
-  if cc is None or cc[0] != 9:
-    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
-  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +53,7 @@ class PallasBackend:
     reason = pallas_flash.why_not(head_dim=head_dim, dtype=dtype)
     if reason or self.interpret:
       return reason
-    return _on_hopper()
+    return hardware.on_hopper()
 
   def _kernel(self, q, k, v, kvl):
     """kernel(d=None, *, causal): the flash kernel on these operands."""
@@ -122,7 +88,8 @@ class PallasBackend:
     do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
     if self.interpret:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
-    return mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype) or _on_sm90()
+    return (mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
+            or hardware.on_sm90())
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
     """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
@@ -174,7 +141,7 @@ class PallasFp8Backend(PallasBackend):
     if reason or self.interpret:
       return reason
     # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
-    return pallas_flash.why_not(head_dim=head_dim, dtype=dtype) or _on_hopper()
+    return pallas_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_hopper()
 
   def _kernel(self, q, k, v, kvl):
     return functools.partial(pallas_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,

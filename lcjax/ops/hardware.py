@@ -1,0 +1,42 @@
+"""The hardware probes: what the device this process runs on can compile, asked by every lowering's kernels
+(lcjax.ops.triton, lcjax.ops.mosaic_gpu) and by the backends that choose between them (lcjax.ops.pallas_backend).
+
+Each returns why a kernel cannot run here (a sentence naming what it needs and what this machine has), or None."""
+from __future__ import annotations
+
+import jax
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the first device on a CUDA GPU; None elsewhere."""
+  cc = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
+  return None if cc is None else tuple(int(x) for x in str(cc).split(".")[:2])
+
+
+def fp8_convert_reason(kernel: str) -> str | None:
+  """Why `kernel` (named in the message) cannot be compiled here (None: it can): it needs a CUDA GPU that converts
+  e4m3 in hardware (sm_89+; measured on sm_90)."""
+  if jax.default_backend() != "gpu":
+    return f"the {kernel} needs a CUDA GPU, not {jax.default_backend()!r}"
+  cc = compute_capability()
+  if cc is None or cc < (8, 9):
+    return f"the {kernel} needs a CUDA GPU of compute capability 8.9 or later, got {cc}"
+  return None
+
+
+def on_hopper() -> str | None:
+  """Why the Mosaic GPU kernels cannot run here (None: they can): they need a Hopper GPU or later (sm_90+)."""
+  if jax.default_backend() != "gpu":
+    return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
+  cc = compute_capability()
+  if cc is None or cc < (9, 0):
+    return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
+  return None
+
+
+def on_sm90() -> str | None:
+  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
+  cc = compute_capability()
+  if cc is None or cc[0] != 9:
+    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
+  return None

@@ -284,14 +284,14 @@ class RunConfig:
   linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (on a GPU, each
                                      # device of a mesh on its shards: mosaic on Hopper for products that tile by
                                      # 64, else pallas; else xla; the log says why), "mosaic"
-                                     # (lcjax.ops.mgpu_gemv: reads the stacked fp8 weights in place, one byte
+                                     # (lcjax.ops.mosaic_gpu.gemv: reads the stacked fp8 weights in place, one byte
                                      # a weight, TMA and wgmma),
-                                     # "pallas" (lcjax.ops.fp8_gemv: the same product in Pallas' Triton
+                                     # "pallas" (lcjax.ops.triton.gemv: the same product in Pallas' Triton
                                      # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
                                      # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)
   page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
                                      # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
-                                     # "pallas" (lcjax.ops.fp8_page_write: K, V and their page scales in one
+                                     # "pallas" (lcjax.ops.triton.page_write: K, V and their page scales in one
                                      # kernel), "xla" (nine small XLA kernels a layer), "pallas-interpret"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)

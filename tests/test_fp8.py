@@ -19,7 +19,7 @@ from lcjax.ops import attention as ref
 from lcjax.ops import backends
 from lcjax.ops import fp8
 from lcjax.ops import pallas_backend
-from lcjax.ops import pallas_flash
+from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 
 ON_GPU = jax.default_backend() == "gpu"
 E4M3_EPS = 2.0 ** -4        # half the spacing of e4m3's 3-bit mantissa, relative
@@ -132,7 +132,7 @@ def test_fp8_attention_close_to_float32(incoherent):
   B, T, S, N, K, H = 2, 200, 330, 4, 2, 128
   q, k, v = _normal(7, B, T, N, H), _normal(8, B, S, K, H), _normal(9, B, S, K, H)
   d, kvl = jnp.array([S - T, -3]), jnp.array([S, 250])
-  out, lse = pallas_flash.flash_attention_fp8(q, k, v, d, kvl, incoherent=incoherent, interpret=True)
+  out, lse = mgpu_flash.flash_attention_fp8(q, k, v, d, kvl, incoherent=incoherent, interpret=True)
   rows = np.arange(T)
   q_pos = jnp.asarray(np.stack([rows + S - T, rows - 3]), jnp.int32)
   want_o, want_l = ref.attention_reference(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
@@ -160,7 +160,7 @@ def test_smoothing_keys_keeps_attention_and_lowers_error():
   want, want_lse = ref.attention_reference(q, k, v, causal=False, kv_len=kvl)
   err = {}
   for smooth in (False, True):
-    out, lse = pallas_flash.flash_attention_fp8(q, k, v, None, kvl, causal=False, smooth_k=smooth, interpret=True)
+    out, lse = mgpu_flash.flash_attention_fp8(q, k, v, None, kvl, causal=False, smooth_k=smooth, interpret=True)
     err[smooth] = (float(jnp.sqrt(jnp.mean((out - want) ** 2) / jnp.mean(want ** 2))),
                    float(jnp.mean(jnp.abs(lse - want_lse))))
   assert err[True][0] < 0.6 * err[False][0] and err[True][1] < 0.3 * err[False][1], err
@@ -203,7 +203,7 @@ def test_int8_qk_beats_e4m3_on_biased_keys():
   want, want_lse = ref.attention_reference(q, k, v, causal=True)
   err = {}
   for qk in fp8.QK_DTYPES:
-    got, lse = pallas_flash.flash_attention_fp8(q, k, v, qk_dtype=qk, interpret=True)
+    got, lse = mgpu_flash.flash_attention_fp8(q, k, v, qk_dtype=qk, interpret=True)
     err[qk] = (float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2))),
                float(jnp.mean(jnp.abs(lse - want_lse))))
   # P's and V's e4m3 rounding, the same in both, is most of the output error; the lse carries Q K^T's alone.
@@ -229,7 +229,7 @@ def test_incoherence_rotation_lowers_error_on_outliers():
   want, _ = ref.attention_reference(q, k, v, causal=True)
   err = {}
   for inc in (False, True):
-    out, _ = pallas_flash.flash_attention_fp8(q, k, v, incoherent=inc, interpret=True)
+    out, _ = mgpu_flash.flash_attention_fp8(q, k, v, incoherent=inc, interpret=True)
     err[inc] = float(jnp.sqrt(jnp.mean((out - want) ** 2)))
   assert err[True] < err[False], err
 
@@ -400,16 +400,16 @@ def _thread_coords(layout, shape):
 
 def test_p_register_relabel_is_key_perm():
   """The FP8 kernel hands P's e4m3 registers from the accumulator layout to the P V wgmma as its 8-bit A operand,
-  pairing registers as pallas_flash.a_operand_sources says (the low one's two bytes first). Derived from Mosaic
+  pairing registers as mgpu_flash.a_operand_sources says (the low one's two bytes first). Derived from Mosaic
   GPU's own layout definitions, A position c of every row is then P's key 16 (c // 16) + KEY_PERM[c % 16], the
   order permute_keys gives V. (The MLIR that moves the bytes runs only on a GPU: tests marked gpu.)"""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   acc = _thread_coords(fa.WGMMA_LAYOUT, (64, 128))
   a8 = _thread_coords(fa.WGMMA_LAYOUT_8BIT, (64, 128))
   acc_regs = fa.WGMMA_LAYOUT.registers_shape((64, 128))
-  sources = pallas_flash.a_operand_sources(acc_regs)
+  sources = mgpu_flash.a_operand_sources(acc_regs)
   assert sorted(sources) == sorted(np.ndindex(fa.WGMMA_LAYOUT_8BIT.registers_shape((64, 128))))
-  perm = np.array(pallas_flash.KEY_PERM)
+  perm = np.array(mgpu_flash.KEY_PERM)
   for thread in acc:
     for dst, (lo, hi) in sources.items():
       got = np.concatenate([acc[thread][lo[:-1]], acc[thread][hi[:-1]]])   # [4 bytes, (row, col)], wgmma's order
@@ -418,7 +418,7 @@ def test_p_register_relabel_is_key_perm():
       assert (got[:, 1] == 16 * (want[:, 1] // 16) + perm[want[:, 1] % 16]).all(), thread
   v = np.arange(2 * 3 * 64).reshape(2, 3, 64)
   want = np.stack([v[..., 16 * (c // 16) + perm[c % 16]] for c in range(64)], -1)
-  np.testing.assert_array_equal(np.asarray(pallas_flash.permute_keys(jnp.asarray(v))), want)
+  np.testing.assert_array_equal(np.asarray(mgpu_flash.permute_keys(jnp.asarray(v))), want)
 
 
 @pytest.mark.parametrize("H,qk_dtype", [(128, "float8_e4m3fn"), (64, "float8_e4m3fn"), (128, "int8")])
@@ -426,7 +426,7 @@ def test_fp8_kernel_lowers_for_cuda(H, qk_dtype):
   """The FP8 Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (wgmma operand checks,
   layouts and shared-memory transfers are all decided here)."""
   sd = lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-  f = jax.jit(functools.partial(pallas_flash.flash_attention_fp8, causal=True, qk_dtype=qk_dtype))
+  f = jax.jit(functools.partial(mgpu_flash.flash_attention_fp8, causal=True, qk_dtype=qk_dtype))
   lowered = f.trace(sd((1, 256, 8, H)), sd((1, 384, 2, H)), sd((1, 384, 2, H))).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
@@ -434,9 +434,9 @@ def test_fp8_kernel_lowers_for_cuda(H, qk_dtype):
 def test_fp8_kernel_profiles_only_short_sequences():
   """The on-device profiler's trace lives in shared memory: a profiled kernel over more keys is refused."""
   sd = lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-  S = pallas_flash.PROFILE_MAX_KEYS + 128
-  tuning = dataclasses.replace(pallas_flash.FP8_TUNING, profile_dir="/tmp/unused")
-  f = jax.jit(functools.partial(pallas_flash.flash_attention_fp8, causal=True, tuning=tuning))
+  S = mgpu_flash.PROFILE_MAX_KEYS + 128
+  tuning = dataclasses.replace(mgpu_flash.FP8_TUNING, profile_dir="/tmp/unused")
+  f = jax.jit(functools.partial(mgpu_flash.flash_attention_fp8, causal=True, tuning=tuning))
   with pytest.raises(ValueError, match=f"{S} keys > PROFILE_MAX_KEYS"):
     f.trace(sd((1, 128, 8, 128)), sd((1, S, 2, 128)), sd((1, S, 2, 128)))
 
@@ -460,7 +460,7 @@ def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len, qk_dtype):
                                                _normal(22, B, S, K, H)))
   d = None if d is None else jnp.array(d, jnp.int32)
   kvl = None if kv_len is None else jnp.array(kv_len, jnp.int32)
-  run = functools.partial(pallas_flash.flash_attention_fp8, q, k, v, d, kvl, causal=causal, qk_dtype=qk_dtype)
+  run = functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, d, kvl, causal=causal, qk_dtype=qk_dtype)
   out, lse = run()
   m_out, m_lse = run(interpret=True)
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32

@@ -1,4 +1,4 @@
-"""The fp8 paged decode kernel (lcjax.ops.mgpu_paged): e4m3 Q K^T straight from fp8 pages, float16 P @ V.
+"""The fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged): e4m3 Q K^T straight from fp8 pages, float16 P @ V.
 
 CPU: its jnp model against the float64 oracle, the query quantization, the split heuristic, the routing of the
 pallas backend, and the kernel's lowering to its CUDA custom call (catches API drift without a GPU). GPU (`-m gpu`):
@@ -14,9 +14,9 @@ import pytest
 
 from lcjax.ops import attention as ref
 from lcjax.ops import hardware
-from lcjax.ops import mgpu_paged
+from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops import pallas_backend
-from lcjax.ops import pallas_paged
+from lcjax.ops.triton import paged as triton_paged
 from tests.test_kernels import check, oracle, rand_pages, visibility
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -143,7 +143,7 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)                       # as on a Hopper GPU
   monkeypatch.setattr(ref, "_announced", set())
   monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, **k: calls.append("mgpu") or "mgpu")
-  monkeypatch.setattr(pallas_paged, "paged_decode", lambda *a, **k: calls.append("triton") or "triton")
+  monkeypatch.setattr(triton_paged, "paged_decode", lambda *a, **k: calls.append("triton") or "triton")
   be = pallas_backend.PallasBackend()
   q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
   table, qp, kl = jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
@@ -179,7 +179,7 @@ def test_combine_reads_transposed_partials():
   o = jax.random.normal(ks[0], (B, K, S2, H, RN), jnp.float32)
   lse = jax.random.normal(ks[1], (B, K, S2, RN), jnp.float32).at[0, 1, 1].set(-jnp.inf)
   lse = lse.at[:, :, S:].set(jnp.nan)                                        # never written: never read
-  out, lse_out = pallas_paged.combine_splits(o, lse, S=S, G=G, out_shape=(B, T, K * G, H), out_dtype=jnp.float32,
+  out, lse_out = triton_paged.combine_splits(o, lse, S=S, G=G, out_shape=(B, T, K * G, H), out_dtype=jnp.float32,
                                              transposed=True, interpret=True)
   on, ln = np.asarray(o, np.float64)[:, :, :S], np.asarray(lse, np.float64)[:, :, :S]
   w = np.exp(ln - ln.max(axis=2, keepdims=True))                             # [B, K, S, RN]
@@ -202,8 +202,8 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   # cuDNN's paged kernel reads bf16 / fp16 pages; decode rows over fp8 or float32 pages take the jnp reference
-  from lcjax.ops import cudnn_calls
-  from lcjax.ops.cudnn import CudnnBackend
+  from lcjax.ops.cudnn import calls as cudnn_calls
+  from lcjax.ops.cudnn.backend import CudnnBackend
   monkeypatch.setattr(cudnn_calls, "has_private_paged", lambda: True)
   cudnn = CudnnBackend()
   assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "cudnn"

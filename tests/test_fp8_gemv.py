@@ -1,4 +1,4 @@
-"""The fp8 GEMV kernel (lcjax.ops.fp8_gemv) and the model's decode-sized products through it.
+"""The fp8 GEMV kernel (lcjax.ops.triton.gemv) and the model's decode-sized products through it.
 
 Oracles: numpy float64 products of the dequantized weights (written here, not lcjax's reference); the model and the
 engine with linear_kernel="xla" (XLA's widened product on each layer's slice) for the same weights. On CPUs the
@@ -20,14 +20,15 @@ import lcjax
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.engine import placement
 from lcjax.model.llama import LINEAR, Llama, linear_shapes
-from lcjax.ops import fp8_gemv, linear
+from lcjax.ops import linear
+from lcjax.ops.triton import gemv as triton_gemv
 
 L = 3
 # Model-layout weight shapes of a small model: D 64, 2 KV heads of 2 query heads, head dim 16, F 128.
 # A small layer's four linear weights (D 64, 4 query heads over 2 kv heads of 16, F 128), in the model's layout.
 SHAPES = linear_shapes(ModelConfig("gemv-test", vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                    head_dim=16, ffn_dim=128))
-SMALL_TILES = fp8_gemv.GemvTuning(block_n=32, block_k=16, min_steps=1)   # several programs and splits
+SMALL_TILES = triton_gemv.GemvTuning(block_n=32, block_k=16, min_steps=1)   # several programs and splits
 
 
 def _stacked(name, rng):
@@ -58,7 +59,7 @@ def test_linear_shapes_are_the_models(name):
     _, block, w = ckpt.split("/")
     w8 = layers[block][w]
     spec = LINEAR[ckpt]
-    R, N, Kd, _ = fp8_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
+    R, N, Kd, _ = triton_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
     assert (w8.shape[0], product_dims(ckpt, shape)) == (2, (N, Kd)), ckpt
     assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
   # With `tensor`, the shapes are those of one device's shard of the weights the model shards by their axes.
@@ -121,7 +122,7 @@ def test_kernel_against_numpy(name, rows, pack):
   for dtype, rtol in ((jnp.bfloat16, 2 ** -8), (jnp.float32, 2e-6)):
     x = _x(name, rows, rng, dtype)
     for layer in range(L):
-      got = fp8_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=tuning, interpret=True)
+      got = triton_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=tuning, interpret=True)
       assert got.dtype == x.dtype
       err = _row_errors(got, _numpy_product(x, w8, scale, layer, spec), rows)
       assert np.all(err <= rtol), (dtype, layer, err)
@@ -138,7 +139,7 @@ def test_reference_is_the_widened_product():
   name = "layers/mlp/w_down"
   w8, scale = _stacked(name, rng)
   x = _x(name, 5, rng, jnp.float32)
-  got = fp8_gemv.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
+  got = triton_gemv.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
   assert np.all(_row_errors(got, _numpy_product(x, w8, scale, 2, LINEAR[name]), 5) < 1e-6)
 
 
@@ -152,24 +153,24 @@ def test_reference_is_the_widened_product():
 def test_plan_tiles_and_splits(R, N, Kd, want):
   """The default tiles, and splits doubled while the programs are short of the target and each split keeps
   min_steps: worked out by hand for the model shapes."""
-  p = fp8_gemv.plan(R, N, Kd)
+  p = triton_gemv.plan(R, N, Kd)
   assert (p.Rp, p.bn, p.bk, p.S) == want
 
 
 def test_pack_for_sizes():
   """uint16 pairs exactly where the lowering's 32-bit offsets would pass 2^31 one-byte elements."""
-  assert [fp8_gemv.pack_for(n) for n in (2 ** 31 - 1, 2 ** 31, 32 * 28672 * 4096, 2 ** 32, 2 ** 32 + 1)] == \
+  assert [triton_gemv.pack_for(n) for n in (2 ** 31 - 1, 2 ** 31, 32 * 28672 * 4096, 2 ** 32, 2 ** 32 + 1)] == \
       [1, 2, 2, 2, 1]
 
 
 def test_plan_refusals():
   with pytest.raises(ValueError, match="65 rows exceed GemvTuning.max_rows=64"):
-    fp8_gemv.plan(65, 128, 64)
+    triton_gemv.plan(65, 128, 64)
   with pytest.raises(ValueError, match="num_splits=3 does not divide the 16 steps"):
-    fp8_gemv.plan(1, 128, 4096, fp8_gemv.GemvTuning(num_splits=3))
+    triton_gemv.plan(1, 128, 4096, triton_gemv.GemvTuning(num_splits=3))
   w8 = jnp.zeros((2, 8, 16), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="not a row-major"):
-    fp8_gemv.gemv_stacked(jnp.zeros((1, 16, 1)), w8, jnp.ones((2, 8, 1)), 0, "bdt,fd->btf", interpret=True)
+    triton_gemv.gemv_stacked(jnp.zeros((1, 16, 1)), w8, jnp.ones((2, 8, 1)), 0, "bdt,fd->btf", interpret=True)
 
 
 def test_model_holds_weights_for_decode_sized_calls():
@@ -193,12 +194,12 @@ def _count_kernel_calls(monkeypatch):
   """Count the model's traced calls of the kernels, by weight einsum and kernel ("mosaic", "pallas" or
   "pallas-interpret")."""
   from lcjax.model import llama
-  from lcjax.ops import mgpu_gemv
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
   calls = []
 
   def counted(x, w8, scale, layer, spec, **kw):
     calls.append((spec, "pallas-interpret" if kw.get("interpret") else "pallas"))
-    return fp8_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
+    return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
 
   mosaic = mgpu_gemv.gemv_stacked
 
@@ -261,9 +262,9 @@ def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   """On a Hopper GPU (both kernels' device checks pass), a model whose products do not tile by 64 names the first
   such weight: a refusal for linear_kernel='mosaic', the Triton kernel with that reason for 'auto'; on a mesh, the
   first such shard."""
-  from lcjax.ops import mgpu_gemv
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
   monkeypatch.setattr(mgpu_gemv, "unsupported", lambda: None)
-  monkeypatch.setattr(fp8_gemv, "unsupported", lambda: None)
+  monkeypatch.setattr(triton_gemv, "unsupported", lambda: None)
   tiny = preset("tiny")
   assert placement.gemv_kernels_unsupported(tiny) == {"mosaic": None, "pallas": None}
   why = "w_down: the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: Kd=96 is not a multiple of 64"
@@ -300,10 +301,10 @@ def test_engine_refuses_a_kernel_that_cannot_serve_before_making_weights(monkeyp
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
   """Compiled on the GPU at real shapes: against the float32 reference, bf16 activations."""
   for name, spec, w8, scale, x in model_products(preset_name, rows):
-    fn = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))
+    fn = jax.jit(lambda x, w, s, i: triton_gemv.gemv_stacked(x, w, s, i, spec))
     assert "lcjax_fp8_gemv" in fn.lower(x, w8, scale, jnp.int32(1)).as_text()
     got = fn(x, w8, scale, jnp.int32(1)).astype(jnp.float32)
-    want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 2 ** -8, (name, err)
 
@@ -326,18 +327,18 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
   kw, ks, kx = jax.random.split(jax.random.PRNGKey(0), 3)
   w8 = _random_e4m3(kw, (L_, 2, F, D))                                   # K-major [L, 2, F, D]: every byte drawn
   scale = jax.random.uniform(ks, (L_, 2, F, 1), jnp.float32, 1e-3, 2e-3)
-  assert w8.size >= min_bytes and fp8_gemv.pack_for(w8.size) == pack
+  assert w8.size >= min_bytes and triton_gemv.pack_for(w8.size) == pack
   x = jax.random.normal(kx, (1, 1, D), jnp.bfloat16)
-  got = jax.jit(lambda x, w, s, i: fp8_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
-  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  got = jax.jit(lambda x, w, s, i: triton_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
+  want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ask,kernel,named", [
-    ("auto", "mosaic", "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)"),
-    ("pallas", "pallas", "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)")])
+    ("auto", "mosaic", "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv)"),
+    ("pallas", "pallas", "the fp8 GEMV kernel (lcjax.ops.triton.gemv)")])
 def test_gpu_engine_decode_runs_the_kernel(ask, kernel, named, monkeypatch):
   """On an H200, linear_kernel="auto" decodes fp8 weights through the compiled Mosaic GPU kernel, and "pallas"
   through the Triton one (float32 activations: their hi + lo split), with the greedy tokens of "xla"."""

@@ -1,4 +1,4 @@
-"""The fp8 page-write kernel (lcjax.ops.fp8_page_write) and the engine's decode steps through it.
+"""The fp8 page-write kernel (lcjax.ops.triton.page_write) and the engine's decode steps through it.
 
 Oracles: XLA's write of the same tokens (lcjax.cache.kv._write_one_token, bit for bit), whose scales and values
 tests/test_kv.py checks against numpy for both paths; the engine with page_write="xla" for the same model. On
@@ -17,7 +17,7 @@ import lcjax
 from lcjax.cache import kv as kvc
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine import placement
-from lcjax.ops import fp8_page_write
+from lcjax.ops.triton import page_write as triton_page_write
 
 
 def _case(L, P, Z, K, H, B, seed=0):
@@ -62,13 +62,13 @@ def _assert_same(got, want):
 def test_token_scale_is_scale_for_bit_for_bit():
   """The kernel's scale rule from the absmax's bits against lcjax.cache.kv.scale_for: every exponent at the 1.75
   mantissa (absmax = 448 x 2^k) and one ulp either side, 0, subnormals, the floor's edge, inf and NaN."""
-  assert 2.0 ** (fp8_page_write._SCALE_FLOOR_EXP - 127) == kvc.SCALE_FLOOR
-  edge = np.arange(1, 255, dtype=np.int32) << 23 | fp8_page_write._MANTISSA_1_75         # 1.75 x 2^E
+  assert 2.0 ** (triton_page_write._SCALE_FLOOR_EXP - 127) == kvc.SCALE_FLOOR
+  edge = np.arange(1, 255, dtype=np.int32) << 23 | triton_page_write._MANTISSA_1_75         # 1.75 x 2^E
   bits = np.concatenate([edge, edge - 1, edge + 1, np.arange(0, 1 << 12, dtype=np.int32) * 2047,
                          np.array([0x7F800000, 0x7FC00000], np.int32)])
   a = jnp.asarray(bits.view(np.float32))
   a = a.at[-4:-2].set(jnp.asarray([448 * 2.0 ** -32, np.nextafter(np.float32(448 * 2.0 ** -32), np.float32(1))]))
-  np.testing.assert_array_equal(_bits(fp8_page_write._token_scale(a)), _bits(kvc.scale_for(a)))
+  np.testing.assert_array_equal(_bits(triton_page_write._token_scale(a)), _bits(kvc.scale_for(a)))
 
 
 @pytest.mark.parametrize("pack", [1, 2])
@@ -77,7 +77,7 @@ def test_kernel_writes_what_xla_writes(pack):
   a scale grown (the page requantized), one kept, a row dropped."""
   case = _case(L=3, P=9, Z=8, K=2, H=16, B=5)
   want = jax.jit(_reference)(*case, jnp.int32(2))
-  got = fp8_page_write.write_token(*case, jnp.int32(2), pack=pack, interpret=True)
+  got = triton_page_write.write_token(*case, jnp.int32(2), pack=pack, interpret=True)
   _assert_same(got, want)
   ks_before, ks_after = np.asarray(case[2]), np.asarray(want[2])
   assert np.all(ks_after[2, 4] > ks_before[2, 4])                       # row 1's page: its scale grew
@@ -87,16 +87,16 @@ def test_kernel_writes_what_xla_writes(pack):
 def test_kernel_refuses_what_it_cannot_write():
   case = _case(L=1, P=4, Z=6, K=1, H=16, B=3)
   with pytest.raises(ValueError, match="needs a power-of-two page_size of at least 2, got 6"):
-    fp8_page_write.write_token(*case, jnp.int32(0), interpret=True)
+    triton_page_write.write_token(*case, jnp.int32(0), interpret=True)
   k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=4, Z=8, K=1, H=16, B=3)
   with pytest.raises(ValueError, match=r"pools bfloat16\(1, 4, 8, 1, 16\) / float8_e4m3fn.*: need float8_e4m3fn pools "
                      r"\[L, Pl, Z, K, H\], float32 scales \[L, Pl, K\], tokens \[B, K, H\], pages and offsets \[B\]"):
-    fp8_page_write.write_token(k_pool.astype(jnp.bfloat16), v_pool, ks, vs, k, v, page, offset, jnp.int32(0),
+    triton_page_write.write_token(k_pool.astype(jnp.bfloat16), v_pool, ks, vs, k, v, page, offset, jnp.int32(0),
                                interpret=True)
   with pytest.raises(ValueError, match=r"tokens \(3, 1, 16\) / \(2, 1, 16\)"):
-    fp8_page_write.write_token(k_pool, v_pool, ks, vs, k, v[:2], page, offset, jnp.int32(0), interpret=True)
+    triton_page_write.write_token(k_pool, v_pool, ks, vs, k, v[:2], page, offset, jnp.int32(0), interpret=True)
   with pytest.raises(ValueError, match="pack=3 for pools of 512 bytes: 1 or 2"):
-    fp8_page_write.write_token(k_pool, v_pool, ks, vs, k, v, page, offset, jnp.int32(0), pack=3, interpret=True)
+    triton_page_write.write_token(k_pool, v_pool, ks, vs, k, v, page, offset, jnp.int32(0), pack=3, interpret=True)
 
 
 def test_page_write_choice_and_refusals():
@@ -104,7 +104,7 @@ def test_page_write_choice_and_refusals():
   cannot serve is refused with the reason; pages that are not fp8 need no kernel."""
   fp8 = RunConfig(dtype="float32", cache_dtype="float8_e4m3fn")
   cpu = "the fp8 page-write kernel needs a CUDA GPU, not 'cpu'"
-  assert fp8_page_write.unsupported(64, 128) == cpu                    # this test runs on CPUs
+  assert triton_page_write.unsupported(64, 128) == cpu                    # this test runs on CPUs
   assert placement.page_write(fp8, 128) == ("xla", f"page_write='auto': {cpu}")
   assert placement.page_write(fp8.replace(page_write="pallas-interpret"), 128)[0] == "pallas-interpret"
   assert placement.page_write(fp8.replace(page_write="xla"), 128)[0] == "xla"
@@ -128,13 +128,13 @@ def test_engine_refuses_the_kernel_before_making_weights(monkeypatch):
 
 
 def _count_kernel_calls(monkeypatch):
-  calls, write = [], fp8_page_write.write_token
+  calls, write = [], triton_page_write.write_token
 
   def counted(*a, **kw):
     calls.append(kw.get("interpret", False))
     return write(*a, **kw)
 
-  monkeypatch.setattr(kvc.fp8_page_write, "write_token", counted)
+  monkeypatch.setattr(kvc.triton_page_write, "write_token", counted)
   return calls
 
 
@@ -182,11 +182,11 @@ def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
   k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=8, Z=64, K=8, H=128, B=8)
   big = [jnp.zeros((L, P, 64, 8, 128), jnp.float8_e4m3fn).at[L - 1, P - 8:].set(p[0]) for p in (k_pool, v_pool)]
   scales = [jnp.zeros((L, P, 8), jnp.float32).at[L - 1, P - 8:].set(s[0]) for s in (ks, vs)]
-  assert big[0].size >= min_bytes and fp8_page_write.pack_for(big[0].size) == pack
+  assert big[0].size >= min_bytes and triton_page_write.pack_for(big[0].size) == pack
   page = jnp.where(page < 8, page + P - 8, P)
   layer = jnp.int32(L - 1)
   want = jax.jit(_reference)(*big, *scales, k, v, page, offset, layer)
-  fn = jax.jit(fp8_page_write.write_token, donate_argnums=(0, 1, 2, 3))
+  fn = jax.jit(triton_page_write.write_token, donate_argnums=(0, 1, 2, 3))
   compiled = fn.lower(*big, *scales, k, v, page, offset, layer).compile()
   assert "lcjax_fp8_page_write" in compiled.as_text()
   # In place: no pool-sized buffer besides the donated pools (the uint16 view of 2-4 GiB pools included).

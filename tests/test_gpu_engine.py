@@ -110,7 +110,7 @@ def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
 @pytest.mark.parametrize("backend, decode", [("cudnn", "reference"), ("pallas", "mgpu-fp8")])
 def test_fp8_cache_matches_reference(backend, decode, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
-  fp8 kernel of lcjax.ops.mgpu_paged, queries in two e4m3 terms) == the same cache through the reference
+  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms) == the same cache through the reference
   backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the jnp reference, and its
   stats say so; for it only the prefill chunks here are a fast path."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")

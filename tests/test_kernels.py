@@ -15,10 +15,10 @@ import pytest
 
 from lcjax.ops import attention as ref
 from lcjax.ops import backends
-from lcjax.ops import cudnn
+from lcjax.ops.cudnn import backend as cudnn
 from lcjax.ops import pallas_backend
-from lcjax.ops import pallas_flash
-from lcjax.ops import pallas_paged
+from lcjax.ops.mosaic_gpu import flash as mgpu_flash
+from lcjax.ops.triton import paged as triton_paged
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -125,9 +125,9 @@ def test_paged_decode_interpret(case):
   # Row t sits at kv_len - T + t, one row also earlier in the cache (a causal bound inside the cached keys).
   q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
   q_pos = q_pos.at[0, 0].add(-20)
-  got = pallas_paged.paged_decode(q, junk(kp, 50.0), junk(vp, 50.0), table, q_pos=q_pos, kv_len=kv_len,
+  got = triton_paged.paged_decode(q, junk(kp, 50.0), junk(vp, 50.0), table, q_pos=q_pos, kv_len=kv_len,
                                   k_scale=junk(ks, 100.0), v_scale=junk(vs, 100.0), page_offset=off,
-                                  tuning=pallas_paged.PagedTuning(**case["tuning"]), interpret=True)
+                                  tuning=triton_paged.PagedTuning(**case["tuning"]), interpret=True)
   want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
   check(got, want, tol_out=2e-2)
 
@@ -140,8 +140,8 @@ def test_paged_decode_reads_no_key_past_the_table(fp8):
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P, fp8=fp8)
   kv_len = jnp.array([M * Z + 40, M * Z + 1, 50], jnp.int32)
   q_pos = kv_len[:, None] - 1
-  got = pallas_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
-                                  tuning=pallas_paged.PagedTuning(num_splits=4), interpret=True)
+  got = triton_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
+                                  tuning=triton_paged.PagedTuning(num_splits=4), interpret=True)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
@@ -149,8 +149,8 @@ def test_paged_decode_rejects_a_combine_block_not_dividing_the_head_dim():
   q = jnp.zeros((1, 1, 8, 32), jnp.bfloat16)
   kp = jnp.zeros((4, 16, 2, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match="combine_block=24 must be a power of two dividing head dim H=32"):
-    pallas_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 1), jnp.int32),
-                              kv_len=jnp.ones((1,), jnp.int32), tuning=pallas_paged.PagedTuning(combine_block=24),
+    triton_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 1), jnp.int32),
+                              kv_len=jnp.ones((1,), jnp.int32), tuning=triton_paged.PagedTuning(combine_block=24),
                               interpret=True)
 
 
@@ -158,17 +158,17 @@ def test_paged_decode_rejects_prefill_shapes():
   q = jnp.zeros((1, 64, 8, 32), jnp.bfloat16)
   kp = jnp.zeros((4, 16, 2, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match="prefill"):
-    pallas_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 64), jnp.int32),
+    triton_paged.paged_decode(q, kp, kp, jnp.zeros((1, 4), jnp.int32), q_pos=jnp.zeros((1, 64), jnp.int32),
                               kv_len=jnp.array([4], jnp.int32))
 
 
 def test_split_heuristic_fills_gpu_but_keeps_pages_per_split():
-  t = pallas_paged.PagedTuning()
-  assert pallas_paged.num_splits_for(t, 8, 8, 8192) == 16       # 1056 programs wanted / 64: 17, a power of two
-  assert pallas_paged.num_splits_for(t, 1, 8, 2048) == 128      # 128K tokens of 64: 132 wanted
-  assert pallas_paged.num_splits_for(t, 8, 8, 8) == 2          # 8 slots, at least 4 pages per split
-  assert pallas_paged.num_splits_for(t, 1, 1, 28) == 4         # 7 splits of 4 pages: 4
-  assert pallas_paged.num_splits_for(pallas_paged.PagedTuning(num_splits=99), 1, 1, 5) == 5
+  t = triton_paged.PagedTuning()
+  assert triton_paged.num_splits_for(t, 8, 8, 8192) == 16       # 1056 programs wanted / 64: 17, a power of two
+  assert triton_paged.num_splits_for(t, 1, 8, 2048) == 128      # 128K tokens of 64: 132 wanted
+  assert triton_paged.num_splits_for(t, 8, 8, 8) == 2          # 8 slots, at least 4 pages per split
+  assert triton_paged.num_splits_for(t, 1, 1, 28) == 4         # 7 splits of 4 pages: 4
+  assert triton_paged.num_splits_for(triton_paged.PagedTuning(num_splits=99), 1, 1, 5) == 5
 
 
 # ---------------------------------------------------------------- cuDNN decomposition (emulated cuDNN on CPU)
@@ -376,7 +376,7 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
 def test_flash_kernel_lowers_for_cuda(H, dtype, causal, save_lse):
   """The Mosaic GPU kernel traces and lowers to its CUDA custom call without a GPU (catches API drift)."""
   sd = lambda s: jax.ShapeDtypeStruct(s, dtype)
-  f = jax.jit(functools.partial(pallas_flash.flash_attention, causal=causal, save_lse=save_lse))
+  f = jax.jit(functools.partial(mgpu_flash.flash_attention, causal=causal, save_lse=save_lse))
   lowered = f.trace(sd((1, 256, 8, H)), sd((1, 384, 2, H)), sd((1, 384, 2, H))).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
@@ -476,7 +476,7 @@ def test_routes_to_the_reference_decided_at_run_time_are_announced(backend, monk
   rows = {"contiguous": jnp.array([[5 + t for t in range(T)], [16 + t for t in range(T)]], jnp.int32),
           "noncontiguous": jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [16 + t for t in range(T)]], jnp.int32),
           "before-first-key": jnp.array([[t - 3 for t in range(T)], [16 + t for t in range(T)]], jnp.int32)}
-  monkeypatch.setattr(pallas_flash, "flash_attention", _flash_in_jnp)
+  monkeypatch.setattr(mgpu_flash, "flash_attention", _flash_in_jnp)
   be = EMU if backend == "cudnn" else pallas_backend.PallasBackend(interpret=True)
   _poison(monkeypatch, "attention_reference")
 

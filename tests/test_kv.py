@@ -1,5 +1,5 @@
 """fp8 page scales set by the writes (lcjax.cache.kv) against a numpy oracle, through XLA and through the page-write
-kernel (lcjax.ops.fp8_page_write, in the Pallas interpreter: `kernel="pallas-interpret"`).
+kernel (lcjax.ops.triton.page_write, in the Pallas interpreter: `kernel="pallas-interpret"`).
 
 Oracle: after any sequence of writes, a page's scale is the smallest power of two >= (max |x| over the tokens its
 sequence wrote into it) / 448, and every stored token dequantizes to its float value within e4m3's rounding (no

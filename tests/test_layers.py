@@ -139,11 +139,11 @@ def test_import_cycle_finder():
 
 def test_no_import_cycles():
   """Modules import in one direction inside a layer too, deferred imports included: in lcjax.ops the kernels, the
-  Mosaic GPU helpers they share (mgpu_common) and the backends that choose between kernels (pallas_backend,
+  Mosaic GPU helpers they share (mosaic_gpu.common) and the backends that choose between kernels (pallas_backend,
   backends)."""
   graph = _module_graph(ROOT)
-  assert {"lcjax.ops.pallas_flash", "lcjax.ops.mgpu_common"} <= graph["lcjax.ops.pallas_backend"] | \
-      graph["lcjax.ops.pallas_flash"], sorted(graph)
+  assert {"lcjax.ops.mosaic_gpu.flash", "lcjax.ops.mosaic_gpu.common"} <= graph["lcjax.ops.pallas_backend"] | \
+      graph["lcjax.ops.mosaic_gpu.flash"], sorted(graph)
   cycle = import_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

@@ -171,7 +171,8 @@ def test_mesh_fast_path_matches_one_device(monkeypatch, tensor, seq, sp_mode, ca
   (fp8: dequantized and read 16 keys at a time, so a shard's prefix takes several blocks; the mesh's decode steps
   write their pages through the page-write kernel, interpreted, each shard its own, where the oracle takes XLA's
   write)."""
-  from lcjax.ops import backends, cudnn
+  from lcjax.ops import backends
+  from lcjax.ops.cudnn import backend as cudnn
   monkeypatch.setitem(backends._FACTORIES, "cudnn", lambda: cudnn.CudnnBackend(emulate=True, fp8_block_tokens=16))
   run = RUN.replace(dtype="bfloat16", attention="cudnn", cache_dtype=cache)
   want = _fast_path_oracle(run)

@@ -17,7 +17,7 @@ import pytest
 from lcjax.config import ModelConfig, RunConfig
 from lcjax.engine.engine import Engine
 from lcjax.model.llama import LINEAR
-from lcjax.ops import fp8_gemv
+from lcjax.ops.triton import gemv as triton_gemv
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
 
@@ -62,7 +62,7 @@ def test_gemv_on_a_mesh_matches_one_device(monkeypatch, one, tensor, seq):
 
   def counted(x, w8, scale, layer, spec, **kw):
     calls.append((spec, w8.shape, x.shape[:2]))
-    return fp8_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
+    return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
 
   from lcjax.model import llama
   monkeypatch.setattr(llama, "gemv_stacked", counted)

@@ -1,4 +1,4 @@
-"""The Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv).
+"""The Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv).
 
 Oracles: numpy float64 products of the dequantized weights (written here, not lcjax's reference) and, on the GPU,
 lcjax's float32 widened product. Mosaic GPU kernels do not run on CPUs (Pallas' Mosaic GPU interpreter has no
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lcjax.model.llama import LINEAR
-from lcjax.ops import fp8_gemv, mgpu_gemv
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.triton import gemv as triton_gemv
 
 from tests.test_fp8_gemv import _numpy_product, _random_e4m3, _stacked, _x, model_products
 
@@ -233,7 +234,7 @@ TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
   """Compiled on the GPU at real shapes, each tuning: against the float32 reference, bf16 activations."""
   for name, spec, w8, scale, x in model_products(preset_name, rows):
-    want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     for tuning in TUNINGS:
       got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning))(
           x, w8, scale, jnp.int32(1)).astype(jnp.float32)
@@ -252,7 +253,7 @@ def test_gpu_kernels_float32_rows(rows):
   x = _x(name, rows, rng, jnp.float32)
   want = _numpy_product(x, w8, scale, 2, LINEAR[name]).reshape(rows, -1)
   kernels = {"mosaic": (mgpu_gemv.gemv_stacked, mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=3)),
-             "triton": (fp8_gemv.gemv_stacked, fp8_gemv.GemvTuning(block_n=32, block_k=32, min_steps=1))}
+             "triton": (triton_gemv.gemv_stacked, triton_gemv.GemvTuning(block_n=32, block_k=32, min_steps=1))}
   for label, (kernel, tuning) in kernels.items():
     got = jax.jit(lambda x, w, s: kernel(x, w, s, jnp.int32(2), LINEAR[name], tuning=tuning))(x, w8, scale)
     got = np.asarray(got, np.float64).reshape(rows, -1)
@@ -292,6 +293,6 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack():
   scale = jax.random.uniform(ks, (L_, 2, F, 1), jnp.float32, 1e-3, 2e-3)
   x = jax.random.normal(kx, (1, 1, D), jnp.bfloat16)
   got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
-  want = fp8_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err

@@ -4,7 +4,7 @@ Mosaic GPU kernels cannot run on CPUs (the Pallas interpreter has no register op
 views or layouts), but their lowering is Python: Pallas' Mosaic GPU lowering builds each kernel's MLIR, register
 layouts and relayouts included, before anything reaches a GPU. Cross-lowering every kernel at its model shapes
 catches a layout the lowering cannot convert, a shape it refuses or a primitive it lacks, in CI, before a GPU
-session is spent on it (a layout cast to WGMMA_TRANSPOSED instead of WGMMA in mgpu_gemv fails here). What it does
+session is spent on it (a layout cast to WGMMA_TRANSPOSED instead of WGMMA in mosaic_gpu.gemv fails here). What it does
 not check: the numbers (the gpu tests of test_mgpu_gemv, test_kernels and test_fp8_decode), PTX and its
 assembler, shared memory limits at launch.
 """
@@ -19,7 +19,10 @@ from jax import export
 
 from lcjax.config import preset
 from lcjax.model.llama import LINEAR, linear_shapes
-from lcjax.ops import linear, mgpu_gemv, mgpu_paged, pallas_flash
+from lcjax.ops import linear
+from lcjax.ops.mosaic_gpu import flash as mgpu_flash
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from tests.test_fp8_gemv import x_shape
 
 S = jax.ShapeDtypeStruct
@@ -78,7 +81,7 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
 def test_flash_prefill_lowers(fp8):
   """The prefill flash kernel, bf16 and 8-bit, Llama-3-8B heads (32 query, 8 KV, head_dim 128), 1K tokens."""
   q, kv = S((1, 1024, 32, 128), jnp.bfloat16), S((1, 1024, 8, 128), jnp.bfloat16)
-  fn = pallas_flash.flash_attention_fp8 if fp8 else pallas_flash.flash_attention
+  fn = mgpu_flash.flash_attention_fp8 if fp8 else mgpu_flash.flash_attention
   assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
 
 

@@ -9,7 +9,9 @@ import pytest
 
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine.serving import resolve
-from lcjax.ops import cudnn, hardware, mgpu_gemv
+from lcjax.ops import hardware
+from lcjax.ops.cudnn import backend as cudnn
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 
 CFG = preset("llama3.1-8b")
 RUN = RunConfig(max_context=4096, page_size=64, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
@@ -42,7 +44,7 @@ def test_on_hopper(monkeypatch):
   s = resolve(CFG, RUN.replace(draft="prompt"), check_fit=False)
   assert s.run.dtype == "bfloat16"
   assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
-  assert "mgpu_paged" in s.decode.why and s.draft.name == "prompt" and "4 drafts" in s.draft.why
+  assert "mosaic_gpu.paged" in s.decode.why and s.draft.name == "prompt" and "4 drafts" in s.draft.why
 
 
 def test_on_ada(monkeypatch):

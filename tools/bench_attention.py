@@ -36,12 +36,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lcjax.ops import attention as ref  # noqa: E402
-from lcjax.ops import cudnn, cudnn_calls  # noqa: E402
+from lcjax.ops.cudnn import backend as cudnn  # noqa: E402
+from lcjax.ops.cudnn import calls as cudnn_calls  # noqa: E402
 from lcjax.ops import fp8 as fp8_ops  # noqa: E402
-from lcjax.ops import mgpu_paged  # noqa: E402
+from lcjax.ops.mosaic_gpu import paged as mgpu_paged  # noqa: E402
 from lcjax.ops import pallas_backend  # noqa: E402
-from lcjax.ops import pallas_flash  # noqa: E402
-from lcjax.ops import pallas_paged  # noqa: E402
+from lcjax.ops.mosaic_gpu import flash as mgpu_flash  # noqa: E402
+from lcjax.ops.triton import paged as triton_paged  # noqa: E402
 from tools import benchlib  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "directory for the json/md results")
@@ -211,7 +212,7 @@ def prefill_impls():
   impls = {
       "lcjax-cudnn": (True, lambda q, k, v: cudnn.CudnnBackend().attend(q, k, v, causal=True)),
       "lcjax-pallas": (True, lambda q, k, v: pallas_backend.PallasBackend().attend(q, k, v, causal=True)),
-      "lcjax-pallas-nolse": (True, lambda q, k, v: pallas_flash.flash_attention(q, k, v, causal=True,
+      "lcjax-pallas-nolse": (True, lambda q, k, v: mgpu_flash.flash_attention(q, k, v, causal=True,
                                                                                save_lse=False)[0]),
       # The engine's call: explicit positions, so the backend picks its kernel with a lax.cond on them (whose
       # reference branch holds the run-time announcement); "-quiet" is the same graph without that callback.
@@ -225,14 +226,14 @@ def prefill_impls():
           q, k, v, is_causal=True, implementation="cudnn", return_residual=True)),
   }
   if _EXPLORE.value:
-    for name, tuning in (("mcs3", pallas_flash.FlashTuning(max_concurrent_steps=3)),
-                         ("fwd-order", pallas_flash.FlashTuning(reverse_q=False)),
-                         ("regs240", pallas_flash.FlashTuning(compute_regs=240, memory_regs=24))):
+    for name, tuning in (("mcs3", mgpu_flash.FlashTuning(max_concurrent_steps=3)),
+                         ("fwd-order", mgpu_flash.FlashTuning(reverse_q=False)),
+                         ("regs240", mgpu_flash.FlashTuning(compute_regs=240, memory_regs=24))):
       impls["lcjax-pallas-" + name] = (True, functools.partial(_flash, tuning=tuning))
-  fp8_tunings = {"": pallas_flash.FP8_TUNING}
+  fp8_tunings = {"": mgpu_flash.FP8_TUNING}
   if _EXPLORE.value:
-    fp8_tunings.update(mcs2=pallas_flash.FlashTuning(max_concurrent_steps=2),
-                       mcs3=pallas_flash.FlashTuning(max_concurrent_steps=3))
+    fp8_tunings.update(mcs2=mgpu_flash.FlashTuning(max_concurrent_steps=2),
+                       mcs3=mgpu_flash.FlashTuning(max_concurrent_steps=3))
   for suffix, tuning in fp8_tunings.items():
     tag = "-" + suffix if suffix else ""
     impls["lcjax-pallas-fp8" + tag] = (True, functools.partial(_fp8_attend, tuning=tuning), None, FP8)
@@ -241,8 +242,8 @@ def prefill_impls():
   impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
   # int8 Q K^T, e4m3 P and V (SageAttention's split): quantization included, and the kernel alone.
   impls["lcjax-pallas-fp8-int8qk"] = (True, functools.partial(_fp8_attend, qk_dtype="int8"), None, INT8_FP8)
-  impls["lcjax-pallas-fp8-int8qk-kernel"] = (True, functools.partial(_fp8_kernel, tuning=pallas_flash.FP8_TUNING),
-                                             functools.partial(_fp8_operands, tuning=pallas_flash.FP8_TUNING,
+  impls["lcjax-pallas-fp8-int8qk-kernel"] = (True, functools.partial(_fp8_kernel, tuning=mgpu_flash.FP8_TUNING),
+                                             functools.partial(_fp8_operands, tuning=mgpu_flash.FP8_TUNING,
                                                                qk_dtype="int8"), INT8_FP8)
   impls["cudnn-fp8"] = (False, _cudnn_fp8, _cudnn_fp8_operands, FP8)
   try:
@@ -278,16 +279,16 @@ def _quiet(fn):
 
 
 def _flash(q, k, v, *, tuning):
-  return pallas_flash.flash_attention(q, k, v, causal=True, tuning=tuning)
+  return mgpu_flash.flash_attention(q, k, v, causal=True, tuning=tuning)
 
 
 FP8 = "float8_e4m3fn"
 INT8_FP8 = "int8_fp8"            # int8 Q and K, e4m3 P and V (RunConfig.attention_dtype's name for it)
 
 
-def _fp8_attend(q, k, v, *, tuning=pallas_flash.FP8_TUNING, incoherent=True, qk_dtype="float8_e4m3fn"):
+def _fp8_attend(q, k, v, *, tuning=mgpu_flash.FP8_TUNING, incoherent=True, qk_dtype="float8_e4m3fn"):
   """Quantization (and the incoherence rotation) included: what the engine pays per call."""
-  return pallas_flash.flash_attention_fp8(q, k, v, causal=True, tuning=tuning, incoherent=incoherent,
+  return mgpu_flash.flash_attention_fp8(q, k, v, causal=True, tuning=tuning, incoherent=incoherent,
                                           qk_dtype=qk_dtype)
 
 
@@ -302,7 +303,7 @@ def _fp8_operands(q, k, v, *, tuning, qk_dtype="float8_e4m3fn"):
 
 def _fp8_kernel(*ops, tuning):
   """The kernel alone on quantized operands: the comparison with cuDNN's fp8 attention, which takes fp8 inputs."""
-  return pallas_flash.flash_fp8_kernel(*ops, causal=True, tuning=tuning)
+  return mgpu_flash.flash_fp8_kernel(*ops, causal=True, tuning=tuning)
 
 
 def _cudnn_fp8_operands(q, k, v):
@@ -417,17 +418,17 @@ def bench_torch_prefill(res, dog, sizes, reps):
 # ------------------------------------------------------------------------------------------------ decode
 def decode_impls():
   """name -> (lcjax?, fp8?, fn(q, kp, vp, table, q_pos, kv_len, ks, vs) -> (out, lse))."""
-  pal = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: pallas_paged.paged_decode(
+  pal = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: triton_paged.paged_decode(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
   mgpu = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: mgpu_paged.paged_decode_fp8(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
   impls = {
-      "lcjax-pallas": (True, False, pal(pallas_paged.PagedTuning())),
-      "lcjax-pallas-fp8": (True, True, pal(pallas_paged.PagedTuning())),
+      "lcjax-pallas": (True, False, pal(triton_paged.PagedTuning())),
+      "lcjax-pallas-fp8": (True, True, pal(triton_paged.PagedTuning())),
       "lcjax-mgpu-fp8": (True, True, mgpu(mgpu_paged.Fp8DecodeTuning())),
   }
   if _EXPLORE.value:
-    T = pallas_paged.PagedTuning
+    T = triton_paged.PagedTuning
     for name, tuning in (("st2", T(num_stages=2)), ("st4-pps1", T(num_stages=4, pages_per_step=1)),
                          ("st3-pps1", T(pages_per_step=1)), ("pps4", T(pages_per_step=4)),
                          ("tp2112", T(target_programs=2112)), ("tp528", T(target_programs=528)),

@@ -9,10 +9,10 @@ weight bytes read per second (the floor is the HBM bandwidth, ~4.1-4.8 TB/s on a
   bf16        the bf16 weights
   widened     fp8 weights widened to bf16 inside the product (lcjax.ops.linear.dense, path "widened")
   fp8         x quantized per row, an fp8 x fp8 product (path "fp8")
-  gemv        lcjax.ops.fp8_gemv's kernel (Triton lowering), given the whole stacked weight and the layer index
+  gemv        lcjax.ops.triton.gemv's kernel (Triton lowering), given the whole stacked weight and the layer index
               (the scan runs over layer indices); once per tuning of --gemv_tunings, each row with its largest
               difference from "widened" relative to widened's absmax (the kernel's check at real shapes)
-  mgpu        lcjax.ops.mgpu_gemv's kernel (Mosaic GPU), as gemv, once per tuning of --mgpu_tunings
+  mgpu        lcjax.ops.mosaic_gpu.gemv's kernel (Mosaic GPU), as gemv, once per tuning of --mgpu_tunings
 Prefill rows: [rows, D] x each weight, one layer, TFLOP/s (activation quantization included for fp8).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ OPTIONS = ("decode", "xla-defaults")               # their XLA options: the deco
 flags.DEFINE_list("products", list(PRODUCTS), "decode products measured (module docstring)")
 flags.DEFINE_list("options", list(OPTIONS), "XLA options of the decode rows: the decode step's, XLA's defaults (gemv "
                   "rows: the decode step's only)")
-flags.DEFINE_list("gemv_tunings", ["default"], "fp8_gemv.GemvTuning overrides per gemv row: 'default' or "
+flags.DEFINE_list("gemv_tunings", ["default"], "triton_gemv.GemvTuning overrides per gemv row: 'default' or "
                   "FIELD=VALUE pairs joined by '+' (block_n=128+block_k=512)")
 flags.DEFINE_list("mgpu_tunings", ["default"], "mgpu_gemv.MgpuGemvTuning overrides per mgpu row, as --gemv_tunings")
 
@@ -85,8 +85,10 @@ def main(argv):
   from lcjax.config import preset
   from lcjax.engine.steps import decode_compiler_options
   from lcjax.model.llama import LINEAR, linear_shapes
-  from lcjax.ops import fp8_gemv, linear, mgpu_gemv
-  kernels = {"gemv": (fp8_gemv.gemv_stacked, {t: kernel_tuning(fp8_gemv.GemvTuning, t, "gemv_tunings")
+  from lcjax.ops import linear
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  from lcjax.ops.triton import gemv as triton_gemv
+  kernels = {"gemv": (triton_gemv.gemv_stacked, {t: kernel_tuning(triton_gemv.GemvTuning, t, "gemv_tunings")
                                               for t in FLAGS.gemv_tunings}),
              "mgpu": (mgpu_gemv.gemv_stacked, {t: kernel_tuning(mgpu_gemv.MgpuGemvTuning, t, "mgpu_tunings")
                                                for t in FLAGS.mgpu_tunings})}

@@ -51,10 +51,10 @@ def implementations(model: bool = False):
   import functools
 
   import jax.numpy as jnp
-  from lcjax.ops import pallas_flash
+  from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 
   def lcjax_8bit(**kw):
-    fn = functools.partial(pallas_flash.flash_attention_fp8, interpret=model, **kw)
+    fn = functools.partial(mgpu_flash.flash_attention_fp8, interpret=model, **kw)
     return lambda q, k, v: fn(q, k, v)[0]
 
   eight_bit = {
@@ -79,7 +79,7 @@ def implementations(model: bool = False):
 
   return {
       **eight_bit,
-      "lcjax-pallas bf16": lambda q, k, v: pallas_flash.flash_attention(q, k, v)[0],
+      "lcjax-pallas bf16": lambda q, k, v: mgpu_flash.flash_attention(q, k, v)[0],
       "cudnn-fp8 (unit scales)": cudnn_fp8(1.0),
       "cudnn-fp8 (P scaled 2^8)": cudnn_fp8(256.0),
   }

@@ -4,7 +4,7 @@
 
 Runs lcjax's Mosaic GPU prefill kernel once per kernel with FlashTuning.profile_dir set (causal, batch 1, 32 query
 heads over 8 KV heads, head dim 128, as many queries as keys) and reads the Chrome trace the profiler writes: every
-compute warpgroup's begin/end clock (SM cycles) of each named phase of a step (lcjax/ops/pallas_flash.py):
+compute warpgroup's begin/end clock (SM cycles) of each named phase of a step (lcjax/ops/mosaic_gpu/flash.py):
   qk       the Q K^T wgmma and the wait for its result ('turn', nested, is the part spent waiting for the other
            warpgroup to pass the tensor cores on),
   softmax  mask, row max, exponentials (and on the bf16 path the accumulator's rescale, P's cast and row sums),
@@ -80,17 +80,17 @@ def profile_one(kernel: str, keys: int, trace_dir: str) -> dict:
   import jax.numpy as jnp
 
   from lcjax.config import ATTENTION_DTYPES
-  from lcjax.ops import pallas_flash
+  from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 
   ks = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(ks[0], (1, keys, N, H), jnp.bfloat16)
   k = jax.random.normal(ks[1], (1, keys, K, H), jnp.bfloat16)
   v = jax.random.normal(ks[2], (1, keys, K, H), jnp.bfloat16)
   if kernel == "bfloat16":
-    f = functools.partial(pallas_flash.flash_attention, tuning=pallas_flash.FlashTuning(profile_dir=trace_dir))
+    f = functools.partial(mgpu_flash.flash_attention, tuning=mgpu_flash.FlashTuning(profile_dir=trace_dir))
   else:
-    f = functools.partial(pallas_flash.flash_attention_fp8, qk_dtype=ATTENTION_DTYPES[kernel],
-                          tuning=dataclasses.replace(pallas_flash.FP8_TUNING, profile_dir=trace_dir))
+    f = functools.partial(mgpu_flash.flash_attention_fp8, qk_dtype=ATTENTION_DTYPES[kernel],
+                          tuning=dataclasses.replace(mgpu_flash.FP8_TUNING, profile_dir=trace_dir))
   jax.block_until_ready(jax.jit(functools.partial(f, causal=True))(q, k, v))
   jax.effects_barrier()                      # the trace is written by a debug callback after the kernel
   traces = glob.glob(os.path.join(trace_dir, "*.json"))
@@ -121,9 +121,9 @@ def main(argv):
   bad = [k for k in FLAGS.kernels if k not in KERNELS]
   if bad:
     raise app.UsageError(f"--kernels: unknown {bad}; known: {', '.join(KERNELS)}")
-  from lcjax.ops import pallas_flash
-  if not 0 < FLAGS.keys <= pallas_flash.PROFILE_MAX_KEYS or FLAGS.keys % 128:
-    raise app.UsageError(f"--keys={FLAGS.keys}: a multiple of 128 up to {pallas_flash.PROFILE_MAX_KEYS}")
+  from lcjax.ops.mosaic_gpu import flash as mgpu_flash
+  if not 0 < FLAGS.keys <= mgpu_flash.PROFILE_MAX_KEYS or FLAGS.keys % 128:
+    raise app.UsageError(f"--keys={FLAGS.keys}: a multiple of 128 up to {mgpu_flash.PROFILE_MAX_KEYS}")
   rows = []
   for kernel in FLAGS.kernels:
     with tempfile.TemporaryDirectory() as d:

@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lcjax.ops import fp8_page_write
+from lcjax.ops.triton import page_write as triton_page_write
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -231,7 +231,7 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   otherwise). With `shard` (inside shard_map over `seq`), the pools are that shard's local [L, P/S, Z, K, H] (and
   scales [L, P/S, K]) while slots and pages stay global: the tokens and written pages of other shards are dropped
   here (they write them). kernel: what writes a decode step (one token a row, T = 1) into fp8 pools: "xla"
-  (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas" (lcjax.ops.fp8_page_write: K,
+  (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas" (lcjax.ops.triton.page_write: K,
   V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that kernel in the Pallas
   interpreter). Other writes take `_write` whatever `kernel` says. token_at: `token_page_offset` of the call,
   made before the layer scan (None: computed here). Returns (k_all, v_all, k_scale, v_scale)."""
@@ -243,7 +243,7 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   if writes_token_by_kernel(kernel, k_scale, slots):
     Pl, Z = k_all.shape[1:3]
     page, offset = token_page_offset(slots, Z, Pl, first) if token_at is None else token_at
-    return fp8_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer,
+    return triton_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer,
                                       interpret=kernel == "pallas-interpret")
   k_all, k_scale = _write(k_all, k_scale, k, slots, pages, layer, first)
   v_all, v_scale = _write(v_all, v_scale, v, slots, pages, layer, first)

@@ -155,7 +155,7 @@ class Engine:
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     elif self.weights.fp8 and self.decode_linear == "pallas" and self.run.linear_kernel == "auto":
-      _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.fp8_gemv): %s", why)
+      _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.triton.gemv): %s", why)
     self.page_write, why = serving.page_write.name, serving.page_write.why
     if self.fp8_cache and self.page_write == "xla":
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
@@ -212,8 +212,8 @@ class Engine:
       return self.run.dtype
     acts = "static" if self.weights.static_inputs else "per-token"
     small = {"xla": f"fp8 widened to {self.run.dtype} by XLA",
-             "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mgpu_gemv)",
-             "pallas": "the fp8 GEMV kernel (lcjax.ops.fp8_gemv)",
+             "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv)",
+             "pallas": "the fp8 GEMV kernel (lcjax.ops.triton.gemv)",
              "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[self.decode_linear]
     if self.decode_linear != "xla" and self.mesh.size > 1:
       small += f" on each device's shards (seq={self.run.seq} x tensor={self.run.tensor})"

@@ -19,7 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, linear_shapes, product_dims, repeat_kv_heads
-from lcjax.ops import fp8_gemv, fp8_page_write, mgpu_gemv
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.triton import gemv as triton_gemv
+from lcjax.ops.triton import page_write as triton_page_write
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -76,11 +78,11 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
 
 def gemv_kernels_unsupported(cfg: ModelConfig, tensor: int = 1) -> dict[str, str | None]:
   """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
-  prefers them: "mosaic" (lcjax.ops.mgpu_gemv, Hopper), "pallas" (lcjax.ops.fp8_gemv, sm_89+). On a mesh of
+  prefers them: "mosaic" (lcjax.ops.mosaic_gpu.gemv, Hopper), "pallas" (lcjax.ops.triton.gemv, sm_89+). On a mesh of
   `tensor` devices each runs the kernel on its shard of every weight: the shapes checked are the shards'."""
   dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg, tensor).items()}
   bad = [f"{name}: {why}" for name, s in dims.items() if (why := mgpu_gemv.unsupported_shape(*s))]
-  return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": fp8_gemv.unsupported()}
+  return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": triton_gemv.unsupported()}
 
 
 def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, str | None]) -> tuple[str, str]:
@@ -122,9 +124,9 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
   if ask == "xla":
     return ask, "page_write='xla'"
   if ask == "pallas-interpret":
-    no_kernel = fp8_page_write.unsupported_shape(run.page_size, head_dim)
+    no_kernel = triton_page_write.unsupported_shape(run.page_size, head_dim)
   else:
-    no_kernel = fp8_page_write.unsupported(run.page_size, head_dim)
+    no_kernel = triton_page_write.unsupported(run.page_size, head_dim)
   if no_kernel and ask != "auto":
     hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
     raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")

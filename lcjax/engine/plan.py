@@ -22,7 +22,7 @@ import dataclasses
 import math
 
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
-from lcjax.ops.cudnn import FP8_BLOCK_TOKENS
+from lcjax.ops.cudnn.backend import FP8_BLOCK_TOKENS
 from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -218,7 +218,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   per_token = (6 * D + 8 * N_l * H + 2 * K_l * H + 3 * -(-F // T)) * w_item
   gathered = 0 if S == 1 else C * (2 * K_l * H * w_item + N_l * H * (w_item + 4)) + 2 * 2 * c * K_l * H * w_item
   # An fp8 cache: a chunk (one sequence: the engine prefills one request at a time) reads its prefix through
-  # one layer's table pages dequantized to the activation dtype (lcjax.ops.cudnn.dequantize_pages), K and V of
+  # one layer's table pages dequantized to the activation dtype (lcjax.ops.cudnn.backend.dequantize_pages), K and V of
   # up to FP8_BLOCK_TOKENS table slots on this device at a time; a longer prefix adds the float32 accumulator of
   # the blocks' merge. Counted for every backend: the reference needs less (an overestimate).
   dequant = 0

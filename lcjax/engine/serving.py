@@ -83,10 +83,10 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
                 page_dtype=run.resolved_cache_dtype)
   name = pick(**kwargs)
   if name == "mgpu-fp8":
-    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mgpu_paged)")
+    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged)")
   if name == "triton":
     reason = attention.fp8_decode_reason(**kwargs)
-    return Choice(name, "the Triton paged decode kernel (lcjax.ops.pallas_paged)"
+    return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged)"
                         + ("" if run.resolved_cache_dtype != "float8_e4m3fn" else f": {reason}"))
   if name == "reference":
     return Choice(name, f"the jnp reference, slow: {attention.decode_reason(page_dtype=run.resolved_cache_dtype)}")

@@ -51,8 +51,8 @@ from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import attention_dense, merge
 from lcjax.ops.backends import ReferenceBackend
-from lcjax.ops import mgpu_gemv
-from lcjax.ops.fp8_gemv import gemv_stacked
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.triton.gemv import gemv_stacked
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
                                quantize_axes, quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
@@ -356,8 +356,8 @@ class Llama(nnx.Module):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
     are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
     of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
-    layer's slice), "mosaic" (lcjax.ops.mgpu_gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
-    (lcjax.ops.fp8_gemv's kernel on the stacked weights) or "pallas-interpret" (that kernel in the Pallas
+    layer's slice), "mosaic" (lcjax.ops.mosaic_gpu.gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
+    (lcjax.ops.triton.gemv's kernel on the stacked weights) or "pallas-interpret" (that kernel in the Pallas
     interpreter, for CPUs); on a mesh the kernels run per shard (`_gemv_mesh`). page_write: what writes a decode
     step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel). pool_reads: how the attention backend reads
     layer l's pages out of the pools of every layer [L, P, Z, K, H] that the layer scan carries (`_paged`): "view"

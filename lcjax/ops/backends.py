@@ -7,7 +7,7 @@ the pools (the model passes one layer's pages as an offset into the pools of eve
 `reads_layer_pools` is true also take `paged(..., layer=l)`: k_pages and v_pages are then the pools of every layer
 [L, P, Z, K, H] (scales [L, P, K]) and page `page_table[b, m]` of layer l is read (Llama's `pool_reads`). `why_not(...)`
 returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
-ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn, PallasBackend and PallasFp8Backend
+ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn.backend, PallasBackend and PallasFp8Backend
 in lcjax.ops.pallas_backend (apart from the kernels they choose between).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class DenseBackend:
 
 
 def _cudnn():
-  from lcjax.ops.cudnn import CudnnBackend
+  from lcjax.ops.cudnn.backend import CudnnBackend
   return CudnnBackend()
 
 

@@ -1,5 +1,5 @@
 """FP8 (float8_e4m3fn) attention operands: block-scaled quantization, key smoothing, the incoherence rotation, and
-the exact jnp model of the FP8 flash kernel (`lcjax.ops.pallas_flash.flash_attention_fp8`).
+the exact jnp model of the FP8 flash kernel (`lcjax.ops.mosaic_gpu.flash.flash_attention_fp8`).
 
 Quantization: x is stored as e4m3(x / scale) with scale = absmax / 448 over a block, so the block's largest value
 maps to e4m3's largest finite value. With qk_dtype="int8" (RunConfig attention_dtype="int8_fp8") Q and K are

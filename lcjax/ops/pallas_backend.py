@@ -1,9 +1,9 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
-PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.pallas_flash); decode rows over bf16
-pages to the split-K Triton kernel (lcjax.ops.pallas_paged); decode rows over fp8 pages to the Mosaic GPU fp8
-decode kernel (lcjax.ops.mgpu_paged) where it can serve them, else to the Triton kernel; prefill chunks against
-the paged cache to cuDNN (lcjax.ops.cudnn). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
+PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
+pages to the split-K Triton kernel (lcjax.ops.triton.paged); decode rows over fp8 pages to the Mosaic GPU fp8
+decode kernel (lcjax.ops.mosaic_gpu.paged) where it can serve them, else to the Triton kernel; prefill chunks against
+the paged cache to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
 prefill chunks over their cached prefix. Each `why_not` / `fp8_decode_reason` names why a kernel cannot serve a
 shape here; lcjax.ops.backends picks a backend by name.
 
@@ -20,10 +20,10 @@ from jax import lax
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops import hardware
-from lcjax.ops import mgpu_paged
-from lcjax.ops import pallas_flash
-from lcjax.ops import pallas_paged
-from lcjax.ops.cudnn import PAGED_PAST, CudnnBackend, paged_case
+from lcjax.ops.mosaic_gpu import flash as mgpu_flash
+from lcjax.ops.mosaic_gpu import paged as mgpu_paged
+from lcjax.ops.triton import paged as triton_paged
+from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
 
 # Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
 PREFIX_BLOCK_TOKENS = 131072
@@ -32,7 +32,7 @@ PREFIX_BLOCK_TOKENS = 131072
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
-  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mgpu_paged) over fp8
+  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mosaic_gpu.paged) over fp8
   pages.
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
@@ -42,22 +42,22 @@ class PallasBackend:
   reference (a lax.cond on the positions), which on a GPU logs why when it runs.
   """
   name: str = "pallas"
-  flash: pallas_flash.FlashTuning = pallas_flash.FlashTuning()
-  decode: object = None                          # a pallas_paged.PagedTuning; None: its defaults
+  flash: mgpu_flash.FlashTuning = mgpu_flash.FlashTuning()
+  decode: object = None                          # a triton_paged.PagedTuning; None: its defaults
   interpret: bool = False
 
   def _decode_tuning(self):
-    return self.decode or pallas_paged.PagedTuning()
+    return self.decode or triton_paged.PagedTuning()
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
-    reason = pallas_flash.why_not(head_dim=head_dim, dtype=dtype)
+    reason = mgpu_flash.why_not(head_dim=head_dim, dtype=dtype)
     if reason or self.interpret:
       return reason
     return hardware.on_hopper()
 
   def _kernel(self, q, k, v, kvl):
     """kernel(d=None, *, causal): the flash kernel on these operands."""
-    return functools.partial(pallas_flash.flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
+    return functools.partial(mgpu_flash.flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
 
   def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
     B, T, N, H = q.shape
@@ -84,7 +84,7 @@ class PallasBackend:
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
   def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
-    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mgpu_paged); None: they
+    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mosaic_gpu.paged); None: they
     do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
     if self.interpret:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
@@ -92,8 +92,8 @@ class PallasBackend:
             or hardware.on_sm90())
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mgpu_paged) or
-    'triton' (lcjax.ops.pallas_paged; pages other than e4m3 always)."""
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mosaic_gpu.paged) or
+    'triton' (lcjax.ops.triton.paged; pages other than e4m3 always)."""
     reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
     return "triton" if reason else "mgpu-fp8"
 
@@ -113,7 +113,7 @@ class PallasBackend:
       if fp8_pages and not self.interpret:
         ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
                       f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
-      return pallas_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+      return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
                                        interpret=self.interpret)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
@@ -131,20 +131,20 @@ class PallasFp8Backend(PallasBackend):
   int8 for Q and K.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"
-  flash: pallas_flash.FlashTuning = pallas_flash.FP8_TUNING
+  flash: mgpu_flash.FlashTuning = mgpu_flash.FP8_TUNING
   incoherent: bool = True
   smooth_k: bool = True
   qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
-    reason = pallas_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
+    reason = mgpu_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
     if reason or self.interpret:
       return reason
     # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
-    return pallas_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_hopper()
+    return mgpu_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_hopper()
 
   def _kernel(self, q, k, v, kvl):
-    return functools.partial(pallas_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,
+    return functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,
                              incoherent=self.incoherent, smooth_k=self.smooth_k, qk_dtype=self.qk_dtype,
                              interpret=self.interpret)
 

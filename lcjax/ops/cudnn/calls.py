@@ -4,7 +4,7 @@ cuDNN offers four masks: none, padding (`j < kv_seqlen[b]`), top-left causal (`j
 `paged` return `(out, lse)` with float32 LSE [B, T, N] from the private
 `jax._src.cudnn.fused_attention_stablehlo` entries (the public `jax.nn.dot_product_attention` casts the stats to
 the output dtype, so it is used only when the private entry is missing, with a warning). `dense_emulated` and
-`paged_emulated` model the documented masks in jnp, so lcjax.ops.cudnn's decomposition is tested on CPU.
+`paged_emulated` model the documented masks in jnp, so lcjax.ops.cudnn.backend's decomposition is tested on CPU.
 GPU-only modules are imported lazily so this file imports on CPU.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ Masking follows the contract: token j of the sequence is visible to row (t, g) i
 j <= q_pos[b, t]. fp8 (e4m3) pages carry float32 scales per page and kv head ([P, K]); a page's K scale multiplies
 its scores and its V scale its P @ V term, so the dequantized page is never written out.
 
-Decode over fp8 pages on a GPU runs lcjax.ops.mgpu_paged instead (Mosaic GPU, K read by an fp8 wgmma straight
+Decode over fp8 pages on a GPU runs lcjax.ops.mosaic_gpu.paged instead (Mosaic GPU, K read by an fp8 wgmma straight
 from the pages): this kernel widens every fp8 K and V element to float16 in registers and reads fp8 bytes at about
 half its bf16 rate (attention-fp8-decode-h200-b: 2.0-2.7 TB/s against 3.4-4.3 for bf16 pages). Its fp8 path
 stays for the Pallas interpreter (CPU tests) and page sizes the Mosaic kernel cannot read.
@@ -19,7 +19,7 @@ stays for the Pallas interpreter (CPU tests) and page sizes the Mosaic kernel ca
 Why bf16 pages stay on the Triton lowering: the kernel reads them at 0.97-1.08x the bytes rate of cuDNN's paged
 decode in the same call (4.0-4.3 TB/s at 128K and 512K, batch 8, near the HBM floor), and it runs in Pallas
 interpret mode on CPU, so CI covers its indexing and masking. JAX 0.11.2 warns that the Pallas Triton backend is
-deprecated: moving this path to Mosaic GPU (lcjax.ops.mgpu_paged's structure with bf16 operands, no widening) is
+deprecated: moving this path to Mosaic GPU (lcjax.ops.mosaic_gpu.paged's structure with bf16 operands, no widening) is
 for that deprecation, not for speed. Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it
 elsewhere.
 

@@ -15,7 +15,7 @@ For finite tokens the result is bit for bit `lcjax.cache.kv._write_one_token`'s:
 of two, divisions are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32
 -> e4m3 convert rounds to nearest even, as XLA's does (values are clipped to +-448 first).
 
-Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.fp8_gemv.pack_for`): the
+Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.triton.gemv.pack_for`): the
 Triton lowering addresses arrays of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31
 elements; two-byte elements keep every offset below 2^31. The pair's low byte is head-dim column 2c, so the token
 is read as its even and odd columns (strided loads). Larger pools get 64-bit offsets and are read byte by byte.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops.fp8 import E4M3_MAX
-from lcjax.ops.fp8_gemv import as_pairs, pack_for, pair_value
+from lcjax.ops.triton.gemv import as_pairs, pack_for, pair_value
 from lcjax.ops.hardware import fp8_convert_reason
 
 _SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32

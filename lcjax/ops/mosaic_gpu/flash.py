@@ -30,7 +30,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops.mgpu_common import fill_ring, smem_transforms
+from lcjax.ops.mosaic_gpu.common import fill_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

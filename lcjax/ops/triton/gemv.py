@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
 from lcjax.ops.hardware import fp8_convert_reason
-from lcjax.ops.pallas_paged import next_pow2
+from lcjax.ops.triton.paged import next_pow2
 
 _X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
 

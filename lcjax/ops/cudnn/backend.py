@@ -15,7 +15,7 @@ Rows whose positions are not contiguous, or d < 0 (rows before the first key), g
 cannot express them; on a GPU that branch logs why when it runs (`attention.reference_branch_ran`). Rows that see
 no key get out = 0, lse = -inf here, whatever cuDNN wrote for them.
 
-The calls themselves, with float32 LSE, and their jnp model live in lcjax.ops.cudnn_calls.
+The calls themselves, with float32 LSE, and their jnp model live in lcjax.ops.cudnn.calls.
 
 Paged: the primitive under the private `fused_attention_stablehlo.paged_attention` reads K/V through the page
 table. Its Python wrapper wants a pool of exactly B * M pages; lcjax calls the primitive with that check skipped
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import attention as ref
-from lcjax.ops import cudnn_calls as calls
+from lcjax.ops.cudnn import calls
 
 def _sanitize(out, lse, empty):
   """Rows with no visible key: out = 0, lse = -inf. empty [B] or [B, T]."""

@@ -15,7 +15,7 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
-writes a float32 partial (out^T, lse); the split combine of lcjax.ops.pallas_paged joins them exactly.
+writes a float32 partial (out^T, lse); the split combine of lcjax.ops.triton.paged joins them exactly.
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
 whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the
@@ -36,8 +36,8 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops import pallas_paged
-from lcjax.ops.mgpu_common import prime_ring, smem_transforms
+from lcjax.ops.triton import paged as triton_paged
+from lcjax.ops.mosaic_gpu.common import prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -78,9 +78,9 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
 
 
 def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
-  """Splits of each (b, h)'s page table: `pallas_paged.split_count` with at most target_ctas CTAs wanted, a
+  """Splits of each (b, h)'s page table: `triton_paged.split_count` with at most target_ctas CTAs wanted, a
   requested count rounded down to a power of two as well (this kernel's combine takes whole powers of two)."""
-  n = pallas_paged.split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
+  n = triton_paged.split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
                                min_pages_per_split=tuning.min_pages_per_split)
   return 1 << (n.bit_length() - 1)
 
@@ -95,7 +95,7 @@ def quantize_rows(q, K):
   The kernel runs both against each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
   B, T, N, H = q.shape
   G = N // K
-  qr = pallas_paged.rows_per_kv_head(q, K).astype(jnp.float32)
+  qr = triton_paged.rows_per_kv_head(q, K).astype(jnp.float32)
   qs = fp8_ops.absmax_scale(qr, axes=(2, 3))
   x = qr / qs[:, :, None, None]
   # hi is rounded in float32 (fp8_ops.round_to_e4m3), not by a round trip through e4m3, which XLA may fold away;
@@ -291,7 +291,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
 def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, page_offset=0,
                      tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
-  """`pallas_paged.paged_decode`'s contract over fp8 pages: (out [B, T, N, H] q.dtype, lse [B, T, N] f32).
+  """`triton_paged.paged_decode`'s contract over fp8 pages: (out [B, T, N, H] q.dtype, lse [B, T, N] f32).
 
   q [B, T, N, H] (quantized here by `quantize_rows`); k_pages, v_pages [P, Z, K, H] float8_e4m3fn with k_scale,
   v_scale [P, K] float32 (value = page * scale); page_table [B, M] int32 read from page `page_offset` of the
@@ -326,7 +326,7 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
                         page_table.astype(jnp.int32), jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
                         jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
                         jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
-  return pallas_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
+  return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
                                      transposed=True)
 
 

@@ -1,4 +1,4 @@
-"""Mosaic GPU pieces the Hopper kernels share (lcjax.ops.pallas_flash, lcjax.ops.mgpu_paged): the shared-memory
+"""Mosaic GPU pieces the Hopper kernels share (lcjax.ops.mosaic_gpu's flash and paged): the shared-memory
 tiling wgmma reads its operands in, and the TMA warpgroup's ring of K/V shared-memory slots.
 
 Every function here runs while a kernel body is traced; the Pallas Mosaic GPU modules are imported inside them,

@@ -1,0 +1,8 @@
+"""Kernels in Pallas' Triton lowering (layer L2), which JAX has deprecated: the split-K paged decode and its split
+combine (paged), the fp8 GEMV of decode-sized products (gemv), the fp8 page write (page_write).
+
+Dropping the lowering is this folder and its choices in the kernel table (lcjax.engine.serving), once the modules
+outside it that import it have other kernels for those calls: lcjax.ops.pallas_backend (bf16 decode rows),
+lcjax.ops.mosaic_gpu.paged (the split combine), lcjax.ops.mosaic_gpu.gemv (product_layout, scale_rows),
+lcjax.model.llama and lcjax.engine.placement (the fp8 GEMV), lcjax.cache.kv (the page write). tests/test_layers.py
+holds that list."""

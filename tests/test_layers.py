@@ -148,6 +148,25 @@ def test_no_import_cycles():
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# The modules outside lcjax.ops.triton that import it (JAX has deprecated Pallas' Triton lowering): dropping it is
+# that folder once each of these has another kernel. A new one is a decision; docs/architecture.md lists them.
+TRITON_CALLERS = {"lcjax.ops.pallas_backend", "lcjax.ops.mosaic_gpu.paged", "lcjax.ops.mosaic_gpu.gemv",
+                  "lcjax.model.llama", "lcjax.engine.placement", "lcjax.cache.kv"}
+
+
+def test_kernels_sit_in_the_folder_of_their_lowering():
+  """No kernel imports the backends that choose between kernels, and the Triton folder's callers are the known
+  ones."""
+  graph = _module_graph(ROOT)
+  lowerings = ("lcjax.ops.triton", "lcjax.ops.mosaic_gpu", "lcjax.ops.cudnn")
+  choosers = {"lcjax.ops.backends", "lcjax.ops.pallas_backend"}
+  bad = [f"{m} imports {sorted(d & choosers)}" for m, d in graph.items() if m.startswith(lowerings) and d & choosers]
+  assert not bad, "\n".join(bad)
+  callers = {m for m, d in graph.items() if not m.startswith("lcjax.ops.triton")
+             and any(x.startswith("lcjax.ops.triton.") for x in d)}
+  assert callers == TRITON_CALLERS, sorted(callers ^ TRITON_CALLERS)
+
+
 # Import names of the distributions in pyproject's `dependencies` whose name differs from the distribution's.
 _IMPORT_NAMES = {"orbax-checkpoint": "orbax", "absl-py": "absl"}
 

@@ -1,23 +1,20 @@
 """The Engine: a loaded model behind `generate`, `generate_stream`, `prefill` (contexts) and `logits`.
 
-The Engine loads and places the weights (lcjax.engine.placement), tokenizes and validates requests
-(lcjax.engine.requests), and hands them as token ids to its scheduler (lcjax.engine.scheduler), which owns the page
-pool, the device KV cache, the prefix cache and the compiled steps. Nothing below calls back up.
+The Engine loads and places the weights (lcjax.engine.placement), digests them (lcjax.engine.digest), tokenizes
+prompts into requests (lcjax.engine.prompts) checked against its limits (lcjax.engine.requests), and hands them as
+token ids to its scheduler (lcjax.engine.scheduler), which owns the page pool, the device KV cache, the prefix cache
+and the compiled steps; finished requests become results (lcjax.engine.results). Nothing below calls back up.
 
 Every engine runs on a ("seq", "tensor") mesh of `run.seq` x `run.tensor` devices (one device: the plain
 single-device model); the page pool is split over `seq` and KV heads over `tensor`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import json
 import logging
-import numbers
-import resource
 import time
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,99 +24,21 @@ from flax import nnx
 from lcjax.cache import kv as kvc
 from lcjax.cache.pages import PagePoolExhausted
 from lcjax.config import ModelConfig, RunConfig
-from lcjax.engine import compile_cache, placement
+from lcjax.engine import compile_cache, placement, prompts as prompting
 from lcjax.engine.context import Context, fingerprint as context_fingerprint, load_context as _load_context
-from lcjax.engine.requests import Limits, RequestError
+from lcjax.engine.digest import weights_digest as _weights_digest
+from lcjax.engine.prompts import check_callback as _check_callback, token_ids as _token_ids
+from lcjax.engine.requests import RequestError
+from lcjax.engine.results import GenerationResult, linear_kernels, result
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.serving import Serving, resolve
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
-from lcjax.ops.linear import WIDEN_MAX_ROWS
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
-
-
-@dataclasses.dataclass
-class GenerationResult:
-  text: str
-  token_ids: list[int]
-  prompt_tokens: int
-  finish_reason: str           # "eos" or "length"
-  stats: dict
-
-
-def _peak_device_bytes() -> int | None:
-  stats = jax.local_devices()[0].memory_stats()
-  return None if not stats else stats.get("peak_bytes_in_use")
-
-
-def _peak_host_bytes() -> int:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}   # itemsize -> the bit pattern's type
-_LANES = (0x243F6A88, 0x85A308D3)         # one seed per 32-bit lane of a parameter's digest
-
-
-def _fmix32(h):
-  """MurmurHash3's finalizer: a bijection of uint32 that spreads every input bit over the output."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-def _bits_checksum(x) -> jax.Array:
-  """[2] uint32: over every element of x, the sum mod 2^32 of fmix32(bits ^ fmix32(position * c + seed)), one
-  seed per lane. A change of any one element changes its term (fmix32 is a bijection), so the sum; a swap or a
-  move of values changes the terms' positions. Integer sums mod 2^32 do not depend on their order: the same value
-  on every mesh, computed where the shards are."""
-  bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)   # 8 bytes: [..., 2]
-  pos = jnp.zeros(bits.shape, jnp.uint32)
-  stride = 1
-  for d in reversed(range(bits.ndim)):
-    pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= bits.shape[d]
-  return jnp.stack([jnp.sum(_fmix32(bits ^ _fmix32(pos * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))),
-                            dtype=jnp.uint32) for seed in _LANES])
-
-
-_weights_checksums = jax.jit(lambda state: [_bits_checksum(leaf) for leaf in jax.tree.leaves(state)])
-
-
-def _weights_digest(params) -> str:
-  """A digest of every bit of every parameter (its name, shape and dtype too), from checksums computed on the
-  device (`_bits_checksum`): the same on any mesh, different for weights that differ in any element."""
-  h = hashlib.blake2b(digest_size=16)
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  for (path, leaf), sums in zip(leaves, _weights_checksums(params)):
-    h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
-    h.update(np.asarray(sums).tobytes())
-  return h.hexdigest()
-
-
-def _check_callback(on_progress) -> None:
-  if on_progress is not None and not callable(on_progress):
-    raise RequestError(f"on_progress={on_progress!r} must be a callable or None")
-
-
-def _token_ids(prompt) -> list[int]:
-  """A prompt of token ids as a list of ints: a sequence or 1-D array of integers (never floats or bools)."""
-  if isinstance(prompt, np.ndarray):
-    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-      raise RequestError(f"a prompt of token ids is a 1-D integer array, not {prompt.dtype} {prompt.shape}")
-    return prompt.tolist()
-  if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, str)):
-    raise RequestError(f"a prompt is text or a sequence of token ids, not {type(prompt).__name__} "
-                       f"{repr(prompt)[:60]}")
-  bad = [t for t in prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)]
-  if bad:
-    raise RequestError(f"token ids are integers, not {bad[:5]!r}")
-  return [int(t) for t in prompt]
 
 
 class Engine:
@@ -208,16 +127,7 @@ class Engine:
     """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
     and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call), and on a mesh that a GEMV kernel
     runs on each device's shards."""
-    if not self.weights.fp8:
-      return self.run.dtype
-    acts = "static" if self.weights.static_inputs else "per-token"
-    small = {"xla": f"fp8 widened to {self.run.dtype} by XLA",
-             "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv)",
-             "pallas": "the fp8 GEMV kernel (lcjax.ops.triton.gemv)",
-             "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[self.decode_linear]
-    if self.decode_linear != "xla" and self.mesh.size > 1:
-      small += f" on each device's shards (seq={self.run.seq} x tensor={self.run.tensor})"
-    return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else {small}"
+    return linear_kernels(self.weights, self.run, self.decode_linear, self.mesh.size)
 
   def close(self) -> None:
     """Free the engine's device memory (weights, cache, contexts); later calls are refused."""
@@ -325,118 +235,28 @@ class Engine:
   def encode(self, prompt, add_bos: bool | None = None) -> list[int]:
     """Token ids of a prompt (text or ids); add_bos=None: the tokenizer's rule for text (ids are kept as
     given), False: no BOS (text that continues a context)."""
-    if isinstance(prompt, str):
-      if self.tokenizer is None:
-        raise RequestError("this engine has no tokenizer: pass token ids instead of text")
-      if not prompt:
-        raise RequestError("empty prompt: give at least one token")
-      try:
-        prompt.encode("utf-8")
-      except UnicodeEncodeError as e:   # lone surrogates: the tokenizer would fail with a TypeError
-        raise RequestError(f"the prompt is not valid Unicode: {e.reason} {prompt[e.start:e.end]!r} at index "
-                           f"{e.start}") from None
-      ids = self.tokenizer.encode(prompt, add_bos=add_bos)
-      if not ids:   # e.g. SmolLM2's vocabulary drops "\x16": prefill would have nothing to start from
-        raise RequestError(f"the prompt {prompt[:40]!r} encodes to no tokens: its characters are not in the "
-                           "tokenizer's vocabulary")
-      self.limits.check_ids(ids)        # a tokenizer larger than the model's vocabulary
-      return ids
-    ids = _token_ids(prompt)
-    if not ids:
-      raise RequestError("empty prompt: give at least one token")
-    self.limits.check_ids(ids)
-    return ids
+    return prompting.encode(self.tokenizer, self.limits, prompt, add_bos)
 
   def _check_chat_template(self) -> None:
-    if self.tokenizer is None or not self.tokenizer.chat_template:
-      where = "this engine has no tokenizer" if self.tokenizer is None else f"{self.tokenizer.path} has none"
-      raise RequestError(f"chat=True needs a checkpoint with a chat template; {where}")
+    prompting.check_chat_template(self.tokenizer)
 
   def _chat_ids(self, prompt) -> list[int]:
-    """A text prompt as the user turn of a chat, or a list of {"role", "content"} messages, through the
-    checkpoint's chat template (which writes its own BOS)."""
-    self._check_chat_template()
-    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
-                list(prompt) if isinstance(prompt, Sequence) else [])
-    if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
-      raise RequestError(f"a chat prompt is text or a non-empty list of {{'role', 'content'}} messages, not "
-                         f"{repr(prompt)[:60]}")
-    return self.encode(self.tokenizer.encode_chat(messages))
+    return prompting.chat_ids(self.tokenizer, self.limits, prompt)
 
   def _question_ids(self, question, chat) -> list[int]:
-    """The ids that continue a chat context (lcjax.tokenizer.ChatContinuation) with a text question."""
-    if not isinstance(question, str):
-      raise RequestError(f"a question about a chat context is text, not {str(question)[:60]!r}")
-    if not question:
-      raise RequestError("empty question: give at least one character")
-    return self.encode(chat.text(question), add_bos=False)
+    return prompting.question_ids(self.tokenizer, self.limits, question, chat)
 
   def _make_requests(self, prompts, max_new_tokens, sampling, head: list[int] = (), chat: bool = False,
                      continuation=None) -> list[Request]:
-    """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS), or with
-    `continuation`, questions that continue a chat context. Prompt i samples with seed `sampling.seed + i`, so
-    the prompts of a batch draw independently and a call is reproducible."""
-    Limits.check_max_new(max_new_tokens)
-    try:
-      sp = SamplingParams.make(sampling)
-    except (TypeError, ValueError) as e:
-      raise RequestError(str(e)) from None
-    head = list(head)
-    reqs = []
-    for i, p in enumerate(prompts):
-      if continuation is not None:
-        ids = head + self._question_ids(p, continuation)
-      else:
-        ids = self._chat_ids(p) if chat else head + self.encode(p, add_bos=False if head else None)
-      self.limits.check(i, ids, max_new_tokens, prefix_len=len(head))
-      own = dataclasses.replace(sp, seed=(sp.seed + i) % 2**32)
-      reqs.append(Request(i, ids, int(max_new_tokens), own, prefix_len=len(head)))
-    return reqs
+    """lcjax.engine.prompts.make_requests with this engine's tokenizer and limits."""
+    return prompting.make_requests(self.tokenizer, self.limits, prompts, max_new_tokens, sampling, head=head,
+                                 chat=chat, continuation=continuation)
 
-  @staticmethod
-  def _as_list(prompts) -> tuple[list, bool]:
-    """A str, a flat sequence of numbers (token ids, refused by `encode` unless integers) or a list of chat
-    messages (dicts) is one prompt; any other sequence is a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (numbers.Number, np.generic, dict)) for t in prompts)):
-      return [prompts], True
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-      return [prompts], True
-    if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
-      raise RequestError(f"prompts are text, token ids or a list of them, not {type(prompts).__name__} "
-                         f"{repr(prompts)[:60]}")
-    prompts = list(prompts)
-    if not prompts:
-      raise RequestError("no prompts given")
-    return prompts, False
+  _as_list = staticmethod(prompting.as_list)
 
   def _requests(self, prompts, max_new_tokens, sampling, prefix, context, chat=False):
-    """(requests, single prompt?, prefix ids to pin for the call or None)."""
-    if prefix is not None and context is not None:
-      raise RequestError("give prefix= or context=, not both")
-    if chat and prefix is not None:
-      raise RequestError("chat=True renders whole conversations, not a prefix=: for questions about one document, "
-                         "prefill it with engine.prefill(document, chat=True) and pass context=")
-    plist, single = self._as_list(prompts)
-    if context is not None:
-      if not isinstance(context, Context):
-        raise RequestError(f"context= takes a Context (from engine.prefill or engine.load_context), not "
-                           f"{type(context).__name__} {repr(context)[:60]}")
-      context._check_usable(self)
-      if chat and context.chat is None:
-        raise RequestError("chat=True continues a context prefilled with engine.prefill(document, chat=True); this "
-                           "one was prefilled without chat")
-      if not chat and context.chat is not None:
-        raise RequestError("this context is an open chat turn (prefilled with chat=True): ask with chat=True")
-      reqs = self._make_requests(plist, max_new_tokens, sampling, head=context.token_ids,
-                                 continuation=context.chat)
-      for r in reqs:
-        r.prefix_seq = context.seq
-      return reqs, single, None
-    if chat:
-      return self._make_requests(plist, max_new_tokens, sampling, chat=True), single, None
-    head = self.encode(prefix) if prefix is not None else []
-    return self._make_requests(plist, max_new_tokens, sampling, head=head), single, (head or None)
+    """(requests, single prompt?, prefix ids to pin for the call or None): lcjax.engine.prompts.requests."""
+    return prompting.requests(self, prompts, max_new_tokens, sampling, prefix, context, chat)
 
   def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, prefix=None,
                context: Context | None = None, chat: bool = False, on_progress=None,
@@ -494,13 +314,7 @@ class Engine:
     self.last_results = [self._result(r, t0, compile_s) for r in reqs]
 
   def _decode_steps(self, given, default: int) -> int:
-    """A call's decode_steps: an integer from 1 to max_context (a decode call outputs [max_batch, decode_steps]
-    tokens, and no request decodes more than the context holds)."""
-    if given is None:
-      return default
-    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or not 1 <= given <= self.max_context:
-      raise RequestError(f"decode_steps={given!r} must be an integer from 1 to max_context={self.max_context}")
-    return int(given)
+    return self.limits.decode_steps(given, default)
 
   def _text(self, ids) -> str:
     if self.tokenizer is None:
@@ -508,25 +322,12 @@ class Engine:
     return self.tokenizer.decode([t for t in ids if t not in self.cfg.eos_ids], skip_special_tokens=True)
 
   def _result(self, r: Request, t_call: float | None = None, compile_s: float = 0.0) -> GenerationResult:
-    """r's result; its prefill stats include the shared prefix's prefill when r paid it (Scheduler.serve).
-    compile_s: the call's seconds of making programs (compile_cache.compile_seconds), in its times."""
-    n_dec = max(len(r.out) - 1, 0)
-    prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
-    ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")
-    stats = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
-                 weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
-                 cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
-                 page_write=self.page_write,
-                 prompt_tokens=len(r.prompt), new_tokens=len(r.out), cached_tokens=len(r.prompt) - prefilled,
-                 host_cached_tokens=r.from_host, prefill_tokens=prefilled,
-                 prefill_s=r.prefill_s + r.shared_prefill_s, shared_prefix_prefill_s=r.shared_prefill_s,
-                 time_to_first_token_s=ttft, compile_s=compile_s,
-                 decode_ms_per_token=(1000 * r.decode_s / n_dec) if n_dec else float("nan"),
-                 draft=self.run.draft, decode_calls=r.decode_calls,
-                 tokens_per_decode_call=(n_dec / r.decode_calls) if r.decode_calls else float("nan"),
-                 drafts_proposed=r.drafts_proposed, drafts_accepted=r.drafts_accepted,
-                 peak_device_bytes=_peak_device_bytes(), peak_host_bytes=_peak_host_bytes())
-    return GenerationResult(self._text(r.out), list(r.out), len(r.prompt), r.finish or "length", stats)
+    """r's result (lcjax.engine.results.result) with this engine's kernels in its stats."""
+    kernels = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
+                   weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
+                   cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
+                   page_write=self.page_write)
+    return result(r, self._text(r.out), kernels, self.run.draft, t_call, compile_s)
 
   def warm_up(self, prompt_tokens, *, context: Context | None = None, chat: bool = False, context_tokens: int = 0,
               prefill_context: bool = True, sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:
@@ -552,13 +353,7 @@ class Engine:
       (r,), _, _ = self._requests([prompt_tokens], 1, None, None, context, chat)
       prompt_tokens = len(r.prompt) - r.prefix_len
     C, Z = self.run.prefill_chunk, self.run.page_size
-    if not isinstance(more_buckets, (list, tuple, set, frozenset, range)):
-      raise RequestError(f"more_buckets={more_buckets!r} must be a sequence of chunk lengths")
-    for name, n, low, top in (("prompt_tokens", prompt_tokens or 0, 0, self.max_context),
-                              ("context_tokens", context_tokens, 0, self.max_context),
-                              *(("more_buckets", b, 1, C) for b in more_buckets)):
-      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not low <= n <= top:
-        raise RequestError(f"{name}: {n!r} must be an integer from {low} to {top}")
+    self.limits.check_warm_up(prompt_tokens, context_tokens, more_buckets, C)
     buckets = set(more_buckets)
     if context_tokens and prefill_context:
       buckets |= chunk_buckets(context_tokens, C)
@@ -583,25 +378,7 @@ class Engine:
     that whole user turn (lcjax.tokenizer.ChatDocument: the document's last few tokens are prefilled with each
     question, since a tokenizer may merge them with what follows)."""
     _check_callback(on_progress)
-    continuation = None
-    if system is not None and not isinstance(system, str):
-      raise RequestError(f"system= takes the text of a system turn, not {type(system).__name__} "
-                         f"{repr(system)[:60]}")
-    if chat:
-      self._check_chat_template()
-      if not isinstance(document, str):
-        raise RequestError(f"chat=True prefills a text document, not {str(document)[:60]!r}")
-      if not document:
-        raise RequestError("empty document: give at least one character")
-      try:
-        split = self.tokenizer.chat_document(document, system)
-      except ValueError as e:
-        raise RequestError(str(e)) from None
-      ids, continuation = self.encode(split.ids), split.continuation
-    elif system is not None:
-      raise RequestError(f"system={repr(system)[:40]} is a chat turn: give chat=True too")
-    else:
-      ids = self.encode(document)
+    ids, continuation = prompting.document_ids(self.tokenizer, self.limits, document, chat, system)
     self.limits.check(0, ids, 1, what="the context")
     t0 = time.perf_counter()
     seq, cached = self.scheduler.pin(ids, on_progress=on_progress)

@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import numbers
 
+import numpy as np
+
 from lcjax.config import ConfigError, ModelConfig, RunConfig
 
 
@@ -54,6 +56,25 @@ class Limits:
     if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
         or max_new_tokens < 1):
       raise RequestError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+
+  def decode_steps(self, given, default: int) -> int:
+    """A call's decode_steps (None: `default`): an integer from 1 to max_context (a decode call outputs
+    [max_batch, decode_steps] tokens, and no request decodes more than the context holds)."""
+    if given is None:
+      return default
+    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or not 1 <= given <= self.max_context:
+      raise RequestError(f"decode_steps={given!r} must be an integer from 1 to max_context={self.max_context}")
+    return int(given)
+
+  def check_warm_up(self, prompt_tokens, context_tokens, more_buckets, chunk: int) -> None:
+    """Refuse a warm-up's token counts (Engine.warm_up) outside the context, or chunk lengths outside 1..chunk."""
+    if not isinstance(more_buckets, (list, tuple, set, frozenset, range)):
+      raise RequestError(f"more_buckets={more_buckets!r} must be a sequence of chunk lengths")
+    for name, n, low, top in (("prompt_tokens", prompt_tokens or 0, 0, self.max_context),
+                              ("context_tokens", context_tokens, 0, self.max_context),
+                              *(("more_buckets", b, 1, chunk) for b in more_buckets)):
+      if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not low <= n <= top:
+        raise RequestError(f"{name}: {n!r} must be an integer from {low} to {top}")
 
   def pages_held(self, n: int, prefix_len: int = 0) -> list[int]:
     """Pages per seq shard held while a request of n tokens runs: with a shared prefix of `prefix_len` tokens,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lcjax.config import RunConfig, preset
-from lcjax.engine import context as ctxlib
+from lcjax.engine import context as ctxlib, context_file
 from lcjax.engine.context import ContextError
 from lcjax.engine.engine import Engine, RequestError
 from tests.run_cache import REPO, cpu_env
@@ -550,7 +550,7 @@ def test_a_context_moves_in_blocks_onto_pages_the_prefix_cache_holds(tmp_path, m
   the loader computed them for the shared pages and as saved for the rest, and a question on the context gets
   the uncached forward's logits (float32) or the saving engine's (fp8, which the uncached forward does not
   quantize; K and V spread so that every page has scales of its own, K's apart from V's)."""
-  monkeypatch.setattr(ctxlib, "BLOCK_PAGES", 2)
+  monkeypatch.setattr(context_file, "BLOCK_PAGES", 2)     # the block size is the file format's
   fp8 = cache_dtype == "float8_e4m3fn"
   if fp8:
     _spread_kv(monkeypatch)
@@ -1066,13 +1066,13 @@ import sys, time
 import jax
 jax.config.update("jax_disable_most_optimizations", True)
 from lcjax.config import preset, RunConfig
-from lcjax.engine import context as ctxlib
+from lcjax.engine import context_file
 from lcjax.engine.engine import Engine
 eng = Engine.random(preset("tiny"), run=RunConfig(dtype="float32", page_size=8, max_context=256, max_batch=1,
                                                   prefill_chunk=32, compile_cache="off"))
 ctx = eng.prefill(list(range(3, 48)))
-digest = ctxlib._digest
-ctxlib._digest = lambda data: (time.sleep(0.3), digest(data))[1]     # a save of many seconds, to be killed in
+digest = context_file._digest
+context_file._digest = lambda data: (time.sleep(0.3), digest(data))[1]     # a save of many seconds, to be killed in
 ctx.save(sys.argv[1])
 """
 

@@ -66,10 +66,8 @@ _FIELDS = dict(format=str, fingerprint=dict, tokens=int, pages=int, page_size=in
                head_dim=int, dtype=str, meta=dict, checksums=dict, digest=str)
 
 
-
 class ContextError(ValueError):
   """A context that cannot be saved, restored or used here; the message names the values."""
-
 
 
 BLOCK_PAGES = 256    # pages per gather / scatter call, and per checksum of kv.bin
@@ -84,7 +82,7 @@ def block_size(n: int) -> int:
   return BLOCK_PAGES if n > BLOCK_PAGES // 4 else 1 << max(0, n - 1).bit_length()
 
 
-# -- checksums ---------------------------------------------------------------------------------------------------------
+# -- checksums ----------------------------------------------------------------------------------------------------
 
 def _digest(data) -> str:
   """blake2b-128 of a bytes-like object (a C-contiguous uint8 array included), hex."""
@@ -405,6 +403,8 @@ def _kv_blocks(path: str, meta: dict, dtype: np.dtype):
     while ahead:
       yield checked(*ahead.popleft())
 
+
+# -- writing ------------------------------------------------------------------------------------------------------
 
 def write(dst: str, overwrite: bool, hold, contents, *, sign: bool) -> None:
   """Write a context to directory `dst` in this format (atomic: a killed save leaves nothing that loads), with a

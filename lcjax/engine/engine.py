@@ -250,7 +250,7 @@ class Engine:
                      continuation=None) -> list[Request]:
     """lcjax.engine.prompts.make_requests with this engine's tokenizer and limits."""
     return prompting.make_requests(self.tokenizer, self.limits, prompts, max_new_tokens, sampling, head=head,
-                                 chat=chat, continuation=continuation)
+                                   chat=chat, continuation=continuation)
 
   _as_list = staticmethod(prompting.as_list)
 

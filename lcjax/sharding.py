@@ -121,7 +121,7 @@ def param_shardings(state, mesh: jax.sharding.Mesh, *, replicate: frozenset[str]
   or plain tuples of logical names. The result is a tree prefix of the state, so it serves directly as
   `jax.device_put(state, shardings)` target and as jit `out_shardings`. Logical axes named in `replicate` are
   left unsharded: a checkpoint's wqkv with fewer KV heads than `tensor` is restored without its KV-head split
-  and then repeated into its sharded layout (see `kv_head_replication`, lcjax.engine.engine.checkpoint_shardings).
+  and then repeated into its sharded layout (see `kv_head_replication`, lcjax.engine.placement.checkpoint_shardings).
   """
   from flax import nnx  # lazily: L1 describes layouts and must import without the model's framework
 

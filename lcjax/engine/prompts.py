@@ -113,6 +113,19 @@ def document_ids(tokenizer, limits: Limits, document, chat: bool, system) -> tup
   return encode(tokenizer, limits, document), None
 
 
+def prompt_ids(tokenizer, limits: Limits, prompt, *, head: list[int] = (), chat: bool = False,
+               continuation=None) -> list[int]:
+  """The ids a call asks with one prompt, `head` included: with `continuation`, head and a text question that
+  continues a chat context; with chat=True, the prompt through the chat template; else head (a prefix's or a plain
+  context's ids) and the prompt with no BOS, or without a head the prompt with the tokenizer's BOS rule. The one
+  definition of a prompt: Engine.generate and the CLI (before its engine exists) both build it here."""
+  if continuation is not None:
+    return list(head) + question_ids(tokenizer, limits, prompt, continuation)
+  if chat:
+    return chat_ids(tokenizer, limits, prompt)
+  return list(head) + encode(tokenizer, limits, prompt, add_bos=False if head else None)
+
+
 def make_requests(tokenizer, limits: Limits, prompts, max_new_tokens, sampling, head: list[int] = (),
                   chat: bool = False, continuation=None) -> list[Request]:
   """Requests of prompts that follow `head` (a prefix's or context's ids; the prompts then get no BOS), or with
@@ -126,11 +139,7 @@ def make_requests(tokenizer, limits: Limits, prompts, max_new_tokens, sampling, 
   head = list(head)
   reqs = []
   for i, p in enumerate(prompts):
-    if continuation is not None:
-      ids = head + question_ids(tokenizer, limits, p, continuation)
-    else:
-      ids = (chat_ids(tokenizer, limits, p) if chat else
-             head + encode(tokenizer, limits, p, add_bos=False if head else None))
+    ids = prompt_ids(tokenizer, limits, p, head=head, chat=chat, continuation=continuation)
     limits.check(i, ids, max_new_tokens, prefix_len=len(head))
     own = dataclasses.replace(sp, seed=(sp.seed + i) % 2**32)
     reqs.append(Request(i, ids, int(max_new_tokens), own, prefix_len=len(head)))

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from lcjax.engine.engine import Engine
+from lcjax.engine.scheduler import Scheduler
 from tests import cli_inprocess
 from tests import fixtures_ckpt as fx
 from tests.test_errors import CFG, RUN, write_checkpoint
@@ -40,8 +41,7 @@ def test_interactive_transcript(ckpt, monkeypatch):
   assert p.returncode == 0, p.stderr[-3000:]
   eng = Engine.load(str(ckpt / "ckpt"), run=RUN.replace(decode_steps=32))
   with eng.prefill(DOC) as ctx:
-    answers = [eng.generate(eng.encode(f"\n\n{q}\n", add_bos=False), context=ctx, max_new_tokens=5).text
-               for q in QUESTIONS]
+    answers = [eng.generate(q, context=ctx, max_new_tokens=5).text for q in QUESTIONS]
   eng.close()
   want = "".join(f"Q: {q}\nA: {a}\n[cut at max_new_tokens=5]\n\n" for q, a in zip(QUESTIONS, answers))
   assert p.stdout == want, (p.stdout, want)
@@ -63,7 +63,7 @@ def test_a_context_prefilled_and_saved_alone_then_asked(ckpt, tmp_path, monkeypa
   assert p.returncode == 0, p.stderr[-3000:]
   eng = Engine.load(str(ckpt / "ckpt"), run=RUN.replace(decode_steps=32))
   with eng.prefill(DOC) as ctx:
-    answer = eng.generate(eng.encode(f"\n\n{QUESTIONS[0]}\n", add_bos=False), context=ctx, max_new_tokens=5).text
+    answer = eng.generate(QUESTIONS[0], context=ctx, max_new_tokens=5).text
   eng.close()
   assert p.stdout == f"Q: {QUESTIONS[0]}\nA: {answer}\n[cut at max_new_tokens=5]\n\n", p.stdout
   # Another run config is refused from context.json before any weight is read, naming each field that differs.
@@ -73,6 +73,36 @@ def test_a_context_prefilled_and_saved_alone_then_asked(ckpt, tmp_path, monkeypa
   assert p.returncode == 2 and p.stderr.count("error:") == 1, p.stderr[-3000:]
   assert ("another model or run config: cache_dtype: saved 'float32', this engine 'float8_e4m3fn'; page_size: "
           "saved 16, this engine 32") in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args", [[], ["--context_file={doc}"]], ids=["no context", "plain context"])
+def test_the_cli_asks_with_the_ids_the_api_builds(ckpt, monkeypatch, args):
+  """The CLI builds no prompt of its own: the ids its engine serves for --prompt, alone or as a question on a plain
+  (non-chat) context, are the ones Engine.generate(prompt, context=ctx) builds, which for a plain context are the
+  document's tokens and then the question's with no BOS and nothing between them (this checkpoint has no chat
+  template)."""
+  served = []
+  serve = Scheduler.serve
+
+  def spy(self, reqs, *a, **kw):
+    served.extend(list(r.prompt) for r in reqs)
+    return serve(self, reqs, *a, **kw)
+
+  monkeypatch.setattr(Scheduler, "serve", spy)
+  p = cli_inprocess.run(CLI_RUN + [f"--checkpoint={ckpt / 'ckpt'}", f"--prompt={QUESTIONS[0]}", "--max_new_tokens=2",
+                                   *[a.format(doc=ckpt / "doc.txt") for a in args]])
+  assert p.returncode == 0, p.stderr[-3000:]
+  cli = served[-1]
+  eng = Engine.load(str(ckpt / "ckpt"), run=RUN)
+  if args:
+    with eng.prefill(DOC) as ctx:
+      eng.generate(QUESTIONS[0], context=ctx, max_new_tokens=2)
+      want = eng.encode(DOC) + eng.encode(QUESTIONS[0], add_bos=False)
+  else:
+    eng.generate(QUESTIONS[0], max_new_tokens=2)
+    want = eng.encode(QUESTIONS[0])
+  eng.close()
+  assert cli == served[-1] == want, (cli, served[-1], want)
 
 
 def test_help_exits_zero():

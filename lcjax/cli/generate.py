@@ -300,12 +300,9 @@ def _generate() -> None:
                        "tokenizer.model): give the prompt as --prompt_ids")
   limits = serving.limits
   doc = _context(tokenizer, limits, fingerprint(model_cfg, run, weights, None))
-  prompt, chat = (ids, False) if ids is not None else (None, False)
-  if text is not None:
-    prompt, chat, ids = _question(tokenizer, text, doc) if doc is not None else _prompt_text(tokenizer, text)
-  if ids is not None:
-    head = doc.ids if doc is not None else []
-    limits.check(0, head + ids, max_new, prefix_len=len(head))
+  prompt, chat = (text if text is not None else ids), False
+  if prompt is not None:
+    chat, ids = _ask(tokenizer, limits, prompt, doc, max_new)
 
   engine = Engine.load(ckpt, serving=serving) if ckpt else Engine.random(model_cfg, serving=serving)
   warmup = None
@@ -333,37 +330,23 @@ def _uses_chat(tokenizer) -> bool:
   return FLAGS.chat and bool(tokenizer.chat_template)
 
 
-def _prompt_text(tokenizer, text: str) -> tuple[list[int], bool, list[int]]:
-  """(the prompt's ids, False, the same ids): a chat turn through the checkpoint's template, or plain text."""
-  from lcjax.engine.requests import RequestError
-  if _uses_chat(tokenizer):
-    ids = tokenizer.encode_chat([{"role": "user", "content": text}])     # the template writes its own BOS
+def _ask(tokenizer, limits, prompt, doc, max_new: int) -> tuple[bool, list[int]]:
+  """(the chat flag generate() takes with `prompt`, the ids it asks with after the context), checked against the
+  limits before the engine exists: the ids Engine.generate(prompt, context=, chat=) builds, from the same
+  definition (lcjax.engine.prompts.prompt_ids). Text without a context is a chat turn when --chat and the
+  checkpoint has a template; a question continues a chat context's user turn or follows a plain context's tokens;
+  --prompt_ids are token ids as given."""
+  from lcjax.engine.prompts import prompt_ids
+  head = doc.ids if doc is not None else []
+  if not isinstance(prompt, str):
+    chat, continuation = False, None
+  elif doc is not None:
+    chat, continuation = doc.chat is not None, doc.chat
   else:
-    ids = tokenizer.encode(text)
-  if not ids:
-    raise RequestError(f"the prompt {text[:40]!r} encodes to no tokens: its characters are not in the "
-                       "tokenizer's vocabulary")
-  return ids, False, ids
-
-
-PLAIN_QUESTION = "\n\n{}\n"     # a question about a plain-text (not chat) context
-
-
-def _question(tokenizer, question: str, doc) -> tuple[str | list[int], bool, list[int]]:
-  """(what generate() takes with context=, its chat flag, the ids it appends to the context) for a question: a
-  chat context's question as text with chat=True (Engine.generate turns it into the rest of the chat turn), a
-  plain context's as the ids of a blank line, the question and a newline."""
-  from lcjax.engine.requests import RequestError
-  if tokenizer is None:
-    raise RequestError("this model has no tokenizer: questions about a context must be text")
-  if doc.chat is not None:
-    ids, prompt, chat = tokenizer.encode(doc.chat.text(question), add_bos=False), question, True
-  else:
-    ids = tokenizer.encode(PLAIN_QUESTION.format(question), add_bos=False)
-    prompt, chat = ids, False
-  if not ids:
-    raise RequestError(f"the question {question[:40]!r} encodes to no tokens")
-  return prompt, chat, ids
+    chat, continuation = _uses_chat(tokenizer), None
+  ids = prompt_ids(tokenizer, limits, prompt, head=head, chat=chat, continuation=continuation)
+  limits.check(0, ids, max_new, prefix_len=len(head))
+  return chat, ids[len(head):]
 
 
 def _check_context_flags() -> None:
@@ -459,8 +442,8 @@ def _decode_steps(engine, tokenizer) -> int:
 
 
 def _answer(engine, prompt, chat, n_ids, max_new, sampling, ctx, tokenizer):
-  """Generate and print one answer (streamed when --stream) for a prompt of n_ids tokens (ids, or with chat a
-  question about the chat context); returns its result."""
+  """Generate and print one answer (streamed when --stream) for a prompt as the command line gave it (text or ids,
+  with generate()'s chat flag from _ask) of n_ids tokens after the context; returns its result."""
   with _progress_bar(n_ids, engine.run.prefill_chunk, "prefill") as bar:
     if _streams(tokenizer):
       for _, delta in engine.generate_stream(prompt, max_new_tokens=max_new, sampling=sampling, context=ctx,
@@ -514,14 +497,13 @@ def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
     if not question:
       continue
     try:
-      prompt, chat, ids = _question(tokenizer, question, doc)
-      limits.check(0, ctx.token_ids + ids, max_new, prefix_len=len(ctx))
+      chat, ids = _ask(tokenizer, limits, question, doc, max_new)
     except RequestError as e:
       print(f"error: {e}", file=sys.stderr)
       continue
     print(f"Q: {question}")
     print("A: ", end="", flush=True)
-    res = _answer(engine, prompt, chat, len(ids), max_new, sampling, ctx, tokenizer)
+    res = _answer(engine, question, chat, len(ids), max_new, sampling, ctx, tokenizer)
     if res.finish_reason == "length":
       print(f"[cut at max_new_tokens={max_new}]")
     print(flush=True)

@@ -16,8 +16,9 @@ answers  A chat context of a short document (DOCUMENT) with the real model (--ch
 cost     Random weights of --preset. For each --contexts length, a pinned document of that length and each
          --batches size: a plain decode step (Steps.decode of one step) and one speculative step with k = each
          --draft_tokens drafts (Steps.spec_once: the verify call, acceptance and the kept tokens' cache writes),
-         each a device call timed --reps times; generate's decode loop ms/token beside them. The ratio verify / plain is what a step with k drafts
-         costs; tokens per step over that ratio is the speed-up (the answers task measures tokens per step).
+         each a device call timed --reps times; generate's decode loop ms/token beside them. The ratio
+         verify / plain is what a step with k drafts costs; tokens per step over that ratio is the speed-up (the
+         answers task measures tokens per step).
 Rows go to --out/--name.{json,md}.
 """
 from __future__ import annotations

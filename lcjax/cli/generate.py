@@ -99,7 +99,8 @@ def _stats_table(engine, res, warmup) -> str:
           ("decode", f"{s['decode_ms_per_token']:.1f} ms/token (kernel: {s['decode_kernel']}"
                      + (f", fp8 page write: {s['page_write']})" if s["cache_dtype"] == "float8_e4m3fn" else ")")),
           *([("speculation", f"{s['tokens_per_decode_call']:.2f} tokens per decode call ({s['drafts_accepted']:,} of "
-                              f"{s['drafts_proposed']:,} drafts from the prompt kept)")] if s["draft"] != "off" else []),
+                              f"{s['drafts_proposed']:,} drafts from the prompt kept)")]
+            if s["draft"] != "off" else []),
           ("peak device memory", (f"{s['peak_device_bytes'] / gib:.2f} GiB" if s["peak_device_bytes"]
                                   else "n/a on this backend") + f" (memory plan: {engine.plan.total / gib:.2f} GiB)"),
           ("peak host memory", f"{s['peak_host_bytes'] / gib:.2f} GiB")]

@@ -36,10 +36,9 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftCounts:
-  """Per batch slot, over one speculative decode call: model calls it took part in, tokens it gained, drafts
-  proposed to it and drafts accepted (each [B] int32)."""
+  """Per batch slot, over one speculative decode call: model calls it took part in, drafts proposed to it and
+  drafts accepted (each [B] int32; the tokens it gained are the call's output)."""
   steps: jax.Array
-  tokens: jax.Array
   proposed: jax.Array
   accepted: jax.Array
 
@@ -155,7 +154,6 @@ class Steps:
     _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, cache, out))
     return out, state, cache
 
-
   def _spec_step(self, model, cache, st: DecodeState, room, drafts, count, sp, page_table, eos_ids, greedy: bool):
     """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
     count [B] of drafts [B, k] as k + 1 rows (a slot without drafts gains one token, as from a plain step). room
@@ -220,8 +218,7 @@ class Steps:
       remaining = st.remaining - n
       done = st.done | (active & (eos | (remaining <= 0)))
       st = DecodeState(jnp.where(n > 0, last, st.tokens), st.pos + n, done, remaining)
-      counts = DraftCounts(counts.steps + active, counts.tokens + n, counts.proposed + count,
-                           counts.accepted + jnp.minimum(accepted, n))
+      counts = DraftCounts(counts.steps + active, counts.proposed + count, counts.accepted + jnp.minimum(accepted, n))
       return i + 1, st, cache, out, n_out + n, history, counts
 
     def cond(c):
@@ -235,7 +232,7 @@ class Steps:
 
     zeros = jnp.zeros(B, jnp.int32)
     out = jnp.full((B, steps), -1, jnp.int32)
-    carry = (jnp.int32(0), state, cache, out, zeros, history, DraftCounts(zeros, zeros, zeros, zeros))
+    carry = (jnp.int32(0), state, cache, out, zeros, history, DraftCounts(zeros, zeros, zeros))
     _, state, cache, out, _, _, counts = jax.lax.while_loop(cond, body, carry)
     return out, state, cache, counts
 

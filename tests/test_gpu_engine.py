@@ -166,3 +166,31 @@ def test_context_cache_matches_a_cold_prefill(prompts, tmp_path):
     _assert_greedy_under(_forced_logits(eng, doc + q, out, paged=False), out)
   assert got[1] == got[0] == got[2]                # the same pages, moved: bit-identical
   assert eng.pool.pages_used == 0 and not eng.scheduler.pinned
+
+
+# Prompts that repeat themselves: greedy decoding of a random-weight model falls into loops that the prompt-lookup
+# drafts then predict, so verify steps accept drafts.
+SPEC_PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18] * 40, list(range(100, 160)) * 6]
+
+
+@pytest.mark.parametrize("cache_dtype, weight_dtype", [("auto", "auto"), ("float8_e4m3fn", "float8_e4m3fn")])
+def test_speculative_decoding_gives_plain_greedy_tokens(cache_dtype, weight_dtype):
+  """Prompt-lookup speculation on the GPU's default kernels (the verify rows through the paged decode kernel and,
+  with fp8 weights, the fp8 GEMV with k + 1 rows a sequence): every token it generates is a greedy choice of the
+  plain engine's logits teacher-forced through its paged cache (up to TOL near-ties), drafts were accepted, and
+  the compiled decode loop copies no KV pool (pools larger than any weight: such a copy is a pool's)."""
+  from tests.test_engine import pool_copies_in_decode_loop
+  run = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
+                  decode_steps=16, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+  plain = Engine.random(CFG, run=run, seed=1)
+  spec = Engine.random(CFG, run=run.replace(draft="prompt", draft_ngram=2, draft_tokens=4), seed=1)
+  try:
+    assert pool_copies_in_decode_loop(spec) == []
+    results = spec.generate(SPEC_PROMPTS, max_new_tokens=32)
+    assert sum(r.stats["drafts_accepted"] for r in results) > 0, [r.stats for r in results]
+    for p, r in zip(SPEC_PROMPTS, results):
+      assert len(r.token_ids) == 32 and r.stats["draft"] == "prompt"
+      _assert_greedy_under(_forced_logits(plain, p, r.token_ids, paged=True), r.token_ids)
+  finally:
+    spec.close()
+    plain.close()

@@ -182,8 +182,9 @@ def test_speculative_decoding_gives_plain_greedy_tokens(cache_dtype, weight_dtyp
   from tests.test_engine import pool_copies_in_decode_loop
   run = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
                   decode_steps=16, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
-  plain = Engine.random(CFG, run=run, seed=1)
-  spec = Engine.random(CFG, run=run.replace(draft="prompt", draft_ngram=2, draft_tokens=4), seed=1)
+  cfg = dataclasses.replace(CFG, ffn_dim=1024)       # every weight below one layer's pool of 64K tokens
+  plain = Engine.random(cfg, run=run, seed=1)
+  spec = Engine.random(cfg, run=run.replace(draft="prompt", draft_ngram=2, draft_tokens=4), seed=1)
   try:
     assert pool_copies_in_decode_loop(spec) == []
     results = spec.generate(SPEC_PROMPTS, max_new_tokens=32)

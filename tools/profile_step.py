@@ -3,7 +3,8 @@
   python tools/profile_step.py --preset=llama3-8b --context=32768 --steps=16 --xla_flags="..."
 
 Prefills `context` random tokens, times one untraced decode call of `steps` tokens (wall ms/token), then traces a
-second one and sums the device time of every kernel by name (and by op on the "XLA Ops" line when the trace has
+second one (with --draft_tokens=k, a speculative decode call: figures per model call, each a verify step of k + 1
+rows) and sums the device time of every kernel by name (and by op on the "XLA Ops" line when the trace has
 one). Prints the top kernels with their share of the traced time and the floor of a token: the bytes it must
 read (weights + the KV of the context) at --bandwidth. With --phase=prefill it traces the whole prefill of the
 prompt instead (all its chunks; the report's "per token" figures are then per prefill).
@@ -41,6 +42,9 @@ flags.DEFINE_string("weight_dtype", "auto", "auto | bfloat16 | float8_e4m3fn (Ru
 flags.DEFINE_string("linear_kernel", "auto",
                     "auto | xla | mosaic | pallas | pallas-interpret (RunConfig.linear_kernel)")
 flags.DEFINE_string("page_write", "auto", "auto | xla | pallas | pallas-interpret (RunConfig.page_write)")
+flags.DEFINE_integer("draft_tokens", 0, "decode: k > 0 traces prompt-lookup speculation (RunConfig.draft=\"prompt\") "
+                     "with k drafts a step; figures are then per model call (a verify step of k + 1 rows)")
+flags.DEFINE_integer("draft_ngram", 3, "decode with --draft_tokens: RunConfig.draft_ngram")
 flags.DEFINE_integer("prefill_chunk", 32768, "prefill chunk")
 flags.DEFINE_integer("page_size", 64, "page size")
 flags.DEFINE_integer("top", 25, "kernels printed (the JSON keeps every kernel)")
@@ -89,6 +93,8 @@ def main(argv):
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
                   cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype,
                   weight_dtype=FLAGS.weight_dtype, linear_kernel=FLAGS.linear_kernel, page_write=FLAGS.page_write,
+                  draft="prompt" if FLAGS.draft_tokens else "off", draft_tokens=FLAGS.draft_tokens or 4,
+                  draft_ngram=FLAGS.draft_ngram,
                   # A traced prefill repeats the warm-up's prompt: with the prefix cache it would prefill nothing.
                   prefix_cache=FLAGS.phase == "decode")
   eng = Engine.random(cfg, run=run, seed=0)
@@ -107,13 +113,16 @@ def main(argv):
     try:
       eng.scheduler.prefill(r)
       eng.scheduler.decode_call([r])                                                  # same shapes: no compile inside
+      calls = r.decode_calls
       with jax.profiler.trace(trace_dir):
         t = time.perf_counter()
         eng.scheduler.decode_call([r])
-        traced_ms = 1e3 * (time.perf_counter() - t) / FLAGS.steps
+        traced_s = time.perf_counter() - t
     finally:
       eng.scheduler.release(r)
-    per = FLAGS.steps
+    # Per token; with speculation per model call (what one verify step costs), however many tokens it kept.
+    per = r.decode_calls - calls if FLAGS.draft_tokens else FLAGS.steps
+    traced_ms = 1e3 * traced_s / per
   else:
     eng.generate(prompt, max_new_tokens=1)
     with jax.profiler.trace(trace_dir):
@@ -128,7 +137,7 @@ def main(argv):
   kv_bytes = p.kv_cache * FLAGS.context / max(p.tokens_capacity, 1)
   floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
-                steps=FLAGS.steps, decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
+                steps=FLAGS.steps, draft_tokens=FLAGS.draft_tokens, per="model call" if FLAGS.draft_tokens else "token", decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
                 attention=eng.attention.name, weight_dtype=res.stats["weight_dtype"], linear=res.stats["linear"],
                 cache_dtype=res.stats["cache_dtype"], page_write=res.stats["page_write"],
                 source=benchlib.source_revision(),

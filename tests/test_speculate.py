@@ -168,18 +168,23 @@ def _one_step(eng, prompt, drafts, count):
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
 def test_rejected_drafts_leave_no_trace(cache_dtype):
-  """A step whose drafts are all rejected leaves the cache, fp8 scales included, bit for bit as a step without
-  drafts does: the verify call writes nothing, and only the kept token is written after it."""
+  """Two steps whose different drafts are all rejected leave the cache, fp8 scales included, bit for bit alike:
+  the verify call writes nothing, and only the kept token is written after it. A step without drafts (the
+  one-row call) leaves what they leave up to rounding (its token's K/V come from a product of another shape)."""
   eng = engine(cache_dtype=cache_dtype, **SPEC)
   prompt, k = PROMPTS[0], SPEC["draft_tokens"]
   eng.prefix_cache.clear()
   tokens, n, plain = _one_step(eng, prompt, [0] * k, 0)
-  wrong = [(int(tokens[0]) + 1 + i) % TINY.vocab_size for i in range(k)]
-  eng.prefix_cache.clear()
-  tokens2, n2, spec = _one_step(eng, prompt, wrong, k)
-  assert (n, n2, tokens2[0]) == (1, 1, tokens[0])
-  for a, b in zip(plain, spec):
-    np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+  steps = []
+  for first in (1, 1 + k):
+    eng.prefix_cache.clear()
+    steps.append(_one_step(eng, prompt, [(int(tokens[0]) + first + i) % TINY.vocab_size for i in range(k)], k))
+  assert [(m, int(t[0])) for t, m, _ in steps] == [(n, tokens[0])] * 2 and n == 1
+  for a, b, c in zip(plain, steps[0][2], steps[1][2]):
+    np.testing.assert_array_equal(b.astype(np.float32), c.astype(np.float32))
+    # float32: rounding; float8_e4m3fn pages: at most one step of e4m3 (3 mantissa bits) where rounding flips a code.
+    np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32),
+                               rtol=1e-5 if cache_dtype == "float32" or a.dtype == np.float32 else 0.125, atol=1e-5)
 
 
 def test_an_end_of_sequence_token_inside_accepted_drafts_ends_the_step():

@@ -291,13 +291,14 @@ def test_bench_lengths_rows_and_check(tmp_path):
 
 
 def test_bench_speculation_cost_rows(tmp_path):
-  """The verify-step cost task end to end on the CPU: a row per (cache dtype, context, batch, k), k = 0 the plain
-  step through the same entry; its ratio is 1 and the kernels that ran are named."""
+  """The verify-step cost task end to end on the CPU: a row per (cache dtype, context, batch, k, drafts fed), k = 0
+  the plain step through the same entry, then a step that fed no draft, then one that fed k; the plain step's
+  ratio is 1 and the kernels that ran are named."""
   _run("bench_speculation.py", "--task=cost", "--preset=tiny", "--variants=float32,float8_e4m3fn", "--contexts=100",
        "--batches=1,2", "--draft_tokens=3", "--reps=2", "--page_size=16", f"--out={tmp_path}", "--name=sc")
   rows = json.load(open(tmp_path / "sc.json"))["rows"]
-  assert [(r["variant"], r["batch"], r["k"]) for r in rows] == [
-      (v, b, k) for v in ("float32", "float8_e4m3fn") for b in (1, 2) for k in (0, 3)]
+  assert [(r["variant"], r["batch"], r["k"], r["drafts_fed"]) for r in rows] == [
+      (v, b, k, fed) for v in ("float32", "float8_e4m3fn") for b in (1, 2) for k, fed in ((0, 0), (3, 0), (3, 3))]
   assert all(r["step_ms"] > 0 and r["plain_decode_ms_per_token"] > 0 for r in rows)
   assert all(r["step_over_plain_step"] == 1.0 for r in rows if r["k"] == 0)
   assert {r["kernels"]["page_write"] for r in rows} == {"xla"} and all(r["kernels"]["attention"] for r in rows)

@@ -170,11 +170,12 @@ def cost() -> list[dict]:
             state = DecodeState(jnp.asarray([r.out[-1] for r in reqs], jnp.int32), pos, jnp.zeros(B, bool),
                                 jnp.full(B, 2 * FLAGS.reps, jnp.int32))
             sp = stack([SamplingParams()] * B)
-            for k in [0] + ks:
+            # (k, drafts fed): the plain step, a step that found no draft (the one-row branch), then k drafts.
+            for k, fed in [(0, 0), (ks[0], 0)] + [(k, k) for k in ks]:
               if k and eng.weights.fp8 and B * (k + 1) > WIDEN_MAX_ROWS:
                 continue           # refused by lcjax.engine.serving.resolve: past the decode product's rows
               drafts = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, max(k, 1))), jnp.int32)
-              count = jnp.full(B, k, jnp.int32)
+              count = jnp.full(B, fed, jnp.int32)
               times = []
               for rep in range(FLAGS.reps + 2):
                 t0 = time.perf_counter()
@@ -187,7 +188,7 @@ def cost() -> list[dict]:
                 jax.block_until_ready(out)
                 times.append(time.perf_counter() - t0)
               step_ms = 1000 * statistics.median(times[2:])
-              row = dict(variant=variant, context=n, batch=B, k=k, plain_decode_ms_per_token=plain_ms,
+              row = dict(variant=variant, context=n, batch=B, k=k, drafts_fed=fed, plain_decode_ms_per_token=plain_ms,
                          step_ms=step_ms, kernels=dict(attention=eng.attention.name, decode_kernel=eng.decode_kernel,
                                                        page_write=eng.page_write, linear=eng.linear_kernels))
               rows.append(row)
@@ -204,10 +205,11 @@ def cost() -> list[dict]:
 
 
 def cost_markdown(rows) -> str:
-  lines = ["| variant | context | batch | k | step ms | step / plain step | loop ms/token (plain) |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| variant | context | batch | k | drafts fed | step ms | step / plain step | loop ms/token (plain) |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['variant']} | {r['context']:,} | {r['batch']} | {r['k']} | {r['step_ms']:.2f} | "
+    lines.append(f"| {r['variant']} | {r['context']:,} | {r['batch']} | {r['k']} | {r['drafts_fed']} | "
+                 f"{r['step_ms']:.2f} | "
                  f"{r['step_over_plain_step']:.2f} | {r['plain_decode_ms_per_token']:.2f} |")
   return "\n".join(lines)
 
@@ -224,7 +226,8 @@ def main(argv):
   else:
     rows = cost()
     note = ("k = 0: a plain decode step (Steps.decode, one step a call); every other row is one speculative step "
-            "feeding k drafts per sequence (Steps.spec_once). loop ms/token: generate's decode loop of the same "
+            "(Steps.spec_once) feeding k drafts per sequence, or none (drafts fed 0: the step of a sequence whose "
+            "draft search found nothing). loop ms/token: generate's decode loop of the same "
             "engine, for reference.")
     benchlib.write_result(FLAGS.out, name, rows, cost_markdown(rows), note=note)
 

@@ -163,17 +163,27 @@ class Steps:
     The call writes nothing into the cache: its rows attend to the cache's keys before them and to each other
     (lcjax.model.llama.rows_block), and the kept rows' K/V (the fed token and the accepted drafts before the last
     kept token) are then written one token after another, as decode steps write them (kvc.write_tokens). Rejected
-    drafts leave no trace, fp8 page scales included. Every step runs the k + 1 rows: a branch to a one-row step
-    when no slot has a draft made XLA copy the KV pools on every step (a conditional holding the donated cache)."""
+    drafts leave no trace, fp8 page scales included. A step in which no slot has a draft runs one row a slot (a
+    conditional that only reads the cache: the writes come after it), so drafts that never match cost little."""
     B, k = drafts.shape
     Z, M = self.page_size, page_table.shape[1]
     rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     positions = st.pos[:, None] + rows                                      # [B, k + 1]
     fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
     page = jnp.take_along_axis(page_table, jnp.clip(positions // Z, 0, M - 1), axis=1)
-    logits, cache, (k_new, v_new) = model(fed, positions, cache=cache, slots=jnp.zeros_like(positions),
-                                          page_table=page_table, kv_len=st.pos + 1 + count,
-                                          lengths=jnp.where(room > 0, count + 1, 1), kv_out=True)
+    lengths = jnp.where(room > 0, count + 1, 1)
+
+    def verify(T):
+      """The model call over the first T of the k + 1 rows (reading the cache, writing nothing): logits
+      [B, k + 1, V] and every layer's K, V [L, B, k + 1, K, H], rows past T zero."""
+      def call():
+        logits, _, kv = model(fed[:, :T], positions[:, :T], cache=cache, page_table=page_table,
+                              kv_len=st.pos + 1 + count, lengths=jnp.minimum(lengths, T), kv_out=True)
+        pad = lambda x, axis: jnp.pad(x, [(0, k + 1 - T if a == axis else 0) for a in range(x.ndim)])
+        return pad(logits, 1), *(pad(x, 2) for x in kv)
+      return call
+
+    logits, k_new, v_new = jax.lax.cond(jnp.any(count > 0), verify(k + 1), verify(1))
     tokens, n, accepted = speculate.accept(logits, drafts, count, sp, st.pos, greedy=greedy)
     n = jnp.minimum(n, room)
     is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])

@@ -12,6 +12,9 @@ Call forms (B batch, T tokens in this call):
       cached prefix (`prefix_len` tokens, through the page table) and to itself, merged through (out, lse).
   logits, cache = model(tokens, positions, cache=..., slots=..., page_table=..., kv_len=...)
       decode: K/V written first, then the queries attend to `kv_len` cached tokens through the page table.
+  logits, cache, (k, v) = model(tokens, positions, cache=..., page_table=..., kv_len=..., kv_out=True)
+      decode rows that write nothing (slots=None; a speculative verify step): each row attends to the cached
+      tokens before positions[:, 0] and to the call's rows up to its own; the cache comes back as it came in.
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
 logits of one position per sequence (prefill needs just the last one). An fp8 cache's pages get their scales
 from the tokens written into them (lcjax.cache.kv).
@@ -207,7 +210,8 @@ class CallContext:
   """Per-call static and traced context shared by every layer."""
   positions: jax.Array            # [B, T]
   lengths: jax.Array              # [B] real tokens in this call
-  slots: jax.Array | None         # [B, T] cache slots (padding -> null page)
+  slots: jax.Array | None         # [B, T] cache slots (padding -> null page); None with a cache: the call reads it
+                                  # and writes nothing (its rows see each other as a causal block)
   page_table: jax.Array | None    # [B, M]
   prefix_len: jax.Array | None    # [B] cached tokens before this chunk (prefill)
   kv_len: jax.Array | None        # [B] cached tokens including this call's (decode)
@@ -418,8 +422,10 @@ class Llama(nnx.Module):
     # The whole pools [L, P, Z, K, H] come in with the layer index: written in place at (layer, page, offset)
     # and read by `_paged`.
     k_all, v_all, layer, k_scale, v_scale = cache_l
-    k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
-                                                  layer, kernel=self.page_write, token_at=step.token_at)
+    read_only = step.slots is None
+    if not read_only:
+      k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
+                                                    layer, kernel=self.page_write, token_at=step.token_at)
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
@@ -428,16 +434,16 @@ class Llama(nnx.Module):
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
                                    q_pos=step.positions, kv_len=step.prefix_len)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
-    elif q.shape[1] > 1:
-      # Decode rows of several tokens: the cache's keys before the call's first token, merged with the call's own
-      # keys as a causal block (whether or not the call wrote them into the cache).
+    elif q.shape[1] > 1 or read_only:
+      # Decode rows of several tokens, or of a call that writes nothing: the cache's keys before the call's first
+      # token, merged with the call's own keys as a causal block (whether or not the call wrote them).
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
                                    q_pos=step.positions, kv_len=step.positions[:, 0])
       o, _ = merge(*rows_block(q, k, v, step.positions, step.lengths), o_pre, lse_pre)
     else:
       o, _ = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer, q_pos=step.positions,
                          kv_len=step.kv_len)
-    return o, (k_all, v_all, k_scale, v_scale)
+    return o, None if read_only else (k_all, v_all, k_scale, v_scale)
 
   def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len):
     """The backend's `paged` over layer `layer`'s pages of the pools of every layer k_all, v_all [L, P, Z, K, H]
@@ -486,7 +492,8 @@ class Llama(nnx.Module):
     # before the call's first token and the call's own tokens are a causal block (`rows_block`). (A shard's local
     # key index is below the key's position, so a causal check in the paged part could not keep a row from the
     # call's later tokens.)
-    several = decode and q.shape[1] > 1
+    read_only = step.slots is None
+    several = decode and (q.shape[1] > 1 or read_only)
     if several:
       cached = step.positions[:, 0]
     Pl, Z = k_all.shape[1] // S, k_all.shape[2]
@@ -497,9 +504,9 @@ class Llama(nnx.Module):
       d = lax.axis_index(SEQ)
       gather = (lambda x: lax.all_gather(x, SEQ, axis=1, tiled=True)) if split else (lambda x: x)
       pages, ks, vs = fp8 if fp8 else (None, None, None)
-      slots_all = gather(slots)
-      k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), slots_all, pages, layer,
-                                          shard=d, kernel=self.page_write)
+      if not read_only:
+        k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), gather(slots), pages,
+                                            layer, shard=d, kernel=self.page_write)
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
@@ -511,15 +518,20 @@ class Llama(nnx.Module):
         o, _ = merge(*rows_block(q, k, v, pos, lengths), o, lse)
       elif not decode:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
-      return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
+      return (o,) if read_only else (o, k_all, v_all) + ((ks, vs) if fp8 else ())
 
     scale = P(None, SEQ, TENSOR)
+    pools_out = () if read_only else (pool, pool) + ((scale, scale) if fp8 else ())
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(heads, heads, heads, rows, rows, rep, rep, rep, rep, rep, pool, pool,
                                  *((rep, scale, scale) if fp8 else ())),
-                       out_specs=(heads, pool, pool) + ((scale, scale) if fp8 else ()), check_vma=False)
-    o, k_all, v_all, *scales = fn(q, k, v, step.positions, step.slots, start, step.lengths, cached,
-                                  step.page_table, layer, k_all, v_all, *fp8)
+                       out_specs=(heads, *pools_out), check_vma=False)
+    slots = step.positions if read_only else step.slots     # (read_only: a placeholder the body does not read)
+    o, *parts = fn(q, k, v, step.positions, slots, start, step.lengths, cached, step.page_table, layer, k_all, v_all,
+                   *fp8)
+    if read_only:
+      return o, None
+    k_all, v_all, *scales = parts
     return o, (k_all, v_all, *(scales or (None, None)))
 
   def _constrain(self, x, axes):
@@ -612,7 +624,8 @@ class Llama(nnx.Module):
     if kv_out and (cache is None or split):
       raise ValueError("kv_out=True needs a call with a cache whose tokens are not split over seq (a decode call)")
     # The pages an fp8 cache's writes requantize, found in the call's own token order (before any permutation).
-    pages = None if cache is None or not cache.quantized else kvc.written_pages(slots, cache.page_size)
+    pages = (None if cache is None or not cache.quantized or slots is None
+             else kvc.written_pages(slots, cache.page_size))
     if split:
       # Pad to whole zigzag chunks (padding: token 0 at the following positions, slot 0: the null page, whose
       # writes are dropped; masked by `lengths`) and permute into the layout; `inv` maps a natural index to its
@@ -630,7 +643,7 @@ class Llama(nnx.Module):
     # Where the page-write kernel puts a decode step's token in unsharded pools: computed once here, so that the
     # layer scan does not recompute it for every layer.
     token_at = (kvc.token_page_offset(slots, cache.page_size, cache.k.shape[1])
-                if cache is not None and self.mesh is None
+                if cache is not None and slots is not None and self.mesh is None
                 and kvc.writes_token_by_kernel(self.page_write, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
                        rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at)
@@ -651,6 +664,16 @@ class Llama(nnx.Module):
         x, _, _ = self._layer(block, x, step, None, gemv)
         return x, None
       x, _ = jax.lax.scan(body, x, (layer_state, layer_ids))
+    elif slots is None:
+      # A call that writes nothing: every layer reads the pools as they came in.
+      pools = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+
+      def body(x, xs):
+        layer_params, i = xs
+        block, gemv = block_and_gemv(layer_params, i)
+        x, _, kv = self._layer(block, x, step, (*pools[:2], i, *pools[2:]), gemv)
+        return x, kv if kv_out else None
+      x, new_kv = jax.lax.scan(body, x, (layer_state, layer_ids))
     else:
       def body(carry, xs):
         x, parts = carry

@@ -343,3 +343,19 @@ def test_the_speculative_loop_copies_no_pool(cache_dtype):
     assert copies == [], copies
   finally:
     eng.close()
+
+
+def test_rows_block_is_dense_causal_attention_over_the_rows():
+  """Llama's rows_block (elementwise products, for XLA to fuse) == the jnp dense baseline on the same rows: causal,
+  keys past each sequence's length masked, grouped heads (G = 4), and its lse as well."""
+  from lcjax.model.llama import rows_block
+  from lcjax.ops.attention import attention_dense
+  rng = np.random.default_rng(7)
+  B, T, N, K, H = 3, 5, 8, 2, 16
+  q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.float32) for n in (N, K, K))
+  positions = jnp.asarray([[40], [7], [0]]) + jnp.arange(T)[None]
+  lengths = jnp.asarray([5, 2, 1], jnp.int32)
+  got, got_lse = rows_block(q, k, v, positions, lengths)
+  want, want_lse = attention_dense(q, k, v, q_pos=positions - positions[:, :1], kv_len=lengths, causal=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)

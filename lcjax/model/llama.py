@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
-from lcjax.ops.attention import attention_dense, merge
+from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.triton.gemv import gemv_stacked
@@ -223,9 +223,22 @@ class CallContext:
 
 def rows_block(q, k, v, positions, lengths):
   """The rows of a decode call of several tokens (a speculative verify step) against the call's own keys, causal:
-  (out [B, T, N, H], lse [B, T, N]). T <= 16, so the jnp dense form (float32 softmax) is the whole cost of a tiny
-  block, in any backend: the rows see the cache through the backend's paged kernel, merged with this by LSE."""
-  return attention_dense(q, k, v, q_pos=positions - positions[:, :1], kv_len=lengths, causal=True)
+  (out [B, T, N, H], lse [B, T, N]) in float32 arithmetic, row t seeing keys j <= t with j < lengths [B]. The rows
+  see the cache through the backend's paged kernel, merged with this by LSE. T <= 16: both products are
+  elementwise multiplies summed over one axis, which XLA fuses into one kernel each (as dots they took cuBLAS
+  calls and transposes in every layer)."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(B, T, 1, K, N // K, H) * H ** -0.5
+  kf, vf = (a.astype(jnp.float32)[:, None, :, :, None, :] for a in (k, v))      # [B, 1, S=T, K, 1, H]
+  s = jnp.sum(qg * kf, axis=-1)                                                   # [B, T, S, K, G]
+  j = jnp.arange(T, dtype=jnp.int32)
+  visible = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < lengths[:, None, None])   # [B, T, S]
+  s = jnp.where(visible[..., None, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=2)                                               # [B, T, K, G]
+  p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, :, None])
+  out = jnp.sum(p[..., None] * vf, axis=2)                                        # [B, T, K, G, H]
+  return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, T, N)
 
 
 def check_mesh(cfg: ModelConfig, tensor: int, seq: int, sp_mode: str = "ring") -> None:

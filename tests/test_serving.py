@@ -26,6 +26,10 @@ def _gpu(monkeypatch, cc):
 
 
 def _kernels(s):
+  """The names of what runs; the GEMV kernel and the page writer the model receives are the objects of their
+  names (None: XLA)."""
+  for choice in (s.linear, s.page_write):
+    assert choice.kernel is None if choice.name == "xla" else choice.kernel.name == choice.name, choice
   return dict(attention=s.attention.name, decode=s.decode.name, linear=s.linear.name, page_write=s.page_write.name)
 
 

@@ -221,10 +221,16 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
 ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": "int8"}
 # RunConfig.weight_dtype: "bfloat16" names the run's dtype (float32 on CPUs), i.e. unquantized weights.
 WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
-# RunConfig.linear_kernel: what multiplies fp8 weights in decode-sized calls (lcjax.engine.placement.decode_linear).
-LINEAR_KERNELS = ("auto", "xla", "mosaic", "pallas", "pallas-interpret")
-# RunConfig.page_write: what writes a decode step's K and V into fp8 pages (lcjax.engine.placement.page_write).
-PAGE_WRITES = ("auto", "xla", "pallas", "pallas-interpret")
+# The names of what multiplies fp8 weights in decode-sized calls: XLA's widened product, or a GEMV kernel
+# (lcjax.ops.kernels.GEMV_KERNELS, by these names).
+GEMV_NAMES = ("xla", "mosaic", "pallas", "pallas-interpret")
+# The names of what writes a decode step's K and V into fp8 pages: XLA's ops, or a page writer
+# (lcjax.ops.kernels.PAGE_WRITERS, by these names).
+PAGE_WRITER_NAMES = ("xla", "pallas", "pallas-interpret")
+# RunConfig.linear_kernel and RunConfig.page_write: one of those, or "auto" (lcjax.engine.placement.decode_linear,
+# lcjax.engine.placement.page_write choose).
+LINEAR_KERNELS = ("auto", *GEMV_NAMES)
+PAGE_WRITES = ("auto", *PAGE_WRITER_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)

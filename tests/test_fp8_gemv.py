@@ -20,7 +20,8 @@ import lcjax
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.engine import placement
 from lcjax.model.llama import LINEAR, Llama, linear_shapes
-from lcjax.ops import linear
+from lcjax.ops import kernels, linear
+from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.triton import gemv as triton_gemv
 
 L = 3
@@ -174,11 +175,12 @@ def test_plan_refusals():
 
 
 def test_model_holds_weights_for_decode_sized_calls():
-  """The model with decode_linear="pallas-interpret": a call of <= 64 rows runs the kernel on the stacked weights
-  (its logits equal XLA's widened product's), a larger one does not hold them."""
+  """The model with the interpreted kernel (gemv_kernel "pallas-interpret"): a call of <= 64 rows runs the kernel on
+  the stacked weights (its logits equal XLA's widened product's), a larger one does not hold them."""
   cfg = preset("tiny")
   state = nnx.state(Llama(cfg, dtype=jnp.float32, weights=WeightFormat(fp8=True), rngs=nnx.Rngs(0)))
-  models = {k: Llama(cfg, dtype=jnp.float32, weights=WeightFormat(fp8=True), decode_linear=k, rngs=nnx.Rngs(0))
+  models = {k: Llama(cfg, dtype=jnp.float32, weights=WeightFormat(fp8=True), gemv_kernel=kernels.gemv_kernel(k),
+                     rngs=nnx.Rngs(0))
             for k in ("xla", "pallas-interpret")}
   assert models["pallas-interpret"].holds_weights(64) and not models["pallas-interpret"].holds_weights(65)
   assert not models["xla"].holds_weights(1)
@@ -191,24 +193,21 @@ def test_model_holds_weights_for_decode_sized_calls():
 
 
 def _count_kernel_calls(monkeypatch):
-  """Count the model's traced calls of the kernels, by weight einsum and kernel ("mosaic", "pallas" or
-  "pallas-interpret")."""
-  from lcjax.model import llama
-  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  """Count the model's traced calls of the kernels (the kernel modules' functions, which lcjax.ops.kernels' objects
+  call), by weight einsum and kernel ("mosaic", "pallas" or "pallas-interpret")."""
   calls = []
+  triton, mosaic = triton_gemv.gemv_stacked, mgpu_gemv.gemv_stacked
 
   def counted(x, w8, scale, layer, spec, **kw):
     calls.append((spec, "pallas-interpret" if kw.get("interpret") else "pallas"))
-    return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
-
-  mosaic = mgpu_gemv.gemv_stacked
+    return triton(x, w8, scale, layer, spec, **kw)
 
   def counted_mosaic(x, w8, scale, layer, spec, **kw):
     calls.append((spec, "mosaic"))
     return mosaic(x, w8, scale, layer, spec, **kw)
 
-  monkeypatch.setattr(llama, "gemv_stacked", counted)
-  monkeypatch.setattr(llama.mgpu_gemv, "gemv_stacked", counted_mosaic)
+  monkeypatch.setattr(triton_gemv, "gemv_stacked", counted)
+  monkeypatch.setattr(mgpu_gemv, "gemv_stacked", counted_mosaic)
   return calls
 
 
@@ -255,14 +254,13 @@ def test_linear_kernel_refusals():
                                         "pallas-interpret"):
     RunConfig(linear_kernel="fast")
   with pytest.raises(ValueError, match="multiplies fp8 weights; these are in the parameter dtype"):
-    Llama(preset("tiny"), decode_linear="pallas-interpret", rngs=nnx.Rngs(0))
+    Llama(preset("tiny"), gemv_kernel=kernels.gemv_kernel("pallas-interpret"), rngs=nnx.Rngs(0))
 
 
 def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   """On a Hopper GPU (both kernels' device checks pass), a model whose products do not tile by 64 names the first
   such weight: a refusal for linear_kernel='mosaic', the Triton kernel with that reason for 'auto'; on a mesh, the
   first such shard."""
-  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
   monkeypatch.setattr(mgpu_gemv, "unsupported", lambda: None)
   monkeypatch.setattr(triton_gemv, "unsupported", lambda: None)
   tiny = preset("tiny")

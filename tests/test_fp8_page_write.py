@@ -134,7 +134,7 @@ def _count_kernel_calls(monkeypatch):
     calls.append(kw.get("interpret", False))
     return write(*a, **kw)
 
-  monkeypatch.setattr(kvc.triton_page_write, "write_token", counted)
+  monkeypatch.setattr(triton_page_write, "write_token", counted)
   return calls
 
 

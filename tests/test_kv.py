@@ -1,5 +1,6 @@
 """fp8 page scales set by the writes (lcjax.cache.kv) against a numpy oracle, through XLA and through the page-write
-kernel (lcjax.ops.triton.page_write, in the Pallas interpreter: `kernel="pallas-interpret"`).
+kernel (lcjax.ops.triton.page_write, in the Pallas interpreter: the page writer
+`lcjax.ops.kernels.page_writer("pallas-interpret")`, `kernel="pallas-interpret"` here).
 
 Oracle: after any sequence of writes, a page's scale is the smallest power of two >= (max |x| over the tokens its
 sequence wrote into it) / 448, and every stored token dequantizes to its float value within e4m3's rounding (no
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from lcjax.cache import kv as kvc
+from lcjax.ops import kernels
 
 L, P, Z, K, H = 2, 10, 4, 2, 8
 LAYER = 1
@@ -42,11 +44,11 @@ def _empty():
 
 @functools.partial(jax.jit, static_argnames="kernel")
 def _write(cache, x, slots, kernel="xla"):
-  """Write x [B, T, K, H] at slots [B, T] into layer LAYER of K (and -x into V); `kernel`: write_kv's, for decode
-  calls (T = 1)."""
+  """Write x [B, T, K, H] at slots [B, T] into layer LAYER of K (and -x into V); `kernel`: the name of write_kv's
+  page writer, for decode calls (T = 1)."""
   pages = kvc.written_pages(slots, Z)
   return kvc.PagedKV(*kvc.write_kv(cache.k, cache.v, cache.k_scale, cache.v_scale, x, -x, slots, pages, LAYER,
-                                   kernel=kernel))
+                                   page_writer=kernels.page_writer(kernel)))
 
 
 def _call(seqs, start: list[int], count: list[int], T: int, pad_value=100.0):
@@ -153,7 +155,7 @@ def test_a_seq_shard_writes_its_own_pages_as_one_pool_does(schedule, kernel):
     for d in range(S):
       k, v, ks, vs = (p[:, d * Pl:(d + 1) * Pl] for p in parts)
       out.append(kvc.write_kv(k, v, ks, vs, x, -x, slots, pages, LAYER, shard=jnp.int32(d) + 0 * slots[0, 0],
-                              kernel=kernel))
+                              page_writer=kernels.page_writer(kernel)))
     return tuple(jnp.concatenate(a, axis=1) for a in zip(*out))
 
   parts = (_empty().k, _empty().v, _empty().k_scale, _empty().v_scale)
@@ -173,7 +175,7 @@ def test_the_kernel_writes_what_xla_writes_bit_for_bit():
     a, b = (_run(_empty(), SEQS, SCHEDULES[schedule], kernel) for kernel in ("xla", "pallas-interpret"))
     for x, y in zip(a.parts(), b.parts()):
       np.testing.assert_array_equal(np.asarray(x)[:, 1:].view(np.uint8), np.asarray(y)[:, 1:].view(np.uint8))
-  with pytest.raises(ValueError, match="kernel='fast' must be one of xla, pallas, pallas-interpret"):
+  with pytest.raises(ValueError, match="page_writer='fast' must be one of xla, pallas, pallas-interpret"):
     _write(_empty(), *_call(SEQS, [0, 0], [1, 1], 1), kernel="fast")
 
 

@@ -151,20 +151,37 @@ def test_no_import_cycles():
 # The modules outside lcjax.ops.triton that import it (JAX has deprecated Pallas' Triton lowering): dropping it is
 # that folder once each of these has another kernel. A new one is a decision; docs/architecture.md lists them.
 TRITON_CALLERS = {"lcjax.ops.pallas_backend", "lcjax.ops.mosaic_gpu.paged", "lcjax.ops.mosaic_gpu.gemv",
-                  "lcjax.model.llama", "lcjax.engine.placement", "lcjax.cache.kv"}
+                  "lcjax.ops.kernels"}
+# The folders of kernel modules, one a lowering.
+LOWERINGS = ("lcjax.ops.triton", "lcjax.ops.mosaic_gpu", "lcjax.ops.cudnn")
 
 
 def test_kernels_sit_in_the_folder_of_their_lowering():
   """No kernel imports the backends that choose between kernels, and the Triton folder's callers are the known
   ones."""
   graph = _module_graph(ROOT)
-  lowerings = ("lcjax.ops.triton", "lcjax.ops.mosaic_gpu", "lcjax.ops.cudnn")
   choosers = {"lcjax.ops.backends", "lcjax.ops.pallas_backend"}
-  bad = [f"{m} imports {sorted(d & choosers)}" for m, d in graph.items() if m.startswith(lowerings) and d & choosers]
+  bad = [f"{m} imports {sorted(d & choosers)}" for m, d in graph.items() if m.startswith(LOWERINGS) and d & choosers]
   assert not bad, "\n".join(bad)
   callers = {m for m, d in graph.items() if not m.startswith("lcjax.ops.triton")
              and any(x.startswith("lcjax.ops.triton.") for x in d)}
   assert callers == TRITON_CALLERS, sorted(callers ^ TRITON_CALLERS)
+
+
+def test_model_and_cache_receive_their_kernels():
+  """No module of lcjax.model or lcjax.cache imports a kernel module (a module of lcjax.ops.triton, mosaic_gpu or
+  cudnn), deferred imports included, nor the modules that import kernel modules to choose between them
+  (lcjax.ops.kernels, lcjax.ops.pallas_backend): the model and the cache receive the attention backend, the GEMV
+  kernel and the page writer as objects, which lcjax.engine.serving.resolve chooses."""
+  banned = (*LOWERINGS, "lcjax.ops.kernels", "lcjax.ops.pallas_backend")
+  bad = []
+  for package in ("model", "cache"):
+    for path in (ROOT / package).rglob("*.py"):
+      rel = path.relative_to(ROOT.parent).with_suffix("")
+      module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+      bad += [f"{module} imports {imp}" for imp in _imports(path, module)
+              if any(imp == b or imp.startswith(b + ".") for b in banned)]
+  assert not bad, "\n".join(bad)
 
 
 # Import names of the distributions in pyproject's `dependencies` whose name differs from the distribution's.

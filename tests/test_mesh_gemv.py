@@ -58,14 +58,13 @@ def local_shapes(tensor: int) -> dict[str, tuple]:
 @pytest.mark.parametrize("tensor,seq", [(1, 2), (2, 1), (2, 2), (2, 4)])
 def test_gemv_on_a_mesh_matches_one_device(monkeypatch, one, tensor, seq):
   ref, want = one
-  calls = []
+  calls, kernel = [], triton_gemv.gemv_stacked
 
   def counted(x, w8, scale, layer, spec, **kw):
     calls.append((spec, w8.shape, x.shape[:2]))
-    return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, **kw)
+    return kernel(x, w8, scale, layer, spec, **kw)
 
-  from lcjax.model import llama
-  monkeypatch.setattr(llama, "gemv_stacked", counted)
+  monkeypatch.setattr(triton_gemv, "gemv_stacked", counted)
   eng = Engine(CFG, ref.params, run=RUN.replace(tensor=tensor, seq=seq))      # a new engine: traced here
   _ENGINES[tensor, seq] = eng
   got = outputs(eng)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import jax
 import pytest
 
+from lcjax import config
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine.serving import resolve
-from lcjax.ops import hardware
+from lcjax.ops import hardware, kernels
 from lcjax.ops.cudnn import backend as cudnn
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 
@@ -25,6 +26,10 @@ def _gpu(monkeypatch, cc):
 
 
 def _kernels(s):
+  """The names of what runs; the GEMV kernel and the page writer the model receives are the objects of their
+  names (None: XLA)."""
+  for choice in (s.linear, s.page_write):
+    assert choice.kernel is None if choice.name == "xla" else choice.kernel.name == choice.name, choice
   return dict(attention=s.attention.name, decode=s.decode.name, linear=s.linear.name, page_write=s.page_write.name)
 
 
@@ -68,6 +73,20 @@ def test_on_a_hopper_mesh(monkeypatch):
   assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
   assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
   assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2
+
+
+def test_kernel_names_are_defined_once():
+  """RunConfig's choices are lcjax.config's kernel names and "auto"; lcjax.ops.kernels holds one object for each
+  name but "xla", which is None."""
+  assert config.LINEAR_KERNELS == ("auto", *config.GEMV_NAMES)
+  assert config.PAGE_WRITES == ("auto", *config.PAGE_WRITER_NAMES)
+  assert ("xla", *kernels.GEMV_KERNELS) == config.GEMV_NAMES
+  assert ("xla", *kernels.PAGE_WRITERS) == config.PAGE_WRITER_NAMES
+  assert kernels.gemv_kernel("xla") is None and kernels.page_writer("xla") is None
+  assert [kernels.gemv_kernel(n).name for n in config.GEMV_NAMES[1:]] == list(config.GEMV_NAMES[1:])
+  assert [kernels.page_writer(n).name for n in config.PAGE_WRITER_NAMES[1:]] == list(config.PAGE_WRITER_NAMES[1:])
+  with pytest.raises(ValueError, match="gemv_kernel='fast' must be one of xla, mosaic, pallas, pallas-interpret"):
+    kernels.gemv_kernel("fast")
 
 
 def test_speculation_over_fp8_weights_stays_within_the_decode_product():

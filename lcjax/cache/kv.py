@@ -27,15 +27,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lcjax.ops.triton import page_write as triton_page_write
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 2.0 ** -32    # the smallest page scale (an all-zero page's)
 POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")    # [L, P, Z, K, H]
 SCALE_AXES = ("layers", "pages", "kv_heads")                     # [L, P, K]
-# write_kv(kernel=...): what writes a decode step's token per row into fp8 pools (RunConfig.page_write).
-WRITE_KERNELS = ("xla", "pallas", "pallas-interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -212,39 +209,37 @@ def write_tokens(cache: PagedKV, k, v, slots) -> PagedKV:
 
 def token_page_offset(slots, page_size: int, pool_pages: int, first: int | jax.Array = 0):
   """A decode step's flat slots [B, 1] -> (page [B] in a pool of `pool_pages` pages holding global pages first ..,
-  out of its range: `pool_pages`; offset [B] in the page): where write_kv's kernel writes each row's token. The
+  out of its range: `pool_pages`; offset [B] in the page): where write_kv's page writer writes each row's token. The
   model computes it once a call, before its layer scan, so the scan does not recompute it for every layer."""
   s = slots[:, 0]
   return _local_pages(s // page_size, first, pool_pages), s % page_size
 
 
-def writes_token_by_kernel(kernel: str, k_scale, slots) -> bool:
-  """Whether write_kv hands this call to the page-write kernel: one token a row (slots [B, 1]) into fp8 pools
-  (k_scale given), `kernel` not "xla"."""
-  return kernel != "xla" and k_scale is not None and slots.shape[1] == 1
+def writes_token_by_kernel(page_writer, k_scale, slots) -> bool:
+  """Whether write_kv hands this call to `page_writer`: one token a row (slots [B, 1]) into fp8 pools (k_scale
+  given), a page writer given (not None)."""
+  return page_writer is not None and k_scale is not None and slots.shape[1] == 1
 
 
-def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, kernel: str = "xla",
+def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard=None, page_writer=None,
              token_at=None):
   """K and V [B, T, K, H] (activation dtype) into layer `layer` of their pools [L, P, Z, K, H] at flat slots
   [B, T] (page * Z + offset); fp8 pools with their scales [L, P, K] and the call's written_pages [B, J] (None
   otherwise). With `shard` (inside shard_map over `seq`), the pools are that shard's local [L, P/S, Z, K, H] (and
   scales [L, P/S, K]) while slots and pages stay global: the tokens and written pages of other shards are dropped
-  here (they write them). kernel: what writes a decode step (one token a row, T = 1) into fp8 pools: "xla"
-  (`_write_one_token`, once for K and once for V: nine small XLA kernels), "pallas" (lcjax.ops.triton.page_write: K,
-  V and both scales in one kernel, bit for bit the same) or "pallas-interpret" (that kernel in the Pallas
-  interpreter). Other writes take `_write` whatever `kernel` says. token_at: `token_page_offset` of the call,
-  made before the layer scan (None: computed here). Returns (k_all, v_all, k_scale, v_scale)."""
-  if kernel not in WRITE_KERNELS:
-    raise ValueError(f"{kernel=} must be one of {', '.join(WRITE_KERNELS)}")
+  here (they write them). page_writer: what writes a decode step (one token a row, T = 1) into fp8 pools: None
+  (`_write_one_token`, once for K and once for V: nine small XLA kernels) or a page writer (lcjax.ops.kernels,
+  called as page_writer(k_all, v_all, k_scale, v_scale, k [B, K, H], v [B, K, H], page [B], offset [B], layer):
+  K, V and both scales in one kernel, bit for bit the same). Other writes take `_write` whatever `page_writer`
+  says. token_at: `token_page_offset` of the call, made before the layer scan (None: computed here). Returns
+  (k_all, v_all, k_scale, v_scale)."""
   if shard is not None and token_at is not None:
     raise ValueError(f"token_at holds pages of the unsharded pools; write_kv(shard={shard}) computes its own")
   first = 0 if shard is None else shard * k_all.shape[1]
-  if writes_token_by_kernel(kernel, k_scale, slots):
+  if writes_token_by_kernel(page_writer, k_scale, slots):
     Pl, Z = k_all.shape[1:3]
     page, offset = token_page_offset(slots, Z, Pl, first) if token_at is None else token_at
-    return triton_page_write.write_token(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer,
-                                      interpret=kernel == "pallas-interpret")
+    return page_writer(k_all, v_all, k_scale, v_scale, k[:, 0], v[:, 0], page, offset, layer)
   k_all, k_scale = _write(k_all, k_scale, k, slots, pages, layer, first)
   v_all, v_scale = _write(v_all, v_scale, v, slots, pages, layer, first)
   return k_all, v_all, k_scale, v_scale

@@ -69,20 +69,20 @@ class Engine:
     self.weights = serving.weights
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
     self.decode_linear, why = serving.linear.name, serving.linear.why
-    if self.weights.fp8 and self.decode_linear == "xla":
+    if self.weights.fp8 and serving.linear.kernel is None:
       # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
     elif self.weights.fp8 and self.decode_linear == "pallas" and self.run.linear_kernel == "auto":
       _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.triton.gemv): %s", why)
     self.page_write, why = serving.page_write.name, serving.page_write.why
-    if self.fp8_cache and self.page_write == "xla":
+    if self.fp8_cache and serving.page_write.kernel is None:
       _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
                "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", why)
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention, self.weights,
-                                                                      linear=self.decode_linear,
-                                                                      page=self.page_write)
+                                                                      gemv_kernel=serving.linear.kernel,
+                                                                      page_writer=serving.page_write.kernel)
     self.fingerprint = context_fingerprint(model_cfg, self.run, self.weights, _weights_digest(params))
     self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings,
                                          self.weights)
@@ -127,7 +127,7 @@ class Engine:
     """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
     and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call), and on a mesh that a GEMV kernel
     runs on each device's shards."""
-    return linear_kernels(self.weights, self.run, self.decode_linear, self.mesh.size)
+    return linear_kernels(self.weights, self.run, self.serving.linear.kernel, self.mesh.size)
 
   def close(self) -> None:
     """Free the engine's device memory (weights, cache, contexts); later calls are refused."""

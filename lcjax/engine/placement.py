@@ -19,9 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, linear_shapes, product_dims, repeat_kv_heads
-from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
-from lcjax.ops.triton import gemv as triton_gemv
-from lcjax.ops.triton import page_write as triton_page_write
+from lcjax.ops import kernels
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -77,27 +75,27 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
 
 
 def gemv_kernels_unsupported(cfg: ModelConfig, tensor: int = 1) -> dict[str, str | None]:
-  """Why each fp8 GEMV kernel cannot serve cfg's products on this machine (None: it can), in the order "auto"
-  prefers them: "mosaic" (lcjax.ops.mosaic_gpu.gemv, Hopper), "pallas" (lcjax.ops.triton.gemv, sm_89+). On a mesh of
-  `tensor` devices each runs the kernel on its shard of every weight: the shapes checked are the shards'."""
+  """Why each compiled fp8 GEMV kernel (lcjax.ops.kernels.GEMV_KERNELS, not interpreted) cannot serve cfg's
+  products on this machine (None: it can), by name, in the order "auto" prefers them: "mosaic"
+  (lcjax.ops.mosaic_gpu.gemv, Hopper), "pallas" (lcjax.ops.triton.gemv, sm_89+). On a mesh of `tensor` devices
+  each runs the kernel on its shard of every weight: the shapes checked are the shards'."""
   dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg, tensor).items()}
-  bad = [f"{name}: {why}" for name, s in dims.items() if (why := mgpu_gemv.unsupported_shape(*s))]
-  return {"mosaic": mgpu_gemv.unsupported() or (bad[0] if bad else None), "pallas": triton_gemv.unsupported()}
+  return {name: k.why_not(dims) for name, k in kernels.GEMV_KERNELS.items() if not k.interpret}
 
 
 def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, str | None]) -> tuple[str, str]:
-  """(Llama's decode_linear for RunConfig.linear_kernel, why): what multiplies fp8 weights in decode-sized
-  calls, on one device or on each device of a mesh (Llama._gemv_mesh). no_kernel: `gemv_kernels_unsupported()`
-  for the run's tensor size. A kernel asked for by name that cannot serve raises ConfigError; "auto" takes the
-  first kernel that can ("mosaic", then "pallas"), else "xla", and says why."""
+  """(the name of Llama's gemv_kernel for RunConfig.linear_kernel, a name of lcjax.config.GEMV_NAMES; why): what
+  multiplies fp8 weights in decode-sized calls, on one device or on each device of a mesh (Llama._gemv_mesh).
+  no_kernel: `gemv_kernels_unsupported()` for the run's tensor size. A kernel asked for by name that cannot serve
+  raises ConfigError; "auto" takes the first kernel that can ("mosaic", then "pallas"), else "xla", and says
+  why."""
   ask = run.linear_kernel
-  named = ask in ("mosaic", "pallas", "pallas-interpret")
   if not weights.fp8:
-    if named:
+    if ask not in ("auto", "xla"):
       raise ConfigError(f"linear_kernel={ask!r} multiplies fp8 weights, and these are {run.dtype} "
                         f"(weight_dtype={run.weight_dtype!r})")
     return "xla", "the weights are not fp8"
-  if ask in ("mosaic", "pallas") and no_kernel[ask]:
+  if no_kernel.get(ask):
     hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
     raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{hint}")
   if ask == "auto":
@@ -111,28 +109,26 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
 
 
 def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
-  """(Llama's page_write for RunConfig.page_write, why): what writes a decode step's K and V into the cache's
-  pages (lcjax.cache.kv.write_kv). A kernel asked for by name that cannot serve raises ConfigError; "auto" says
-  why it took "xla"."""
+  """(the name of Llama's page_writer for RunConfig.page_write, a name of lcjax.config.PAGE_WRITER_NAMES; why):
+  what writes a decode step's K and V into the cache's pages (lcjax.cache.kv.write_kv). A kernel asked for by name
+  that cannot serve raises ConfigError; "auto" takes "pallas" where it can serve, else says why it took "xla"."""
   ask = run.page_write
   cache = run.for_platform(jax.default_backend()).resolved_cache_dtype
   if cache != "float8_e4m3fn":
-    if ask in ("pallas", "pallas-interpret"):
+    if ask not in ("auto", "xla"):
       raise ConfigError(f"page_write={ask!r} writes fp8 pages, and the cache holds {cache} "
                         f"(cache_dtype={run.cache_dtype!r})")
     return "xla", f"{cache} pages take one XLA scatter"
   if ask == "xla":
     return ask, "page_write='xla'"
-  if ask == "pallas-interpret":
-    no_kernel = triton_page_write.unsupported_shape(run.page_size, head_dim)
-  else:
-    no_kernel = triton_page_write.unsupported(run.page_size, head_dim)
+  name = "pallas" if ask == "auto" else ask
+  no_kernel = kernels.PAGE_WRITERS[name].why_not(run.page_size, head_dim)
   if no_kernel and ask != "auto":
     hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
     raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")
   if no_kernel:
     return "xla", f"page_write='auto': {no_kernel}"
-  return ("pallas" if ask == "auto" else ask), f"page_write={ask!r}"
+  return name, f"page_write={ask!r}"
 
 
 def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat) -> None:
@@ -145,26 +141,22 @@ def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat)
 
 
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
-                  weights: WeightFormat = WeightFormat(), linear: str | None = None,
-                  page: str | None = None) -> Llama:
+                  weights: WeightFormat = WeightFormat(), gemv_kernel=None, page_writer=None) -> Llama:
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode, the kernel of
-  decode-sized fp8 products (`linear`: Llama's decode_linear; None: `decode_linear` decides) and of fp8 page
-  writes (`page`: Llama's page_write; None: `page_write` decides)."""
+  decode-sized fp8 products and of fp8 page writes (Llama's gemv_kernel and page_writer, lcjax.ops.kernels; None:
+  XLA's ops; lcjax.engine.serving.resolve chooses them)."""
   serving, _ = serving_config(model_cfg, run)
   run = run.for_platform(jax.default_backend())
-  if linear is None:
-    linear, _ = decode_linear(run, weights, gemv_kernels_unsupported(serving, run.tensor))
-  if page is None:
-    page, _ = page_write(run, serving.head_dim)
   return Llama(serving, dtype=jnp.dtype(run.dtype), attention=attention, mesh=mesh, sp_mode=run.sp_mode,
-               weights=weights, decode_linear=linear, page_write=page, rngs=rngs or nnx.Rngs(0))
+               weights=weights, gemv_kernel=gemv_kernel, page_writer=page_writer, rngs=rngs or nnx.Rngs(0))
 
 
 def serving_shardings(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None,
-                      weights: WeightFormat = WeightFormat(), linear: str | None = None, page: str | None = None):
+                      weights: WeightFormat = WeightFormat(), gemv_kernel=None, page_writer=None):
   """(graphdef, NamedSharding of every parameter) of the serving model on `mesh`, allocating nothing."""
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: serving_model(model_cfg, run, mesh, attention,
-                                                                      weights=weights, linear=linear, page=page)),
+                                                                      weights=weights, gemv_kernel=gemv_kernel,
+                                                                      page_writer=page_writer)),
                                  nnx.Param)
   return graphdef, sh.param_shardings(abstract, mesh)
 

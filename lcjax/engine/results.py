@@ -51,17 +51,15 @@ def result(r: Request, text: str, kernels: dict, draft, t_call: float | None = N
   return GenerationResult(text, list(r.out), len(r.prompt), r.finish or "length", stats)
 
 
-def linear_kernels(weights, run, decode_linear: str, devices: int) -> str:
+def linear_kernels(weights, run, gemv_kernel, devices: int) -> str:
   """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
-  and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call; `decode_linear` the decode-sized
-  one), and on a mesh of more than one device that a GEMV kernel runs on each device's shards."""
+  and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call; `gemv_kernel` the decode-sized
+  one, lcjax.ops.kernels, None: XLA's widened product), and on a mesh of more than one device that a GEMV kernel
+  runs on each device's shards."""
   if not weights.fp8:
     return run.dtype
   acts = "static" if weights.static_inputs else "per-token"
-  small = {"xla": f"fp8 widened to {run.dtype} by XLA",
-           "mosaic": "the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv)",
-           "pallas": "the fp8 GEMV kernel (lcjax.ops.triton.gemv)",
-           "pallas-interpret": "the fp8 GEMV kernel in the Pallas interpreter"}[decode_linear]
-  if decode_linear != "xla" and devices > 1:
+  small = f"fp8 widened to {run.dtype} by XLA" if gemv_kernel is None else gemv_kernel.description
+  if gemv_kernel is not None and devices > 1:
     small += f" on each device's shards (seq={run.seq} x tensor={run.tensor})"
   return f"fp8 x fp8 ({acts} activation scales) over {WIDEN_MAX_ROWS} rows, else {small}"

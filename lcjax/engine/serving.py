@@ -18,6 +18,7 @@ from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.engine import placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.requests import Limits, check_context_length
+from lcjax.ops import kernels
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
@@ -27,6 +28,7 @@ class Choice:
   """A kernel or mode that runs, and why it was chosen."""
   name: str
   why: str
+  kernel: object = None              # the object the model receives to run it (lcjax.ops.kernels); None: XLA's ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,8 @@ class Serving:
   weights: WeightFormat              # how the linear weights are held while serving
   attention: object                  # the backend (lcjax.ops.backends), `name` says which
   decode: Choice                     # the kernel decode steps run over this cache's pages
-  linear: Choice                     # Llama's decode_linear: the product of fp8 weights in decode-sized calls
-  page_write: Choice                 # Llama's page_write: what writes a decode step's token into fp8 pages
+  linear: Choice                     # Llama's gemv_kernel: the product of fp8 weights in decode-sized calls
+  page_write: Choice                 # Llama's page_writer: what writes a decode step's token into fp8 pages
   draft: Choice                      # speculative decoding (RunConfig.draft)
   plan: planlib.MemoryPlan
   limits: Limits
@@ -116,9 +118,10 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
                             attention_dtype=run.attention_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  linear = Choice(*placement.decode_linear(run, weights,
-                                           placement.gemv_kernels_unsupported(serving_cfg, run.tensor)))
-  page_write = Choice(*placement.page_write(run, serving_cfg.head_dim))
+  name, why = placement.decode_linear(run, weights, placement.gemv_kernels_unsupported(serving_cfg, run.tensor))
+  linear = Choice(name, why, kernels.gemv_kernel(name))
+  name, why = placement.page_write(run, serving_cfg.head_dim)
+  page_write = Choice(name, why, kernels.page_writer(name))
   rows = run.max_batch * (run.draft_tokens + 1)
   if run.draft != "off" and weights.fp8 and rows > WIDEN_MAX_ROWS:
     raise ConfigError(f"draft_tokens={run.draft_tokens} with max_batch={run.max_batch} feeds {rows} rows a verify "

@@ -3,7 +3,8 @@
 Layer weights are stacked on a leading `layers` axis and the forward pass scans over them, so an 80-layer model
 compiles as fast as a 1-layer one. Every parameter carries its logical axis names (metadata `axes`); the mesh
 code turns them into shardings. Attention goes through a backend object with the `(out, lse)` contract
-(`lcjax.ops`), chosen once outside the model.
+(`lcjax.ops`), decode-sized fp8 products through a GEMV kernel object and a decode step's fp8 page writes through
+a page writer object (`lcjax.ops.kernels`), each chosen once outside the model; the model imports no kernel.
 
 Call forms (B batch, T tokens in this call):
   logits, _ = model(tokens, positions)                          full causal forward over `tokens` alone
@@ -54,8 +55,6 @@ from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
-from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
-from lcjax.ops.triton.gemv import gemv_stacked
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
                                quantize_axes, quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
@@ -279,8 +278,6 @@ def product_dims(name: str, shape) -> tuple[int, int]:
 
 # The fp8 weights and scales a decode-sized call's layer scan holds whole for the GEMV kernel (Llama._gemv).
 _HELD = frozenset(n.split("/")[-1] + sfx for n in LINEAR for sfx in ("", "_scale"))
-# Llama(decode_linear=...): the product decode-sized calls over fp8 weights run.
-DECODE_LINEAR = ("xla", "mosaic", "pallas", "pallas-interpret")
 # Llama(pool_reads=...): how attention reads a layer's pages out of the pools of every layer.
 POOL_READS = ("view", "layer")
 
@@ -368,29 +365,24 @@ def repeat_kv_heads(params, rep: int):
 
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
-               sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), decode_linear: str = "xla",
-               page_write: str = "xla", pool_reads: str | None = None, rngs: nnx.Rngs):
+               sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), gemv_kernel=None, page_writer=None,
+               pool_reads: str | None = None, rngs: nnx.Rngs):
     """weights: how the projection and MLP weights are held (fp8 or the parameter dtype); random fp8 weights
-    are the same draw as in the parameter dtype, quantized. decode_linear: what multiplies fp8 weights in calls
-    of at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: "xla" (lcjax.ops.linear.dense's widened product on the
-    layer's slice), "mosaic" (lcjax.ops.mosaic_gpu.gemv's kernel on the stacked weights; one Hopper GPU), "pallas"
-    (lcjax.ops.triton.gemv's kernel on the stacked weights) or "pallas-interpret" (that kernel in the Pallas
-    interpreter, for CPUs); on a mesh the kernels run per shard (`_gemv_mesh`). page_write: what writes a decode
-    step's K and V into fp8 pages (lcjax.cache.kv.write_kv's kernel). pool_reads: how the attention backend reads
-    layer l's pages out of the pools of every layer [L, P, Z, K, H] that the layer scan carries (`_paged`): "view"
-    (the pools reshaped to [L * P, Z, K, H], a free reshape, with page_offset = l * P) or "layer" (the pools
-    themselves with layer=l; backends with `reads_layer_pools`); None: `default_pool_reads` decides, once, here.
-    Both compute the same values."""
-    if decode_linear not in DECODE_LINEAR:
-      raise ValueError(f"{decode_linear=} must be one of {', '.join(DECODE_LINEAR)}")
-    if decode_linear != "xla" and not weights.fp8:
-      raise ValueError(f"{decode_linear=} multiplies fp8 weights; these are in the parameter dtype")
+    are the same draw as in the parameter dtype, quantized. gemv_kernel: what multiplies fp8 weights in calls of
+    at most lcjax.ops.linear.WIDEN_MAX_ROWS rows: a GEMV kernel (lcjax.ops.kernels: the kernel called on the
+    stacked weights with the layer index; on a mesh on each device's shards, `_gemv_mesh`), or None
+    (lcjax.ops.linear.dense's widened product on the layer's slice). page_writer: what writes a decode step's K
+    and V into fp8 pages: a page writer (lcjax.ops.kernels), or None (lcjax.cache.kv's XLA write), handed to
+    lcjax.cache.kv.write_kv. pool_reads: how the attention backend reads layer l's pages out of the pools of every
+    layer [L, P, Z, K, H] that the layer scan carries (`_paged`): "view" (the pools reshaped to [L * P, Z, K, H], a
+    free reshape, with page_offset = l * P) or "layer" (the pools themselves with layer=l; backends with
+    `reads_layer_pools`); None: `default_pool_reads` decides, once, here. Both compute the same values."""
+    if gemv_kernel is not None and not weights.fp8:
+      raise ValueError(f"gemv_kernel {gemv_kernel.name!r} multiplies fp8 weights; these are in the parameter dtype")
     self.cfg = cfg
     self.weights = weights
-    self.decode_linear = decode_linear
-    if page_write not in kvc.WRITE_KERNELS:
-      raise ValueError(f"{page_write=} must be one of {', '.join(kvc.WRITE_KERNELS)}")
-    self.page_write = page_write
+    self.gemv_kernel = gemv_kernel
+    self.page_writer = page_writer
     self.dtype = jnp.dtype(dtype)
     pdt = jnp.dtype(param_dtype or dtype)
     self.attention = attention or ReferenceBackend()
@@ -438,7 +430,7 @@ class Llama(nnx.Module):
     read_only = step.slots is None
     if not read_only:
       k_all, v_all, k_scale, v_scale = kvc.write_kv(k_all, v_all, k_scale, v_scale, k, v, step.slots, step.pages,
-                                                    layer, kernel=self.page_write, token_at=step.token_at)
+                                                    layer, page_writer=self.page_writer, token_at=step.token_at)
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
@@ -519,7 +511,7 @@ class Llama(nnx.Module):
       pages, ks, vs = fp8 if fp8 else (None, None, None)
       if not read_only:
         k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), gather(slots), pages,
-                                            layer, shard=d, kernel=self.page_write)
+                                            layer, shard=d, page_writer=self.page_writer)
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
@@ -562,17 +554,14 @@ class Llama(nnx.Module):
   def holds_weights(self, rows: int) -> bool:
     """Whether a call of `rows` rows (batch x tokens) runs its fp8 products through the GEMV kernel: the layer
     scan then holds the fp8 weights and scales whole, and the kernel reads layer i's slice in place."""
-    return self.weights.fp8 and self.decode_linear != "xla" and rows <= WIDEN_MAX_ROWS
+    return self.weights.fp8 and self.gemv_kernel is not None and rows <= WIDEN_MAX_ROWS
 
   def _gemv(self, layer, split: bool = False):
     """The product `_apply` runs for layer `layer` over the whole stacked fp8 weights (on a mesh: `_gemv_mesh`,
     the call's tokens split over `seq` when `split`)."""
     if self.mesh is not None:
       return functools.partial(self._gemv_mesh, layer, split)
-    if self.decode_linear == "mosaic":
-      return lambda x, w8, scale, spec, axes: mgpu_gemv.gemv_stacked(x, w8, scale, layer, spec)
-    interpret = self.decode_linear == "pallas-interpret"
-    return lambda x, w8, scale, spec, axes: gemv_stacked(x, w8, scale, layer, spec, interpret=interpret)
+    return lambda x, w8, scale, spec, axes: self.gemv_kernel(x, w8, scale, layer, spec)
 
   def _gemv_mesh(self, layer, split: bool, x, w8, scale, spec: str, axes):
     """The GEMV kernel's product on the mesh, in one shard_map over ("seq", "tensor") in which each device runs the
@@ -592,10 +581,7 @@ class Llama(nnx.Module):
     on.update(zip(rows, sh.spec(self._row_axes(split))))
     x_spec, out_spec = P(*(on[c] for c in xs)), P(*(on[c] for c in out))
     summed = tuple(dict.fromkeys(on[c] for c in xs if c in ws and c not in out and on[c] is not None))
-    if self.decode_linear == "mosaic":
-      kernel = mgpu_gemv.gemv_stacked
-    else:
-      kernel = functools.partial(gemv_stacked, interpret=self.decode_linear == "pallas-interpret")
+    kernel = self.gemv_kernel
 
     def body(layer, x, w8, scale):
       if not summed:
@@ -657,7 +643,7 @@ class Llama(nnx.Module):
     # layer scan does not recompute it for every layer.
     token_at = (kvc.token_page_offset(slots, cache.page_size, cache.k.shape[1])
                 if cache is not None and slots is not None and self.mesh is None
-                and kvc.writes_token_by_kernel(self.page_write, cache.k_scale, slots) else None)
+                and kvc.writes_token_by_kernel(self.page_writer, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
                        rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]

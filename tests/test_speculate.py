@@ -359,3 +359,31 @@ def test_rows_block_is_dense_causal_attention_over_the_rows():
   want, want_lse = attention_dense(q, k, v, q_pos=positions - positions[:, :1], kv_len=lengths, causal=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft", ["off", "prompt"])
+def test_nonfinite_logits_stop_the_request_and_say_so(draft):
+  """Where the model's logits hold NaN (planted: the embedding row of the token a request feeds next), the request
+  stops there with finish_reason 'nonfinite' and keeps only the tokens sampled before; another request of the batch
+  runs on as it runs alone. At prefill (the prompt's last token planted) the request gets no token at all."""
+  eng = engine(**(SPEC if draft == "prompt" else {}))
+  eng.prefix_cache.clear()
+  prompt, other = [11, 12, 13, 14, 15], PROMPTS[2]
+  clean = [r.token_ids for r in eng.generate([prompt, other], max_new_tokens=12)]
+  t1 = clean[0][0]
+  assert t1 not in prompt and t1 not in clean[1] and t1 not in other, (t1, clean)
+  emb = eng.params["embed"]["embedding"]
+  saved = emb.value
+  try:
+    emb.value = saved.at[t1].set(jnp.nan)
+    eng.prefix_cache.clear()
+    got = eng.generate([prompt, other], max_new_tokens=12)
+    assert (got[0].token_ids, got[0].finish_reason) == ([t1], "nonfinite")
+    assert (got[1].token_ids, got[1].finish_reason) == (clean[1], "length")
+    emb.value = saved.at[prompt[-1]].set(jnp.nan)
+    eng.prefix_cache.clear()
+    first = eng.generate(prompt, max_new_tokens=12)
+    assert (first.token_ids, first.finish_reason) == ([], "nonfinite")
+  finally:
+    emb.value = saved
+    eng.prefix_cache.clear()

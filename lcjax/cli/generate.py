@@ -507,6 +507,8 @@ def _interactive(engine, ctx, doc, tokenizer, limits, max_new, sampling):
     res = _answer(engine, question, chat, len(ids), max_new, sampling, ctx, tokenizer)
     if res.finish_reason == "length":
       print(f"[cut at max_new_tokens={max_new}]")
+    elif res.finish_reason == "nonfinite":
+      print("[stopped: the model's logits held NaN or inf]")
     print(flush=True)
     s = res.stats
     print(f"[time to first token {s['time_to_first_token_s']:.3f} s; {s['cached_tokens']:,} tokens from the "

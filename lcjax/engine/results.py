@@ -16,7 +16,7 @@ class GenerationResult:
   text: str
   token_ids: list[int]
   prompt_tokens: int
-  finish_reason: str           # "eos" or "length"
+  finish_reason: str           # "eos", "length", or "nonfinite" (stopped: the model's logits held NaN or inf)
   stats: dict
 
 

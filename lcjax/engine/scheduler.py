@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import threading
 import time
@@ -34,7 +35,7 @@ from lcjax.cache.prefix import PrefixCache
 from lcjax.config import RunConfig
 from lcjax.engine.requests import RequestError
 from lcjax.engine.sampling import SamplingParams, all_greedy, stack as stack_sampling
-from lcjax.engine.steps import DecodeState, Steps
+from lcjax.engine.steps import NONFINITE, DecodeState, Steps
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class Request:
   decode_calls: int = 0            # model calls of the decode loop it took part in (speculation: verify steps)
   drafts_proposed: int = 0         # speculative decoding (RunConfig.draft): drafts fed, and those accepted
   drafts_accepted: int = 0
-  finish: str | None = None        # "eos" | "length"
+  finish: str | None = None        # "eos" | "length" | "nonfinite" (the logits held NaN or inf: it stopped)
   # Called after each prefill chunk of this request with (index, tokens prefilled, tokens to prefill); the chunk is
   # waited for first, so the numbers are what the device has done. Each call's own: never another caller's.
   on_progress: Callable[[int, int, int], None] | None = None
@@ -492,12 +493,22 @@ class Scheduler:
     tok = int(np.asarray(tok)[0])          # read on the host: indexing the device array would compile a program
     r.first_token_at = time.perf_counter()
     r.prefill_s = r.first_token_at - t0
+    if tok == NONFINITE:
+      self._stop_nonfinite(r)
+      return
     r.out.append(tok)
     if tok in self.eos_ids:
       r.finish = "eos"
     elif r.max_new <= 1:
       r.finish = "length"
     self._keep_written(r)                    # the prompt's full pages serve requests admitted from now on
+
+  @staticmethod
+  def _stop_nonfinite(r: Request) -> None:
+    """r ends where the model's logits held NaN or inf: what would follow is not the model's output."""
+    r.finish = "nonfinite"
+    logging.error("request %d stopped after %d generated tokens: the model's logits held NaN or inf (weights, a "
+                  "kernel or the cache produced them); its result has finish_reason 'nonfinite'", r.index, len(r.out))
 
   def _draft_args(self) -> dict:
     return dict(ngram=self.run.draft_ngram, k=self.run.draft_tokens)
@@ -556,6 +567,8 @@ class Scheduler:
         r.decode_calls += int(counts["steps"][b])
         r.drafts_proposed += int(counts["proposed"][b])
         r.drafts_accepted += int(counts["accepted"][b])
-      if final_done[b]:
+      if (out[b] == NONFINITE).any():
+        self._stop_nonfinite(r)
+      elif final_done[b]:
         r.finish = "eos" if r.out[-1] in self.eos_ids else "length"
     return alive

@@ -69,6 +69,16 @@ def fp8_weight_compiler_options() -> dict | None:
   return {"xla_gpu_enable_triton_gemm": False}
 
 
+# A decode loop's output token where a slot's logits held NaN or inf: the slot stops there (its tokens would not be
+# the model's); -1 is a step in which a slot produced nothing.
+NONFINITE = -2
+
+
+def sample_first(logits, sp, pos):
+  """The prompt's first token from its last logits [B, V] (`sample`), NONFINITE where they are not all finite."""
+  return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), sample(logits, sp, pos), NONFINITE)
+
+
 class Steps:
   def __init__(self, graphdef, page_size: int, mesh=None, cache_shardings=None, sync_every: int = 1,
                fp8_weights: bool = False):
@@ -94,7 +104,7 @@ class Steps:
     self.spec_once = jax.jit(self._spec_once, donate_argnames=("cache",), static_argnames=("greedy",),
                              compiler_options=decode_compiler_options(),
                              **({} if mesh is None else dict(out_shardings=(rep, rep, cache_shardings))))
-    self.first_token = jax.jit(sample, **host)
+    self.first_token = jax.jit(sample_first, **host)
     self.copy_pages = jax.jit(kvc.copy_pages, donate_argnums=0,
                               **({} if mesh is None else dict(out_shardings=cache_shardings)))
     self.gather_pages = jax.jit(kvc.gather_pages, **({} if mesh is None else dict(out_shardings=rep)))
@@ -117,7 +127,8 @@ class Steps:
   def _decode(self, params, cache, state: DecodeState, sp, page_table, eos_ids, *, steps: int,
               greedy: bool = False):
     """Up to `steps` tokens for every live slot, stopping early when all are done. Returns tokens [B, steps]
-    (-1 where a slot produced nothing), the new state and the cache. greedy: every slot samples greedily
+    (-1 where a slot produced nothing; NONFINITE where its logits were not finite, and it stopped), the new state
+    and the cache. greedy: every slot samples greedily
     (sampling.all_greedy; a second compiled loop, without the vocabulary sort)."""
     model = self._model(params)
     B = state.tokens.shape[0]
@@ -132,11 +143,13 @@ class Steps:
                             page_table=page_table, kv_len=st.pos + 1)
       nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
       live = ~st.done
-      out = out.at[:, i].set(jnp.where(live, nxt, -1))
-      remaining = st.remaining - live.astype(jnp.int32)
+      bad = live & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)
+      ok = live & ~bad
+      out = out.at[:, i].set(jnp.where(ok, nxt, jnp.where(bad, NONFINITE, -1)))
+      remaining = st.remaining - ok.astype(jnp.int32)
       is_eos = jnp.any(nxt[:, None] == eos_ids[None, :], axis=-1)
-      done = st.done | (live & is_eos) | (remaining <= 0)
-      st = DecodeState(jnp.where(live, nxt, st.tokens), jnp.where(live, st.pos + 1, st.pos), done, remaining)
+      done = st.done | bad | (ok & is_eos) | (remaining <= 0)
+      st = DecodeState(jnp.where(ok, nxt, st.tokens), jnp.where(ok, st.pos + 1, st.pos), done, remaining)
       return i + 1, st, cache, out
 
     def cond(c):
@@ -158,7 +171,8 @@ class Steps:
     """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
     count [B] of drafts [B, k] as k + 1 rows (a slot without drafts gains one token, as from a plain step). room
     [B]: tokens the slot may still gain (0: none). Returns (tokens [B, k + 1], n [B] kept of them, whether the
-    n-th ends the sequence [B], drafts accepted [B], cache).
+    n-th ends the sequence [B], drafts accepted [B], whether a kept row's logits were not finite [B] (then n = 0),
+    cache).
 
     The call writes nothing into the cache: its rows attend to the cache's keys before them and to each other
     (lcjax.model.llama.rows_block), and the kept rows' K/V (the fed token and the accepted drafts before the last
@@ -189,8 +203,10 @@ class Steps:
     is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
     eos = jnp.any(is_eos, axis=1)
     n = jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n)                  # nothing after an end-of-sequence token
+    bad = jnp.any(~jnp.all(jnp.isfinite(logits), axis=-1) & (rows < n[:, None]), axis=1)
+    n, eos = jnp.where(bad, 0, n), eos & ~bad                               # the slot keeps nothing and stops
     kept = jnp.where(rows < n[:, None], page * Z + positions % Z, 0)        # the fed tokens of the n kept: rows < n
-    return tokens, n, eos, accepted, kvc.write_tokens(cache, k_new, v_new, kept)
+    return tokens, n, eos, accepted, bad, kvc.write_tokens(cache, k_new, v_new, kept)
 
   def _spec_once(self, params, cache, state: DecodeState, sp, page_table, eos_ids, drafts, count, *,
                  greedy: bool = True):
@@ -198,7 +214,7 @@ class Steps:
     times it beside `decode` of one step). Returns (tokens, n, cache)."""
     room = jnp.where(state.done, 0, state.remaining)
     count = jnp.clip(jnp.minimum(count, room - 1), 0, drafts.shape[1])
-    tokens, n, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp, page_table,
+    tokens, n, _, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp, page_table,
                                              eos_ids, greedy)
     return tokens, n, cache
 
@@ -207,7 +223,8 @@ class Steps:
     """`_decode` with prompt-lookup speculation (lcjax.engine.speculate): each model call (`_spec_step`) feeds
     every live slot's last token and up to k drafts found in its `history` [B, W] (the token at each position; the
     slot's fed token at `pos`) and gains 1 to k + 1 tokens. Up to `steps` tokens per slot. Returns (tokens
-    [B, steps] (-1 past a slot's last), the new state, the cache, DraftCounts)."""
+    [B, steps] (-1 past a slot's last; NONFINITE where its logits were not finite, and it stopped), the new state,
+    the cache, DraftCounts)."""
     model = self._model(params)
     B, W = history.shape
     rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -218,15 +235,16 @@ class Steps:
       room = jnp.where(active, jnp.minimum(st.remaining, steps - n_out), 0)  # tokens the slot may still gain
       drafts, count = speculate.find_drafts(history, st.pos + 1, ngram=ngram, k=k)
       count = jnp.clip(jnp.minimum(count, room - 1), 0, k)
-      tokens, n, eos, accepted, cache = self._spec_step(model, cache, st, room, drafts, count, sp, page_table,
-                                                        eos_ids, greedy)
+      tokens, n, eos, accepted, bad, cache = self._spec_step(model, cache, st, room, drafts, count, sp, page_table,
+                                                             eos_ids, greedy)
       keep = rows < n[:, None]
       out = out.at[jnp.arange(B)[:, None], jnp.where(keep, n_out[:, None] + rows, steps)].set(tokens, mode="drop")
+      out = out.at[jnp.arange(B), jnp.where(bad, n_out, steps)].set(NONFINITE, mode="drop")
       history = history.at[jnp.arange(B)[:, None], jnp.where(keep, st.pos[:, None] + 1 + rows, W)].set(
           tokens, mode="drop")
       last = jnp.take_along_axis(tokens, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
       remaining = st.remaining - n
-      done = st.done | (active & (eos | (remaining <= 0)))
+      done = st.done | bad | (active & (eos | (remaining <= 0)))
       st = DecodeState(jnp.where(n > 0, last, st.tokens), st.pos + n, done, remaining)
       counts = DraftCounts(counts.steps + active, counts.proposed + count, counts.accepted + jnp.minimum(accepted, n))
       return i + 1, st, cache, out, n_out + n, history, counts

@@ -69,9 +69,7 @@ WITHOUT_COMMIT = {
   "needle-fp8-smollm2-h200": _BEFORE,
   "needle-fp8decode-smollm2-h200": _BEFORE,
   "needle-int8-smollm2-h200": _BEFORE,
-  "needle-smollm2": _BEFORE,
   "fp8-quality": _BEFORE,
-  "fp8-quality-model-cpu": _BEFORE,
   "startup-h200": _BEFORE + "; predates the ahead-of-time warm-up (Engine.warm_up)",
   "stream-h200": _BEFORE,
 }

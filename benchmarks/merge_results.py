@@ -57,7 +57,6 @@ WITHOUT_COMMIT = {
   "exact-fp8-smollm2-h200": _BEFORE,
   "exact-int8-smollm2-h200": _BEFORE,
   "exact-llama3-8b-h200": _BEFORE,
-  "exact-smollm2-cpu-pagescale": _BEFORE,
   "longctx-int8-128k-h200": _BEFORE,
   "longctx-h200-j": _BEFORE,
   "longctx-h200-o-8layers": _BEFORE,

@@ -115,6 +115,13 @@ MUTANTS = (
            "    for i in range(max(0, first - s), min(b, n - s)):",
            "    for i in range(min(b, n - s)):",
            ("tests/test_context.py::test_a_damaged_load_onto_shared_pages_leaves_their_context_as_it_was[nan-pages]",)),
+    Mutant("decode-samples-from-nonfinite-logits",
+           "a decode step samples from logits that hold NaN (argmax: token 0) instead of stopping the request with "
+           "finish_reason 'nonfinite': a silent wrong answer",
+           "lcjax/engine/steps.py",
+           "      bad = live & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)",
+           "      bad = live & False",
+           ("tests/test_speculate.py::test_nonfinite_logits_stop_the_request_and_say_so[off]",)),
 )
 
 

@@ -296,3 +296,26 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack():
   want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,Kd,bk,G", [(4096, 1024, 256, None), (2048, 4096, 256, None), (192, 256, 64, 12),
+                                       (192, 256, 64, 7)])
+def test_gpu_kernel_with_fewer_tiles_a_cta_than_ring_slots(N, Kd, bk, G):
+  """CTAs whose range holds fewer tiles (1 or 2) than the TMA ring's 4 slots: the products of a Llama-3-8B layer
+  with a 1,024-wide MLP (w_down N 4096 x Kd 1024: 256 tiles over 256 CTAs; w_gate_up 2048 x 4096: about 2 a CTA),
+  where the engine's fp8 decode gave NaN logits on an H100, and small stacks over 12 and 7 CTAs. The real presets'
+  products give every CTA 3.9 tiles or more. Against the float32 reference, finite."""
+  rng = np.random.default_rng(N + Kd)
+  w8 = jnp.asarray(rng.standard_normal((2, N, Kd)) * 100, jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, N, 1)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((1, Kd)), jnp.bfloat16)
+  tuning = mgpu_gemv.MgpuGemvTuning(block_k=bk, num_ctas=G)
+  p = mgpu_gemv.plan(1, 2, N, Kd, tuning)
+  assert p.T / p.G < p.M, (p.T, p.G, p.M)
+  got = jax.jit(lambda x, w, s: mgpu_gemv.gemv_stacked_f32(x, w, s, jnp.int32(1), "bk,nk->bn", tuning=tuning))(
+      x, w8, scale)
+  want = _numpy_product(x, w8, scale, 1, "bk,nk->bn")
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all(), np.argwhere(~np.isfinite(got))[:8]
+  assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()

@@ -119,7 +119,7 @@ MUTANTS = (
            "a decode step samples from logits that hold NaN (argmax: token 0) instead of stopping the request with "
            "finish_reason 'nonfinite': a silent wrong answer",
            "lcjax/engine/steps.py",
-           "      bad = live & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)",
+           "      bad = live & ~finite(logits[:, 0])",
            "      bad = live & False",
            ("tests/test_speculate.py::test_nonfinite_logits_stop_the_request_and_say_so[off]",)),
 )

@@ -74,9 +74,14 @@ def fp8_weight_compiler_options() -> dict | None:
 NONFINITE = -2
 
 
+def finite(logits):
+  """Whether each row of logits [..., V] is all finite [...]: a row that is not stops its sequence (NONFINITE)."""
+  return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
 def sample_first(logits, sp, pos):
   """The prompt's first token from its last logits [B, V] (`sample`), NONFINITE where they are not all finite."""
-  return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), sample(logits, sp, pos), NONFINITE)
+  return jnp.where(finite(logits), sample(logits, sp, pos), NONFINITE)
 
 
 class Steps:
@@ -128,8 +133,8 @@ class Steps:
               greedy: bool = False):
     """Up to `steps` tokens for every live slot, stopping early when all are done. Returns tokens [B, steps]
     (-1 where a slot produced nothing; NONFINITE where its logits were not finite, and it stopped), the new state
-    and the cache. greedy: every slot samples greedily
-    (sampling.all_greedy; a second compiled loop, without the vocabulary sort)."""
+    and the cache. greedy: every slot samples greedily (sampling.all_greedy; a second compiled loop, without the
+    vocabulary sort)."""
     model = self._model(params)
     B = state.tokens.shape[0]
     Z = self.page_size
@@ -143,7 +148,7 @@ class Steps:
                             page_table=page_table, kv_len=st.pos + 1)
       nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
       live = ~st.done
-      bad = live & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)
+      bad = live & ~finite(logits[:, 0])
       ok = live & ~bad
       out = out.at[:, i].set(jnp.where(ok, nxt, jnp.where(bad, NONFINITE, -1)))
       remaining = st.remaining - ok.astype(jnp.int32)
@@ -203,7 +208,7 @@ class Steps:
     is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
     eos = jnp.any(is_eos, axis=1)
     n = jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n)                  # nothing after an end-of-sequence token
-    bad = jnp.any(~jnp.all(jnp.isfinite(logits), axis=-1) & (rows < n[:, None]), axis=1)
+    bad = jnp.any(~finite(logits) & (rows < n[:, None]), axis=1)
     n, eos = jnp.where(bad, 0, n), eos & ~bad                               # the slot keeps nothing and stops
     kept = jnp.where(rows < n[:, None], page * Z + positions % Z, 0)        # the fed tokens of the n kept: rows < n
     return tokens, n, eos, accepted, bad, kvc.write_tokens(cache, k_new, v_new, kept)
@@ -214,8 +219,8 @@ class Steps:
     times it beside `decode` of one step). Returns (tokens, n, cache)."""
     room = jnp.where(state.done, 0, state.remaining)
     count = jnp.clip(jnp.minimum(count, room - 1), 0, drafts.shape[1])
-    tokens, n, _, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp, page_table,
-                                             eos_ids, greedy)
+    tokens, n, _, _, _, cache = self._spec_step(self._model(params), cache, state, room, drafts, count, sp,
+                                                page_table, eos_ids, greedy)
     return tokens, n, cache
 
   def _decode_spec(self, params, cache, state: DecodeState, sp, page_table, eos_ids, history, *, steps: int,

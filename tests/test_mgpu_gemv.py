@@ -305,7 +305,8 @@ def test_gpu_kernel_with_fewer_tiles_a_cta_than_ring_slots(N, Kd, bk, G):
   """CTAs whose range holds fewer tiles (1 or 2) than the TMA ring's 4 slots: the products of a Llama-3-8B layer
   with a 1,024-wide MLP (w_down N 4096 x Kd 1024: 256 tiles over 256 CTAs; w_gate_up 2048 x 4096: about 2 a CTA),
   where the engine's fp8 decode gave NaN logits on an H100, and small stacks over 12 and 7 CTAs. The real presets'
-  products give every CTA 3 tiles or more (Llama-3-8B's wo: 1,024 tiles over 264 CTAs). Against the float32 reference, finite."""
+  products give every CTA 3 tiles or more (Llama-3-8B's wo: 1,024 tiles over 264 CTAs). Against the float32
+  reference, finite."""
   rng = np.random.default_rng(N + Kd)
   w8 = jnp.asarray(rng.standard_normal((2, N, Kd)) * 100, jnp.float8_e4m3fn)
   scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, N, 1)), jnp.float32)

@@ -137,7 +137,9 @@ def main(argv):
   kv_bytes = p.kv_cache * FLAGS.context / max(p.tokens_capacity, 1)
   floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
-                steps=FLAGS.steps, draft_tokens=FLAGS.draft_tokens, per="model call" if FLAGS.draft_tokens else "token", decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
+                steps=FLAGS.steps, draft_tokens=FLAGS.draft_tokens,
+                per="prefill" if FLAGS.phase == "prefill" else "model call" if FLAGS.draft_tokens else "token",
+                decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
                 attention=eng.attention.name, weight_dtype=res.stats["weight_dtype"], linear=res.stats["linear"],
                 cache_dtype=res.stats["cache_dtype"], page_write=res.stats["page_write"],
                 source=benchlib.source_revision(),
@@ -158,7 +160,8 @@ def main(argv):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   print(f"{FLAGS.phase} at {FLAGS.context:,} ({eng.attention.name}, {res.stats['linear']}, "
         f"{res.stats['cache_dtype']} KV written by {res.stats['page_write']}, "
-        f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, traced {traced_ms:.2f}"
+        f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, "
+        f"traced {traced_ms:.2f} ms per {report['per']}"
         + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode" else ""))
   for line, rep in report["lines"].items():
     print(f"  [{line}] {rep['total_ms_per_token']:.3f} ms/token of device time in {rep['events']} kinds")

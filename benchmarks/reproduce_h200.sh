@@ -56,6 +56,8 @@
 #                 with the bundled SmolLM2 (speculation-smollm2-h200, and speculation-smollm2-cpu on the CPU), and
 #                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200, -8b-512k-h200 at
 #                 512K, -70b-h200)                                         predicted ~2 + 5 + 4 + 3 + 4 min
+#                 The committed speculation-cost-8b-h100 (an H100: no H200 was lent) is the first of these
+#                 commands at --contexts=32768,131072 --batches=1; this step's H200 parts replace it.
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).

@@ -60,7 +60,7 @@ def test_linear_shapes_are_the_models(name):
     _, block, w = ckpt.split("/")
     w8 = layers[block][w]
     spec = LINEAR[ckpt]
-    R, N, Kd, _ = triton_gemv.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
+    R, N, Kd, _ = linear.product_layout(x_shape(spec, shape, 1), w8.shape, spec)
     assert (w8.shape[0], product_dims(ckpt, shape)) == (2, (N, Kd)), ckpt
     assert sorted(w8.shape[1:]) == sorted(shape), (ckpt, w8.shape, shape)
   # With `tensor`, the shapes are those of one device's shard of the weights the model shards by their axes.
@@ -140,7 +140,7 @@ def test_reference_is_the_widened_product():
   name = "layers/mlp/w_down"
   w8, scale = _stacked(name, rng)
   x = _x(name, 5, rng, jnp.float32)
-  got = triton_gemv.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
+  got = linear.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
   assert np.all(_row_errors(got, _numpy_product(x, w8, scale, 2, LINEAR[name]), 5) < 1e-6)
 
 
@@ -302,7 +302,7 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
     fn = jax.jit(lambda x, w, s, i: triton_gemv.gemv_stacked(x, w, s, i, spec))
     assert "lcjax_fp8_gemv" in fn.lower(x, w8, scale, jnp.int32(1)).as_text()
     got = fn(x, w8, scale, jnp.int32(1)).astype(jnp.float32)
-    want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    want = linear.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 2 ** -8, (name, err)
 
@@ -328,7 +328,7 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
   assert w8.size >= min_bytes and triton_gemv.pack_for(w8.size) == pack
   x = jax.random.normal(kx, (1, 1, D), jnp.bfloat16)
   got = jax.jit(lambda x, w, s, i: triton_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
-  want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  want = linear.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err
 

@@ -15,6 +15,7 @@ import pytest
 
 from lcjax.model.llama import LINEAR
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops import linear
 from lcjax.ops.triton import gemv as triton_gemv
 
 from tests.test_fp8_gemv import _numpy_product, _random_e4m3, _stacked, _x, model_products
@@ -234,7 +235,7 @@ TUNINGS = [mgpu_gemv.MgpuGemvTuning(), mgpu_gemv.MgpuGemvTuning(block_k=128, max
 def test_gpu_kernel_at_model_shapes(preset_name, rows):
   """Compiled on the GPU at real shapes, each tuning: against the float32 reference, bf16 activations."""
   for name, spec, w8, scale, x in model_products(preset_name, rows):
-    want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
+    want = linear.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(1), spec)
     for tuning in TUNINGS:
       got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec, tuning=tuning))(
           x, w8, scale, jnp.int32(1)).astype(jnp.float32)
@@ -293,7 +294,7 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack():
   scale = jax.random.uniform(ks, (L_, 2, F, 1), jnp.float32, 1e-3, 2e-3)
   x = jax.random.normal(kx, (1, 1, D), jnp.bfloat16)
   got = jax.jit(lambda x, w, s, i: mgpu_gemv.gemv_stacked(x, w, s, i, spec))(x, w8, scale, jnp.int32(L_ - 1))
-  want = triton_gemv.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
+  want = linear.gemv_stacked_reference(x.astype(jnp.float32), w8, scale, jnp.int32(L_ - 1), spec)
   err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   assert err < 2 ** -8, err
 

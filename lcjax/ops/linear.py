@@ -29,6 +29,7 @@ from lcjax.ops.fp8 import E4M3, E4M3_MAX, scale_for
 
 # Rows (batch x tokens) up to which `dense` widens the weights instead of quantizing the activations.
 WIDEN_MAX_ROWS = 64
+X_ABSMAX_LOG2 = 14            # `scale_rows` brings each row's absmax to at most 2^14 (float16's max is 65504)
 
 
 def contracted(spec: str) -> tuple[str, str, str]:
@@ -170,3 +171,45 @@ def dense_reference(x, w8, scale, spec: str, *, in_scale=None, path: str | None 
     x8, xs = quantize_rows(x, spec, in_scale)
     xf = x8.astype(jnp.float32) * xs
   return jnp.einsum(spec, xf, w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+# The GEMV kernels' shared contract (lcjax.ops.triton.gemv, lcjax.ops.mosaic_gpu.gemv): the stacked weight's
+# product as a [R, Kd] x [N, Kd]^T GEMM, x as float16 rows, and the float32 model the kernels are tested against.
+
+def product_layout(x_shape, w_shape, spec: str):
+  """(R, N, Kd, output shape) of einsum(spec) for x and a stacked K-major weight [L, outs..., ins...]. The
+  product is a [R, Kd] x [N, Kd]^T GEMM when x's contracted labels trail in the weight's order and the output is
+  x's other labels then the weight's outputs (true of every spec the model uses)."""
+  xs, ws, out = contracted(spec)
+  kw = "".join(ws[i] for i in kmajor_order(spec))
+  nk = len(quantize_axes(spec))
+  outs, ins = kw[:len(kw) - nk], kw[len(kw) - nk:]
+  keep = xs[:len(xs) - nk]
+  if xs != keep + ins or out != keep + outs or len(w_shape) != len(kw) + 1:
+    raise ValueError(f"einsum {spec!r} over a stacked weight {tuple(w_shape)} is not a row-major [R, Kd] x "
+                     f"[N, Kd]^T product")
+  R = math.prod(x_shape[:len(keep)])
+  N = math.prod(w_shape[1:1 + len(outs)])
+  Kd = math.prod(w_shape[1 + len(outs):])
+  return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
+
+
+def scale_rows(x2):
+  """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (lcjax.ops.triton.gemv's docstring),
+  the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
+  xf = x2.astype(jnp.float32)
+  m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - X_ABSMAX_LOG2)       # m / s in [2^13, 2^14): exact exponent
+  xf = xf / s
+  hi = xf.astype(jnp.float16)
+  if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:
+    return hi[None], s
+  # The barrier keeps XLA from folding xf -> float16 -> float32 back into xf (it drops round trips through a
+  # narrower float when excess precision is allowed, its GPU default), which would zero lo.
+  return jnp.stack([hi, (xf - jax.lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float16)]), s
+
+
+def gemv_stacked_reference(x, w8, scale, layer, spec: str):
+  """The float32 model of the GEMV kernels' gemv_stacked: `dense_reference`'s widened product of layer `layer`."""
+  w, s = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (w8, scale))
+  return dense_reference(x, w, s, spec, path="widened")

@@ -26,7 +26,7 @@ bf16 x (the model's activations) arrives split into two float16 parts at fixed e
 2^-43 below 2^-35. No row absmax is needed, so only elementwise work precedes the kernel, and XLA fuses it into
 whatever makes x: the decode step then has no reduction before its products (benchmarks/NOTES-fp8w.md, call 33:
 the Llama-3-8B's step at 32K took 4.57 ms/token against 4.97 row-scaled). float16 x is wgmma's operand as it is.
-float32 x, and bf16 x with MgpuGemvTuning(fixed_split=False), arrives as triton.gemv.scale_rows makes it: float16
+float32 x, and bf16 x with MgpuGemvTuning(fixed_split=False), arrives as lcjax.ops.linear.scale_rows makes it: float16
 rows with a power-of-two row scale (bf16 x exactly, but for values below 2^-28 of their row's absmax, and no range
 limit), for float32 x two float16 parts, hi and lo. The parts are stacked as rows (x's R rows of the first part,
 then its R rows of the second), so both ride one wgmma of 2R columns and are added after the kernel: no second
@@ -56,8 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lcjax.ops.triton.gemv import product_layout, scale_rows
-from lcjax.ops.linear import WIDEN_MAX_ROWS
+from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
 from lcjax.ops.mosaic_gpu.common import smem_transforms
 from lcjax.ops.hardware import compute_capability, fp8_convert_reason
 
@@ -279,7 +278,7 @@ def _call(layer, x16, w, p: Plan):
 def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning(), dtype=None):
   """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most tuning.max_rows rows,
   w8 [L, ...] e4m3 and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int
-  scalar. Its float32 model is lcjax.ops.triton.gemv.gemv_stacked_reference."""
+  scalar. Its float32 model is lcjax.ops.linear.gemv_stacked_reference."""
   return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning).astype(dtype or x.dtype)
 
 

@@ -36,6 +36,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops.splits import rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu.common import prime_ring, smem_transforms
 
@@ -78,9 +79,9 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
 
 
 def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
-  """Splits of each (b, h)'s page table: `triton_paged.split_count` with at most target_ctas CTAs wanted, a
+  """Splits of each (b, h)'s page table: `split_count` with at most target_ctas CTAs wanted, a
   requested count rounded down to a power of two as well (this kernel's combine takes whole powers of two)."""
-  n = triton_paged.split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
+  n = split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
                                min_pages_per_split=tuning.min_pages_per_split)
   return 1 << (n.bit_length() - 1)
 
@@ -95,7 +96,7 @@ def quantize_rows(q, K):
   The kernel runs both against each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
   B, T, N, H = q.shape
   G = N // K
-  qr = triton_paged.rows_per_kv_head(q, K).astype(jnp.float32)
+  qr = rows_per_kv_head(q, K).astype(jnp.float32)
   qs = fp8_ops.absmax_scale(qr, axes=(2, 3))
   x = qr / qs[:, :, None, None]
   # hi is rounded in float32 (fp8_ops.round_to_e4m3), not by a round trip through e4m3, which XLA may fold away;

@@ -3,6 +3,5 @@ combine (paged), the fp8 GEMV of decode-sized products (gemv), the fp8 page writ
 
 Dropping the lowering is this folder and its choices in the kernel table (lcjax.engine.serving), once the modules
 outside it that import it have other kernels for those calls: lcjax.ops.pallas_backend (bf16 decode rows),
-lcjax.ops.mosaic_gpu.paged (the split combine), lcjax.ops.mosaic_gpu.gemv (product_layout, scale_rows),
-lcjax.model.llama and lcjax.engine.placement (the fp8 GEMV), lcjax.cache.kv (the page write). tests/test_layers.py
-holds that list."""
+lcjax.ops.mosaic_gpu.paged (the split combine), lcjax.ops.kernels (the fp8 GEMV and the page write, which the
+model and the cache receive). tests/test_layers.py holds that list."""

@@ -48,11 +48,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lcjax.ops.linear import WIDEN_MAX_ROWS, contracted, dense_reference, kmajor_order, quantize_axes
+from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
 from lcjax.ops.hardware import fp8_convert_reason
-from lcjax.ops.triton.paged import next_pow2
-
-_X_ABSMAX_LOG2 = 14            # rows are scaled so that their absmax is at most 2^14 (float16's max is 65504)
+from lcjax.ops.splits import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,24 +127,6 @@ def plan(R: int, N: int, Kd: int, tuning: GemvTuning = GemvTuning()) -> Plan:
   return Plan(R=R, Rp=max(16, next_pow2(R)), N=N, Kd=Kd, bn=bn, bk=bk, S=S)
 
 
-def product_layout(x_shape, w_shape, spec: str):
-  """(R, N, Kd, output shape) of einsum(spec) for x and a stacked K-major weight [L, outs..., ins...]. The
-  product is a [R, Kd] x [N, Kd]^T GEMM when x's contracted labels trail in the weight's order and the output is
-  x's other labels then the weight's outputs (true of every spec the model uses)."""
-  xs, ws, out = contracted(spec)
-  kw = "".join(ws[i] for i in kmajor_order(spec))
-  nk = len(quantize_axes(spec))
-  outs, ins = kw[:len(kw) - nk], kw[len(kw) - nk:]
-  keep = xs[:len(xs) - nk]
-  if xs != keep + ins or out != keep + outs or len(w_shape) != len(kw) + 1:
-    raise ValueError(f"einsum {spec!r} over a stacked weight {tuple(w_shape)} is not a row-major [R, Kd] x "
-                     f"[N, Kd]^T product")
-  R = math.prod(x_shape[:len(keep)])
-  N = math.prod(w_shape[1:1 + len(outs)])
-  Kd = math.prod(w_shape[1 + len(outs):])
-  return R, N, Kd, tuple(x_shape[:len(keep)]) + tuple(w_shape[1:1 + len(outs)])
-
-
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, rows, bn, bk, steps, pack):
   """Program (n, s): o [Rp, bn] = sum over its steps of x [Rp, bk] times the weight tile [bn, bk]^T, columns counted
   in loaded elements (`pack` e4m3 values each); x_ref [P, pack, Rp, Kd / pack] holds x's columns j mod pack at j,
@@ -171,21 +151,6 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, rows, bn, bk, steps, pack):
     return acc
 
   o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((Rp, bn), jnp.float32))
-
-
-def scale_rows(x2):
-  """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (module docstring),
-  the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
-  xf = x2.astype(jnp.float32)
-  m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - _X_ABSMAX_LOG2)       # m / s in [2^13, 2^14): exact exponent
-  xf = xf / s
-  hi = xf.astype(jnp.float16)
-  if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:
-    return hi[None], s
-  # The barrier keeps XLA from folding xf -> float16 -> float32 back into xf (it drops round trips through a
-  # narrower float when excess precision is allowed, its GPU default), which would zero lo.
-  return jnp.stack([hi, (xf - jax.lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float16)]), s
 
 
 def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTuning(), interpret: bool = False,
@@ -224,9 +189,3 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: GemvTuning = GemvTun
   w_scale = jax.lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)     # [N]
   y = jnp.sum(parts[:, :R], axis=0) * xs * w_scale
   return y.reshape(out_shape).astype(dtype or x.dtype)
-
-
-def gemv_stacked_reference(x, w8, scale, layer, spec: str):
-  """The float32 model of `gemv_stacked`: lcjax.ops.linear's widened product of layer `layer`."""
-  w, s = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (w8, scale))
-  return dense_reference(x, w, s, spec, path="widened")

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import attention as ref
+from lcjax.ops.splits import next_pow2, rows_per_kv_head, split_count
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -60,20 +61,6 @@ class PagedTuning:
   combine_block: int = 32            # head-dim lanes per program of the split combine (B * K * T * G * H / this)
   combine_warps: int = 1
   max_rows: int = 64                 # above this many rows per kv head the call is prefill, not decode
-
-
-def next_pow2(n):
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def split_count(*, requested: int | None, wanted: int, M: int, min_pages_per_split: int) -> int:
-  """Splits of a (b, h)'s table of M pages: `requested` (at most M), or `wanted` splits with at least
-  min_pages_per_split pages each, rounded down to a power of two (the combine reads a row's partials as one
-  block of the next power of two, so 132 splits would read 256 rows)."""
-  if requested is not None:
-    return max(1, min(requested, M))
-  n = max(1, min(wanted, M // min_pages_per_split or 1, M))
-  return 1 << (n.bit_length() - 1)
 
 
 def num_splits_for(tuning: PagedTuning, B, K, M):
@@ -179,13 +166,6 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transpose
   t, n = r // G, h * G + r % G
   out_ref[b, t, n, pl.ds(c * HB, HB)] = out.astype(out_ref.dtype)
   lse_out_ref[b, t, n] = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top, -jnp.inf)
-
-
-def rows_per_kv_head(q, K):
-  """q [B, T, N, H] -> [B, K, T * G, H]: row r = t * G + g of kv head h is query head h * G + g at token t (the
-  rows that share kv head h's pages; `_combine_kernel` maps them back)."""
-  B, T, N, H = q.shape
-  return q.reshape(B, T, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (N // K), H)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,

@@ -2,10 +2,12 @@
 
 CPU: its jnp model against the float64 oracle, the query quantization, the split heuristic, the routing of the
 pallas backend, and the kernel's lowering to its CUDA custom call (catches API drift without a GPU). GPU (`-m gpu`):
-the kernel against its model (same quantization: tight) and against the float64 oracle of unquantized queries.
+the kernel against its model (same quantization: tight) and against the float64 oracle of unquantized queries,
+with either split combine, and the Mosaic GPU combine against a float64 join.
 """
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ import pytest
 from lcjax.ops import attention as ref
 from lcjax.ops import hardware
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
-from lcjax.ops import pallas_backend
+from lcjax.ops import pallas_backend, splits
+from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.triton import paged as triton_paged
 from tests.test_kernels import check, oracle, rand_pages, visibility
 
@@ -170,24 +173,77 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
       backend.paged(q, fp8, fp8, table, q_pos=qp, kv_len=kl)
 
 
-def test_combine_reads_transposed_partials():
-  """The split combine (Pallas interpreter) on the kernel's partial layout o [B, K, S2, H, RN] == a numpy join of
-  the first S splits by their LSE, rows r = t * G + g < T * G into out [B, T, N, H]; unused and empty splits
-  count nothing."""
-  B, K, S, S2, H, RN, T, G = 2, 2, 3, 4, 32, 8, 2, 3
-  ks = jax.random.split(jax.random.key(3), 2)
-  o = jax.random.normal(ks[0], (B, K, S2, H, RN), jnp.float32)
-  lse = jax.random.normal(ks[1], (B, K, S2, RN), jnp.float32).at[0, 1, 1].set(-jnp.inf)
-  lse = lse.at[:, :, S:].set(jnp.nan)                                        # never written: never read
-  out, lse_out = triton_paged.combine_splits(o, lse, S=S, G=G, out_shape=(B, T, K * G, H), out_dtype=jnp.float32,
-                                             transposed=True, interpret=True)
+def _numpy_join(o, lse, S, T, G):
+  """The first S splits of partials o [B, K, S2, H, RN], lse [B, K, S2, RN] joined by their LSE in float64 ->
+  (out [B, T, N, H], lse [B, T, N]), rows r = t * G + g < T * G."""
+  B, K, _, H, _ = o.shape
   on, ln = np.asarray(o, np.float64)[:, :, :S], np.asarray(lse, np.float64)[:, :, :S]
-  w = np.exp(ln - ln.max(axis=2, keepdims=True))                             # [B, K, S, RN]
-  join = np.einsum("bksr,bkshr->bkrh", w, on) / w.sum(axis=2)[..., None]     # [B, K, RN, H]
-  want = join[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
-  want_lse = (np.log(w.sum(axis=2)) + ln.max(axis=2))[:, :, :T * G].reshape(B, K, T, G).transpose(0, 2, 1, 3)
-  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(lse_out), want_lse.reshape(B, T, K * G), rtol=1e-5, atol=1e-5)
+  top = ln.max(axis=2, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  w = np.exp(ln - top)                                                       # [B, K, S, RN]
+  tot = w.sum(axis=2)
+  join = np.einsum("bksr,bkshr->bkrh", w, on) / np.where(tot > 0, tot, 1.0)[..., None]       # [B, K, RN, H]
+  out = join[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
+  with np.errstate(divide="ignore"):
+    lse_out = np.log(tot) + top[:, :, 0]
+  return out, lse_out[:, :, :T * G].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
+
+
+def _partials(seed, B, K, S2, H, RN, *, S, spread=1.0):
+  """Random split partials [B, K, S2, H, RN] and lse [B, K, S2, RN] (spread: the lse's scale): kv head 1 of
+  sequence 0 has an empty split (lse -inf) and row 0 of its kv head 0 no split at all; splits >= S hold NaN."""
+  ks = jax.random.split(jax.random.key(seed), 2)
+  o = jax.random.normal(ks[0], (B, K, S2, H, RN), jnp.float32)
+  lse = jax.random.normal(ks[1], (B, K, S2, RN), jnp.float32) * spread
+  lse = lse.at[0, min(1, K - 1), min(1, S - 1)].set(-jnp.inf).at[0, 0, :, 0].set(-jnp.inf)
+  return o, lse.at[:, :, S:].set(jnp.nan)                                    # never written: never read
+
+
+def test_combine_reads_transposed_partials():
+  """The split combine (Pallas interpreter) on the kernel's partial layout o [B, K, S2, H, RN], and the combine's
+  jnp model (lcjax.ops.splits, the Mosaic GPU combine's oracle), == a numpy join of the first S splits by their
+  LSE, rows r = t * G + g < T * G into out [B, T, N, H]; unused and empty splits count nothing, and a row no split
+  saw gets 0 and lse -inf."""
+  B, K, S, S2, H, RN, T, G = 2, 2, 3, 4, 32, 8, 2, 3
+  o, lse = _partials(3, B, K, S2, H, RN, S=S)
+  want, want_lse = _numpy_join(o, lse, S, T, G)
+  assert want_lse[0, 0, 0] == -np.inf and not want[0, 0, 0].any()
+  for out, lse_out in [
+      triton_paged.combine_splits(o, lse, S=S, G=G, out_shape=(B, T, K * G, H), out_dtype=jnp.float32,
+                                  transposed=True, interpret=True),
+      splits.combine_splits_reference(o, lse, S=S, T=T, G=G, out_dtype=jnp.float32, transposed=True)]:
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_mosaic_combine_lse_rows_divide_over_a_warpgroup():
+  """The lse rows the Mosaic GPU combine copies in one TMA copy: S, doubled until S * RN * 4 bytes is a multiple
+  of 128."""
+  assert [mgpu_combine.lse_rows(S, RN) for S, RN in [(1, 8), (2, 8), (4, 8), (1, 24), (2, 24), (1, 32), (32, 64)]] \
+      == [4, 4, 4, 4, 4, 1, 32]
+  with pytest.raises(ValueError, match="power-of-two split count"):
+    mgpu_combine.combine_splits(jnp.zeros((1, 1, 3, 64, 8)), jnp.zeros((1, 1, 4, 8)), T=1, G=4, out_dtype=jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("B,K,S,H,RN,T,G,spread", [
+    (1, 8, 32, 128, 8, 1, 4, 1.0),       # batch 1 of Llama-3-8B: 32 splits, one query of GQA 4
+    (3, 2, 4, 128, 8, 1, 4, 30.0),       # lse 30x apart: the weights span e^-100 .. 1
+    (16, 2, 2, 64, 8, 2, 4, 1.0),        # two splits: lse padded to 4 rows
+    (1, 8, 1, 128, 24, 5, 4, 1.0),       # one split, 20 rows (a verify step of 4 drafts)
+    (2, 4, 64, 128, 40, 10, 4, 5.0),     # 40 rows, unswizzled, 64 splits in steps
+    (1, 8, 256, 128, 64, 8, 8, 1.0)])    # 64 rows (swizzled, a split a step), 256 splits
+def test_mosaic_combine_gpu(B, K, S, H, RN, T, G, spread):
+  """The Mosaic GPU split combine == the float64 numpy join (and the jnp model), including an empty split, a row
+  no split saw, unused lse rows holding NaN and lse values far apart."""
+  S2 = mgpu_combine.lse_rows(S, RN)
+  o, lse = _partials(B + S, B, K, S, H, RN, S=S, spread=spread)
+  lse = jnp.concatenate([lse, jnp.full((B, K, S2 - S, RN), jnp.nan, jnp.float32)], axis=2)
+  want, want_lse = _numpy_join(o, lse, S, T, G)
+  out, lse_out = jax.jit(lambda o, l: mgpu_combine.combine_splits(o, l, T=T, G=G, out_dtype=jnp.float32))(o, lse)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
@@ -228,9 +284,11 @@ def test_kernel_lowers_for_cuda(T, H, Z):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("combine", mgpu_paged.COMBINES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_gpu(name):
+def test_kernel_gpu(name, combine):
   args, kw, want, tuning = _inputs(CASES[name], seed=1)
+  tuning = dataclasses.replace(tuning, combine=combine)
   q, rest = args[0], args[1:]
   B, T, N, H = q.shape
   K = rest[0].shape[2]

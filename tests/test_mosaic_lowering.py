@@ -20,6 +20,7 @@ from jax import export
 from lcjax.config import preset
 from lcjax.model.llama import LINEAR, linear_shapes
 from lcjax.ops import linear
+from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
@@ -95,3 +96,27 @@ def test_fp8_paged_decode_lowers(T):
   calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs), *args)
   assert MOSAIC_CALL in calls
+
+
+@pytest.mark.parametrize("B,splits,RN,T,G", [(1, 32, 8, 1, 4), (16, 2, 8, 1, 4), (1, 8, 24, 5, 4), (2, 64, 40, 10, 4),
+                                        (1, 256, 64, 8, 8), (4, 1, 64, 16, 4)])
+def test_split_combine_lowers(B, splits, RN, T, G):
+  """The Mosaic GPU split combine: narrow rows (unswizzled, several splits a pipeline step), rows of 64
+  (swizzled, a split a step), one split and 256, lse padded to a multiple of the warpgroup's bytes."""
+  o = S((B, 8, splits, 128, RN), jnp.float32)
+  lse = S((B, 8, mgpu_combine.lse_rows(splits, RN), RN), jnp.float32)
+  assert _lowered_calls(lambda o, l: mgpu_combine.combine_splits(o, l, T=T, G=G, out_dtype=jnp.bfloat16), o, lse) \
+      == [MOSAIC_CALL]
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_fp8_paged_decode_with_the_mosaic_combine_lowers_without_triton(T):
+  """With Fp8DecodeTuning(combine="mosaic") the fp8 decode is two Mosaic GPU kernels and no Triton call."""
+  B, N, K, H, P, Z, M = 2, 32, 8, 128, 64, 64, 16
+  pages, scales = S((P, Z, K, H), jnp.float8_e4m3fn), S((P, K), jnp.float32)
+  args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B, T), jnp.int32),
+          S((B,), jnp.int32))
+  tuning = mgpu_paged.Fp8DecodeTuning(combine="mosaic")
+  calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning), *args)
+  assert calls == [MOSAIC_CALL, MOSAIC_CALL], calls

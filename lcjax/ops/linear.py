@@ -195,11 +195,11 @@ def product_layout(x_shape, w_shape, spec: str):
 
 
 def scale_rows(x2):
-  """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (lcjax.ops.triton.gemv's docstring),
-  the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
+  """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (the docstring of
+  lcjax.ops.triton.gemv), the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
   xf = x2.astype(jnp.float32)
   m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - X_ABSMAX_LOG2)       # m / s in [2^13, 2^14): exact exponent
+  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - X_ABSMAX_LOG2)     # m / s in [2^13, 2^14): exact exponent
   xf = xf / s
   hi = xf.astype(jnp.float16)
   if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:

@@ -1,7 +1,10 @@
 """Split-K decode attention's pieces that no kernel owns: how many splits a (sequence, kv head)'s page table is
-cut into, and the order of the query rows that share a kv head's pages. lcjax.ops.triton.paged and
-lcjax.ops.mosaic_gpu.paged both use them."""
+cut into, the order of the query rows that share a kv head's pages (lcjax.ops.triton.paged and
+lcjax.ops.mosaic_gpu.paged both use them), and the jnp model of the split combine, the oracle of both combine
+kernels."""
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 
 def next_pow2(n):
@@ -23,3 +26,23 @@ def rows_per_kv_head(q, K):
   rows that share kv head h's pages; the split combine maps them back)."""
   B, T, N, H = q.shape
   return q.reshape(B, T, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (N // K), H)
+
+
+def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, transposed: bool = False):
+  """The split combine's jnp model: partials o [B, K, S2, R, H] f32 ([B, K, S2, H, RN] if transposed) and lse
+  [B, K, S2, RN] f32 (natural log; the first S splits written, row r = t * G + g of kv head h, r < T * G read)
+  -> (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32), each row's splits weighted by exp(lse): the exact
+  log-sum-exp merge. A row no split saw (every lse -inf) gets out 0 and lse -inf."""
+  B, K = lse.shape[:2]
+  R = T * G
+  lse = lse[:, :, :S, :R]
+  o = (jnp.swapaxes(o, 3, 4) if transposed else o)[:, :, :S, :R]                # [B, K, S, R, H]
+  top = jnp.max(lse, axis=2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)                                                          # [B, K, S, R]
+  tot = jnp.sum(w, axis=2)                                                        # [B, K, R]
+  out = jnp.sum(o * w[..., None], axis=2) / jnp.where(tot > 0, tot, 1.0)[..., None]
+  lse_out = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top[:, :, 0], -jnp.inf)
+  H = out.shape[-1]
+  out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
+  return out.astype(out_dtype), lse_out.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)

@@ -1,5 +1,6 @@
-"""Mosaic GPU pieces the Hopper kernels share (lcjax.ops.mosaic_gpu's flash and paged): the shared-memory
-tiling wgmma reads its operands in, and the TMA warpgroup's ring of K/V shared-memory slots.
+"""Mosaic GPU pieces the Hopper kernels share (lcjax.ops.mosaic_gpu's flash, paged, gemv and combine): the shared-memory
+tiling wgmma reads its operands in, the TMA warpgroup's ring of K/V shared-memory slots, and loads of a
+shared-memory ref in a register layout.
 
 Every function here runs while a kernel body is traced; the Pallas Mosaic GPU modules are imported inside them,
 so this module imports on machines without a GPU.
@@ -7,6 +8,7 @@ so this module imports on machines without a GPU.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax.numpy as jnp
 from jax import lax
@@ -40,3 +42,12 @@ def fill_ring(issue, steps, slots: int, k_free, v_free):
     plgpu.barrier_wait(k_free.at[slot])
     plgpu.barrier_wait(v_free.at[slot])
     issue(i, slot)
+
+
+def load(ref, layout):
+  """plgpu.load of a whole shared-memory ref in `layout` (jax 0.11 takes the ref alone; 0.10 also an index)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)

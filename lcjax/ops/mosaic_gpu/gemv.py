@@ -48,7 +48,6 @@ tile, Ks = Kd / bk tiles per row block, T = Nb * Ks tiles, G CTAs, J partial slo
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import jax
@@ -57,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
-from lcjax.ops.mosaic_gpu.common import smem_transforms
+from lcjax.ops.mosaic_gpu.common import load, smem_transforms
 from lcjax.ops.hardware import compute_capability, fp8_convert_reason
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
@@ -172,15 +171,6 @@ def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False) -> int:
   return M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if scale_in_kernel else 0)
 
 
-def _load(ref, layout):
-  """plgpu.load of a whole shared-memory ref in `layout` (jax 0.11 takes the ref alone; 0.10 also an index)."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  idx = inspect.signature(plgpu.load).parameters.get("idx")
-  if idx is not None and idx.default is inspect.Parameter.empty:
-    return plgpu.load(ref, (), layout=layout)
-  return plgpu.load(ref, layout=layout)
-
-
 def tile_scale(xt):
   """xt [bk, RN] (a tile of x^T) -> (xt * s in float16, 1 / s): s [RN] the power of two that brings each column's
   absmax into [2^13, 2^14), so that a 16-bit column is exact in float16 but for values below 2^-27 of its absmax
@@ -217,7 +207,7 @@ def _call(layer, x16, w, p: Plan):
       def tile(part_ref):
         # [64, bk] widened in registers, in the layout of wgmma's A operand (widening it into a float16
         # shared-memory tile that wgmma reads instead measured 1.45x slower on the Llama-3.1-70B shape)
-        a = _load(w_smem, plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+        a = load(w_smem, plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
         a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
         plgpu.wgmma(part_ref, a, b)                                    # W tile x^T [bk, RN]
         plgpu.wgmma_wait(0)
@@ -227,7 +217,7 @@ def _call(layer, x16, w, p: Plan):
         # One float16 buffer serves every step. The column max inside tile_scale reduces across the warpgroup's
         # four warps through shared memory behind a warpgroup barrier, which every warp reaches only after its
         # wgmma_wait of the previous step: no warp overwrites the buffer while the previous wgmma reads it.
-        x16t, inv = tile_scale(_load(x_smem, plgpu.Layout.WGMMA))
+        x16t, inv = tile_scale(load(x_smem, plgpu.Layout.WGMMA))
         xs_smem[0][...] = x16t
         plgpu.commit_smem()           # a proxy fence and a warpgroup barrier: the whole tile is there for wgmma
         b = xs_smem[0]

@@ -15,7 +15,8 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
-writes a float32 partial (out^T, lse); the split combine of lcjax.ops.triton.paged joins them exactly.
+writes a float32 partial (out^T, lse); a split combine joins them exactly (Fp8DecodeTuning.combine: Triton's of
+lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine).
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
 whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the
@@ -38,6 +39,7 @@ from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.splits import rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
+from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu.common import prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
@@ -47,6 +49,7 @@ MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are pad
 BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the K of O^T = V^T P^T
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
+COMBINES = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +62,14 @@ class Fp8DecodeTuning:
                                      # each (from 24 rows, 117+ KiB: one; at 64 rows, 152 KiB)
   min_pages_per_split: int = 4
   max_concurrent_steps: int = 4      # K/V ring depth
+  combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged) or "mosaic"
+                                     # (lcjax.ops.mosaic_gpu.combine)
 
   def __post_init__(self):
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2")
+    if self.combine not in COMBINES:
+      raise ValueError(f"combine={self.combine!r} is not one of {COMBINES}")
 
 
 def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3) -> str | None:
@@ -118,7 +125,8 @@ def dequantize_rows(q8, qs, T, G):
 
 def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset, *, T, G, splits,
                  tuning: Fp8DecodeTuning):
-  """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, splits, RN] f32, natural log)."""
+  """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, S2, RN] f32, natural log, the first
+  `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -129,6 +137,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   bpp = Z // Zb                                   # blocks per page
   pps = -(-M // splits)                           # pages per split
   mcs = tuning.max_concurrent_steps
+  S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
   c = _LOG2E / math.sqrt(H)
   COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
 
@@ -281,7 +290,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),
-                jax.ShapeDtypeStruct((B, K, splits, RN), jnp.float32)),
+                jax.ShapeDtypeStruct((B, K, S2, RN), jnp.float32)),
       grid=(splits, K, B),
       grid_names=("splits", "heads", "batch"),
       num_threads=2,
@@ -327,6 +336,8 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
                         page_table.astype(jnp.int32), jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
                         jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
                         jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
+  if tuning.combine == "mosaic":
+    return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=out_dtype)
   return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
                                      transposed=True)
 

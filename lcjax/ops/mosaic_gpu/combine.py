@@ -1,0 +1,108 @@
+"""The split combine of lcjax.ops.mosaic_gpu.paged in Pallas Mosaic GPU: each row's split partials joined by
+their log-sum-exp weights, the exact merge of `lcjax.ops.splits.combine_splits_reference`.
+
+The fp8 decode kernel writes, per (sequence b, kv head h, split s), a float32 partial out^T [H, RN] (normalised
+within the split) and its lse [RN] (natural log). One CTA here takes (b, h, a block of HB = 64 head-dim rows): it
+loads the lse rows by one TMA copy (`lse_rows` of them, as many as the decode kernel allocates), takes the maximum
+m of the S written ones per query row, then streams the partials [SC, HB, RN] (SC splits a step) through a
+two-slot TMA pipeline and accumulates acc += o_s exp(lse_s - m) and l += exp(lse_s - m), in the WGMMA register
+layout the decode kernel stores them from (a value per (head-dim row, query row)).
+It writes acc / l as out^T [B, K, H, RN] float32 and, from the first head-dim block, the lse m + log l [B, K, RN]:
+XLA's transpose of the R real rows into [B, T, N, H] and the cast fuse into whatever reads the attention output.
+
+Legend: B batch, K kv heads, S splits (a power of two), H head dim, RN query rows per kv head (padded to a multiple
+of 8), HB head-dim rows per CTA, SC splits per pipeline step.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lcjax.ops.mosaic_gpu.common import load, smem_transforms
+
+HB = 64                      # head-dim rows per CTA: the WGMMA register layout's tile height
+_M_FLOOR = -1e30             # running maxima start here (a row no split saw keeps exp(-inf - m) = 0)
+STEP_BYTES = 32 * 1024       # partial bytes a pipeline step loads (two steps in flight)
+
+
+def splits_per_step(S: int, RN: int) -> int:
+  """SC: the most splits (a power of two dividing S) whose partials [SC, HB, RN] float32 fit STEP_BYTES; one
+  where rows of 64 are swizzled (a block of several splits would need a TMA copy of 6 strided dimensions)."""
+  sc = 1 if RN > 32 and RN % 32 == 0 else max(1, STEP_BYTES // (HB * RN * 4))
+  return min(S, 1 << (sc.bit_length() - 1))
+
+
+def lse_rows(S: int, RN: int) -> int:
+  """Rows of the lse partials [B, K, lse_rows, RN] the combine reads by one TMA copy (the first S written): S,
+  doubled until the copy's bytes divide over the warpgroup's 128 threads."""
+  n = S
+  while n * RN % 32:
+    n *= 2
+  return n
+
+
+def combine_splits(o, lse, *, T: int, G: int, out_dtype):
+  """o [B, K, S, H, RN] float32 (out^T of each split), lse [B, K, lse_rows(S, RN), RN] float32 (the first S rows
+  written) -> (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] float32): row r = t * G + g of kv head h is query
+  head h * G + g at token t; rows r >= T * G are padding and are dropped."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  B, K, S, H, RN = o.shape
+  S2 = lse_rows(S, RN)
+  if S & (S - 1) or H % HB or RN % 8 or lse.shape != (B, K, S2, RN) or T * G > RN:
+    raise ValueError(f"partials {tuple(o.shape)} and lse {tuple(lse.shape)} for {T=} {G=}: the combine takes a "
+                     f"power-of-two split count, a head dim that is a multiple of {HB}, RN a multiple of 8 >= T * G, "
+                     f"and lse [B, K, {S2}, RN]")
+  SC = splits_per_step(S, RN)
+  # Rows of 32 float32 or more are read bank-conflict free only swizzled (128-byte swizzle, RN a multiple of 32);
+  # narrower rows (8 to 24 values) only unswizzled.
+  transforms = smem_transforms(jnp.float32, RN) if RN % 32 == 0 else ()
+  steps = S // SC
+  WGMMA = plgpu.Layout.WGMMA
+  COLS = WGMMA.reduce(0)                                   # a [RN] vector: one value per query row
+
+  def body(o_ref, lse_ref, out_ref, lse_out_ref, lse_smem, acc_smem, lse_out_smem, bar):
+    b, h, c = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("hblock")
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_smem, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    m = lax.fori_loop(0, S, lambda s, m: jnp.maximum(m, load(lse_smem.at[s], COLS)),
+                      plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS))
+
+    def step(idx, o_smem, carry):
+      acc, l = carry
+      for j in range(SC):
+        w = jnp.exp(load(lse_smem.at[idx[0] * SC + j], COLS) - m)
+        acc = acc + load(o_smem.at[j] if SC > 1 else o_smem, WGMMA) * lax.broadcast_in_dim(w, (HB, RN), [1])
+        l = l + w
+      return acc, l
+
+    acc, l = plgpu.emit_pipeline(
+        step, grid=(steps,),
+        in_specs=[plgpu.BlockSpec((SC, HB, RN) if SC > 1 else (None, HB, RN), lambda i: (i, c, 0),
+                                  transforms=transforms)],
+        max_concurrent_steps=min(2, steps),
+        init_carry=(plgpu.layout_cast(jnp.zeros((HB, RN), jnp.float32), WGMMA),
+                    plgpu.layout_cast(jnp.zeros((RN,), jnp.float32), COLS)),
+    )(o_ref.at[b, h])
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    acc_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (HB, RN), [1])
+    lse_out_smem[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem, out_ref.at[b, h, pl.ds(c * HB, HB)])
+    pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_out_smem, lse_out_ref.at[b, h]))
+    plgpu.wait_smem_to_gmem(0)
+
+  out_t, lse_t = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, K, H, RN), jnp.float32), jax.ShapeDtypeStruct((B, K, RN), jnp.float32)),
+      grid=(H // HB, K, B),
+      grid_names=("hblock", "heads", "batch"),
+      scratch_types=[plgpu.SMEM((S2, RN), jnp.float32), plgpu.SMEM((HB, RN), jnp.float32),
+                     plgpu.SMEM((RN,), jnp.float32), plgpu.Barrier(num_barriers=1)],
+  )(o, lse)
+  R = T * G
+  out = out_t[..., :R].reshape(B, K, H, T, G).transpose(0, 3, 1, 4, 2).reshape(B, T, K * G, H)
+  lse_out = lse_t[..., :R].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
+  return out.astype(out_dtype), lse_out

@@ -111,12 +111,27 @@ def test_split_combine_lowers(B, splits, RN, T, G):
 
 @pytest.mark.parametrize("T", [1, 5])
 def test_fp8_paged_decode_with_the_mosaic_combine_lowers_without_triton(T):
-  """With Fp8DecodeTuning(combine="mosaic") the fp8 decode is two Mosaic GPU kernels and no Triton call."""
+  """With DecodeTuning(combine="mosaic") the fp8 decode is two Mosaic GPU kernels and no Triton call."""
   B, N, K, H, P, Z, M = 2, 32, 8, 128, 64, 64, 16
   pages, scales = S((P, Z, K, H), jnp.float8_e4m3fn), S((P, K), jnp.float32)
   args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B, T), jnp.int32),
           S((B,), jnp.int32))
-  tuning = mgpu_paged.Fp8DecodeTuning(combine="mosaic")
+  tuning = mgpu_paged.DecodeTuning(combine="mosaic")
   calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning), *args)
   assert calls == [MOSAIC_CALL, MOSAIC_CALL], calls
+
+
+@pytest.mark.parametrize("T,G,Z,combine", [(1, 4, 64, "mosaic"), (5, 4, 128, "mosaic"), (16, 4, 64, "mosaic"),
+                                           (1, 8, 256, "triton")])
+def test_bf16_paged_decode_lowers(T, G, Z, combine):
+  """The Mosaic GPU decode over bfloat16 pages (one bf16 wgmma for Q K^T, V read as TMA brought it): 1 to 64 rows
+  per kv head, 64- to 256-token pages, with the Mosaic GPU combine (two Mosaic GPU kernels, no Triton call)."""
+  B, K, H, P, M = 2, 8, 128, 64, 16
+  pages = S((P, Z, K, H), jnp.bfloat16)
+  args = (S((B, T, K * G, H), jnp.bfloat16), pages, pages, S((B, M), jnp.int32), S((B, T), jnp.int32),
+          S((B,), jnp.int32))
+  tuning = mgpu_paged.DecodeTuning(combine=combine)
+  calls = _lowered_calls(lambda q, kp, vp, t, qp, kl: mgpu_paged.paged_decode_bf16(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, tuning=tuning), *args)
+  assert calls[0] == MOSAIC_CALL and (calls == [MOSAIC_CALL] * 2 or combine == "triton"), calls

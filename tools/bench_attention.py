@@ -422,10 +422,18 @@ def decode_impls():
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
   mgpu = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: mgpu_paged.paged_decode_fp8(
       q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning))
+  mgpu_bf16 = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: mgpu_paged.paged_decode_bf16(
+      q, kp, vp, t, q_pos=qp, kv_len=kl, tuning=tuning))
+  D = mgpu_paged.DecodeTuning
   impls = {
       "lcjax-pallas": (True, False, pal(triton_paged.PagedTuning())),
+      "lcjax-mgpu-bf16": (True, False, mgpu_bf16(D())),
+      "lcjax-mgpu-bf16-mcombine": (True, False, mgpu_bf16(D(combine="mosaic"))),
+      "lcjax-mgpu-bf16-mcs3-mcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=3, combine="mosaic"))),
+      "lcjax-mgpu-bf16-mcs2-mcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="mosaic"))),
       "lcjax-pallas-fp8": (True, True, pal(triton_paged.PagedTuning())),
-      "lcjax-mgpu-fp8": (True, True, mgpu(mgpu_paged.Fp8DecodeTuning())),
+      "lcjax-mgpu-fp8": (True, True, mgpu(D())),
+      "lcjax-mgpu-fp8-mcombine": (True, True, mgpu(D(combine="mosaic"))),
   }
   if _EXPLORE.value:
     T = triton_paged.PagedTuning
@@ -434,7 +442,7 @@ def decode_impls():
                          ("tp2112", T(target_programs=2112)), ("tp528", T(target_programs=528)),
                          ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
       impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
-    F = mgpu_paged.Fp8DecodeTuning
+    F = D
     for name, tuning in (("mcs3-ctas396", F(max_concurrent_steps=3, target_ctas=396)),
                          ("mcs2-ctas396", F(max_concurrent_steps=2, target_ctas=396)),
                          ("mcs2-ctas528", F(max_concurrent_steps=2, target_ctas=528))):
@@ -481,7 +489,8 @@ def pages(key, S, Z, fp8, B=B_DEC):
 
 
 # Tuning variants and FA3's single split run at the first page size only (compiles cost device time).
-MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-cudnn", "fa3-paged-split8",
+MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-mgpu-bf16", "lcjax-mgpu-bf16-mcombine",
+               "lcjax-mgpu-fp8-mcombine", "lcjax-cudnn", "fa3-paged-split8",
                "cudnn-private-paged", "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 
 

@@ -88,6 +88,8 @@ class PallasBackend:
     do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
     if self.interpret:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
+    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
+      return f"the pages are {jnp.dtype(page_dtype).name}, not float8_e4m3fn"
     return (mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
             or hardware.on_sm90())
 

@@ -15,8 +15,14 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
-writes a float32 partial (out^T, lse); a split combine joins them exactly (Fp8DecodeTuning.combine: Triton's of
+writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine: Triton's of
 lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine).
+
+Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
+computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
+warpgroup only fills the K/V ring. It is the Mosaic GPU counterpart of lcjax.ops.triton.paged's bf16 path, which
+JAX's deprecated Triton lowering runs; the attention backend does not route to it yet (tools/bench_attention.py
+times both, `lcjax-mgpu-bf16` beside `lcjax-pallas`).
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
 whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the
@@ -40,7 +46,7 @@ from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.splits import rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
-from lcjax.ops.mosaic_gpu.common import prime_ring, smem_transforms
+from lcjax.ops.mosaic_gpu.common import fill_ring, prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -53,7 +59,7 @@ COMBINES = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8DecodeTuning:
+class DecodeTuning:
   """Static knobs (part of the jit cache key)."""
   num_splits: int | None = None      # splits of each (b, h)'s page table (rounded down to a power of two);
                                      # None: about two CTAs per SM
@@ -73,19 +79,21 @@ class Fp8DecodeTuning:
 
 
 def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3) -> str | None:
-  """Why the fp8 decode kernel cannot serve this shape (None: it can)."""
-  if jnp.dtype(page_dtype) != fp8_ops.E4M3:
-    return f"the fp8 decode kernel reads float8_e4m3fn pages, not {jnp.dtype(page_dtype).name}"
+  """Why the decode kernel cannot serve this shape (None: it can): e4m3 pages (`paged_decode_fp8`) or bfloat16
+  pages (`paged_decode_bf16`)."""
+  if jnp.dtype(page_dtype) not in (fp8_ops.E4M3, jnp.dtype(jnp.bfloat16)):
+    return f"the Mosaic GPU decode kernel reads float8_e4m3fn or bfloat16 pages, not {jnp.dtype(page_dtype).name}"
   if head_dim not in (64, 128):
-    return f"the fp8 decode kernel is built for head_dim 64 or 128, got {head_dim=}"
+    return f"the Mosaic GPU decode kernel is built for head_dim 64 or 128, got {head_dim=}"
   if page_size % BLOCK:
-    return f"the fp8 decode kernel reads pages in blocks of {BLOCK} tokens; page_size={page_size} is not a multiple"
+    return (f"the Mosaic GPU decode kernel reads pages in blocks of {BLOCK} tokens; page_size={page_size} is not a "
+            "multiple")
   if rows > MAX_ROWS:
-    return f"{rows} query rows per kv head exceed the fp8 decode kernel's {MAX_ROWS}"
+    return f"{rows} query rows per kv head exceed the Mosaic GPU decode kernel's {MAX_ROWS}"
   return None
 
 
-def num_splits_for(tuning: Fp8DecodeTuning, B, K, M):
+def num_splits_for(tuning: DecodeTuning, B, K, M):
   """Splits of each (b, h)'s page table: `split_count` with at most target_ctas CTAs wanted, a
   requested count rounded down to a power of two as well (this kernel's combine takes whole powers of two)."""
   n = split_count(requested=tuning.num_splits, wanted=max(1, tuning.target_ctas // (B * K)), M=M,
@@ -124,13 +132,20 @@ def dequantize_rows(q8, qs, T, G):
 
 
 def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset, *, T, G, splits,
-                 tuning: Fp8DecodeTuning):
+                 tuning: DecodeTuning):
   """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, S2, RN] f32, natural log, the first
-  `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits)."""
+  `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits).
+
+  Over e4m3 pages q8 [B, K, 2, RN, H] holds the queries' two e4m3 terms and qs [B, K] their scale. Over bfloat16
+  pages (`quantized` False) q8 [B, K, 1, RN, H] is the bfloat16 rows themselves, qs, k_scale and v_scale are
+  not read, Q K^T is one bf16 wgmma, P is bfloat16 and V is read as TMA brought it: the TMA warpgroup only fills
+  the ring (`fill_ring`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  B, K, _, RN, H = q8.shape
+  B, K, n_terms, RN, H = q8.shape
+  quantized = k_pages.dtype == fp8_ops.E4M3
+  p_dtype = jnp.float16 if quantized else k_pages.dtype      # P's dtype in P @ V: V's as the wgmma reads it
   Z = k_pages.shape[1]
   M = table.shape[1]
   Zb = BLOCK
@@ -143,8 +158,9 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
            scratch):
+    # fp8: `v_free` is the widened V ring's (V16_SLOTS); bf16: the K/V ring's, as `k_free`
     ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
-     (k_free, v16_free)) = scratch
+     (k_free, v_free)) = scratch
     s = lax.axis_index("splits")
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
@@ -171,7 +187,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
     @pl.when(wg == 0)
     def _compute():
-      c_q = c * qs_ref[b, h]
+      c_q = c * qs_ref[b, h] if quantized else c
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
       plgpu.barrier_wait(q_bar.at[0])
       if T > 1:
@@ -184,21 +200,26 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
       def step(i, carry, masked: bool):
         acc, m, l, ks_i, vs_i, pid_next = carry
-        # The next block's scales and the page after it: loaded a step ahead, so their latency hides here.
-        ks_n, vs_n = ks_ref[pid_next, h], vs_ref[pid_next, h]
-        pid_nn = page_of(first + i + 2)
+        if quantized:
+          # The next block's scales and the page after it: loaded a step ahead, so their latency hides here.
+          ks_n, vs_n = ks_ref[pid_next, h], vs_ref[pid_next, h]
+          pid_nn = page_of(first + i + 2)
+        else:
+          ks_n, vs_n, pid_nn = ks_i, vs_i, pid_next
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
         plgpu.barrier_wait(k_bar.at[slot])
 
         # S^T [keys, rows] = K Q^T: the K tile as TMA brought it (M = 64 keys) against the two e4m3 terms of Q.
-        def qk(hi_ref, lo_ref):
+        def qk(hi_ref, lo_ref=None):
           plgpu.wgmma(hi_ref, k_smem.at[slot], q_smem.at[0].transpose((1, 0)))
+          if lo_ref is None:
+            return hi_ref[...]
           plgpu.wgmma(lo_ref, k_smem.at[slot], q_smem.at[1].transpose((1, 0)))
           return hi_ref[...] + lo_ref[...] * (1.0 / LO)
 
-        sc = pl.run_scoped(qk, plgpu.ACC((Zb, RN), jnp.float32), plgpu.ACC((Zb, RN), jnp.float32))
+        sc = pl.run_scoped(qk, *[plgpu.ACC((Zb, RN), jnp.float32)] * n_terms)
         plgpu.barrier_arrive(k_free.at[slot])
-        sc = sc * (c_q * ks_i)                                    # base-2 logits
+        sc = sc * (c_q * ks_i if quantized else c_q)              # base-2 logits
         if masked:
           keys = plgpu.broadcasted_iota(jnp.int32, (Zb, RN), 0, layout=plgpu.Layout.WGMMA) + (first + i) * Zb
           vis = keys < lim                                        # with one token, lim <= q_pos + 1 already
@@ -208,27 +229,33 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [1]))
         # Row sums stay per key until the end: one cross-warp reduction per block (the max) instead of two.
         l = l * lax.broadcast_in_dim(alpha, sc.shape, [1]) + p
-        p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+        p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(p_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        w = lax.rem(i, jnp.array(V16_SLOTS, i.dtype))
-        plgpu.barrier_wait(v16_bar.at[w])
+        if quantized:
+          w = lax.rem(i, jnp.array(V16_SLOTS, i.dtype))
+          plgpu.barrier_wait(v16_bar.at[w])
+          v_block = v16_smem.at[w]
+        else:
+          w = slot
+          plgpu.barrier_wait(v_bar.at[slot])
+          v_block = v_smem.at[slot]
 
-        # O^T [H, rows] = V^T P^T, in float16 (V widened exactly by the TMA warpgroup; Hopper's fp8 wgmma cannot
-        # read V^T from a page).
+        # O^T [H, rows] = V^T P^T, in float16 over fp8 pages (V widened exactly by the TMA warpgroup; Hopper's fp8
+        # wgmma cannot read V^T from a page), in bf16 over bf16 pages.
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, v16_smem.at[w].transpose((1, 0)), p_smem.transpose((1, 0)))
+          plgpu.wgmma(acc_ref, v_block.transpose((1, 0)), p_smem.transpose((1, 0)))
           return acc_ref[...]
 
         pvb = pl.run_scoped(pv, plgpu.ACC((H, RN), jnp.float32))
-        plgpu.barrier_arrive(v16_free.at[w])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + pvb * vs_i
+        plgpu.barrier_arrive(v_free.at[w])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + (pvb * vs_i if quantized else pvb)
         return acc, m_new, l, ks_n, vs_n, pid_nn
 
       pid0 = page_of(first)
       carry = (plgpu.layout_cast(jnp.full((H, RN), 0.0, jnp.float32), plgpu.Layout.WGMMA),
                plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS),
                plgpu.layout_cast(jnp.full((Zb, RN), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-               ks_ref[pid0, h], vs_ref[pid0, h], page_of(first + 1))
+               *((ks_ref[pid0, h], vs_ref[pid0, h]) if quantized else (jnp.float32(1.0),) * 2), page_of(first + 1))
       carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
       acc, m, l, *_ = lax.fori_loop(n_full, n, functools.partial(step, masked=True), carry)
 
@@ -253,6 +280,9 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         plgpu.copy_gmem_to_smem(k_ref.at[pid, keys, h], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[pid, keys, h], v_smem.at[slot], v_bar.at[slot])
 
+      if not quantized:
+        fill_ring(issue, n, mcs, k_free, v_free)
+        return
       prime_ring(issue, n, mcs)
 
       @pl.loop(0, n)
@@ -260,7 +290,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
         slot = lax.rem(i, jnp.array(mcs, i.dtype))
         w = lax.rem(i, jnp.array(V16_SLOTS, i.dtype))
         plgpu.barrier_wait(v_bar.at[slot])
-        pl.when(i >= V16_SLOTS)(lambda: plgpu.barrier_wait(v16_free.at[w]))
+        pl.when(i >= V16_SLOTS)(lambda: plgpu.barrier_wait(v_free.at[w]))
         v16_smem.at[w][...] = v_smem.at[slot][...].astype(jnp.float16)
         plgpu.commit_smem()
         plgpu.barrier_arrive(v16_bar.at[w])
@@ -270,21 +300,22 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
           plgpu.barrier_wait(k_free.at[slot])
           issue(i + mcs, slot)
 
-  e4m3, f16 = fp8_ops.E4M3, jnp.float16
+  page = k_pages.dtype
 
   def entry(*refs):
     ins, (o_ref, lse_ref) = refs[:10], refs[10:]
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
-    smem = (tiled((2, RN, H), e4m3),
-            tiled((mcs, Zb, H), e4m3),
-            tiled((mcs, Zb, H), e4m3),
-            tiled((V16_SLOTS, Zb, H), f16),
-            tiled((RN, Zb), f16),
+    smem = (tiled((n_terms, RN, H), q8.dtype),
+            tiled((mcs, Zb, H), page),
+            tiled((mcs, Zb, H), page),
+            tiled((V16_SLOTS, Zb, H), jnp.float16) if quantized else None,
+            tiled((RN, Zb), p_dtype),
             plgpu.SMEM((H, RN), jnp.float32),
             plgpu.SMEM((RN,), jnp.float32))
+    v_slots = V16_SLOTS if quantized else mcs
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
-              plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS))
-    freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS))
+              plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS) if quantized else None)
+    freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=v_slots))
     pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed, collective_axes="wg")
 
   return plgpu.kernel(
@@ -300,7 +331,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
 
 
 def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, page_offset=0,
-                     tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
+                     tuning: DecodeTuning = DecodeTuning()):
   """`triton_paged.paged_decode`'s contract over fp8 pages: (out [B, T, N, H] q.dtype, lse [B, T, N] f32).
 
   q [B, T, N, H] (quantized here by `quantize_rows`); k_pages, v_pages [P, Z, K, H] float8_e4m3fn with k_scale,
@@ -320,15 +351,16 @@ def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale,
 
 @functools.partial(jax.jit, static_argnames=("tuning", "T", "G", "out_dtype"))
 def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, T: int, G: int,
-                           out_dtype, page_offset=0, tuning: Fp8DecodeTuning = Fp8DecodeTuning()):
+                           out_dtype, page_offset=0, tuning: DecodeTuning = DecodeTuning()):
   """The kernel and its split combine on queries already quantized by `quantize_rows` (q8 [B, K, 2, RN, H], qs
   [B, K]) for T tokens of G query heads per kv head: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
   B, K, _, _, H = q8.shape
   Z = k_pages.shape[1]
   M = page_table.shape[1]
   reason = why_not(head_dim=H, page_size=Z, rows=T * G, page_dtype=k_pages.dtype)
-  if reason or v_pages.dtype != k_pages.dtype:
-    raise ValueError(reason or f"k_pages and v_pages differ in dtype: {k_pages.dtype} and {v_pages.dtype}")
+  if reason or not v_pages.dtype == k_pages.dtype == fp8_ops.E4M3:
+    raise ValueError(reason or f"the fp8 decode takes float8_e4m3fn pages, got k_pages {k_pages.dtype} and "
+                     f"v_pages {v_pages.dtype}")
   if k_scale is None or v_scale is None:
     raise ValueError(f"fp8 pages need k_scale and v_scale, got {k_scale is None=} {v_scale is None=}")
   splits = num_splits_for(tuning, B, K, M)
@@ -339,6 +371,41 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
   if tuning.combine == "mosaic":
     return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=out_dtype)
   return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
+                                     transposed=True)
+
+
+def pad_rows(q, K):
+  """q [B, T, N, H] bf16 -> [B, K, 1, RN, H]: the rows of each kv head (`rows_per_kv_head`) padded with zeros to
+  RN, the next multiple of 8, as the kernel reads bf16 queries (one term, no scale)."""
+  B, T, N, H = q.shape
+  RN = -(-T * (N // K) // 8) * 8
+  rows = rows_per_kv_head(q, K)
+  return jnp.pad(rows, ((0, 0), (0, 0), (0, RN - rows.shape[2]), (0, 0)))[:, :, None]
+
+
+@functools.partial(jax.jit, static_argnames=("tuning",))
+def paged_decode_bf16(q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset=0,
+                      tuning: DecodeTuning = DecodeTuning()):
+  """`triton_paged.paged_decode`'s contract over bfloat16 pages: (out [B, T, N, H] q.dtype, lse [B, T, N] f32).
+  q [B, T, N, H] bfloat16; k_pages, v_pages [P, Z, K, H] bfloat16; page_table [B, M] int32 read from page
+  `page_offset` of the pools (every entry a page of them); q_pos [B, T]; kv_len [B]."""
+  B, T, N, H = q.shape
+  Z, K = k_pages.shape[1:3]
+  M = page_table.shape[1]
+  reason = why_not(head_dim=H, page_size=Z, rows=T * (N // K), page_dtype=k_pages.dtype)
+  if reason or N % K or not q.dtype == v_pages.dtype == k_pages.dtype == jnp.bfloat16:
+    raise ValueError(reason or f"the Mosaic GPU bf16 decode takes bfloat16 queries and pages and N % K == 0, got "
+                     f"q {q.dtype} {N=}, k_pages {k_pages.dtype} {K=}, v_pages {v_pages.dtype}")
+  G = N // K
+  splits = num_splits_for(tuning, B, K, M)
+  unread = jnp.ones((1, 1), jnp.float32)                   # qs and the page scales: bf16 pages have none
+  o, lse = _decode_call(pad_rows(q, K), unread, k_pages, v_pages, unread, unread, page_table.astype(jnp.int32),
+                        jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
+                        jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
+                        jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
+  if tuning.combine == "mosaic":
+    return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=q.dtype)
+  return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, N, H), out_dtype=q.dtype,
                                      transposed=True)
 
 

@@ -88,7 +88,7 @@ MUTANTS = (
     Mutant("gemv-reference-quantizes-x",
            "the GEMV kernels' float32 reference quantizes x to e4m3 (the prefill product) instead of widening the "
            "weight, so the kernel tests compare against another product",
-           "lcjax/ops/triton/gemv.py",
+           "lcjax/ops/linear.py",
            'dense_reference(x, w, s, spec, path="widened")',
            'dense_reference(x, w, s, spec, path="fp8")',
            ("tests/test_fp8_gemv.py::test_reference_is_the_widened_product",)),

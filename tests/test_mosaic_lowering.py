@@ -86,16 +86,18 @@ def test_flash_prefill_lowers(fp8):
   assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_fp8_paged_decode_lowers(T):
-  """The fp8 paged decode kernel: Llama-3-8B heads over 64-token pages, one and four query tokens."""
+@pytest.mark.parametrize("T,combine", [(1, "triton"), (4, "triton"), (1, "mosaic"), (5, "mosaic")])
+def test_fp8_paged_decode_lowers(T, combine):
+  """The fp8 paged decode kernel: Llama-3-8B heads over 64-token pages, one to five query tokens; with
+  DecodeTuning(combine="mosaic") it is two Mosaic GPU kernels and no Triton call."""
   B, N, K, H, P, Z, M = 2, 32, 8, 128, 64, 64, 16
   pages, scales = S((P, Z, K, H), jnp.float8_e4m3fn), S((P, K), jnp.float32)
   args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B, T), jnp.int32),
           S((B,), jnp.int32))
+  tuning = mgpu_paged.DecodeTuning(combine=combine)
   calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
-      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs), *args)
-  assert MOSAIC_CALL in calls
+      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning), *args)
+  assert calls[0] == MOSAIC_CALL and (calls == [MOSAIC_CALL] * 2 or combine == "triton"), calls
 
 
 @pytest.mark.parametrize("B,splits,RN,T,G", [(1, 32, 8, 1, 4), (16, 2, 8, 1, 4), (1, 8, 24, 5, 4), (2, 64, 40, 10, 4),
@@ -107,19 +109,6 @@ def test_split_combine_lowers(B, splits, RN, T, G):
   lse = S((B, 8, mgpu_combine.lse_rows(splits, RN), RN), jnp.float32)
   assert _lowered_calls(lambda o, l: mgpu_combine.combine_splits(o, l, T=T, G=G, out_dtype=jnp.bfloat16), o, lse) \
       == [MOSAIC_CALL]
-
-
-@pytest.mark.parametrize("T", [1, 5])
-def test_fp8_paged_decode_with_the_mosaic_combine_lowers_without_triton(T):
-  """With DecodeTuning(combine="mosaic") the fp8 decode is two Mosaic GPU kernels and no Triton call."""
-  B, N, K, H, P, Z, M = 2, 32, 8, 128, 64, 64, 16
-  pages, scales = S((P, Z, K, H), jnp.float8_e4m3fn), S((P, K), jnp.float32)
-  args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B, T), jnp.int32),
-          S((B,), jnp.int32))
-  tuning = mgpu_paged.DecodeTuning(combine="mosaic")
-  calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, qp, kl: mgpu_paged.paged_decode_fp8(
-      q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, tuning=tuning), *args)
-  assert calls == [MOSAIC_CALL, MOSAIC_CALL], calls
 
 
 @pytest.mark.parametrize("T,G,Z,combine", [(1, 4, 64, "mosaic"), (5, 4, 128, "mosaic"), (16, 4, 64, "mosaic"),

@@ -195,3 +195,41 @@ def test_speculative_decoding_gives_plain_greedy_tokens(cache_dtype, weight_dtyp
   finally:
     spec.close()
     plain.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_xla_engine():
+  """fp8 weights + fp8 KV, a 1,024-wide MLP, max_batch 8, on XLA's products and XLA's page writes: the oracle of
+  the GPU kernels in `test_fp8_weight_and_cache_kernels_match_xla`."""
+  eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel="xla", page_write="xla"), seed=1)
+  yield eng
+  eng.close()
+
+
+FP8_CFG = dataclasses.replace(CFG, ffn_dim=1024)
+FP8_RUN = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
+                    decode_steps=16, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("linear_kernel, page_write", [("mosaic", "pallas"), ("mosaic", "xla"), ("pallas", "pallas"),
+                                                        ("xla", "pallas")])
+def test_fp8_weight_and_cache_kernels_match_xla(linear_kernel, page_write, fp8_xla_engine):
+  """fp8 weights + fp8 KV where the H100 gave NaN logits (a 1,024-wide MLP, whose GEMV plans give CTAs 1-2 tiles,
+  and max_batch 8), through each GPU GEMV kernel and page writer: a 320-token prompt (5 whole pages), then the
+  prompt plus one token (a 1-token chunk over the 5 cached pages), then a prompt ending inside a page, and greedy
+  decode == the same model on XLA's products and page writes: finite logits within TOL of its norm, every token a
+  greedy choice of XLA's teacher-forced logits. Which pair fails says which kernel breaks."""
+  from tests.test_engine import _prefill_logits
+  ref = fp8_xla_engine
+  eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel=linear_kernel, page_write=page_write), seed=1)
+  try:
+    p = SPEC_PROMPTS[0]
+    for prompt in (p, p + [7], p[:-5], p[:-5] + [7]):
+      want, got = (_prefill_logits(e, prompt) for e in (ref, eng))
+      assert np.isfinite(got).all(), (len(prompt), int(np.isnan(got).sum()))
+      assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL, len(prompt)
+    r = eng.generate(p, max_new_tokens=8)
+    assert r.finish_reason == "length", r.finish_reason
+    _assert_greedy_under(_forced_logits(ref, p, r.token_ids, paged=True), r.token_ids)
+  finally:
+    eng.close()

@@ -1,4 +1,5 @@
-"""Check and time lcjax's attention backends beside the peers, on the shapes of the long-context workloads, in one GPU run.
+"""Check and time lcjax's attention backends beside the peers, on the shapes of the long-context workloads, in one
+GPU run.
 
   python3 tools/bench_attention.py --out=$OUT
 

@@ -197,6 +197,11 @@ def test_speculative_decoding_gives_plain_greedy_tokens(cache_dtype, weight_dtyp
     plain.close()
 
 
+FP8_CFG = dataclasses.replace(CFG, ffn_dim=1024)
+FP8_RUN = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
+                    decode_steps=16, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
+
+
 @pytest.fixture(scope="module")
 def fp8_xla_engine():
   """fp8 weights + fp8 KV, a 1,024-wide MLP, max_batch 8, on XLA's products and XLA's page writes: the oracle of
@@ -204,11 +209,6 @@ def fp8_xla_engine():
   eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel="xla", page_write="xla"), seed=1)
   yield eng
   eng.close()
-
-
-FP8_CFG = dataclasses.replace(CFG, ffn_dim=1024)
-FP8_RUN = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
-                    decode_steps=16, cache_dtype="float8_e4m3fn", weight_dtype="float8_e4m3fn")
 
 
 @pytest.mark.parametrize("linear_kernel, page_write", [("mosaic", "pallas"), ("mosaic", "xla"), ("pallas", "pallas"),

@@ -28,12 +28,18 @@ def rows_per_kv_head(q, K):
   return q.reshape(B, T, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (N // K), H)
 
 
+def heads_from_rows(x, T: int, G: int):
+  """`rows_per_kv_head`'s inverse over the real rows: x [B, K, R, ...] with R >= T * G -> [B, T, K * G, ...]."""
+  B, K = x.shape[:2]
+  x = x[:, :, :T * G].reshape(B, K, T, G, *x.shape[3:])
+  return jnp.moveaxis(x, 2, 1).reshape(B, T, K * G, *x.shape[4:])
+
+
 def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, transposed: bool = False):
   """The split combine's jnp model: partials o [B, K, S2, R, H] f32 ([B, K, S2, H, RN] if transposed) and lse
   [B, K, S2, RN] f32 (natural log; the first S splits written, row r = t * G + g of kv head h, r < T * G read)
   -> (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32), each row's splits weighted by exp(lse): the exact
   log-sum-exp merge. A row no split saw (every lse -inf) gets out 0 and lse -inf."""
-  B, K = lse.shape[:2]
   R = T * G
   lse = lse[:, :, :S, :R]
   o = (jnp.swapaxes(o, 3, 4) if transposed else o)[:, :, :S, :R]                # [B, K, S, R, H]
@@ -43,6 +49,4 @@ def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, trans
   tot = jnp.sum(w, axis=2)                                                        # [B, K, R]
   out = jnp.sum(o * w[..., None], axis=2) / jnp.where(tot > 0, tot, 1.0)[..., None]
   lse_out = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top[:, :, 0], -jnp.inf)
-  H = out.shape[-1]
-  out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
-  return out.astype(out_dtype), lse_out.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
+  return heads_from_rows(out, T, G).astype(out_dtype), heads_from_rows(lse_out, T, G)

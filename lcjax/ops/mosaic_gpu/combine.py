@@ -20,16 +20,25 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops.mosaic_gpu.common import load, smem_transforms
+from lcjax.ops.splits import heads_from_rows
 
 HB = 64                      # head-dim rows per CTA: the WGMMA register layout's tile height
 _M_FLOOR = -1e30             # running maxima start here (a row no split saw keeps exp(-inf - m) = 0)
 STEP_BYTES = 32 * 1024       # partial bytes a pipeline step loads (two steps in flight)
 
 
+def swizzled(RN: int) -> bool:
+  """Whether the partials' shared-memory rows of RN float32 take the 128-byte swizzle: rows of 32 and 64 values do
+  (at 64, unswizzled loads fail the lowering's bank-conflict check); rows of 8-24 and 40-56 values cannot (their
+  bytes are no swizzle's width) and are read unswizzled."""
+  return RN % 32 == 0
+
+
 def splits_per_step(S: int, RN: int) -> int:
   """SC: the most splits (a power of two dividing S) whose partials [SC, HB, RN] float32 fit STEP_BYTES; one
-  where rows of 64 are swizzled (a block of several splits would need a TMA copy of 6 strided dimensions)."""
-  sc = 1 if RN > 32 and RN % 32 == 0 else max(1, STEP_BYTES // (HB * RN * 4))
+  where swizzled rows span two swizzle widths (RN 64: a block of several splits would need a TMA copy of 6 strided
+  dimensions)."""
+  sc = 1 if swizzled(RN) and RN > 32 else max(1, STEP_BYTES // (HB * RN * 4))
   return min(S, 1 << (sc.bit_length() - 1))
 
 
@@ -55,9 +64,7 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
                      f"power-of-two split count, a head dim that is a multiple of {HB}, RN a multiple of 8 >= T * G, "
                      f"and lse [B, K, {S2}, RN]")
   SC = splits_per_step(S, RN)
-  # Rows of 32 float32 or more are read bank-conflict free only swizzled (128-byte swizzle, RN a multiple of 32);
-  # narrower rows (8 to 24 values) only unswizzled.
-  transforms = smem_transforms(jnp.float32, RN) if RN % 32 == 0 else ()
+  transforms = smem_transforms(jnp.float32, RN) if swizzled(RN) else ()
   steps = S // SC
   WGMMA = plgpu.Layout.WGMMA
   COLS = WGMMA.reduce(0)                                   # a [RN] vector: one value per query row
@@ -102,7 +109,4 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
       scratch_types=[plgpu.SMEM((S2, RN), jnp.float32), plgpu.SMEM((HB, RN), jnp.float32),
                      plgpu.SMEM((RN,), jnp.float32), plgpu.Barrier(num_barriers=1)],
   )(o, lse)
-  R = T * G
-  out = out_t[..., :R].reshape(B, K, H, T, G).transpose(0, 3, 1, 4, 2).reshape(B, T, K * G, H)
-  lse_out = lse_t[..., :R].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
-  return out.astype(out_dtype), lse_out
+  return heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype), heads_from_rows(lse_t, T, G)

@@ -43,7 +43,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops.splits import rows_per_kv_head, split_count
+from lcjax.ops.splits import heads_from_rows, rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu.common import fill_ring, prime_ring, smem_transforms
@@ -109,8 +109,6 @@ def quantize_rows(q, K):
   Q / qs rounded to e4m3 (relative error up to 2^-4: 0.05 in a logit of 1, a 5% error of its attention weight),
   q8[:, :, 1] the rounding error times LO rounded again, so the two together carry Q to ~2^-8, near bf16's 2^-9.
   The kernel runs both against each K block: a second wgmma of BLOCK x RN x H, cheap beside the block's bytes."""
-  B, T, N, H = q.shape
-  G = N // K
   qr = rows_per_kv_head(q, K).astype(jnp.float32)
   qs = fp8_ops.absmax_scale(qr, axes=(2, 3))
   x = qr / qs[:, :, None, None]
@@ -118,17 +116,19 @@ def quantize_rows(q, K):
   # with no barrier between the terms, XLA makes both (and the padding) in one fusion.
   hi = fp8_ops.round_to_e4m3(jnp.clip(x, -fp8_ops.E4M3_MAX, fp8_ops.E4M3_MAX))
   lo = (x - hi) * LO                                                          # |x - hi| <= 16: within e4m3
-  q8 = jnp.stack([hi, lo], axis=2).astype(fp8_ops.E4M3)
-  RN = -(-T * G // 8) * 8
-  return jnp.pad(q8, ((0, 0), (0, 0), (0, 0), (0, RN - T * G), (0, 0))), qs
+  return _pad_rows(jnp.stack([hi, lo], axis=2).astype(fp8_ops.E4M3)), qs
+
+
+def _pad_rows(rows):
+  """rows [B, K, terms, R, H] -> the same with R padded by zero rows to RN, the next multiple of 8 (wgmma's N)."""
+  R = rows.shape[3]
+  return jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, -(-R // 8) * 8 - R), (0, 0)))
 
 
 def dequantize_rows(q8, qs, T, G):
   """The queries `quantize_rows` encodes, [B, T, N, H] float32."""
-  B, K, _, _, H = q8.shape
   x = q8[:, :, 0, :T * G].astype(jnp.float32) + q8[:, :, 1, :T * G].astype(jnp.float32) / LO
-  x = (x * qs[:, :, None, None]).reshape(B, K, T, G, H)
-  return x.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
+  return heads_from_rows(x * qs[:, :, None, None], T, G)
 
 
 def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset, *, T, G, splits,
@@ -354,33 +354,32 @@ def paged_decode_quantized(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_le
                            out_dtype, page_offset=0, tuning: DecodeTuning = DecodeTuning()):
   """The kernel and its split combine on queries already quantized by `quantize_rows` (q8 [B, K, 2, RN, H], qs
   [B, K]) for T tokens of G query heads per kv head: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
-  B, K, _, _, H = q8.shape
-  Z = k_pages.shape[1]
-  M = page_table.shape[1]
-  reason = why_not(head_dim=H, page_size=Z, rows=T * G, page_dtype=k_pages.dtype)
+  H = q8.shape[-1]
+  reason = why_not(head_dim=H, page_size=k_pages.shape[1], rows=T * G, page_dtype=k_pages.dtype)
   if reason or not v_pages.dtype == k_pages.dtype == fp8_ops.E4M3:
     raise ValueError(reason or f"the fp8 decode takes float8_e4m3fn pages, got k_pages {k_pages.dtype} and "
                      f"v_pages {v_pages.dtype}")
   if k_scale is None or v_scale is None:
     raise ValueError(f"fp8 pages need k_scale and v_scale, got {k_scale is None=} {v_scale is None=}")
-  splits = num_splits_for(tuning, B, K, M)
-  o, lse = _decode_call(q8, qs, k_pages, v_pages, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
-                        page_table.astype(jnp.int32), jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
+  return _decode_and_combine(q8, qs, k_pages, v_pages, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
+                             page_table, q_pos=q_pos, kv_len=kv_len, page_offset=page_offset, T=T, G=G,
+                             out_dtype=out_dtype, tuning=tuning)
+
+
+def _decode_and_combine(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table, *, q_pos, kv_len, page_offset,
+                        T, G, out_dtype, tuning: DecodeTuning):
+  """The kernel over the padded query rows of each kv head (`_decode_call`'s q8: e4m3 terms or bf16 rows), then the
+  split combine `tuning.combine` names: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
+  B, K, _, _, H = q_rows.shape
+  splits = num_splits_for(tuning, B, K, page_table.shape[1])
+  o, lse = _decode_call(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table.astype(jnp.int32),
+                        jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
                         jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
                         jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
   if tuning.combine == "mosaic":
     return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=out_dtype)
   return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,
                                      transposed=True)
-
-
-def pad_rows(q, K):
-  """q [B, T, N, H] bf16 -> [B, K, 1, RN, H]: the rows of each kv head (`rows_per_kv_head`) padded with zeros to
-  RN, the next multiple of 8, as the kernel reads bf16 queries (one term, no scale)."""
-  B, T, N, H = q.shape
-  RN = -(-T * (N // K) // 8) * 8
-  rows = rows_per_kv_head(q, K)
-  return jnp.pad(rows, ((0, 0), (0, 0), (0, RN - rows.shape[2]), (0, 0)))[:, :, None]
 
 
 @functools.partial(jax.jit, static_argnames=("tuning",))
@@ -391,22 +390,14 @@ def paged_decode_bf16(q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_of
   `page_offset` of the pools (every entry a page of them); q_pos [B, T]; kv_len [B]."""
   B, T, N, H = q.shape
   Z, K = k_pages.shape[1:3]
-  M = page_table.shape[1]
   reason = why_not(head_dim=H, page_size=Z, rows=T * (N // K), page_dtype=k_pages.dtype)
   if reason or N % K or not q.dtype == v_pages.dtype == k_pages.dtype == jnp.bfloat16:
     raise ValueError(reason or f"the Mosaic GPU bf16 decode takes bfloat16 queries and pages and N % K == 0, got "
                      f"q {q.dtype} {N=}, k_pages {k_pages.dtype} {K=}, v_pages {v_pages.dtype}")
-  G = N // K
-  splits = num_splits_for(tuning, B, K, M)
   unread = jnp.ones((1, 1), jnp.float32)                   # qs and the page scales: bf16 pages have none
-  o, lse = _decode_call(pad_rows(q, K), unread, k_pages, v_pages, unread, unread, page_table.astype(jnp.int32),
-                        jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
-                        jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
-                        jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
-  if tuning.combine == "mosaic":
-    return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=q.dtype)
-  return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, N, H), out_dtype=q.dtype,
-                                     transposed=True)
+  q_rows = _pad_rows(rows_per_kv_head(q, K)[:, :, None])   # [B, K, 1, RN, H]: one bf16 term, no scale
+  return _decode_and_combine(q_rows, unread, k_pages, v_pages, unread, unread, page_table, q_pos=q_pos,
+                             kv_len=kv_len, page_offset=page_offset, T=T, G=N // K, out_dtype=q.dtype, tuning=tuning)
 
 
 def paged_decode_quantized_model(q8, qs, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, T: int,

@@ -1,12 +1,13 @@
 """The Mosaic GPU kernels lower for CUDA on a CPU-only machine (jax.export with platforms=("cuda",)).
 
-Mosaic GPU kernels cannot run on CPUs (the Pallas interpreter has no register operands, transposed shared-memory
-views or layouts), but their lowering is Python: Pallas' Mosaic GPU lowering builds each kernel's MLIR, register
-layouts and relayouts included, before anything reaches a GPU. Cross-lowering every kernel at its model shapes
-catches a layout the lowering cannot convert, a shape it refuses or a primitive it lacks, in CI, before a GPU
-session is spent on it (a layout cast to WGMMA_TRANSPOSED instead of WGMMA in mosaic_gpu.gemv fails here). What it does
-not check: the numbers (the gpu tests of test_mgpu_gemv, test_kernels and test_fp8_decode), PTX and its
-assembler, shared memory limits at launch.
+Their lowering is Python: Pallas' Mosaic GPU lowering builds each kernel's MLIR, register layouts and relayouts
+included, before anything reaches a GPU. Cross-lowering every kernel at its model shapes catches a layout the
+lowering cannot convert, a shape it refuses or a primitive it lacks, in CI, before a GPU session is spent on it (a
+layout cast to WGMMA_TRANSPOSED instead of WGMMA in mosaic_gpu.gemv fails here). Under JAX 0.11 (the GPU image's)
+it also builds the TMA descriptors, so a copy of more strided dimensions than TMA has fails here too; JAX 0.10
+defers that to the GPU. What it does not check: the numbers (the gpu tests of test_mgpu_gemv, test_kernels and
+test_fp8_decode, and from JAX 0.11 the interpreted kernels of test_mosaic_interpret), PTX and its assembler,
+shared memory limits at launch.
 """
 from __future__ import annotations
 

@@ -35,10 +35,10 @@ def swizzled(RN: int) -> bool:
 
 
 def splits_per_step(S: int, RN: int) -> int:
-  """SC: the most splits (a power of two dividing S) whose partials [SC, HB, RN] float32 fit STEP_BYTES; one
-  where swizzled rows span two swizzle widths (RN 64: a block of several splits would need a TMA copy of 6 strided
-  dimensions)."""
-  sc = 1 if swizzled(RN) and RN > 32 else max(1, STEP_BYTES // (HB * RN * 4))
+  """SC: the most splits (a power of two dividing S) whose partials [SC, HB, RN] float32 fit STEP_BYTES, for rows
+  of 8, 16 or 32 values; one for other widths, where a block of several splits would need a TMA copy of more than 5
+  strided dimensions (RN 24, 40, 48, 56: rows that are no power of two; RN 64: rows past the 128-byte swizzle)."""
+  sc = max(1, STEP_BYTES // (HB * RN * 4)) if RN in (8, 16, 32) else 1
   return min(S, 1 << (sc.bit_length() - 1))
 
 
@@ -82,6 +82,9 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
         w = jnp.exp(load(lse_smem.at[idx[0] * SC + j], COLS) - m)
         acc = acc + load(o_smem.at[j] if SC > 1 else o_smem, WGMMA) * lax.broadcast_in_dim(w, (HB, RN), [1])
         l = l + w
+      # The pipeline refills this slot by TMA as soon as the step returns: every warp's reads must be done first
+      # (a warpgroup barrier; without it a lagging warp reads the next fill).
+      plgpu.commit_smem()
       return acc, l
 
     acc, l = plgpu.emit_pipeline(

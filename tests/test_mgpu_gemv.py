@@ -215,7 +215,7 @@ def test_wrapper_adds_only_the_slots_written(G, monkeypatch):
   leaves unwritten (NaN in the model) are not added."""
   monkeypatch.setattr(mgpu_gemv, "_call", _kernel_model)
   rng = np.random.default_rng(G)
-  w8 = jnp.asarray(rng.standard_normal((2, 192, 256)) * 100, jnp.float8_e4m3fn)
+  w8 = jnp.asarray(np.clip(rng.standard_normal((2, 192, 256)) * 100, -448, 448), jnp.float8_e4m3fn)
   scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, 192, 1)), jnp.float32)
   x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
   tuning = mgpu_gemv.MgpuGemvTuning(block_k=64, num_ctas=G)
@@ -309,7 +309,7 @@ def test_gpu_kernel_with_fewer_tiles_a_cta_than_ring_slots(N, Kd, bk, G):
   products give every CTA 3 tiles or more (Llama-3-8B's wo: 1,024 tiles over 264 CTAs). Against the float32
   reference, finite."""
   rng = np.random.default_rng(N + Kd)
-  w8 = jnp.asarray(rng.standard_normal((2, N, Kd)) * 100, jnp.float8_e4m3fn)
+  w8 = jnp.asarray(np.clip(rng.standard_normal((2, N, Kd)) * 100, -448, 448), jnp.float8_e4m3fn)   # past 464: NaN
   scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, N, 1)), jnp.float32)
   x = jnp.asarray(rng.standard_normal((1, Kd)), jnp.bfloat16)
   tuning = mgpu_gemv.MgpuGemvTuning(block_k=bk, num_ctas=G)
@@ -321,3 +321,26 @@ def test_gpu_kernel_with_fewer_tiles_a_cta_than_ring_slots(N, Kd, bk, G):
   got = np.asarray(got, np.float64)
   assert np.isfinite(got).all(), np.argwhere(~np.isfinite(got))[:8]
   assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [5, 16])
+@pytest.mark.parametrize("N,Kd", [(6144, 4096), (4096, 4096), (2048, 4096), (4096, 1024)])
+def test_gpu_kernel_on_the_rows_of_a_chunk(N, Kd, R):
+  """The products of a Llama-3-8B layer with a 1,024-wide MLP (wqkv, wo, w_gate_up, w_down) on the rows of a
+  verify step (5) and of a 16-token prefill chunk, where the engine's fp8 logits came out NaN on an H100: rows of
+  every magnitude, one all zero and one of a single value, against the float64 product; finite."""
+  rng = np.random.default_rng(N + Kd + R)
+  w8 = jnp.asarray(np.clip(rng.standard_normal((2, N, Kd)) * 100, -448, 448), jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (2, N, 1)), jnp.float32)
+  x = rng.standard_normal((R, Kd)) * np.logspace(-3, 3, R)[:, None]
+  x[1] = 0.0
+  x[2] = 0.0
+  x[2, 7] = 1.5
+  x = jnp.asarray(x, jnp.bfloat16)
+  got = jax.jit(lambda x, w, s: mgpu_gemv.gemv_stacked_f32(x, w, s, jnp.int32(1), "bk,nk->bn"))(x, w8, scale)
+  want = _numpy_product(x, w8, scale, 1, "bk,nk->bn")
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all(), np.argwhere(~np.isfinite(got))[:8]
+  err = np.abs(got - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-30)
+  assert (err < 1e-5).all(), err

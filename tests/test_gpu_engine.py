@@ -211,16 +211,27 @@ def fp8_xla_engine():
   eng.close()
 
 
-@pytest.mark.parametrize("linear_kernel, page_write", [("mosaic", "pallas"), ("mosaic", "xla"), ("pallas", "pallas"),
-                                                        ("xla", "pallas")])
+# The Mosaic GPU GEMV on the 16-row chunk of a 1-token question gives NaN logits (H100, jax 0.11.2), though its
+# unit tests at those shapes and rows pass (test_mgpu_gemv.py); "auto" takes it for calls of up to 8 rows only.
+MOSAIC_NAN = pytest.mark.xfail(strict=True, reason="the Mosaic GPU GEMV gives NaN logits on 16-row chunks in the "
+                               "engine")
+
+
+@pytest.mark.parametrize("linear_kernel, page_write", [
+    ("auto", "auto"), pytest.param("mosaic", "pallas", marks=MOSAIC_NAN),
+    pytest.param("mosaic", "xla", marks=MOSAIC_NAN),
+    ("pallas", "pallas"), ("xla", "pallas"), ("xla", "xla")])
 def test_fp8_weight_and_cache_kernels_match_xla(linear_kernel, page_write, fp8_xla_engine):
-  """fp8 weights + fp8 KV where the H100 gave NaN logits (a 1,024-wide MLP, whose GEMV plans give CTAs 1-2 tiles,
-  and max_batch 8), through each GPU GEMV kernel and page writer: a 320-token prompt (5 whole pages), then the
-  prompt plus one token (a 1-token chunk over the 5 cached pages), then a prompt ending inside a page, and greedy
-  decode == the same model on XLA's products and page writes: finite logits within TOL of its norm, every token a
-  greedy choice of XLA's teacher-forced logits. Which pair fails says which kernel breaks."""
+  """fp8 weights + fp8 KV where the H100 gave NaN logits (a 1,024-wide MLP and max_batch 8), through each GPU GEMV
+  kernel and page writer: a 320-token prompt (5 whole pages), then the prompt plus one token (a 1-token
+  chunk over the 5 cached pages), then a prompt ending inside a page and its 1-token follow-up, and greedy decode
+  == the same model on XLA's products and page writes (its prefix cache cleared first, so that both engines read
+  the same prompts from the cache): finite logits within TOL of its norm, every token a greedy choice of XLA's
+  teacher-forced logits. Which case fails says which kernel breaks; (xla, xla) runs the oracle's kernels, so only
+  its finiteness checks can fail it (the attention kernels every case shares)."""
   from tests.test_engine import _prefill_logits
   ref = fp8_xla_engine
+  ref.prefix_cache.clear()
   eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel=linear_kernel, page_write=page_write), seed=1)
   try:
     p = SPEC_PROMPTS[0]
@@ -231,5 +242,68 @@ def test_fp8_weight_and_cache_kernels_match_xla(linear_kernel, page_write, fp8_x
     r = eng.generate(p, max_new_tokens=8)
     assert r.finish_reason == "length", r.finish_reason
     _assert_greedy_under(_forced_logits(ref, p, r.token_ids, paged=True), r.token_ids)
+  finally:
+    eng.close()
+
+
+def test_fp8_sharded_path_on_a_one_device_mesh(monkeypatch):
+  """The mesh code path on one GPU: with Llama's mesh rule replaced by the identity, a mesh of one device runs every
+  fp8 product through the GEMV kernel inside shard_map (`Llama._gemv_mesh`) and attention through `_attend_mesh`.
+  Oracle: the single-device path of the same weights. Logits within TOL, greedy tokens equal."""
+  from lcjax.model import llama
+  from tests.test_engine import _prefill_logits
+  plain = Engine.random(FP8_CFG, run=FP8_RUN, seed=1)
+  calls, gemv_mesh = [], llama.Llama._gemv_mesh
+
+  def counted(self, *a, **kw):
+    calls.append(a[3].shape)                       # (layer, split, x, w8, ...): the stacked weight
+    return gemv_mesh(self, *a, **kw)
+
+  monkeypatch.setattr(llama, "model_mesh", lambda mesh: mesh)
+  monkeypatch.setattr(llama.Llama, "_gemv_mesh", counted)
+  sharded = Engine(FP8_CFG, plain.params, run=FP8_RUN)
+  try:
+    p = SPEC_PROMPTS[1]
+    want, got = (_prefill_logits(e, p) for e in (plain, sharded))       # 360 rows: XLA's fp8 x fp8 products
+    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
+    want, got = (e.generate(p, max_new_tokens=16).token_ids for e in (plain, sharded))
+    assert calls, "the sharded engine's decode steps never ran _gemv_mesh"
+    assert got == want
+  finally:
+    sharded.close()
+    plain.close()
+
+
+@MOSAIC_NAN
+def test_mosaic_gemv_calls_of_a_question_checked_on_the_host(monkeypatch):
+  """Every Mosaic GEMV call of a 1-token question over 5 cached pages (a 16-row chunk, where the engine's logits
+  come out NaN), its operands and float32 result sent to the host from inside the compiled layer scan and checked
+  there against the float64 product of the same operands: the first call whose result is not finite, or not
+  within 1e-3 of the product's scale, is named (weight einsum, layer). Passes when every call is right and the
+  logits are finite."""
+  from jax import lax
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  from tests.test_fp8_gemv import _numpy_product
+  seen, kernel = [], mgpu_gemv.gemv_stacked_f32
+
+  def checked(x, w8, scale, layer, spec, *, tuning=mgpu_gemv.MgpuGemvTuning()):
+    y = kernel(x, w8, scale, layer, spec, tuning=tuning)
+    w_l, s_l = (lax.dynamic_index_in_dim(a, layer, keepdims=True) for a in (w8, scale))
+    jax.debug.callback(lambda *a: seen.append((spec, *map(np.asarray, a))), x, w_l, s_l, layer, y)
+    return y
+
+  monkeypatch.setattr(mgpu_gemv, "gemv_stacked_f32", checked)
+  eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel="mosaic"), seed=1)
+  try:
+    p = SPEC_PROMPTS[0]
+    eng.prompt_logits(p)
+    seen.clear()
+    logits = eng.prompt_logits(p + [7])
+    assert seen, "no Mosaic GEMV call in a 16-row chunk"
+    for spec, x, w, s, layer, y in seen:
+      want = _numpy_product(x, w, s, 0, spec)
+      ok = np.isfinite(y).all() and np.abs(y - want).max() <= 1e-3 * np.abs(want).max()
+      assert ok, (spec, int(layer), x.shape, int((~np.isfinite(y)).sum()), float(np.nanmax(np.abs(y - want))))
+    assert np.isfinite(logits).all(), "every GEMV call was right, and the logits are not finite"
   finally:
     eng.close()

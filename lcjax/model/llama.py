@@ -363,6 +363,12 @@ def repeat_kv_heads(params, rep: int):
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def model_mesh(mesh):
+  """The mesh the model shards its calls over: None (the single-device code path) for no mesh or a mesh of one
+  device. Tests replace it with the identity to run the sharded path on one device."""
+  return mesh if mesh is not None and mesh.size > 1 else None
+
+
 class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, attention=None, mesh=None,
                sp_mode: str = "ring", weights: WeightFormat = WeightFormat(), gemv_kernel=None, page_writer=None,
@@ -393,8 +399,7 @@ class Llama(nnx.Module):
       raise ValueError(f"pool_reads='layer' needs a backend that reads the pools of every layer; "
                        f"{self.attention.name} reads one layer's pages as an offset into their [L * P] view")
     self.pool_reads = pool_reads
-    # A mesh of one device is no mesh: the single-device code path, unchanged.
-    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self.mesh = model_mesh(mesh)
     self.sp_mode = sp_mode
     if self.mesh is not None:
       check_mesh(cfg, self.mesh.shape[TENSOR], self.mesh.shape[SEQ], sp_mode)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
+from lcjax.ops.linear import rows_of
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.triton import gemv as triton_gemv
 from lcjax.ops.triton import page_write as triton_page_write
@@ -65,6 +66,38 @@ class TritonGemv:
     return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, interpret=self.interpret, dtype=dtype)
 
 
+# The most rows a call of "mosaic+pallas" gives the Mosaic GPU kernel. On an H100 (jax 0.11.2) the engine's
+# logits came out NaN where the Mosaic kernel took a 16-row prefill chunk or 40-row verify steps (max_batch 8,
+# k = 4), and finite where the Triton kernel or XLA took them; decode steps of up to 8 rows and the kernel's unit
+# tests at 16 to 64 rows gave finite, correct products (benchmarks/NOTES-fp8w.md, "NaN with 16 rows").
+MOSAIC_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplitGemv:
+  """The Mosaic GPU kernel for calls of at most MOSAIC_ROWS rows (decode steps of up to 8 sequences), the Triton
+  one for larger calls (prefill chunks and verify steps of up to lcjax.ops.linear.WIDEN_MAX_ROWS rows): Hopper's
+  "auto". The choice is made per call from its static shape, on a mesh from each device's rows."""
+  name = "mosaic+pallas"
+  interpret = False
+  small: MosaicGemv = MosaicGemv()
+  large: TritonGemv = TritonGemv()
+
+  @property
+  def description(self) -> str:
+    return (f"the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv) for calls of up to {MOSAIC_ROWS} rows, "
+            "the Triton one (lcjax.ops.triton.gemv) for more")
+
+  def why_not(self, products: dict[str, tuple[int, int]]) -> str | None:
+    """Why either kernel cannot serve here (None: both can)."""
+    return self.small.why_not(products) or self.large.why_not(products)
+
+  def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
+    """As MosaicGemv.__call__, through the kernel its rows take."""
+    kernel = self.small if rows_of(x, spec) <= MOSAIC_ROWS else self.large
+    return kernel(x, w8, scale, layer, spec, dtype=dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonPageWriter:
   """lcjax.ops.triton.page_write's kernel: a decode step's K, V and both page scales in one kernel, bit for bit
@@ -89,7 +122,7 @@ class TritonPageWriter:
 
 
 # By name, in the order "auto" prefers the compiled ones (lcjax.engine.placement).
-GEMV_KERNELS = {k.name: k for k in (MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
+GEMV_KERNELS = {k.name: k for k in (RowSplitGemv(), MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
 PAGE_WRITERS = {k.name: k for k in (TritonPageWriter(), TritonPageWriter(interpret=True))}
 
 
@@ -99,7 +132,7 @@ def _by_name(table: dict, names: tuple[str, ...], what: str, name: str):
   return None if name == "xla" else table[name]
 
 
-def gemv_kernel(name: str) -> MosaicGemv | TritonGemv | None:
+def gemv_kernel(name: str) -> RowSplitGemv | MosaicGemv | TritonGemv | None:
   """The GEMV kernel called `name` (lcjax.config.GEMV_NAMES); None for "xla"."""
   return _by_name(GEMV_KERNELS, GEMV_NAMES, "gemv_kernel", name)
 

@@ -8,6 +8,7 @@ with either split combine, and the Mosaic GPU combine against a float64 join.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from lcjax.ops import pallas_backend, splits
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.triton import paged as triton_paged
 from tests.test_kernels import check, oracle, rand_pages, visibility
+from tests.test_mosaic_lowering import TRITON_CROSS_LOWERS
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -272,12 +274,13 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "reference"
 
 
+@pytest.mark.parametrize("combine", [pytest.param("triton", marks=TRITON_CROSS_LOWERS), "mosaic"])
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])
-def test_kernel_lowers_for_cuda(T, H, Z):
+def test_kernel_lowers_for_cuda(T, H, Z, combine):
   sd = jax.ShapeDtypeStruct
   e4 = jnp.float8_e4m3fn
   B, N, K, M, P = 2, 16, 4, 8, 40
-  f = jax.jit(mgpu_paged.paged_decode_fp8)
+  f = jax.jit(functools.partial(mgpu_paged.paged_decode_fp8, tuning=mgpu_paged.DecodeTuning(combine=combine)))
   lowered = f.trace(sd((B, T, N, H), jnp.bfloat16), sd((P, Z, K, H), e4), sd((P, Z, K, H), e4), sd((B, M), jnp.int32),
                     q_pos=sd((B, T), jnp.int32), kv_len=sd((B,), jnp.int32), k_scale=sd((P, K), jnp.float32),
                     v_scale=sd((P, K), jnp.float32)).lower(lowering_platforms=("cuda",))

@@ -29,6 +29,11 @@ from tests.test_fp8_gemv import x_shape
 
 S = jax.ShapeDtypeStruct
 MOSAIC_CALL = "mosaic_gpu_v2"          # the custom call a lowered Mosaic GPU kernel becomes
+# JAX 0.11 lowers a Pallas Triton kernel only where a GPU is present (it asks the device for its compute
+# capability): the cases with the Triton split combine cross-lower under JAX 0.10 (CI's) and on the GPU.
+TRITON_CROSS_LOWERS = pytest.mark.skipif(
+    tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11) and jax.default_backend() != "gpu",
+    reason=f"JAX {jax.__version__} lowers Pallas Triton kernels only with a GPU present")
 
 
 def _trivial_kernel(x):
@@ -88,7 +93,9 @@ def test_flash_prefill_lowers(fp8):
   assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
 
 
-@pytest.mark.parametrize("T,combine", [(1, "triton"), (4, "triton"), (1, "mosaic"), (5, "mosaic")])
+@pytest.mark.parametrize("T,combine", [pytest.param(1, "triton", marks=TRITON_CROSS_LOWERS),
+                                       pytest.param(4, "triton", marks=TRITON_CROSS_LOWERS), (1, "mosaic"),
+                                       (5, "mosaic")])
 def test_fp8_paged_decode_lowers(T, combine):
   """The fp8 paged decode kernel: Llama-3-8B heads over 64-token pages, one to five query tokens; with
   DecodeTuning(combine="mosaic") it is two Mosaic GPU kernels and no Triton call."""
@@ -114,7 +121,7 @@ def test_split_combine_lowers(B, splits, RN, T, G):
 
 
 @pytest.mark.parametrize("T,G,Z,combine", [(1, 4, 64, "mosaic"), (5, 4, 128, "mosaic"), (16, 4, 64, "mosaic"),
-                                           (1, 8, 256, "triton")])
+                                           pytest.param(1, 8, 256, "triton", marks=TRITON_CROSS_LOWERS)])
 def test_bf16_paged_decode_lowers(T, G, Z, combine):
   """The Mosaic GPU decode over bfloat16 pages (one bf16 wgmma for Q K^T, V read as TMA brought it): 1 to 64 rows
   per kv head, 64- to 256-token pages, with the Mosaic GPU combine (two Mosaic GPU kernels, no Triton call)."""

@@ -236,16 +236,24 @@ def test_mosaic_combine_lse_rows_divide_over_a_warpgroup():
     (3, 2, 4, 128, 8, 1, 4, 30.0),       # lse 30x apart: the weights span e^-100 .. 1
     (16, 2, 2, 64, 8, 2, 4, 1.0),        # two splits: lse padded to 4 rows
     (1, 8, 1, 128, 24, 5, 4, 1.0),       # one split, 20 rows (a verify step of 4 drafts)
-    (2, 4, 64, 128, 40, 10, 4, 5.0),     # 40 rows, unswizzled, 64 splits in steps
+    (2, 4, 64, 128, 40, 10, 4, 5.0),     # 40 rows, unswizzled: 64 splits, one a step
+    (2, 2, 16, 64, 16, 4, 4, 1.0),       # 16 rows: 8 splits a step
+    (1, 4, 8, 128, 24, 5, 4, 5.0),       # 24 rows (5 tokens of GQA 4: a verify step): a split a step
+    (1, 2, 16, 64, 32, 8, 4, 1.0),       # 32 rows, swizzled: 4 splits a step
+    (1, 2, 4, 64, 56, 7, 8, 5.0),        # 56 rows: a split a step
     (1, 8, 256, 128, 64, 8, 8, 1.0)])    # 64 rows (swizzled, a split a step), 256 splits
 def test_mosaic_combine_gpu(B, K, S, H, RN, T, G, spread):
-  """The Mosaic GPU split combine == the float64 numpy join (and the jnp model), including an empty split, a row
-  no split saw, unused lse rows holding NaN and lse values far apart."""
+  check_mosaic_combine(B, K, S, H, RN, T, G, spread)
+
+
+def check_mosaic_combine(B, K, S, H, RN, T, G, spread):
+  """The Mosaic GPU split combine == the float64 numpy join, including an empty split, a row no split saw, unused
+  lse rows holding NaN and lse values far apart. On the GPU and in the Mosaic GPU interpreter."""
   S2 = mgpu_combine.lse_rows(S, RN)
   o, lse = _partials(B + S, B, K, S, H, RN, S=S, spread=spread)
   lse = jnp.concatenate([lse, jnp.full((B, K, S2 - S, RN), jnp.nan, jnp.float32)], axis=2)
   want, want_lse = _numpy_join(o, lse, S, T, G)
-  out, lse_out = jax.jit(lambda o, l: mgpu_combine.combine_splits(o, l, T=T, G=G, out_dtype=jnp.float32))(o, lse)
+  out, lse_out = mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=2e-5, atol=2e-5)
 
@@ -287,11 +295,10 @@ def test_kernel_lowers_for_cuda(T, H, Z, combine):
   assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-@pytest.mark.parametrize("combine", mgpu_paged.COMBINES)
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_gpu(name, combine):
+def check_fp8_kernel(name: str, combine: str) -> None:
+  """The fp8 decode kernel (and split combine `combine`) on case `name`: on the quantized queries == its float32
+  model, and the whole call == the float64 oracle. On the GPU (test_kernel_gpu) and in the Mosaic GPU interpreter
+  (test_mosaic_interpret)."""
   args, kw, want, tuning = _inputs(CASES[name], seed=1)
   tuning = dataclasses.replace(tuning, combine=combine)
   q, rest = args[0], args[1:]
@@ -315,10 +322,22 @@ def test_kernel_gpu(name, combine):
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
 @pytest.mark.parametrize("combine", mgpu_paged.COMBINES)
 @pytest.mark.parametrize("name", list(CASES))
+def test_kernel_gpu(name, combine):
+  check_fp8_kernel(name, combine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("combine", mgpu_paged.COMBINES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_bf16_kernel_gpu(name, combine):
-  """The Mosaic GPU decode over bfloat16 pages (paged_decode_bf16) against the float64 oracle: bf16 queries and
-  pages exactly, P rounded to bfloat16 for P @ V (a row within 1e-2 of its norm, as the Triton kernel's float16 P
-  is held to 2e-2), every case of the fp8 kernel, with either split combine."""
+  check_bf16_kernel(name, combine)
+
+
+def check_bf16_kernel(name: str, combine: str) -> None:
+  """The Mosaic GPU decode over bfloat16 pages (paged_decode_bf16, split combine `combine`) against the float64
+  oracle on case `name`: bf16 queries and pages exactly, P rounded to bfloat16 for P @ V (a row within 1e-2 of its
+  norm, as the Triton kernel's float16 P is held to 2e-2). On the GPU and in the Mosaic GPU interpreter."""
   args, kw, want, tuning = _inputs(CASES[name], seed=1, fp8=False)
   got = mgpu_paged.paged_decode_bf16(*args, **kw, tuning=dataclasses.replace(tuning, combine=combine))
   assert got[0].dtype == jnp.bfloat16

@@ -4,8 +4,8 @@ GPU run.
   python3 tools/bench_attention.py --out=$OUT
 
 Prefill: causal, B=1, 32 query heads, 8 kv heads, head dim 128, bf16, S in --prefill (TFLOP/s with causal flops
-2 * S^2 * H * N). Decode: batch 8, one query token, same heads, pages of --pages tokens shuffled in a pool, S in
---decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random inputs
+2 * S^2 * H * N). Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
+pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random inputs
 against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a small
 size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near the
 L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
@@ -50,6 +50,7 @@ FLAGS = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "directory for
 _PREFILL = flags.DEFINE_list("prefill", ["8192", "32768", "131072"], "prefill lengths")
 _DECODE = flags.DEFINE_list("decode", ["32768", "131072", "524288"], "decode context lengths")
 _PAGES = flags.DEFINE_list("pages", ["64", "128"], "page sizes for decode")
+_BATCH = flags.DEFINE_list("batch", ["8"], "decode batch sizes (sequences of the same length S)")
 _REPS = flags.DEFINE_integer("reps", 7, "timed repeats (median)")
 _ONLY = flags.DEFINE_list("only", [], "run only impls whose name contains one of these")
 _SKIP = flags.DEFINE_list("skip", [], "skip impls whose name contains one of these")
@@ -106,28 +107,30 @@ def _versions():
 
 
 def _ratios(rows):
-  """ratio_to_best_peer on lcjax rows: metric / best peer metric of the same (op, S, page, dtype)."""
+  """ratio_to_best_peer on lcjax rows: metric / best peer metric of the same (op, S, batch, page, dtype)."""
   best = {}
   for r in rows:
     if not r["lcjax"] and r.get("metric") is not None:
-      key = (r["op"], r["S"], r.get("page"), r["dtype"])
+      key = (r["op"], r["S"], r.get("batch"), r.get("page"), r["dtype"])
       best[key] = max(best.get(key, 0.0), r["metric"])
   for r in rows:
-    key = (r["op"], r["S"], r.get("page"), r["dtype"])
+    key = (r["op"], r["S"], r.get("batch"), r.get("page"), r["dtype"])
     if r["lcjax"] and r.get("metric") is not None and key in best:
       r["ratio_to_best_peer"] = round(r["metric"] / best[key], 3)
 
 
 def _markdown(rows, errors):
-  lines = ["| op | S | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | lse_err |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in sorted(rows, key=lambda r: (r["op"], r["S"], r.get("page") or 0, not r["lcjax"], r["impl"])):
+  lines = ["| op | S | batch | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | "
+           "lse_err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r["op"], r["S"], r.get("batch") or 0, r.get("page") or 0, not r["lcjax"],
+                                       r["impl"])):
     metric = r.get("tflops", r.get("tbps"))
     unit = "TF" if "tflops" in r else "TB/s"
     fmt = lambda x, f: "-" if x is None else format(x, f)
-    lines.append(f"| {r['op']} | {r['S']} | {r.get('page') or '-'} | {r['impl']} | {r['lcjax']} | {r['dtype']} | "
-                 f"{fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | {fmt(r.get('ratio_to_best_peer'), '.3f')}"
-                 f" | {fmt(r.get('rel_err'), '.1e')} | {fmt(r.get('lse_err'), '.1e')} |")
+    lines.append(f"| {r['op']} | {r['S']} | {r.get('batch') or '-'} | {r.get('page') or '-'} | {r['impl']} | "
+                 f"{r['lcjax']} | {r['dtype']} | {fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | "
+                 f"{fmt(r.get('ratio_to_best_peer'), '.3f')} | {fmt(r.get('rel_err'), '.1e')} | "
+                 f"{fmt(r.get('lse_err'), '.1e')} |")
   if errors:
     lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in errors]
   return "\n".join(lines)
@@ -495,7 +498,7 @@ MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-mgpu
                "cudnn-private-paged", "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 
 
-def bench_decode(res, dog, sizes, page_sizes, reps):
+def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
   impls = {n: v for n, v in decode_impls().items() if selected(n)}
   for Z in page_sizes:
     checks = {}
@@ -516,10 +519,10 @@ def bench_decode(res, dog, sizes, page_sizes, reps):
         except Exception as e:  # noqa: BLE001
           res.error(f"decode check {name} Z={Z}", e)
         dog.disarm()
-    for S in sizes:
-      data = {fp8: pages(jax.random.key(S + Z + fp8), S, Z, fp8) for fp8 in (False, True)
+    for B, S in ((B, S) for B in batches for S in sizes):
+      data = {fp8: pages(jax.random.key(S + Z + fp8), S, Z, fp8, B=B) for fp8 in (False, True)
               if any(v[1] == fp8 and n in checks for n, v in impls.items())}
-      kv_len = jnp.full((B_DEC,), S, jnp.int32)
+      kv_len = jnp.full((B,), S, jnp.int32)
       q_pos = kv_len[:, None] - 1
       first = None
       for name, (mine, fp8, fn) in impls.items():
@@ -528,7 +531,7 @@ def bench_decode(res, dog, sizes, page_sizes, reps):
         q, kp, vp, table, ks, vs = data[fp8]
         nbytes = kp.nbytes + vp.nbytes
         try:
-          dog.arm(f"decode {name} S={S} Z={Z}")
+          dog.arm(f"decode {name} B={B} S={S} Z={Z}")
           f = jax.jit(fn)
           t = time_jax(f, [(q, kp, vp, table, q_pos, kv_len, ks, vs)], reps, inner=4)
           o = f(q, kp, vp, table, q_pos, kv_len, ks, vs)[0]
@@ -538,12 +541,12 @@ def bench_decode(res, dog, sizes, page_sizes, reps):
               first = o
             else:
               agree = rel_err(o, first)
-          res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B_DEC, page=Z,
+          res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B, page=Z,
                   dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
-                  metric=nbytes / t / 1e12, tokens_per_s=B_DEC / t, rel_err=checks[name][0],
+                  metric=nbytes / t / 1e12, tokens_per_s=B / t, rel_err=checks[name][0],
                   lse_err=checks[name][1], rel_err_vs_first_impl=agree)
         except Exception as e:  # noqa: BLE001
-          res.error(f"decode {name} S={S} Z={Z}", e)
+          res.error(f"decode {name} B={B} S={S} Z={Z}", e)
         dog.disarm()
       del data, first
 
@@ -579,7 +582,8 @@ def main(argv):
   if _PREFILL.value:
     bench_prefill(res, dog, [int(s) for s in _PREFILL.value], _REPS.value)
   if _DECODE.value:
-    bench_decode(res, dog, [int(s) for s in _DECODE.value], [int(z) for z in _PAGES.value], _REPS.value)
+    bench_decode(res, dog, [int(s) for s in _DECODE.value], [int(z) for z in _PAGES.value], _REPS.value,
+                 [int(b) for b in _BATCH.value])
   res.flush()
   print(open(res.path + ".md").read())
 

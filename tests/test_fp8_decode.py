@@ -238,6 +238,9 @@ def test_mosaic_combine_lse_rows_divide_over_a_warpgroup():
     (1, 8, 1, 128, 24, 5, 4, 1.0),       # one split, 20 rows (a verify step of 4 drafts)
     (2, 4, 64, 128, 40, 10, 4, 5.0),     # 40 rows, unswizzled: 64 splits, one a step
     (2, 2, 16, 64, 16, 4, 4, 1.0),       # 16 rows: 8 splits a step
+    (1, 2, 64, 64, 8, 1, 4, 1.0),        # 8 rows over 4 steps of 16 splits: slots refilled
+    (1, 2, 32, 64, 16, 4, 4, 1.0),       # 16 rows over 4 steps of 8 splits: slots refilled
+    (1, 2, 8, 64, 48, 6, 8, 5.0),        # 48 rows: a split a step
     (1, 4, 8, 128, 24, 5, 4, 5.0),       # 24 rows (5 tokens of GQA 4: a verify step): a split a step
     (1, 2, 16, 64, 32, 8, 4, 1.0),       # 32 rows, swizzled: 4 splits a step
     (1, 2, 4, 64, 56, 7, 8, 5.0),        # 56 rows: a split a step

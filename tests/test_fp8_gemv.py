@@ -339,8 +339,8 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
                                             ("pallas", "pallas", ("pallas", "pallas"))])
 def test_gpu_engine_decode_runs_the_kernel(ask, kernel, ran, monkeypatch):
   """On a Hopper GPU, linear_kernel="auto" decodes fp8 weights through the compiled Mosaic GPU kernel and takes
-  the Triton one for the 32-row prefill chunks, and "pallas" runs the Triton one for both (float32 activations:
-  their hi + lo split), with the greedy tokens of "xla"."""
+  the Triton one for the prefill chunks (32 and 16 rows), and "pallas" runs the Triton one for both (float32
+  activations: their hi + lo split), with the greedy tokens of "xla"."""
   cfg = preset("tiny")
   run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
   kern = lcjax.Engine.random(cfg, run=run.replace(linear_kernel=ask), seed=0)
@@ -349,7 +349,7 @@ def test_gpu_engine_decode_runs_the_kernel(ask, kernel, ran, monkeypatch):
   prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
   calls = _count_kernel_calls(monkeypatch)
   a, b = xla.generate(prompts, max_new_tokens=8), kern.generate(prompts, max_new_tokens=8)
-  decode, chunk = ran                                 # the kernels of 2-row decode steps and 32-row chunks
+  decode, chunk = ran                                 # the kernels of 2-row decode steps and 16/32-row chunks
   assert {spec for spec, k in calls if k == decode} == set(LINEAR.values()) == {s for s, k in calls if k == chunk}
   assert {k for _, k in calls} == set(ran)
   assert [r.token_ids for r in a] == [r.token_ids for r in b]

@@ -88,8 +88,8 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
   """(the name of Llama's gemv_kernel for RunConfig.linear_kernel, a name of lcjax.config.GEMV_NAMES; why): what
   multiplies fp8 weights in decode-sized calls, on one device or on each device of a mesh (Llama._gemv_mesh).
   no_kernel: `gemv_kernels_unsupported()` for the run's tensor size. A kernel asked for by name that cannot serve
-  raises ConfigError; "auto" takes the first kernel that can ("mosaic+pallas", "mosaic", then "pallas"), else
-  "xla", and says why (each reason once)."""
+  raises ConfigError; "auto" takes the first kernel that can ("mosaic+pallas", then "pallas": "mosaic" is refused
+  whenever "mosaic+pallas" is, so "auto" never takes it alone), else "xla", and says why (each reason once)."""
   ask = run.linear_kernel
   if not weights.fp8:
     if ask not in ("auto", "xla"):

@@ -35,6 +35,10 @@ class MosaicGemv:
     bad = [f"{name}: {why}" for name, (N, Kd) in products.items() if (why := mgpu_gemv.unsupported_shape(N, Kd))]
     return mgpu_gemv.unsupported() or (bad[0] if bad else None)
 
+  def for_rows(self, rows: int) -> "MosaicGemv":
+    """The kernel that multiplies a call of `rows` rows (on a mesh: the call's rows over every device): itself."""
+    return self
+
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most
     lcjax.ops.linear.WIDEN_MAX_ROWS rows, w8 [L, ...] e4m3 and scale [L, ...] float32 stacked K-major weights,
@@ -61,15 +65,21 @@ class TritonGemv:
     """Why the kernel cannot run here (None: it can); it multiplies `products` of any shape."""
     return None if self.interpret else triton_gemv.unsupported()
 
+  def for_rows(self, rows: int) -> "TritonGemv":
+    """As MosaicGemv.for_rows: itself."""
+    return self
+
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """As MosaicGemv.__call__."""
     return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, interpret=self.interpret, dtype=dtype)
 
 
-# The most rows a call of "mosaic+pallas" gives the Mosaic GPU kernel. On an H100 (jax 0.11.2) the engine's
-# logits came out NaN where the Mosaic kernel took a 16-row prefill chunk or 40-row verify steps (max_batch 8,
-# k = 4), and finite where the Triton kernel or XLA took them; decode steps of up to 8 rows and the kernel's unit
-# tests at 16 to 64 rows gave finite, correct products (benchmarks/NOTES-fp8w.md, "NaN with 16 rows").
+# The most rows a call of "mosaic+pallas" gives the Mosaic GPU kernel, provisional until the cause below is found.
+# On an H100 (jax 0.11.2) the engine's logits came out NaN where the Mosaic kernel took a 16-row prefill chunk,
+# and finite where the Triton kernel or XLA took it; with the Mosaic kernel the fp8 speculation test (verify steps
+# of 40 rows) accepted no draft. The kernel's unit tests at 16 to 64 rows give finite, correct products; the
+# engine's decode steps of up to 8 rows are the published decode figures (benchmarks/NOTES-fp8w.md, "NaN with 16
+# rows").
 MOSAIC_ROWS = 8
 
 
@@ -92,10 +102,14 @@ class RowSplitGemv:
     """Why either kernel cannot serve here (None: both can)."""
     return self.small.why_not(products) or self.large.why_not(products)
 
+  def for_rows(self, rows: int) -> MosaicGemv | TritonGemv:
+    """The kernel a call of `rows` rows takes. On a mesh Llama._gemv_mesh asks with the call's rows over every
+    device before its shard_map, so a prefill chunk split over `seq` takes the kernel its whole length takes."""
+    return self.small if rows <= MOSAIC_ROWS else self.large
+
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """As MosaicGemv.__call__, through the kernel its rows take."""
-    kernel = self.small if rows_of(x, spec) <= MOSAIC_ROWS else self.large
-    return kernel(x, w8, scale, layer, spec, dtype=dtype)
+    return self.for_rows(rows_of(x, spec))(x, w8, scale, layer, spec, dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)

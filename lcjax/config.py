@@ -226,7 +226,7 @@ WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
 GEMV_NAMES = ("xla", "mosaic+pallas", "mosaic", "pallas", "pallas-interpret")
 # The names of what writes a decode step's K and V into fp8 pages: XLA's ops, or a page writer
 # (lcjax.ops.kernels.PAGE_WRITERS, by these names).
-PAGE_WRITER_NAMES = ("xla", "pallas", "pallas-interpret")
+PAGE_WRITER_NAMES = ("xla", "pallas", "mosaic", "pallas-interpret")
 # RunConfig.linear_kernel and RunConfig.page_write: one of those, or "auto" (lcjax.engine.placement.decode_linear,
 # lcjax.engine.placement.page_write choose).
 LINEAR_KERNELS = ("auto", *GEMV_NAMES)
@@ -299,7 +299,10 @@ class RunConfig:
   page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
                                      # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
                                      # "pallas" (lcjax.ops.triton.page_write: K, V and their page scales in one
-                                     # kernel), "xla" (nine small XLA kernels a layer), "pallas-interpret"
+                                     # kernel), "mosaic" (lcjax.ops.mosaic_gpu.page_write: the same in Mosaic GPU,
+                                     # Hopper, JAX 0.11+, head_dim 128, page_size a multiple of 64; not yet timed
+                                     # on a GPU, so "auto" does not take it), "xla" (nine small XLA kernels a
+                                     # layer), "pallas-interpret"
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)

@@ -17,6 +17,7 @@ import lcjax
 from lcjax.cache import kv as kvc
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine import placement
+from lcjax.ops import page_scale
 from lcjax.ops.triton import page_write as triton_page_write
 
 
@@ -62,13 +63,13 @@ def _assert_same(got, want):
 def test_token_scale_is_scale_for_bit_for_bit():
   """The kernel's scale rule from the absmax's bits against lcjax.cache.kv.scale_for: every exponent at the 1.75
   mantissa (absmax = 448 x 2^k) and one ulp either side, 0, subnormals, the floor's edge, inf and NaN."""
-  assert 2.0 ** (triton_page_write._SCALE_FLOOR_EXP - 127) == kvc.SCALE_FLOOR
-  edge = np.arange(1, 255, dtype=np.int32) << 23 | triton_page_write._MANTISSA_1_75         # 1.75 x 2^E
+  assert 2.0 ** (page_scale.SCALE_FLOOR_EXP - 127) == kvc.SCALE_FLOOR
+  edge = np.arange(1, 255, dtype=np.int32) << 23 | page_scale.MANTISSA_1_75         # 1.75 x 2^E
   bits = np.concatenate([edge, edge - 1, edge + 1, np.arange(0, 1 << 12, dtype=np.int32) * 2047,
                          np.array([0x7F800000, 0x7FC00000], np.int32)])
   a = jnp.asarray(bits.view(np.float32))
   a = a.at[-4:-2].set(jnp.asarray([448 * 2.0 ** -32, np.nextafter(np.float32(448 * 2.0 ** -32), np.float32(1))]))
-  np.testing.assert_array_equal(_bits(triton_page_write._token_scale(a)), _bits(kvc.scale_for(a)))
+  np.testing.assert_array_equal(_bits(page_scale.token_scale(a)), _bits(kvc.scale_for(a)))
 
 
 @pytest.mark.parametrize("pack", [1, 2])
@@ -116,7 +117,9 @@ def test_page_write_choice_and_refusals():
   with pytest.raises(ConfigError, match="page_write='pallas' writes fp8 pages, and the cache holds float32"):
     placement.page_write(RunConfig(dtype="float32", page_write="pallas"), 128)
   assert placement.page_write(RunConfig(dtype="float32"), 128)[0] == "xla"
-  with pytest.raises(ConfigError, match="page_write='fast' must be one of auto, xla, pallas, pallas-interpret"):
+  with pytest.raises(ConfigError, match="page_write='mosaic': .*Mosaic GPU fp8 page writer"):
+    placement.page_write(fp8.replace(page_write="mosaic"), 128)
+  with pytest.raises(ConfigError, match="page_write='fast' must be one of auto, xla, pallas, mosaic, pallas-interpret"):
     RunConfig(page_write="fast")
 
 
@@ -179,19 +182,36 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
 def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
   """Compiled on the GPU at the models' page shape (Z 64, K 8, H 128), rows writing the last layer's top pages:
   bit for bit XLA's write."""
+  assert triton_page_write.pack_for(L * P * 64 * 8 * 128) == pack and L * P * 64 * 8 * 128 >= min_bytes
+  _check_on_gpu(triton_page_write.write_token, "lcjax_fp8_page_write", L, P)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L,P", [(32, 130), (80, 900)])
+def test_gpu_mosaic_writer_writes_what_xla_writes(L, P):
+  """The Mosaic GPU page writer (lcjax.ops.mosaic_gpu.page_write), compiled, as the Triton one is tested: bit for
+  bit XLA's write, in place, a small pool and a 4.4 GiB one."""
+  from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
+  if mgpu_page_write.unsupported(64, 128):
+    pytest.skip(mgpu_page_write.unsupported(64, 128))
+  _check_on_gpu(mgpu_page_write.write_token, "mosaic_gpu", L, P)
+
+
+def _check_on_gpu(write_token, marker: str, L: int, P: int):
+  """write_token compiled (its compiled text holds `marker`) on pools [L, P, 64, 8, 128], rows writing the last
+  layer's top pages: no pool-sized buffer besides the donated pools, and XLA's bytes."""
   pool_bytes, limit = L * P * 64 * 8 * 128, jax.devices()[0].memory_stats().get("bytes_limit", 0)
   if limit < 5 * pool_bytes:        # K and V pools, written and expected, and the comparison's buffer
     pytest.skip(f"needs 5 x {pool_bytes / 2 ** 30:.1f} GiB; this process may take {limit / 2 ** 30:.1f} GiB")
   k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=8, Z=64, K=8, H=128, B=8)
   big = [jnp.zeros((L, P, 64, 8, 128), jnp.float8_e4m3fn).at[L - 1, P - 8:].set(p[0]) for p in (k_pool, v_pool)]
   scales = [jnp.zeros((L, P, 8), jnp.float32).at[L - 1, P - 8:].set(s[0]) for s in (ks, vs)]
-  assert big[0].size >= min_bytes and triton_page_write.pack_for(big[0].size) == pack
   page = jnp.where(page < 8, page + P - 8, P)
   layer = jnp.int32(L - 1)
   want = jax.jit(_reference)(*big, *scales, k, v, page, offset, layer)
-  fn = jax.jit(triton_page_write.write_token, donate_argnums=(0, 1, 2, 3))
+  fn = jax.jit(write_token, donate_argnums=(0, 1, 2, 3))
   compiled = fn.lower(*big, *scales, k, v, page, offset, layer).compile()
-  assert "lcjax_fp8_page_write" in compiled.as_text()
+  assert marker in compiled.as_text()
   # In place: no pool-sized buffer besides the donated pools (the uint16 view of 2-4 GiB pools included).
   assert compiled.memory_analysis().temp_size_in_bytes < big[0].size // 8, compiled.memory_analysis()
   got = fn(*big, *scales, k, v, page, offset, layer)

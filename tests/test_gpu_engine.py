@@ -319,3 +319,22 @@ def test_mosaic_gemv_calls_of_a_question_checked_on_the_host(monkeypatch):
       pytest.xfail(f"all {len(seen)} Mosaic GEMV calls were right, and the logits are not finite")
   finally:
     eng.close()
+
+
+def test_mosaic_page_writer_in_the_engine():
+  """page_write="mosaic" (lcjax.ops.mosaic_gpu.page_write, the pools as mutable refs inside the compiled decode
+  loop): the greedy tokens, and every page's bytes and scales, of page_write="xla" on the same model (fp8 weights
+  + fp8 KV, 64-token pages, head dim 128, two sequences decoded together)."""
+  from tests.test_fp8_page_write import _bits
+  run = FP8_RUN.replace(linear_kernel="xla", max_batch=2)
+  xla, kern = (Engine.random(FP8_CFG, run=run.replace(page_write=w), seed=1) for w in ("xla", "mosaic"))
+  try:
+    prompts = [SPEC_PROMPTS[0][:100], SPEC_PROMPTS[1][:70]]
+    a, b = (e.generate(prompts, max_new_tokens=40) for e in (xla, kern))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert (a[0].stats["page_write"], b[0].stats["page_write"]) == ("xla", "mosaic")
+    for x, y in zip(xla.cache.parts(), kern.cache.parts()):
+      np.testing.assert_array_equal(_bits(np.asarray(x)[:, 1:]), _bits(np.asarray(y)[:, 1:]))
+  finally:
+    xla.close()
+    kern.close()

@@ -1,21 +1,24 @@
-"""The Mosaic GPU decode and split-combine kernels run on CPUs in Pallas' Mosaic GPU interpreter (JAX >= 0.11).
+"""The Mosaic GPU decode, split-combine and page-write kernels run on CPUs in Pallas' Mosaic GPU interpreter (JAX >=
+0.11).
 
 The interpreter simulates a CTA's warpgroups as threads, its shared memory, TMA copies, barriers and wgmma on
 shared-memory operands, and records data races between the warpgroups' reads and writes of shared memory. These
 tests run the fp8 and bfloat16 paged decode kernels (lcjax.ops.mosaic_gpu.paged, with the Mosaic GPU combine) on
-every case of test_fp8_decode's GPU tests and the split combine (lcjax.ops.mosaic_gpu.combine) at every row width
-the engine gives it, against the same oracles as the GPU tests, and fail on any race the interpreter saw. The GEMV
-kernel (lcjax.ops.mosaic_gpu.gemv) is not among them: its wgmma takes the weight tile from registers, which the
-interpreter does not model.
+every case of test_fp8_decode's GPU tests, the split combine (lcjax.ops.mosaic_gpu.combine) at every row width
+the engine gives it and the fp8 page writer (lcjax.ops.mosaic_gpu.page_write) against the same oracles as the
+GPU tests, and fail on any race the interpreter saw. The GEMV kernel (lcjax.ops.mosaic_gpu.gemv) is not among
+them: its wgmma takes the weight tile from registers, which the interpreter does not model.
 
 The interpreter counts a barrier phase that no thread waited for as an error when the kernel ends. The decode
 kernel's compute warpgroup frees ring slots the memory warpgroup never refills (the last `max_concurrent_steps`),
-which on a GPU is harmless; the `interpreter` fixture drops that end-of-kernel check and keeps every other.
+which on a GPU is harmless: the decode tests take the `decode_interpreter` fixture, which drops that end-of-kernel
+check and keeps every other; the others take `interpreter`, which keeps them all.
 JAX 0.10 has no interpreter for these kernels (no layout_cast on CPU): the module is skipped there.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from tests.test_fp8_decode import CASES, check_bf16_kernel, check_fp8_kernel, check_mosaic_combine
@@ -26,16 +29,27 @@ pytestmark = pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) 
 
 
 @pytest.fixture
-def interpreter(monkeypatch):
-  """Mosaic GPU kernels traced inside run in the interpreter with race detection; the test fails on a race."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, shared_memory
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+def decode_interpreter(monkeypatch):
+  """`interpreter`, without the end-of-kernel check of barrier phases no thread waited for."""
+  from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 
-  def deallocate(self):                     # Barrier.deallocate without the check of phases no thread waited for
+  def deallocate(self):                     # Barrier.deallocate without that check
     with self.cv:
       self.ref_count -= 1
 
   monkeypatch.setattr(shared_memory.Barrier, "deallocate", deallocate)
+  yield from _interpreted()
+
+
+@pytest.fixture
+def interpreter():
+  """Mosaic GPU kernels traced inside run in the interpreter with race detection; the test fails on a race."""
+  yield from _interpreted()
+
+
+def _interpreted():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
   interpret_pallas_call.reset_gpu_interpret_mode_state()
   with force_gpu_interpret_mode(InterpretGPUParams(detect_races=True)):
     yield
@@ -43,22 +57,36 @@ def interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_decode_interpreted(name, interpreter):
+def test_fp8_decode_interpreted(name, decode_interpreter):
   """test_kernel_gpu's checks with the Mosaic GPU combine: on the quantized queries == the float32 model, the whole
   call == the float64 oracle."""
   check_fp8_kernel(name, "mosaic")
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bf16_decode_interpreted(name, interpreter):
+def test_bf16_decode_interpreted(name, decode_interpreter):
   """test_bf16_kernel_gpu's checks with the Mosaic GPU combine: == the float64 oracle."""
   check_bf16_kernel(name, "mosaic")
 
 
 @pytest.mark.parametrize("B,K,S,H,RN,T,G", [
-    (1, 8, 32, 128, 8, 1, 4), (2, 2, 16, 64, 16, 4, 4), (1, 4, 8, 128, 24, 5, 4), (1, 2, 16, 64, 32, 8, 4),
-    (2, 4, 64, 128, 40, 5, 8), (1, 2, 4, 64, 56, 7, 8), (1, 8, 64, 128, 64, 16, 4)])
+    (1, 8, 32, 128, 8, 1, 4), (1, 2, 64, 64, 8, 1, 4), (2, 2, 16, 64, 16, 4, 4), (1, 2, 32, 64, 16, 4, 4),
+    (1, 4, 8, 128, 24, 5, 4), (1, 2, 16, 64, 32, 8, 4), (2, 4, 64, 128, 40, 5, 8), (1, 2, 8, 64, 48, 6, 8),
+    (1, 2, 4, 64, 56, 7, 8), (1, 8, 64, 128, 64, 16, 4)])
 def test_combine_interpreted(B, K, S, H, RN, T, G, interpreter):
   """The split combine at every row width (several splits a pipeline step for rows of 8, 16 and 32, one for the
-  others), with an empty split, a row no split saw and unused lse rows holding NaN == the float64 join."""
+  others; at 8 and 16 also over more steps than the ring's two slots, so slots are refilled), with an empty split,
+  a row no split saw and unused lse rows holding NaN == the float64 join."""
   check_mosaic_combine(B, K, S, H, RN, T, G, 5.0)
+
+
+@pytest.mark.parametrize("L,P,Z,K,H,B,layer", [(3, 9, 64, 2, 128, 5, 2), (2, 12, 128, 4, 128, 8, 0)])
+def test_fp8_page_write_interpreted(L, P, Z, K, H, B, layer, interpreter):
+  """The Mosaic GPU fp8 page writer == XLA's write (lcjax.cache.kv._write_one_token), bit for bit: a page opened,
+  a scale grown (the page requantized), scales kept, a row dropped, an all-zero token, an absmax at its scale
+  rule's edge; 64- and 128-token pages."""
+  from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
+  from tests.test_fp8_page_write import _assert_same, _case, _reference
+  case = _case(L=L, P=P, Z=Z, K=K, H=H, B=B)
+  want = jax.jit(_reference)(*case, jnp.int32(layer))
+  _assert_same(jax.jit(mgpu_page_write.write_token)(*case, jnp.int32(layer)), want)

@@ -24,6 +24,7 @@ from lcjax.ops import linear
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from tests.test_fp8_gemv import x_shape
 
@@ -133,3 +134,28 @@ def test_bf16_paged_decode_lowers(T, G, Z, combine):
   calls = _lowered_calls(lambda q, kp, vp, t, qp, kl: mgpu_paged.paged_decode_bf16(
       q, kp, vp, t, q_pos=qp, kv_len=kl, tuning=tuning), *args)
   assert calls[0] == MOSAIC_CALL and (calls == [MOSAIC_CALL] * 2 or combine == "triton"), calls
+
+
+@pytest.mark.skipif(not mgpu_page_write.refs_into_kernels(),
+                    reason=f"Mosaic GPU kernels take mutable refs from JAX 0.11 (this is {jax.__version__})")
+@pytest.mark.parametrize("Z", [64, 256])
+def test_fp8_page_write_lowers_in_place(Z):
+  """The Mosaic GPU fp8 page writer at Llama-3-8B's kv heads: one Mosaic GPU call whose four pool and scale
+  operands are aliased to its outputs (written in place, no copy of a pool)."""
+  L, P, K, H, B = 32, 130, 8, 128, 8
+  args = (S((L, P, Z, K, H), jnp.float8_e4m3fn),) * 2 + (S((L, P, K), jnp.float32),) * 2 + (
+      S((B, K, H), jnp.bfloat16),) * 2 + (S((B,), jnp.int32),) * 2 + (S((), jnp.int32),)
+  text = jax.jit(mgpu_page_write.write_token).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @([\w$.]+)", text) == [MOSAIC_CALL]
+  assert len(re.findall(r"#stablehlo\.output_operand_alias<", text)) == 4
+
+
+def test_fp8_page_write_refuses_what_it_cannot_write():
+  assert mgpu_page_write.unsupported_shape(64, 128) is None and mgpu_page_write.unsupported_shape(256, 128) is None
+  assert "head_dim 128, got 64" in mgpu_page_write.unsupported_shape(64, 64)
+  assert "multiple of 64, got 16" in mgpu_page_write.unsupported_shape(16, 128)
+  assert mgpu_page_write.unsupported(64, 128)                  # this CPU machine: no Hopper GPU
+  with pytest.raises(ValueError, match="head_dim 128, got 96"):
+    mgpu_page_write.write_token(*(jnp.zeros((1, 2, 64, 1, 96), jnp.float8_e4m3fn),) * 2,
+                                *(jnp.zeros((1, 2, 1), jnp.float32),) * 2, *(jnp.zeros((1, 1, 96)),) * 2,
+                                *(jnp.zeros((1,), jnp.int32),) * 2, 0)

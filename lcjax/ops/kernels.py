@@ -18,6 +18,7 @@ import dataclasses
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
 from lcjax.ops.linear import rows_of
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
 from lcjax.ops.triton import gemv as triton_gemv
 from lcjax.ops.triton import page_write as triton_page_write
 
@@ -135,9 +136,25 @@ class TritonPageWriter:
                                          interpret=self.interpret)
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicPageWriter:
+  """lcjax.ops.mosaic_gpu.page_write's kernel: TritonPageWriter's contract and bytes in Mosaic GPU (a Hopper GPU,
+  JAX 0.11+)."""
+  name = "mosaic"
+  interpret = False
+
+  def why_not(self, page_size: int, head_dim: int) -> str | None:
+    """Why the kernel cannot write pages of this shape here (None: it can)."""
+    return mgpu_page_write.unsupported(page_size, head_dim)
+
+  def __call__(self, k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer):
+    """As TritonPageWriter.__call__."""
+    return mgpu_page_write.write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer)
+
+
 # By name, in the order "auto" prefers the compiled ones (lcjax.engine.placement).
 GEMV_KERNELS = {k.name: k for k in (RowSplitGemv(), MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
-PAGE_WRITERS = {k.name: k for k in (TritonPageWriter(), TritonPageWriter(interpret=True))}
+PAGE_WRITERS = {k.name: k for k in (TritonPageWriter(), MosaicPageWriter(), TritonPageWriter(interpret=True))}
 
 
 def _by_name(table: dict, names: tuple[str, ...], what: str, name: str):
@@ -151,6 +168,6 @@ def gemv_kernel(name: str) -> RowSplitGemv | MosaicGemv | TritonGemv | None:
   return _by_name(GEMV_KERNELS, GEMV_NAMES, "gemv_kernel", name)
 
 
-def page_writer(name: str) -> TritonPageWriter | None:
+def page_writer(name: str) -> TritonPageWriter | MosaicPageWriter | None:
   """The page writer called `name` (lcjax.config.PAGE_WRITER_NAMES); None for "xla"."""
   return _by_name(PAGE_WRITERS, PAGE_WRITER_NAMES, "page_writer", name)

@@ -7,9 +7,9 @@ two, exact; 1 where the scale did not grow), and the token is quantized with the
 small kernels a layer (0.42 ms of a Llama-3-8B token at 128K in one trace; replacing them saved 0.2 ms a token on
 the 8B and 0.5 ms on the 70B: benchmarks/NOTES-fp8w.md, calls 9, 15 and 16). Here one launch does all of it, one
 program per (row b, kv head h, K or V): it reads the token and the old scale, computes the new scale by
-`scale_for`'s rule from the absmax's bits, stores it and the token's row, and reads and rewrites the head's [Z, H]
-page slice only when the scale grew (or the token opens the page). Pools and scales are the call's outputs
-aliased to its inputs, so nothing is copied.
+`scale_for`'s rule from the absmax's bits (lcjax.ops.page_scale), stores it and the token's row, and reads and
+rewrites the head's [Z, H] page slice only when the scale grew (or the token opens the page). Pools and scales
+are the call's outputs aliased to its inputs, so nothing is copied.
 
 For finite tokens the result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power
 of two, divisions are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32
@@ -32,13 +32,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lcjax.ops import page_scale
 from lcjax.ops.fp8 import E4M3_MAX
 from lcjax.ops.triton.gemv import as_pairs, pack_for, pair_value
 from lcjax.ops.hardware import fp8_convert_reason
-
-_SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32
-_MANTISSA = (1 << 23) - 1
-_MANTISSA_1_75 = 3 << 21        # mantissa bits of 1.75
 
 
 def unsupported_shape(page_size: int, head_dim: int) -> str | None:
@@ -53,23 +50,6 @@ def unsupported(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot be compiled here for pages of this shape (None: it can): a CUDA GPU that converts e4m3
   in hardware (sm_89+; measured on sm_90) and `unsupported_shape`."""
   return fp8_convert_reason("fp8 page-write kernel") or unsupported_shape(page_size, head_dim)
-
-
-def _token_scale(absmax):
-  """lcjax.cache.kv.scale_for(absmax) for float32 absmax >= 0, from its bits: absmax = m 2^E with 448 = 1.75 2^8,
-  so the smallest power of two s with absmax <= 448 s is 2^(E-8) for m <= 1.75 and 2^(E-7) above, at least 2^-32.
-  No division: scale_for's absmax / 448 rounds to nearest, and never onto a power of two from above (the
-  smallest excess, (1.75 + 2^-23) 2^E / 448 = 2^(E-8) (1 + 2^-23 / 1.75), is 0.57 ulp), so both rules give the
-  same scale. An infinite or NaN absmax gets 1, as from scale_for."""
-  bits = jax.lax.bitcast_convert_type(absmax, jnp.int32)
-  e = jnp.where((bits & _MANTISSA) <= _MANTISSA_1_75, (bits >> 23) - 8, (bits >> 23) - 7)
-  e = jnp.where((bits >> 23) == 255, 127, jnp.maximum(e, _SCALE_FLOOR_EXP))
-  return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
-
-
-def _reciprocal(s):
-  """1 / s for a float32 power of two s in [2^-126, 2^126], exact."""
-  return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
 
 
 def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):
@@ -87,8 +67,8 @@ def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, page
   absmax = jnp.abs(xs[0]).max()
   for xj in xs[1:]:
     absmax = jnp.maximum(absmax, jnp.abs(xj).max())
-  new = jnp.maximum(old, _token_scale(absmax))
-  inv = _reciprocal(new)
+  new = jnp.maximum(old, page_scale.token_scale(absmax))
+  inv = page_scale.reciprocal(new)
   ratio = old * inv                                  # 1: the page keeps its values
   slot = pool_ref.at[layer, pc, :, h, :]             # [Z, H / pack]
   shape = slot.shape
@@ -135,15 +115,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   why = unsupported_shape(Z, H)
   if why:
     raise ValueError(why)
-  e4m3, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
-  if ((k_pool.dtype, v_pool.dtype, k_scale.dtype, v_scale.dtype) != (e4m3, e4m3, f32, f32)
-      or not (v_pool.shape == k_pool.shape and k_scale.shape == v_scale.shape == (L, Pl, K)
-              and k_new.shape == v_new.shape == (B, K, H) and page.shape == offset.shape == (B,))):
-    raise ValueError(f"pools {k_pool.dtype}{tuple(k_pool.shape)} / {v_pool.dtype}{tuple(v_pool.shape)}, scales "
-                     f"{k_scale.dtype}{tuple(k_scale.shape)} / {v_scale.dtype}{tuple(v_scale.shape)}, tokens "
-                     f"{tuple(k_new.shape)} / {tuple(v_new.shape)}, pages {tuple(page.shape)}, offsets "
-                     f"{tuple(offset.shape)}: need float8_e4m3fn pools [L, Pl, Z, K, H], float32 scales [L, Pl, K], "
-                     "tokens [B, K, H], pages and offsets [B]")
+  page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset)
   pack = pack or pack_for(k_pool.size)
   if pack not in (1, 2) or (pack == 1 and pack_for(k_pool.size) == 2 and not interpret):
     raise ValueError(f"pack={pack} for pools of {k_pool.size} bytes: 1 or 2, and 2 for pools of 2 to 4 GiB")

@@ -32,11 +32,15 @@ def reciprocal(s):
   return jax.lax.bitcast_convert_type((254 - (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23)) << 23, jnp.float32)
 
 
-def check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset) -> None:
+def check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, shape_reason) -> None:
   """ValueError (one line naming them) unless the pools are float8_e4m3fn [L, Pl, Z, K, H], the scales float32
-  [L, Pl, K], the tokens [B, K, H] and the pages and offsets [B]."""
+  [L, Pl, K], the tokens [B, K, H] and the pages and offsets [B], and shape_reason(Z, H) (a writer's
+  `unsupported_shape`) is None."""
   L, Pl, Z, K, H = k_pool.shape
   B = k_new.shape[0]
+  why = shape_reason(Z, H)
+  if why:
+    raise ValueError(why)
   e4m3, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
   if ((k_pool.dtype, v_pool.dtype, k_scale.dtype, v_scale.dtype) != (e4m3, e4m3, f32, f32)
       or not (v_pool.shape == k_pool.shape and k_scale.shape == v_scale.shape == (L, Pl, K)

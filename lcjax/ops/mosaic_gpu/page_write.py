@@ -66,10 +66,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   import jax.experimental.pallas.mosaic_gpu as plgpu
   L, Pl, Z, K, H = k_pool.shape
   B = k_new.shape[0]
-  why = unsupported_shape(Z, H)
-  if why:
-    raise ValueError(why)
-  page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset)
+  page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, unsupported_shape)
   e4m3 = jnp.float8_e4m3fn
 
   def body(layer_ref, page_ref, offset_ref, x_ref, k_ref, v_ref, ks_ref, vs_ref, x_smem, y_smem, ratio_smem,

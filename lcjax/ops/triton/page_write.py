@@ -112,10 +112,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   from jax.experimental.pallas import triton as pltriton
   L, Pl, Z, K, H = k_pool.shape
   B = k_new.shape[0]
-  why = unsupported_shape(Z, H)
-  if why:
-    raise ValueError(why)
-  page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset)
+  page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, unsupported_shape)
   pack = pack or pack_for(k_pool.size)
   if pack not in (1, 2) or (pack == 1 and pack_for(k_pool.size) == 2 and not interpret):
     raise ValueError(f"pack={pack} for pools of {k_pool.size} bytes: 1 or 2, and 2 for pools of 2 to 4 GiB")

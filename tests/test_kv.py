@@ -175,7 +175,7 @@ def test_the_kernel_writes_what_xla_writes_bit_for_bit():
     a, b = (_run(_empty(), SEQS, SCHEDULES[schedule], kernel) for kernel in ("xla", "pallas-interpret"))
     for x, y in zip(a.parts(), b.parts()):
       np.testing.assert_array_equal(np.asarray(x)[:, 1:].view(np.uint8), np.asarray(y)[:, 1:].view(np.uint8))
-  with pytest.raises(ValueError, match="page_writer='fast' must be one of xla, pallas, pallas-interpret"):
+  with pytest.raises(ValueError, match="page_writer='fast' must be one of xla, pallas, mosaic, pallas-interpret"):
     _write(_empty(), *_call(SEQS, [0, 0], [1, 1], 1), kernel="fast")
 
 

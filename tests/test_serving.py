@@ -85,7 +85,8 @@ def test_kernel_names_are_defined_once():
   assert kernels.gemv_kernel("xla") is None and kernels.page_writer("xla") is None
   assert [kernels.gemv_kernel(n).name for n in config.GEMV_NAMES[1:]] == list(config.GEMV_NAMES[1:])
   assert [kernels.page_writer(n).name for n in config.PAGE_WRITER_NAMES[1:]] == list(config.PAGE_WRITER_NAMES[1:])
-  with pytest.raises(ValueError, match="gemv_kernel='fast' must be one of xla, mosaic\\+pallas, mosaic, pallas, pallas-interpret"):
+  with pytest.raises(ValueError, match="gemv_kernel='fast' must be one of xla, mosaic\\+pallas, mosaic, pallas, "
+                                       "pallas-interpret"):
     kernels.gemv_kernel("fast")
 
 

@@ -9,8 +9,8 @@ quantized with the new scale. The result is lcjax.cache.kv._write_one_token's, b
 One CTA (one warpgroup) per (row b, kv head h) does K, then V: it reads the old scale, brings the token's [H]
 values by TMA, reduces their absmax across the warpgroup, stores the quantized token row by TMA and the new scale
 as a scalar, and reads and rewrites the head's [Z, H] page slice by TMA only when the scale changed. K and V have
-shared-memory buffers of their own for the token, so V's never overwrite K's while a TMA store still reads them. Rows whose
-page is out of the pool (`Pl`: a padding row's, or a page of another shard) write nothing.
+shared-memory buffers of their own for the token, so V's never overwrite K's while a TMA store still reads them.
+Rows whose page is out of the pool (`Pl`: a padding row's, or a page of another shard) write nothing.
 
 The pools and scales are written in place: they enter the kernel as mutable refs (`jax.new_ref`), which the
 lowering turns into operands aliased to the custom call's outputs (no copy of a pool; tests/test_mosaic_lowering.py

@@ -194,16 +194,16 @@ def test_model_holds_weights_for_decode_sized_calls():
 
 def _count_kernel_calls(monkeypatch):
   """Count the model's traced calls of the kernels (the kernel modules' functions, which lcjax.ops.kernels' objects
-  call), by weight einsum and kernel ("mosaic", "pallas" or "pallas-interpret")."""
+  call), by weight einsum, kernel ("mosaic", "pallas" or "pallas-interpret") and the call's rows."""
   calls = []
   triton, mosaic = triton_gemv.gemv_stacked, mgpu_gemv.gemv_stacked
 
   def counted(x, w8, scale, layer, spec, **kw):
-    calls.append((spec, "pallas-interpret" if kw.get("interpret") else "pallas"))
+    calls.append((spec, "pallas-interpret" if kw.get("interpret") else "pallas", linear.rows_of(x, spec)))
     return triton(x, w8, scale, layer, spec, **kw)
 
   def counted_mosaic(x, w8, scale, layer, spec, **kw):
-    calls.append((spec, "mosaic"))
+    calls.append((spec, "mosaic", linear.rows_of(x, spec)))
     return mosaic(x, w8, scale, layer, spec, **kw)
 
   monkeypatch.setattr(triton_gemv, "gemv_stacked", counted)
@@ -225,7 +225,7 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
   a = xla.generate(prompts, max_new_tokens=6)
   assert not calls
   b = kern.generate(prompts, max_new_tokens=6)
-  assert {spec for spec, kernel in calls if kernel == "pallas-interpret"} == set(LINEAR.values())
+  assert {spec for spec, kernel, _ in calls if kernel == "pallas-interpret"} == set(LINEAR.values())
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   assert a[0].stats["linear"].endswith("else fp8 widened to float32 by XLA")
   assert b[0].stats["linear"].endswith("else the fp8 GEMV kernel in the Pallas interpreter")
@@ -350,8 +350,9 @@ def test_gpu_engine_decode_runs_the_kernel(ask, kernel, ran, monkeypatch):
   calls = _count_kernel_calls(monkeypatch)
   a, b = xla.generate(prompts, max_new_tokens=8), kern.generate(prompts, max_new_tokens=8)
   decode, chunk = ran                                 # the kernels of 2-row decode steps and 16/32-row chunks
-  assert {spec for spec, k in calls if k == decode} == set(LINEAR.values()) == {s for s, k in calls if k == chunk}
-  assert {k for _, k in calls} == set(ran)
+  assert {(s, k) for s, k, rows in calls if rows <= 8} == {(s, decode) for s in LINEAR.values()}
+  assert {(s, k) for s, k, rows in calls if rows > 8} == {(s, chunk) for s in LINEAR.values()}
+  assert {2, 16, 32} <= {rows for _, _, rows in calls}
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   assert b[0].stats["linear"].endswith(f"else {kernels.gemv_kernel(kernel).description}")
 

@@ -25,7 +25,8 @@ def _case(L, P, Z, K, H, B, seed=0):
   """fp8 pools with scales, and B decode tokens: row 0 opens page 1, row 1 brings a 1000x token into page 4 (its
   scale grows), row 2 writes nowhere (page P), the others small tokens (scales kept) into pages P-1, P-2, ...
   (skipping 1 and 4: rows write distinct pages); row 3 is all zeros, and row 4's absmax is exactly 448 x 2^-3 (the
-  edge of its scale rule) in every head."""
+  edge of its scale rule) in every head. The last row writes the last offset of its page, and with pages of more
+  than 64 tokens and 6 rows or more the one before it writes past the first 64."""
   rng = np.random.default_rng(seed)
   pools = [jnp.asarray(rng.normal(size=(L, P, Z, K, H)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
            for _ in range(2)]
@@ -39,6 +40,10 @@ def _case(L, P, Z, K, H, B, seed=0):
     toks[:, 4, :, 0] = 448.0 * 2.0 ** -3
   page = np.array([1, 4, P] + [p for p in range(P - 1, 0, -1) if p not in (1, 4)][:B - 3], np.int32)
   offset = np.array([0] + [(3 * i + 1) % Z for i in range(1, B)], np.int32)
+  if B > 3:
+    offset[-1] = Z - 1
+  if Z > 64 and B > 5:
+    offset[-2] = 64 + 7
   k, v = (jnp.asarray(t, jnp.bfloat16) for t in toks)
   return (*pools, *scales, k, v, jnp.asarray(page), jnp.asarray(offset))
 

@@ -30,14 +30,19 @@ from lcjax.ops.hardware import compute_capability, fp8_convert_reason
 from lcjax.ops.mosaic_gpu.common import smem_transforms
 
 
+MAX_SLICE_BYTES = 192 * 1024    # a page's [Z, H] e4m3 slice in shared memory, with the token buffers beside it
+
+
 def unsupported_shape(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot write pages of this shape (None: it can): a token row of 128 values is a vector of one
   value per thread of the warpgroup, and a page slice [page_size, 128] is a register tile of whole 64-row blocks
-  (at head_dim 64 or 16-row pages the lowering's layout inference finds no layout)."""
+  (at head_dim 64 or 16-row pages the lowering's layout inference finds no layout), held in shared memory whole
+  (at most MAX_SLICE_BYTES: 2,048-token pages exceed a CTA's shared memory)."""
   if head_dim != 128:
     return f"the Mosaic GPU fp8 page writer is built for head_dim 128, got {head_dim}"
-  if page_size % 64:
-    return f"the Mosaic GPU fp8 page writer needs a page_size that is a multiple of 64, got {page_size}"
+  if page_size % 64 or page_size * head_dim > MAX_SLICE_BYTES:
+    return (f"the Mosaic GPU fp8 page writer needs a page_size that is a multiple of 64 and at most "
+            f"{MAX_SLICE_BYTES // head_dim}, got {page_size}")
   return None
 
 
@@ -61,7 +66,9 @@ def unsupported(page_size: int, head_dim: int) -> str | None:
 def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer):
   """Row b's token k_new[b], v_new[b] [K, H] into page page[b] (local; Pl: written nowhere) at offset[b] of layer
   `layer` of fp8 pools [L, Pl, Z, K, H] with scales [L, Pl, K]. Returns (k_pool, v_pool, k_scale, v_scale), the
-  pools updated in place (donate them)."""
+  pools updated in place under jit when donated (called eagerly, each pool is copied into its ref). Inside a
+  shard_map, the map must be built with check_vma=False (Mosaic GPU kernels take no refs of varying manual axes),
+  as lcjax.model.llama's are."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   L, Pl, Z, K, H = k_pool.shape

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from lcjax.ops.hardware import jax_at_least
 from tests.test_fp8_decode import CASES, check_bf16_kernel, check_fp8_kernel, check_mosaic_combine
 
-pytestmark = pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11),
+pytestmark = pytest.mark.skipif(not jax_at_least(0, 11),
                                 reason=f"the Mosaic GPU interpreter runs these kernels from JAX 0.11 (this is "
                                        f"{jax.__version__})")
 

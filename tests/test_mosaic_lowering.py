@@ -21,6 +21,7 @@ from jax import export
 from lcjax.config import preset
 from lcjax.model.llama import LINEAR, linear_shapes
 from lcjax.ops import linear
+from lcjax.ops.hardware import jax_at_least
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
@@ -33,7 +34,7 @@ MOSAIC_CALL = "mosaic_gpu_v2"          # the custom call a lowered Mosaic GPU ke
 # JAX 0.11 lowers a Pallas Triton kernel only where a GPU is present (it asks the device for its compute
 # capability): the cases with the Triton split combine cross-lower under JAX 0.10 (CI's) and on the GPU.
 TRITON_CROSS_LOWERS = pytest.mark.skipif(
-    tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11) and jax.default_backend() != "gpu",
+    jax_at_least(0, 11) and jax.default_backend() != "gpu",
     reason=f"JAX {jax.__version__} lowers Pallas Triton kernels only with a GPU present")
 
 

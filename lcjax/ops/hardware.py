@@ -24,6 +24,21 @@ def fp8_convert_reason(kernel: str) -> str | None:
   return None
 
 
+def sm90_fp8_reason(kernel: str, uses: str) -> str | None:
+  """Why `kernel` (named in the message) cannot be compiled here (None: it can): it converts e4m3
+  (`fp8_convert_reason`) and uses Hopper's `uses` (wgmma, TMA), so it needs sm_90."""
+  reason = fp8_convert_reason(kernel)
+  cc = compute_capability()
+  if not reason and cc[0] != 9:
+    return f"the {kernel} needs a Hopper GPU (sm_90, {uses}), not compute capability {cc}"
+  return reason
+
+
+def jax_at_least(major: int, minor: int) -> bool:
+  """Whether this JAX is major.minor or later (what the Mosaic GPU lowering and interpreter can do changes with it)."""
+  return tuple(map(int, jax.__version__.split(".")[:2])) >= (major, minor)
+
+
 def on_hopper() -> str | None:
   """Why the Mosaic GPU kernels cannot run here (None: they can): they need a Hopper GPU or later (sm_90+)."""
   if jax.default_backend() != "gpu":

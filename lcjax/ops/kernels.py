@@ -88,7 +88,8 @@ MOSAIC_ROWS = 8
 class RowSplitGemv:
   """The Mosaic GPU kernel for calls of at most MOSAIC_ROWS rows (decode steps of up to 8 sequences), the Triton
   one for larger calls (prefill chunks and verify steps of up to lcjax.ops.linear.WIDEN_MAX_ROWS rows): Hopper's
-  "auto". The choice is made per call from its static shape, on a mesh from each device's rows."""
+  "auto". The choice is made per call from its static rows; on a mesh from the call's rows over every device
+  (`for_rows`, asked by Llama._gemv_mesh before its shard_map)."""
   name = "mosaic+pallas"
   interpret = False
   small: MosaicGemv = MosaicGemv()

@@ -57,7 +57,7 @@ from jax import lax
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
 from lcjax.ops.mosaic_gpu.common import load, smem_transforms
-from lcjax.ops.hardware import compute_capability, fp8_convert_reason
+from lcjax.ops.hardware import sm90_fp8_reason
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
@@ -79,11 +79,7 @@ class MgpuGemvTuning:
 
 def unsupported() -> str | None:
   """Why the kernel cannot be compiled here (None: it can): it needs a Hopper GPU (wgmma, TMA)."""
-  reason = fp8_convert_reason("Mosaic GPU fp8 GEMV kernel")
-  cc = compute_capability()
-  if not reason and cc[0] != 9:
-    return f"the Mosaic GPU fp8 GEMV kernel needs a Hopper GPU (sm_90, wgmma), not compute capability {cc}"
-  return reason
+  return sm90_fp8_reason("Mosaic GPU fp8 GEMV kernel", "wgmma")
 
 
 def unsupported_shape(N: int, Kd: int) -> str | None:

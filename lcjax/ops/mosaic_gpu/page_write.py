@@ -26,7 +26,7 @@ from jax import lax
 
 from lcjax.ops import page_scale
 from lcjax.ops.fp8 import E4M3_MAX
-from lcjax.ops.hardware import compute_capability, fp8_convert_reason
+from lcjax.ops.hardware import jax_at_least, sm90_fp8_reason
 from lcjax.ops.mosaic_gpu.common import smem_transforms
 
 
@@ -48,15 +48,13 @@ def unsupported_shape(page_size: int, head_dim: int) -> str | None:
 
 def refs_into_kernels() -> bool:
   """Whether Mosaic GPU kernels take mutable refs (`jax.new_ref`) as operands, aliased in place: JAX 0.11+."""
-  return tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
+  return jax_at_least(0, 11)
 
 
 def unsupported(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot be compiled here for pages of this shape (None: it can): a Hopper GPU (TMA; e4m3
   converted in hardware), JAX 0.11 or later (mutable refs into Mosaic GPU kernels), and `unsupported_shape`."""
-  reason = fp8_convert_reason("Mosaic GPU fp8 page writer")
-  if not reason and compute_capability()[0] != 9:
-    reason = f"the Mosaic GPU fp8 page writer needs a Hopper GPU (sm_90, TMA), not {compute_capability()}"
+  reason = sm90_fp8_reason("Mosaic GPU fp8 page writer", "TMA")
   if not reason and not refs_into_kernels():
     reason = (f"the Mosaic GPU fp8 page writer writes the pools in place through mutable refs, which Mosaic GPU "
               f"kernels take from JAX 0.11 (this is {jax.__version__})")
@@ -71,7 +69,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   as lcjax.model.llama's are."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  L, Pl, Z, K, H = k_pool.shape
+  _, Pl, Z, K, H = k_pool.shape
   B = k_new.shape[0]
   page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, unsupported_shape)
   e4m3 = jnp.float8_e4m3fn

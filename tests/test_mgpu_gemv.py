@@ -344,3 +344,26 @@ def test_gpu_kernel_on_the_rows_of_a_chunk(N, Kd, R):
   assert np.isfinite(got).all(), np.argwhere(~np.isfinite(got))[:8]
   err = np.abs(got - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-30)
   assert (err < 1e-5).all(), err
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_on_bf16_x_computed_in_the_same_program():
+  """x made in the product's own jit as a float32 value cast to bf16, whose values sit just below split_fixed's band
+  edge (1/4) before the cast and on it after (XLA's GPU compiler may drop the cast's rounding: excess precision):
+  the product of the bf16 values, finite and within 1e-5 of the float64 product, as when x arrives materialized."""
+  rng = np.random.default_rng(3)
+  w8 = jnp.asarray(np.clip(rng.standard_normal((1, 4096, 4096)) * 100, -448, 448), jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (1, 4096, 1)), jnp.float32)
+  a = np.full((16, 4096), 0.25 * (1 - 2 ** -12), np.float32) * rng.choice([-1.0, 1.0], (16, 4096))
+  a[:, ::3] = rng.standard_normal((16, 1366))
+
+  def product(a, w, s):
+    x = (jnp.sqrt(a * a) * jnp.sign(a)).astype(jnp.bfloat16)           # a float32 computation ending in the cast
+    return x, mgpu_gemv.gemv_stacked_f32(x, w, s, jnp.int32(0), "bk,nk->bn")
+
+  x, got = jax.jit(product)(jnp.asarray(a), w8, scale)
+  want = _numpy_product(x, w8, scale, 0, "bk,nk->bn")
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all(), int((~np.isfinite(got)).sum())
+  err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+  assert (err < 1e-5).all(), err

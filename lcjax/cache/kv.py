@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lcjax.ops import precision
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -151,7 +152,7 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
   x = new.reshape(-1, *pool.shape[3:])                              # [N, K, H]
   if scale is None:
     return pool.at[layer, page, s % Z].set(x.astype(pool.dtype), mode="drop"), None
-  x = x.astype(jnp.float32)
+  x = precision.widen(x)                                            # the model dtype's values, no excess precision
   if slots.shape[1] == 1:
     return _write_one_token(pool, scale, x, page, s % Z, layer)
   starts = jnp.where(s % Z == 0, page, Pl)
@@ -199,8 +200,8 @@ def write_tokens(cache: PagedKV, k, v, slots) -> PagedKV:
   for t in range(slots.shape[1]):
     page, offset = token_page_offset(slots[:, t:t + 1], Z, Pl)
     if cache.quantized:
-      k_all, k_scale = _write_one_token(k_all, k_scale, k[:, :, t].astype(jnp.float32), page, offset, slice(None))
-      v_all, v_scale = _write_one_token(v_all, v_scale, v[:, :, t].astype(jnp.float32), page, offset, slice(None))
+      k_all, k_scale = _write_one_token(k_all, k_scale, precision.widen(k[:, :, t]), page, offset, slice(None))
+      v_all, v_scale = _write_one_token(v_all, v_scale, precision.widen(v[:, :, t]), page, offset, slice(None))
     else:
       k_all = k_all.at[:, page, offset].set(k[:, :, t].astype(k_all.dtype), mode="drop")
       v_all = v_all.at[:, page, offset].set(v[:, :, t].astype(v_all.dtype), mode="drop")

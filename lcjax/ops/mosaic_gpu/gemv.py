@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lcjax.ops import precision
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
 from lcjax.ops.mosaic_gpu.common import load, smem_transforms
 from lcjax.ops.hardware import sm90_fp8_reason
@@ -319,8 +320,10 @@ def split_fixed(x2):
   SPLIT_LO, with no reduction and no rounding round trip, so XLA can fuse it into whatever makes x. Each value goes
   whole into one part by its magnitude: |x| >= 1/4 as x 2^-15 (in [2^-17, 2^16): bf16's 8 significant bits on
   float16's grid, exactly, up to the largest bf16 below 2^31; from 2^31 on, infinite), smaller ones as x 2^18
-  (exact for |x| >= 2^-35; below, the float16 subnormal grid leaves an error of at most 2^-43). NaN rides in lo."""
-  xf = x2.astype(jnp.float32)
+  (exact for |x| >= 2^-35; below, the float16 subnormal grid leaves an error of at most 2^-43). NaN rides in lo.
+  x is widened by `precision.widen`: a float32 value that XLA kept unrounded can fall just below the band's edge
+  and overflow lo to infinity (0.24999 * 2^18 > 65504)."""
+  xf = precision.widen(x2)
   big = jnp.abs(xf) >= SPLIT_BAND
   hi = jnp.where(big, xf * SPLIT_HI, 0.0).astype(jnp.float16)
   lo = jnp.where(big, 0.0, xf * SPLIT_LO).astype(jnp.float16)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lcjax.ops import page_scale
+from lcjax.ops import page_scale, precision
 from lcjax.ops.fp8 import E4M3_MAX
 from lcjax.ops.hardware import jax_at_least, sm90_fp8_reason
 from lcjax.ops.mosaic_gpu.common import smem_transforms
@@ -112,7 +112,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
         plgpu.wait_smem_to_gmem(0)
         scale[l, p, h] = jnp.max(new)
 
-  x = jnp.stack([k_new, v_new], axis=1).astype(jnp.float32)               # [B, 2, K, H]
+  x = precision.widen(jnp.stack([k_new, v_new], axis=1))                  # [B, 2, K, H], k_new's values exactly
   refs = [jax.new_ref(a) for a in (k_pool, v_pool, k_scale, v_scale)]
   plgpu.kernel(
       body,

@@ -223,7 +223,7 @@ ATTENTION_DTYPES = {"auto": None, "float8_e4m3fn": "float8_e4m3fn", "int8_fp8": 
 WEIGHT_DTYPES = ("auto", "bfloat16", "float8_e4m3fn")
 # The names of what multiplies fp8 weights in decode-sized calls: XLA's widened product, or a GEMV kernel
 # (lcjax.ops.kernels.GEMV_KERNELS, by these names).
-GEMV_NAMES = ("xla", "mosaic+pallas", "mosaic", "pallas", "pallas-interpret")
+GEMV_NAMES = ("xla", "mosaic", "pallas", "pallas-interpret")
 # The names of what writes a decode step's K and V into fp8 pages: XLA's ops, or a page writer
 # (lcjax.ops.kernels.PAGE_WRITERS, by these names).
 PAGE_WRITER_NAMES = ("xla", "pallas", "mosaic", "pallas-interpret")
@@ -288,11 +288,10 @@ class RunConfig:
                                      # output channel; lcjax.ops.linear). Embeddings, norms and the LM head stay
                                      # in dtype
   linear_kernel: str = "auto"        # fp8 weights in decode-sized calls (<= 64 rows): "auto" (on a GPU, each
-                                     # device of a mesh on its shards: mosaic+pallas on Hopper for products that
-                                     # tile by 64, else pallas; else xla; the log says why), "mosaic+pallas"
-                                     # (mosaic for calls of up to 8 rows, pallas for more: lcjax.ops.kernels
-                                     # .RowSplitGemv), "mosaic" (lcjax.ops.mosaic_gpu.gemv: reads the stacked fp8
-                                     # weights in place, one byte a weight, TMA and wgmma),
+                                     # device of a mesh on its shards: mosaic on Hopper for products that tile by
+                                     # 64, else pallas; else xla; the log says why), "mosaic"
+                                     # (lcjax.ops.mosaic_gpu.gemv: reads the stacked fp8 weights in place, one byte
+                                     # a weight, TMA and wgmma),
                                      # "pallas" (lcjax.ops.triton.gemv: the same product in Pallas' Triton
                                      # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
                                      # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)

@@ -236,9 +236,9 @@ def test_linear_kernel_refusals():
   fp8 = WeightFormat(fp8=True)
   cpu = "the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"
   mcpu = "the Mosaic GPU fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"
-  on_cpu = {"mosaic+pallas": mcpu, "mosaic": mcpu, "pallas": cpu}
-  on_hopper = {"mosaic+pallas": None, "mosaic": None, "pallas": None}
-  on_ada = {"mosaic+pallas": "needs a Hopper GPU", "mosaic": "needs a Hopper GPU", "pallas": None}
+  on_cpu = {"mosaic": mcpu, "pallas": cpu}
+  on_hopper = {"mosaic": None, "pallas": None}
+  on_ada = {"mosaic": "needs a Hopper GPU", "pallas": None}
   assert placement.gemv_kernels_unsupported(preset("tiny")) == on_cpu      # this test runs on CPUs
   with pytest.raises(ConfigError, match="linear_kernel='pallas': the fp8 GEMV kernel needs a CUDA GPU, not 'cpu'"):
     placement.decode_linear(run, fp8, on_cpu)
@@ -248,11 +248,11 @@ def test_linear_kernel_refusals():
     placement.decode_linear(run, WeightFormat(), on_hopper)
   assert placement.decode_linear(run, fp8, on_hopper)[0] == "pallas"
   auto = run.replace(linear_kernel="auto")
-  assert placement.decode_linear(auto, fp8, on_hopper)[0] == "mosaic+pallas"
+  assert placement.decode_linear(auto, fp8, on_hopper)[0] == "mosaic"
   assert placement.decode_linear(auto, fp8, on_ada) == ("pallas", "linear_kernel='auto'; needs a Hopper GPU")
   assert placement.decode_linear(auto, fp8, on_cpu) == ("xla", f"linear_kernel='auto': {mcpu}; {cpu}")
-  with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, mosaic\\+pallas, mosaic, "
-                                        "pallas, pallas-interpret"):
+  with pytest.raises(ConfigError, match="linear_kernel='fast' must be one of auto, xla, mosaic, pallas, "
+                                        "pallas-interpret"):
     RunConfig(linear_kernel="fast")
   with pytest.raises(ValueError, match="multiplies fp8 weights; these are in the parameter dtype"):
     Llama(preset("tiny"), gemv_kernel=kernels.gemv_kernel("pallas-interpret"), rngs=nnx.Rngs(0))
@@ -265,7 +265,7 @@ def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   monkeypatch.setattr(mgpu_gemv, "unsupported", lambda: None)
   monkeypatch.setattr(triton_gemv, "unsupported", lambda: None)
   tiny = preset("tiny")
-  assert placement.gemv_kernels_unsupported(tiny) == {"mosaic+pallas": None, "mosaic": None, "pallas": None}
+  assert placement.gemv_kernels_unsupported(tiny) == {"mosaic": None, "pallas": None}
   why = "w_down: the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: Kd=96 is not a multiple of 64"
   odd_ffn = dataclasses.replace(tiny, ffn_dim=96)                    # w_gate_up N = 192 tiles, w_down's Kd = 96
   assert placement.gemv_kernels_unsupported(odd_ffn)["mosaic"] == why
@@ -335,11 +335,10 @@ def test_gpu_kernel_reads_the_top_of_a_large_stack(D, F, L_, min_bytes, pack):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ask,kernel,ran", [("auto", "mosaic+pallas", ("mosaic", "pallas")),
-                                            ("pallas", "pallas", ("pallas", "pallas"))])
-def test_gpu_engine_decode_runs_the_kernel(ask, kernel, ran, monkeypatch):
-  """On a Hopper GPU, linear_kernel="auto" decodes fp8 weights through the compiled Mosaic GPU kernel and takes
-  the Triton one for the prefill chunks (32 and 16 rows), and "pallas" runs the Triton one for both (float32
+@pytest.mark.parametrize("ask,kernel", [("auto", "mosaic"), ("pallas", "pallas")])
+def test_gpu_engine_decode_runs_the_kernel(ask, kernel, monkeypatch):
+  """On a Hopper GPU, linear_kernel="auto" runs fp8 weights through the compiled Mosaic GPU kernel and "pallas"
+  through the Triton one, in decode steps (2 rows) and prefill chunks (32 and 16 rows) alike (float32
   activations: their hi + lo split), with the greedy tokens of "xla"."""
   cfg = preset("tiny")
   run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
@@ -349,28 +348,7 @@ def test_gpu_engine_decode_runs_the_kernel(ask, kernel, ran, monkeypatch):
   prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
   calls = _count_kernel_calls(monkeypatch)
   a, b = xla.generate(prompts, max_new_tokens=8), kern.generate(prompts, max_new_tokens=8)
-  decode, chunk = ran                                 # the kernels of 2-row decode steps and 16/32-row chunks
-  assert {(s, k) for s, k, rows in calls if rows <= 8} == {(s, decode) for s in LINEAR.values()}
-  assert {(s, k) for s, k, rows in calls if rows > 8} == {(s, chunk) for s in LINEAR.values()}
+  assert {(s, k) for s, k, rows in calls} == {(s, kernel) for s in LINEAR.values()}
   assert {2, 16, 32} <= {rows for _, _, rows in calls}
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   assert b[0].stats["linear"].endswith(f"else {kernels.gemv_kernel(kernel).description}")
-
-
-def test_row_split_kernel_routes_by_rows(monkeypatch):
-  """lcjax.ops.kernels.RowSplitGemv ("mosaic+pallas", Hopper's "auto") hands calls of up to MOSAIC_ROWS rows to the
-  Mosaic GPU kernel and larger ones to the Triton kernel, with the call's arguments; rows are the x dimensions the
-  output keeps (batch x tokens)."""
-  calls = []
-  monkeypatch.setattr(mgpu_gemv, "gemv_stacked", lambda x, *a, **kw: calls.append(("mosaic", x.shape, kw)))
-  monkeypatch.setattr(triton_gemv, "gemv_stacked", lambda x, *a, **kw: calls.append(("pallas", x.shape, kw)))
-  split = kernels.gemv_kernel("mosaic+pallas")
-  spec = LINEAR["layers/mlp/w_down"]
-  w8, scale = jnp.zeros((2, 32, 64), jnp.float8_e4m3fn), jnp.ones((2, 32, 1), jnp.float32)
-  for shape in [(1, 1, 64), (8, 1, 64), (1, 8, 64), (9, 1, 64), (2, 5, 64), (1, 16, 64)]:
-    split(jnp.zeros(shape, jnp.bfloat16), w8, scale, jnp.int32(0), spec, dtype=jnp.float32)
-  assert [(k, shape) for k, shape, _ in calls] == [
-      ("mosaic", (1, 1, 64)), ("mosaic", (8, 1, 64)), ("mosaic", (1, 8, 64)), ("pallas", (9, 1, 64)),
-      ("pallas", (2, 5, 64)), ("pallas", (1, 16, 64))]
-  assert all(kw["dtype"] == jnp.float32 for _, _, kw in calls)
-  assert kernels.MOSAIC_ROWS == 8

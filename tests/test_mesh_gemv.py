@@ -10,8 +10,6 @@ split over `tensor`).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -19,8 +17,6 @@ import pytest
 from lcjax.config import ModelConfig, RunConfig
 from lcjax.engine.engine import Engine
 from lcjax.model.llama import LINEAR
-from lcjax.ops import kernels
-from lcjax.ops.linear import rows_of
 from lcjax.ops.triton import gemv as triton_gemv
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
@@ -98,36 +94,3 @@ def test_context_saved_on_one_mesh_loads_on_another(tmp_path, one):
   with b.load_context(tmp_path / "doc") as ctx:
     got = b.generate(question, max_new_tokens=NEW, context=ctx).token_ids
   assert got == ref.generate(doc + question, max_new_tokens=NEW).token_ids
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recorded:
-  """A GEMV kernel object (the Triton kernel in the interpreter) that records the rows each device hands it."""
-  label: str
-  interpret = True
-
-  def for_rows(self, rows: int) -> "_Recorded":
-    return self
-
-  def why_not(self, products) -> None:
-    return None
-
-  def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
-    _ROUTED.append((self.label, rows_of(x, spec)))
-    return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, interpret=True, dtype=dtype)
-
-
-_ROUTED: list = []
-
-
-def test_row_split_takes_the_rows_of_the_whole_call_on_a_seq_mesh(monkeypatch, one):
-  """On seq=2 a 16-token prefill chunk is 8 rows a device: "mosaic+pallas" (lcjax.ops.kernels.RowSplitGemv) must
-  give it the kernel for 16 rows (its large one) and decode steps of 2 rows its small one, as on one device."""
-  ref, _ = one
-  split = kernels.RowSplitGemv(small=_Recorded("small"), large=_Recorded("large"))
-  monkeypatch.setitem(kernels.GEMV_KERNELS, "pallas-interpret", split)
-  _ROUTED.clear()
-  eng = Engine(CFG, ref.params, run=RUN.replace(seq=2))
-  eng.generate(PROMPTS[1], max_new_tokens=3)
-  assert {label for label, rows in _ROUTED if rows == 8} == {"large"}       # a chunk's half on each device
-  assert {label for label, rows in _ROUTED if rows == 2} == {"small"}       # decode steps, both slots

@@ -40,7 +40,7 @@ flags.DEFINE_string("attention", "auto", "attention backend")
 flags.DEFINE_string("attention_dtype", "auto", "auto | float8_e4m3fn | int8_fp8 (RunConfig.attention_dtype)")
 flags.DEFINE_string("weight_dtype", "auto", "auto | bfloat16 | float8_e4m3fn (RunConfig.weight_dtype)")
 flags.DEFINE_string("linear_kernel", "auto",
-                    "auto | xla | mosaic+pallas | mosaic | pallas | pallas-interpret (RunConfig.linear_kernel)")
+                    "auto | xla | mosaic | pallas | pallas-interpret (RunConfig.linear_kernel)")
 flags.DEFINE_string("page_write", "auto", "auto | xla | pallas | mosaic | pallas-interpret (RunConfig.page_write)")
 flags.DEFINE_integer("draft_tokens", 0, "decode: k > 0 traces prompt-lookup speculation (RunConfig.draft=\"prompt\") "
                      "with k drafts a step; figures are then per model call (a verify step of k + 1 rows)")

@@ -76,9 +76,8 @@ def serving_config(model_cfg: ModelConfig, run: RunConfig) -> tuple[ModelConfig,
 
 def gemv_kernels_unsupported(cfg: ModelConfig, tensor: int = 1) -> dict[str, str | None]:
   """Why each compiled fp8 GEMV kernel (lcjax.ops.kernels.GEMV_KERNELS, not interpreted) cannot serve cfg's
-  products on this machine (None: it can), by name, in the order "auto" prefers them: "mosaic+pallas" (the
-  Mosaic GPU kernel for calls of up to 8 rows, the Triton one for more: lcjax.ops.kernels.RowSplitGemv),
-  "mosaic" (lcjax.ops.mosaic_gpu.gemv, Hopper), "pallas" (lcjax.ops.triton.gemv, sm_89+). On a mesh of `tensor` devices
+  products on this machine (None: it can), by name, in the order "auto" prefers them: "mosaic"
+  (lcjax.ops.mosaic_gpu.gemv, Hopper), "pallas" (lcjax.ops.triton.gemv, sm_89+). On a mesh of `tensor` devices
   each runs the kernel on its shard of every weight: the shapes checked are the shards'."""
   dims = {name.split("/")[-1]: product_dims(name, shape) for name, shape in linear_shapes(cfg, tensor).items()}
   return {name: k.why_not(dims) for name, k in kernels.GEMV_KERNELS.items() if not k.interpret}
@@ -88,8 +87,8 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
   """(the name of Llama's gemv_kernel for RunConfig.linear_kernel, a name of lcjax.config.GEMV_NAMES; why): what
   multiplies fp8 weights in decode-sized calls, on one device or on each device of a mesh (Llama._gemv_mesh).
   no_kernel: `gemv_kernels_unsupported()` for the run's tensor size. A kernel asked for by name that cannot serve
-  raises ConfigError; "auto" takes the first kernel that can ("mosaic+pallas", then "pallas": "mosaic" is refused
-  whenever "mosaic+pallas" is, so "auto" never takes it alone), else "xla", and says why (each reason once)."""
+  raises ConfigError; "auto" takes the first kernel that can ("mosaic", then "pallas"), else "xla", and says why
+  (each reason once)."""
   ask = run.linear_kernel
   if not weights.fp8:
     if ask not in ("auto", "xla"):

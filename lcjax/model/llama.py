@@ -56,7 +56,7 @@ from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
-                               quantize_axes, quantize_weight, rows_of)
+                               quantize_axes, quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax import sharding as sh
@@ -586,7 +586,7 @@ class Llama(nnx.Module):
     on.update(zip(rows, sh.spec(self._row_axes(split))))
     x_spec, out_spec = P(*(on[c] for c in xs)), P(*(on[c] for c in out))
     summed = tuple(dict.fromkeys(on[c] for c in xs if c in ws and c not in out and on[c] is not None))
-    kernel = self.gemv_kernel.for_rows(rows_of(x, spec))        # the call's rows over the mesh, not one device's
+    kernel = self.gemv_kernel
 
     def body(layer, x, w8, scale):
       if not summed:

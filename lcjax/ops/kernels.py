@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
-from lcjax.ops.linear import rows_of
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
 from lcjax.ops.triton import gemv as triton_gemv
@@ -35,10 +34,6 @@ class MosaicGemv:
     device runs), naming the first such weight; None: it can."""
     bad = [f"{name}: {why}" for name, (N, Kd) in products.items() if (why := mgpu_gemv.unsupported_shape(N, Kd))]
     return mgpu_gemv.unsupported() or (bad[0] if bad else None)
-
-  def for_rows(self, rows: int) -> "MosaicGemv":
-    """The kernel that multiplies a call of `rows` rows (on a mesh: the call's rows over every device): itself."""
-    return self
 
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most
@@ -66,52 +61,9 @@ class TritonGemv:
     """Why the kernel cannot run here (None: it can); it multiplies `products` of any shape."""
     return None if self.interpret else triton_gemv.unsupported()
 
-  def for_rows(self, rows: int) -> "TritonGemv":
-    """As MosaicGemv.for_rows: itself."""
-    return self
-
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """As MosaicGemv.__call__."""
     return triton_gemv.gemv_stacked(x, w8, scale, layer, spec, interpret=self.interpret, dtype=dtype)
-
-
-# The most rows a call of "mosaic+pallas" gives the Mosaic GPU kernel, provisional until the cause below is found.
-# On an H100 (jax 0.11.2) the engine's logits came out NaN where the Mosaic kernel took a 16-row prefill chunk,
-# and finite where the Triton kernel or XLA took it; with the Mosaic kernel the fp8 speculation test (verify steps
-# of 40 rows) accepted no draft. The kernel's unit tests at 16 to 64 rows give finite, correct products; the
-# engine's decode steps of up to 8 rows are the published decode figures (benchmarks/NOTES-fp8w.md, "NaN with 16
-# rows").
-MOSAIC_ROWS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSplitGemv:
-  """The Mosaic GPU kernel for calls of at most MOSAIC_ROWS rows (decode steps of up to 8 sequences), the Triton
-  one for larger calls (prefill chunks and verify steps of up to lcjax.ops.linear.WIDEN_MAX_ROWS rows): Hopper's
-  "auto". The choice is made per call from its static rows; on a mesh from the call's rows over every device
-  (`for_rows`, asked by Llama._gemv_mesh before its shard_map)."""
-  name = "mosaic+pallas"
-  interpret = False
-  small: MosaicGemv = MosaicGemv()
-  large: TritonGemv = TritonGemv()
-
-  @property
-  def description(self) -> str:
-    return (f"the Mosaic GPU fp8 GEMV kernel (lcjax.ops.mosaic_gpu.gemv) for calls of up to {MOSAIC_ROWS} rows, "
-            "the Triton one (lcjax.ops.triton.gemv) for more")
-
-  def why_not(self, products: dict[str, tuple[int, int]]) -> str | None:
-    """Why either kernel cannot serve here (None: both can)."""
-    return self.small.why_not(products) or self.large.why_not(products)
-
-  def for_rows(self, rows: int) -> MosaicGemv | TritonGemv:
-    """The kernel a call of `rows` rows takes. On a mesh Llama._gemv_mesh asks with the call's rows over every
-    device before its shard_map, so a prefill chunk split over `seq` takes the kernel its whole length takes."""
-    return self.small if rows <= MOSAIC_ROWS else self.large
-
-  def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
-    """As MosaicGemv.__call__, through the kernel its rows take."""
-    return self.for_rows(rows_of(x, spec))(x, w8, scale, layer, spec, dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +106,7 @@ class MosaicPageWriter:
 
 
 # By name, in the order "auto" prefers the compiled ones (lcjax.engine.placement).
-GEMV_KERNELS = {k.name: k for k in (RowSplitGemv(), MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
+GEMV_KERNELS = {k.name: k for k in (MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
 PAGE_WRITERS = {k.name: k for k in (TritonPageWriter(), MosaicPageWriter(), TritonPageWriter(interpret=True))}
 
 
@@ -164,7 +116,7 @@ def _by_name(table: dict, names: tuple[str, ...], what: str, name: str):
   return None if name == "xla" else table[name]
 
 
-def gemv_kernel(name: str) -> RowSplitGemv | MosaicGemv | TritonGemv | None:
+def gemv_kernel(name: str) -> MosaicGemv | TritonGemv | None:
   """The GEMV kernel called `name` (lcjax.config.GEMV_NAMES); None for "xla"."""
   return _by_name(GEMV_KERNELS, GEMV_NAMES, "gemv_kernel", name)
 

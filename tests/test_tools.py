@@ -108,6 +108,10 @@ def test_check_exact_over_the_last_positions_and_with_fp8_weights(tmp_path):
   assert "| 200 | float32 | oracle |" in (tmp_path / "ex.md").read_text()
 
 
+# What every end-to-end row says ran, as a result's stats name it (lcjax.Engine.kernels).
+KERNEL_KEYS = {"attention", "decode_kernel", "page_write", "linear"}
+
+
 def test_profile_step_reports(tmp_path):
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
            "--prefill_chunk=128", "--weight_dtype=float8_e4m3fn", "--cache_dtype=float8_e4m3fn",
@@ -116,6 +120,7 @@ def test_profile_step_reports(tmp_path):
   assert rep["context"] == 200 and rep["wall_ms_per_token"] > 0 and rep["attention"] == "reference"
   assert rep["weight_dtype"].startswith("float8_e4m3fn") and "widened" in rep["linear"], rep
   assert (rep["cache_dtype"], rep["page_write"]) == ("float8_e4m3fn", "pallas-interpret"), rep
+  assert rep["decode_kernel"] == "reference" and KERNEL_KEYS <= set(rep), rep
   assert "decode at 200" in p.stdout
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--phase=prefill", "--page_size=16",
            "--prefill_chunk=128", f"--out={tmp_path}", "--name=pre")
@@ -174,6 +179,7 @@ def test_bench_longctx_rows_and_plots(tmp_path):
   assert all(r["S"] == 256 and r["oom"] is False for r in rows.values())
   assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
   assert rows["lcjax"]["planned_gib"] > 0 and rows["dense"]["planned_gib"] is None
+  assert all(KERNEL_KEYS <= set(r) for r in rows.values()), rows
   assert (tmp_path / "lc-memory.png").stat().st_size > 0 and (tmp_path / "lc-prefill.png").stat().st_size > 0
 
 
@@ -201,6 +207,7 @@ def test_bench_stream_rows(tmp_path):
   assert [(r["S"], r["steps"], r["tokens"]) for r in rows] == [(100, 1, 9), (100, 4, 9)]
   assert all(r["wall_ms_per_token"] > 0 and r["calls_ms_per_token"] > 0 for r in rows)
   assert rows[1]["vs_largest"] == 1.0 and rows[0]["stream_ms_per_token"] is None
+  assert all(KERNEL_KEYS <= set(r) for r in rows), rows
   assert "| 100 | 1 |" in (tmp_path / "bs.md").read_text()
 
 
@@ -285,7 +292,7 @@ def test_bench_lengths_rows_and_check(tmp_path):
   res = json.load(open(tmp_path / "bl.json"))
   got = [(r["kind"], r["tokens"], r["chunks"]) for r in res["rows"]]
   assert got == [("document", 100, [64]), ("document", 128, [64]), ("question", 16, [16]), ("question", 40, [64])]
-  assert all(r["seconds"] > 0 for r in res["rows"])
+  assert all(r["seconds"] > 0 and KERNEL_KEYS <= set(r) for r in res["rows"])
   assert [(c["kind"], c["monotone"]) for c in res["checks"]] == [("document", True), ("question", True)]
   from tools.benchlib import monotone_violations
   assert monotone_violations([(100, 1.0), (200, 2.0), (300, 2.05)], 1.05) == []

@@ -119,7 +119,7 @@ def bench(S: int) -> dict:
   rng = np.random.default_rng(S)
   doc = rng.integers(3, V, S).tolist()
   qs = [rng.integers(3, V, FLAGS.question).tolist() for _ in range(4)]
-  row = dict(S=S, question=FLAGS.question, attention=eng.attention.name, cache_dtype=eng.run.resolved_cache_dtype,
+  row = dict(S=S, question=FLAGS.question, **eng.kernels, cache_dtype=eng.run.resolved_cache_dtype,
              dtype=eng.run.dtype)
 
   def answer(q, **kw):

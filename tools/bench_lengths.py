@@ -75,7 +75,7 @@ def sweep(variant: str) -> list[dict]:
   V, C = eng.cfg.vocab_size, eng.run.prefill_chunk
   rng = np.random.default_rng(0)
   rows = []
-  common = dict(variant=variant, attention=eng.attention.name, attention_dtype=eng.run.attention_dtype,
+  common = dict(variant=variant, **eng.kernels, attention_dtype=eng.run.attention_dtype,
                 cache_dtype=eng.run.resolved_cache_dtype, weight_dtype=eng.weights.name or eng.run.dtype)
   for n in documents:
     _stage(f"{variant}: document of {n:,} tokens")

@@ -157,7 +157,7 @@ def worker_jax(impl: str):
                         prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
                         decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
                         planned_gib=planned, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
-                        attention=eng.attention.name, weight_dtype=st["weight_dtype"], linear=st["linear"],
+                        **eng.kernels, weight_dtype=st["weight_dtype"],
                         prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
                         resident_gib=resident and resident / GiB, warmup_peak_gib=warmup_peak and warmup_peak / GiB,
                         oom=False)

@@ -144,8 +144,7 @@ def worker(spec: str):
     flops = prefill_flops(cfg, S)
     benchlib.emit_row(**base, prefill_s=prefill_s, prefill_tok_s=S / prefill_s if prefill_s else None,
                       prefill_tflops=flops / prefill_s / 1e12 if prefill_s else None, decode_ms_per_token=decode_ms,
-                      peak_gib=peak, warmup_s=warm, attention=eng.attention.name, decode_kernel=eng.decode_kernel,
-                      page_write=eng.page_write, linear=eng.linear_kernels, cache_dtype=eng.run.resolved_cache_dtype,
+                      peak_gib=peak, warmup_s=warm, **eng.kernels, cache_dtype=eng.run.resolved_cache_dtype,
                       weight_dtype=eng.weights.name or eng.run.dtype, oom=False)
   except Exception as e:  # noqa: BLE001 - every failure is a row
     oom = benchlib.is_oom(e)

@@ -189,8 +189,7 @@ def cost() -> list[dict]:
                 times.append(time.perf_counter() - t0)
               step_ms = 1000 * statistics.median(times[2:])
               row = dict(variant=variant, context=n, batch=B, k=k, drafts_fed=fed, plain_decode_ms_per_token=plain_ms,
-                         step_ms=step_ms, kernels=dict(attention=eng.attention.name, decode_kernel=eng.decode_kernel,
-                                                       page_write=eng.page_write, linear=eng.linear_kernels))
+                         step_ms=step_ms, kernels=eng.kernels)
               rows.append(row)
               benchlib.emit_row(**row)
           finally:

@@ -102,7 +102,7 @@ def bench(S: int, steps: list[int]) -> list[dict]:
           res = eng.last_results
           n = min(len(r.token_ids) for r in res)
           stream.append(1e3 * (dt - max(r.stats["prefill_s"] for r in res)) / max(n - 1, 1))
-      row = dict(S=S, steps=k, tokens=n, batch=FLAGS.batch, attention=eng.attention.name, dtype=eng.run.dtype,
+      row = dict(S=S, steps=k, tokens=n, batch=FLAGS.batch, **eng.kernels, dtype=eng.run.dtype,
                  cache_dtype=eng.run.resolved_cache_dtype, wall_ms_per_token=statistics.median(wall),
                  calls_ms_per_token=statistics.median(calls),
                  stream_ms_per_token=statistics.median(stream) if stream else None)

@@ -63,7 +63,7 @@ def main(argv):
       for depth, code, res in zip(map(float, FLAGS.depths), codes, results):
         rows.append(dict(cache_dtype=cache_dtype, words=words, tokens=res.prompt_tokens, depth=depth,
                          found=code in res.text, answer=res.text.strip()[:80],
-                         attention=res.stats["attention"], attention_dtype=res.stats["attention_dtype"],
+                         **engine.kernels, attention_dtype=res.stats["attention_dtype"],
                          weight_dtype=res.stats["weight_dtype"]))
         print(json.dumps(rows[-1]), flush=True)
       print(f"{words} words: {time.time() - t0:.1f} s", flush=True)

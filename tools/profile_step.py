@@ -140,8 +140,7 @@ def main(argv):
                 steps=FLAGS.steps, draft_tokens=FLAGS.draft_tokens,
                 per="prefill" if FLAGS.phase == "prefill" else "model call" if FLAGS.draft_tokens else "token",
                 decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
-                attention=eng.attention.name, weight_dtype=res.stats["weight_dtype"], linear=res.stats["linear"],
-                cache_dtype=res.stats["cache_dtype"], page_write=res.stats["page_write"],
+                **eng.kernels, weight_dtype=res.stats["weight_dtype"], cache_dtype=res.stats["cache_dtype"],
                 source=benchlib.source_revision(),
                 wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
                 floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})

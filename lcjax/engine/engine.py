@@ -123,6 +123,12 @@ class Engine:
     return self.serving.decode.name
 
   @property
+  def kernels(self) -> dict[str, str]:
+    """What runs, as every result's stats name it: attention (prefill), decode_kernel, page_write, linear."""
+    return dict(attention=self.attention.name, decode_kernel=self.decode_kernel, page_write=self.page_write,
+                linear=self.linear_kernels)
+
+  @property
   def linear_kernels(self) -> str:
     """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
     and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call), and on a mesh that a GEMV kernel
@@ -323,10 +329,8 @@ class Engine:
 
   def _result(self, r: Request, t_call: float | None = None, compile_s: float = 0.0) -> GenerationResult:
     """r's result (lcjax.engine.results.result) with this engine's kernels in its stats."""
-    kernels = dict(attention=self.attention.name, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
-                   weight_dtype=self.weights.name or self.run.dtype, linear=self.linear_kernels,
-                   cache_dtype=self.run.resolved_cache_dtype, decode_kernel=self.decode_kernel,
-                   page_write=self.page_write)
+    kernels = dict(self.kernels, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
+                   weight_dtype=self.weights.name or self.run.dtype, cache_dtype=self.run.resolved_cache_dtype)
     return result(r, self._text(r.out), kernels, self.run.draft, t_call, compile_s)
 
   def warm_up(self, prompt_tokens, *, context: Context | None = None, chat: bool = False, context_tokens: int = 0,

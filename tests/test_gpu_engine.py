@@ -13,6 +13,7 @@ import pytest
 
 from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine
+from lcjax.ops.hardware import jax_at_least
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
@@ -334,3 +335,33 @@ def test_mosaic_page_writer_in_the_engine():
   finally:
     xla.close()
     kern.close()
+
+
+TRITON_DEPRECATED = "The Pallas Triton backend is deprecated"
+
+
+@pytest.mark.skipif(not jax_at_least(0, 11), reason="JAX warns of the Pallas Triton backend from 0.11 on")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 49: on Hopper the bf16 paged decode and its split combine, the fp8 decode's combine "
+                          "and the fp8 page write still default to Triton kernels")
+@pytest.mark.parametrize("dtypes", [("bfloat16", "auto", "auto"), ("bfloat16", "float8_e4m3fn", "float8_e4m3fn")])
+def test_hopper_defaults_lower_no_pallas_triton_kernel(dtypes):
+  """On a Hopper GPU, the default kernels of a bf16 model and of fp8 weights + fp8 KV (prefill chunks, decode steps
+  of two sequences, their page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on
+  each such lowering, and a fresh engine lowers every program it runs."""
+  import warnings
+  from lcjax.ops import hardware
+  if hardware.sm90_fp8_reason("test", "wgmma"):
+    pytest.skip(hardware.sm90_fp8_reason("test", "wgmma"))
+  dtype, cache_dtype, weight_dtype = dtypes
+  run = RunConfig(dtype=dtype, page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024, decode_steps=16,
+                  cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    eng = Engine.random(dataclasses.replace(CFG, ffn_dim=1024), run=run, seed=1)
+    try:
+      res = eng.generate([SPEC_PROMPTS[0][:300], SPEC_PROMPTS[1][:70]], max_new_tokens=8)
+    finally:
+      eng.close()
+  triton = [str(w.message)[:60] for w in seen if TRITON_DEPRECATED in str(w.message)]
+  assert not triton, (res[0].stats["decode_kernel"], res[0].stats["page_write"], res[0].stats["linear"], len(triton))

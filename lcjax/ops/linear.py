@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lcjax.ops import precision
 from lcjax.ops.fp8 import E4M3, E4M3_MAX, scale_for
 
 # Rows (batch x tokens) up to which `dense` widens the weights instead of quantizing the activations.
@@ -196,8 +197,10 @@ def product_layout(x_shape, w_shape, spec: str):
 
 def scale_rows(x2):
   """x [R, Kd] -> (x16 [P, R, Kd] float16, row scale [R, 1] float32): x = sum(x16, 0) * scale (the docstring of
-  lcjax.ops.triton.gemv), the scale a power of two; P = 1 for 16-bit x (exact), 2 for float32 x (hi and lo parts)."""
-  xf = x2.astype(jnp.float32)
+  lcjax.ops.triton.gemv), the scale a power of two; P = 1 for 16-bit x (exact: bf16 x is widened by
+  precision.widen, so its float16 part holds x's bf16 values however XLA computed them), 2 for float32 x (hi and lo
+  parts)."""
+  xf = precision.widen(x2)
   m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
   s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - X_ABSMAX_LOG2)     # m / s in [2^13, 2^14): exact exponent
   xf = xf / s

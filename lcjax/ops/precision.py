@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 
 
-
 def widen(x):
-  """x as float32, holding exactly x's own values for bfloat16 x; any other dtype: a plain cast. (float16 is not
-  pinned: reduce_precision to its 5 exponent bits flushes its subnormals to zero.)"""
+  """x as float32, holding bf16 values for bfloat16 x (what the producer computed, rounded to bf16 here if XLA kept
+  it unrounded); any other dtype: a plain cast. (float16 is not pinned: reduce_precision to its 5 exponent bits
+  flushes its subnormals to zero.)"""
   y = x.astype(jnp.float32)
   return lax.reduce_precision(y, exponent_bits=8, mantissa_bits=7) if x.dtype == jnp.bfloat16 else y

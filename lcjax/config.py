@@ -230,6 +230,9 @@ PAGE_WRITER_NAMES = ("xla", "pallas", "mosaic", "pallas-interpret")
 # RunConfig.linear_kernel and RunConfig.page_write: one of those, or "auto" (lcjax.engine.placement.decode_linear,
 # lcjax.engine.placement.page_write choose).
 LINEAR_KERNELS = ("auto", *GEMV_NAMES)
+# RunConfig.decode_kernel: which of the pallas backend's decode kernels reads the pages in decode steps
+# (lcjax.ops.pallas_backend.PallasBackend.decode_route).
+DECODE_KERNELS = ("auto", "mosaic", "triton")
 PAGE_WRITES = ("auto", *PAGE_WRITER_NAMES)
 
 
@@ -302,6 +305,11 @@ class RunConfig:
                                      # Hopper, JAX 0.11+, head_dim 128, page_size a multiple of 64; not yet timed
                                      # on a GPU, so "auto" does not take it), "xla" (nine small XLA kernels a
                                      # layer), "pallas-interpret"
+  decode_kernel: str = "auto"        # decode steps over the pages, under attention="pallas": "auto" (on Hopper the
+                                     # Mosaic GPU fp8 kernel over fp8 pages with Triton's split combine, else the
+                                     # Triton kernel), "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and
+                                     # fp8 pages: no Triton kernel; Hopper), "triton" (lcjax.ops.triton.paged, both
+                                     # page dtypes); another attention backend decodes with its own kernel
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)
@@ -350,6 +358,8 @@ class RunConfig:
       raise ConfigError(f"weight_dtype={self.weight_dtype!r} must be one of {', '.join(WEIGHT_DTYPES)}")
     if self.linear_kernel not in LINEAR_KERNELS:
       raise ConfigError(f"linear_kernel={self.linear_kernel!r} must be one of {', '.join(LINEAR_KERNELS)}")
+    if self.decode_kernel not in DECODE_KERNELS:
+      raise ConfigError(f"decode_kernel={self.decode_kernel!r} must be one of {', '.join(DECODE_KERNELS)}")
     if self.page_write not in PAGE_WRITES:
       raise ConfigError(f"page_write={self.page_write!r} must be one of {', '.join(PAGE_WRITES)}")
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):

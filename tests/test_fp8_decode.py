@@ -261,6 +261,42 @@ def check_mosaic_combine(B, K, S, H, RN, T, G, spread):
   np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("route", ["auto", "mosaic", "triton"])
+@pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeypatch):
+  """PallasBackend.paged's decode rows by decode_route (RunConfig.decode_kernel), on an emulated sm_90: "mosaic"
+  calls the Mosaic GPU decode entry of the page dtype with the Mosaic GPU combine (bf16 pages through a 2-slot
+  ring), "triton" the Triton kernel for both page dtypes, "auto" the Mosaic GPU fp8 kernel with Triton's combine
+  over fp8 pages and the Triton kernel over bf16 pages; decode_kernel() names what ran. Pages the Mosaic GPU kernel
+  cannot read are refused under "mosaic" (no other kernel runs)."""
+  monkeypatch.setattr(hardware, "on_sm90", lambda: None)
+  ran = []
+  for module, fn in ((mgpu_paged, "paged_decode_fp8"), (mgpu_paged, "paged_decode_bf16"),
+                     (triton_paged, "paged_decode")):
+    monkeypatch.setattr(module, fn, lambda *a, _fn=fn, **kw: ran.append((_fn, kw.get("tuning"))))
+  be = pallas_backend.PallasBackend(decode_route=route)
+  B, T, N, K, H, Z, M = 2, 1, 8, 2, 128, 64, 3
+  q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+  pages = jnp.zeros((8, Z, K, H), page_dtype)
+  scales = jnp.ones((8, K), jnp.float32) if page_dtype == jnp.float8_e4m3fn else None
+  table, q_pos, kv_len = jnp.zeros((B, M), jnp.int32), jnp.full((B, T), 100), jnp.full((B,), 101)
+  be.paged(q, pages, pages, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
+  fp8 = page_dtype == jnp.float8_e4m3fn
+  want = {"mosaic": "paged_decode_fp8" if fp8 else "paged_decode_bf16", "triton": "paged_decode",
+          "auto": "paged_decode_fp8" if fp8 else "paged_decode"}[route]
+  assert [name for name, _ in ran] == [want]
+  named = {"mosaic": "mosaic", "triton": "triton", "auto": "mgpu-fp8" if fp8 else "triton"}[route]
+  assert be.decode_kernel(head_dim=H, page_size=Z, rows=T * N // K, page_dtype=page_dtype) == named
+  if route == "mosaic":
+    tuning = ran[0][1]
+    assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (4 if fp8 else 2)
+    small = jnp.zeros((8, 32, K, H), page_dtype)
+    with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
+      be.paged(q, small, small, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
+  elif route == "auto" and fp8:
+    assert ran[0][1] is None                          # paged_decode_fp8's default tuning: Triton's combine
+
+
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)

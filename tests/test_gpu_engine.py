@@ -51,6 +51,16 @@ def _forced_logits(eng, prompt, out, *, paged: bool) -> np.ndarray:
   return np.stack([eng.prompt_logits(prompt + out[:i]) for i in range(len(out))])
 
 
+def _skip_unless_served(linear_kernel="auto", page_write="auto"):
+  """Skip where a kernel asked for by name cannot run here (the Mosaic GPU GEMV and page writer: Hopper; the page
+  writer: JAX 0.11+), rather than fail on the engine's refusal."""
+  from lcjax.ops import kernels
+  reasons = [kernels.gemv_kernel(linear_kernel).why_not({}) if linear_kernel not in ("auto", "xla") else None,
+             kernels.page_writer(page_write).why_not(64, 128) if page_write not in ("auto", "xla") else None]
+  if any(reasons):
+    pytest.skip("; ".join(r for r in reasons if r))
+
+
 def _assert_greedy_under(logits, out):
   """Every token of `out` is a greedy choice of its row of logits [len(out), V], up to TOL near-ties."""
   logits = np.asarray(logits, np.float64)
@@ -106,6 +116,21 @@ def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
       logits = np.asarray(eng.logits([p + alone[:d]])[0, -1], np.float64)
       gap, scale = abs(logits[alone[d]] - logits[both[d]]), np.abs(logits).max()
       assert gap <= 2 ** -6 * scale, (d, alone, both, gap, scale)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "float8_e4m3fn"])
+def test_mosaic_decode_matches_reference(cache_dtype, prompts):
+  """decode_kernel="mosaic" (the Mosaic GPU decode kernel and its Mosaic GPU split combine, bf16 or fp8 pages)
+  == the reference backend on the same cache dtype, and the stats name it."""
+  from lcjax.ops import hardware
+  if hardware.on_sm90():
+    pytest.skip(hardware.on_sm90())
+  run = RunConfig(dtype="bfloat16", page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024,
+                  decode_steps=16, attention="pallas", cache_dtype=cache_dtype, decode_kernel="mosaic")
+  fast = Engine.random(CFG, run=run, seed=1)
+  assert fast.decode_kernel == "mosaic"
+  _assert_agree(_engine("reference", cache_dtype=cache_dtype), fast, prompts, kernels=("pallas", "mosaic"),
+                uncached=cache_dtype == "auto")
 
 
 @pytest.mark.parametrize("backend, decode", [("cudnn", "reference"), ("pallas", "mgpu-fp8")])
@@ -189,6 +214,7 @@ def test_speculative_decoding_gives_plain_greedy_tokens(cache_dtype, weight_dtyp
   near-ties), drafts were accepted, and the compiled decode loop copies no KV pool (pools larger than any weight:
   such a copy is a pool's)."""
   from tests.test_engine import pool_copies_in_decode_loop
+  _skip_unless_served(linear_kernel)
   run = RunConfig(dtype="bfloat16", page_size=64, max_context=8192, max_batch=8, prefill_chunk=1024,
                   decode_steps=16, cache_dtype=cache_dtype, weight_dtype=weight_dtype, linear_kernel=linear_kernel)
   cfg = dataclasses.replace(CFG, ffn_dim=1024)       # every weight below one layer's pool of 64K tokens
@@ -224,14 +250,14 @@ def fp8_xla_engine():
     ("auto", "auto"), ("mosaic", "pallas"), ("mosaic", "xla"), ("mosaic", "mosaic"), ("pallas", "pallas"),
     ("xla", "pallas"), ("xla", "xla")])
 def test_fp8_weight_and_cache_kernels_match_xla(linear_kernel, page_write, fp8_xla_engine):
-  """fp8 weights + fp8 KV where the H100 gave NaN logits (a 1,024-wide MLP and max_batch 8), through each GPU GEMV
-  kernel and page writer: a 320-token prompt (5 whole pages), then the prompt plus one token (a 1-token
+  """fp8 weights + fp8 KV with a 1,024-wide MLP and max_batch 8, through each GPU GEMV kernel and page writer: a 320-token prompt (5 whole pages), then the prompt plus one token (a 1-token
   chunk over the 5 cached pages), then a prompt ending inside a page and its 1-token follow-up, and greedy decode
   == the same model on XLA's products and page writes (its prefix cache cleared first, so that both engines read
   the same prompts from the cache): finite logits within TOL of its norm, every token a greedy choice of XLA's
   teacher-forced logits. Which case fails says which kernel breaks; (xla, xla) runs the oracle's kernels, so only
   its finiteness checks can fail it (the attention kernels every case shares)."""
   from tests.test_engine import _prefill_logits
+  _skip_unless_served(linear_kernel, page_write)
   ref = fp8_xla_engine
   ref.prefix_cache.clear()
   eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel=linear_kernel, page_write=page_write), seed=1)
@@ -288,8 +314,8 @@ def test_fp8_sharded_path_on_a_one_device_mesh(monkeypatch):
 def test_mosaic_gemv_calls_of_a_question_checked_on_the_host(monkeypatch):
   """Every Mosaic GEMV call of a 1-token question over 5 cached pages (a 16-row chunk), its operands and float32
   result sent to the host from inside the compiled layer scan and checked there against the float64 product of the
-  same operands: finite and within 1e-5 of the product's scale, and the logits finite. The kernel's split reads x's
-  bf16 values (lcjax.ops.precision.widen); read as XLA's unrounded float32, lo parts overflow to infinity here."""
+  same operands: finite and within 1e-5 of the product's scale, and the logits finite: the kernel multiplies the
+  bf16 x the host sees (its split reads x through lcjax.ops.precision.widen)."""
   from jax import lax
   from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
   from tests.test_fp8_gemv import _numpy_product
@@ -301,6 +327,7 @@ def test_mosaic_gemv_calls_of_a_question_checked_on_the_host(monkeypatch):
     jax.debug.callback(lambda *a: seen.append((spec, *map(np.asarray, a))), x, w_l, s_l, layer, y)
     return y
 
+  _skip_unless_served("mosaic")
   monkeypatch.setattr(mgpu_gemv, "gemv_stacked_f32", checked)
   eng = Engine.random(FP8_CFG, run=FP8_RUN.replace(linear_kernel="mosaic"), seed=1)
   try:
@@ -323,6 +350,7 @@ def test_mosaic_page_writer_in_the_engine():
   loop): the greedy tokens, and every page's bytes and scales, of page_write="xla" on the same model (fp8 weights
   + fp8 KV, 64-token pages, head dim 128, two sequences decoded together)."""
   from tests.test_fp8_page_write import _bits
+  _skip_unless_served(page_write="mosaic")
   run = FP8_RUN.replace(linear_kernel="xla", max_batch=2)
   xla, kern = (Engine.random(FP8_CFG, run=run.replace(page_write=w), seed=1) for w in ("xla", "mosaic"))
   try:
@@ -340,22 +368,29 @@ def test_mosaic_page_writer_in_the_engine():
 TRITON_DEPRECATED = "The Pallas Triton backend is deprecated"
 
 
+TRITON_DEFAULTS = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="issue 49: on Hopper the bf16 paged decode and its split combine, the fp8 decode's combine and the fp8 "
+           "page write still default to Triton kernels")
+
+
 @pytest.mark.skipif(not jax_at_least(0, 11), reason="JAX warns of the Pallas Triton backend from 0.11 on")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 49: on Hopper the bf16 paged decode and its split combine, the fp8 decode's combine "
-                          "and the fp8 page write still default to Triton kernels")
-@pytest.mark.parametrize("dtypes", [("bfloat16", "auto", "auto"), ("bfloat16", "float8_e4m3fn", "float8_e4m3fn")])
-def test_hopper_defaults_lower_no_pallas_triton_kernel(dtypes):
-  """On a Hopper GPU, the default kernels of a bf16 model and of fp8 weights + fp8 KV (prefill chunks, decode steps
-  of two sequences, their page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on
-  each such lowering, and a fresh engine lowers every program it runs."""
+@pytest.mark.parametrize("cache_dtype, weight_dtype, decode_kernel, page_write", [
+    pytest.param("auto", "auto", "auto", "auto", marks=TRITON_DEFAULTS),
+    pytest.param("float8_e4m3fn", "float8_e4m3fn", "auto", "auto", marks=TRITON_DEFAULTS),
+    ("auto", "auto", "mosaic", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "mosaic", "mosaic")])
+def test_hopper_kernels_lower_no_pallas_triton_kernel(cache_dtype, weight_dtype, decode_kernel, page_write):
+  """On a Hopper GPU, a bf16 model and fp8 weights + fp8 KV (prefill chunks, decode steps of two sequences, their
+  page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on each such lowering, and
+  a fresh engine lowers every program it runs. The defaults (strict xfails until issue 49 moves them) and the
+  Mosaic GPU kernels asked for by name."""
   import warnings
   from lcjax.ops import hardware
   if hardware.sm90_fp8_reason("test", "wgmma"):
     pytest.skip(hardware.sm90_fp8_reason("test", "wgmma"))
-  dtype, cache_dtype, weight_dtype = dtypes
-  run = RunConfig(dtype=dtype, page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024, decode_steps=16,
-                  cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+  run = RunConfig(dtype="bfloat16", page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024,
+                  decode_steps=16, cache_dtype=cache_dtype, weight_dtype=weight_dtype, decode_kernel=decode_kernel,
+                  page_write=page_write)
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     eng = Engine.random(dataclasses.replace(CFG, ffn_dim=1024), run=run, seed=1)
@@ -364,4 +399,4 @@ def test_hopper_defaults_lower_no_pallas_triton_kernel(dtypes):
     finally:
       eng.close()
   triton = [str(w.message)[:60] for w in seen if TRITON_DEPRECATED in str(w.message)]
-  assert not triton, (res[0].stats["decode_kernel"], res[0].stats["page_write"], res[0].stats["linear"], len(triton))
+  assert not triton, ({k: res[0].stats[k] for k in ("decode_kernel", "page_write", "linear")}, len(triton))

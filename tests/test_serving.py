@@ -50,6 +50,32 @@ def test_on_hopper(monkeypatch):
   assert "mosaic_gpu.paged" in s.decode.why and s.draft.name == "prompt" and "4 drafts" in s.draft.why
 
 
+def test_decode_kernel_asked_for_by_name(monkeypatch):
+  """RunConfig.decode_kernel on Hopper: "mosaic" and "triton" reach the pallas backend (its decode_route) and the
+  table; refused in one line under another backend, where the Mosaic GPU kernels cannot read the pages, and on
+  Ada (whose "auto" attention is cuDNN)."""
+  _gpu(monkeypatch, (9, 0))
+  for cache in ("bfloat16", "float8_e4m3fn"):
+    s = resolve(CFG, RUN.replace(cache_dtype=cache, decode_kernel="mosaic"), check_fit=False)
+    assert (s.decode.name, s.attention.decode_route) == ("mosaic", "mosaic")
+    assert "decode_kernel='mosaic'" in s.decode.why and "mosaic_gpu.paged" in s.decode.why
+  s = resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
+  assert (s.decode.name, s.attention.decode_route) == ("triton", "triton") and "asked for" in s.decode.why
+  assert resolve(CFG, RUN, check_fit=False).attention.decode_route == "auto"
+  with pytest.raises(ConfigError, match="decode_kernel='mosaic' picks among the pallas backend's decode kernels, "
+                                        "and attention='cudnn' decodes with its own"):
+    resolve(CFG, RUN.replace(attention="cudnn", decode_kernel="mosaic"), check_fit=False)
+  with pytest.raises(ConfigError, match="decode_kernel='mosaic': .*blocks of 64 tokens; page_size=32"):
+    resolve(CFG, RUN.replace(page_size=32, decode_kernel="mosaic"), check_fit=False)
+  with pytest.raises(ConfigError, match="decode_kernel='mosaic': .*float16"):
+    resolve(CFG, RUN.replace(dtype="float16", cache_dtype="auto", decode_kernel="mosaic"), check_fit=False)
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
+  with pytest.raises(ConfigError, match="decode_kernel='triton'.*attention='cudnn'"):
+    resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
+  with pytest.raises(ConfigError, match="decode_kernel='fast' must be one of auto, mosaic, triton"):
+    RunConfig(decode_kernel="fast")
+
+
 def test_on_ada(monkeypatch):
   _gpu(monkeypatch, (8, 9))
   s = resolve(CFG, RUN, check_fit=False)

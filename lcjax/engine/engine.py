@@ -119,7 +119,8 @@ class Engine:
   @property
   def decode_kernel(self) -> str:
     """The kernel decode steps run: the backend's name, or for pallas which of its decode kernels serves this
-    model's pages ('mgpu-fp8' or 'triton'; `serving.decode.why` says why)."""
+    model's pages ('mgpu-fp8', 'triton' or, asked for by RunConfig.decode_kernel, 'mosaic'; `serving.decode.why`
+    says why)."""
     return self.serving.decode.name
 
   @property

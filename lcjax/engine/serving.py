@@ -84,6 +84,12 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
   kwargs = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
                 page_dtype=run.resolved_cache_dtype)
   name = pick(**kwargs)
+  if name == "mosaic":
+    return Choice(name, "the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
+                        ".combine), asked for by decode_kernel='mosaic'")
+  if name == "triton" and run.decode_kernel == "triton":
+    return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged), asked for by "
+                        "decode_kernel='triton'")
   if name == "mgpu-fp8":
     return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged)")
   if name == "triton":
@@ -93,6 +99,27 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
   if name == "reference":
     return Choice(name, f"the jnp reference, slow: {attention.decode_reason(page_dtype=run.resolved_cache_dtype)}")
   return Choice(name, f"the {name} backend's paged decode")
+
+
+def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
+  """The attention backend with RunConfig.decode_kernel's route, or a one-line ConfigError where the route cannot
+  serve: a backend with no choice of decode kernels, or Mosaic GPU kernels that cannot read these decode rows
+  (a verify step's k + 1 tokens included)."""
+  ask = run.decode_kernel
+  if ask == "auto":
+    return attention
+  if not hasattr(attention, "decode_route"):
+    raise ConfigError(f"decode_kernel={ask!r} picks among the pallas backend's decode kernels, and "
+                      f"attention={attention.name!r} decodes with its own: use attention='pallas' or "
+                      "decode_kernel='auto'")
+  tokens = run.draft_tokens + 1 if run.draft != "off" else 1
+  rows = tokens * (serving_cfg.n_heads // serving_cfg.n_kv_heads)
+  if ask == "mosaic":
+    reason = attention.mosaic_decode_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
+                                            page_dtype=run.resolved_cache_dtype)
+    if reason:
+      raise ConfigError(f"decode_kernel='mosaic': {reason}")
+  return dataclasses.replace(attention, decode_route=ask)
 
 
 def _draft_choice(run: RunConfig) -> Choice:
@@ -118,6 +145,7 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
                             attention_dtype=run.attention_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  attention = _decode_route(attention, serving_cfg, run)
   name, why = placement.decode_linear(run, weights, placement.gemv_kernels_unsupported(serving_cfg, run.tensor))
   linear = Choice(name, why, kernels.gemv_kernel(name))
   name, why = placement.page_write(run, serving_cfg.head_dim)

@@ -2,7 +2,8 @@
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
 pages to the split-K Triton kernel (lcjax.ops.triton.paged); decode rows over fp8 pages to the Mosaic GPU fp8
-decode kernel (lcjax.ops.mosaic_gpu.paged) where it can serve them, else to the Triton kernel; prefill chunks against
+decode kernel (lcjax.ops.mosaic_gpu.paged) where it can serve them, else to the Triton kernel (or, by its
+decode_route, every decode row to the Mosaic GPU kernels or to the Triton one); prefill chunks against
 the paged cache to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
 prefill chunks over their cached prefix. Each `why_not` / `fp8_decode_reason` names why a kernel cannot serve a
 shape here; lcjax.ops.backends picks a backend by name.
@@ -25,6 +26,11 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
 
+# decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
+# 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K and 128K, batch 8, on an H100: benchmarks/NOTES-attention).
+MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
+MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
+
 # Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
 PREFIX_BLOCK_TOKENS = 131072
 
@@ -33,7 +39,8 @@ PREFIX_BLOCK_TOKENS = 131072
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
   kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mosaic_gpu.paged) over fp8
-  pages.
+  pages. `decode_route` "mosaic" sends decode rows over either page dtype to the Mosaic GPU kernels with their
+  Mosaic GPU split combine, "triton" to the Triton kernel (RunConfig.decode_kernel).
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
   no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
@@ -45,6 +52,7 @@ class PallasBackend:
   flash: mgpu_flash.FlashTuning = mgpu_flash.FlashTuning()
   decode: object = None                          # a triton_paged.PagedTuning; None: its defaults
   interpret: bool = False
+  decode_route: str = "auto"                     # RunConfig.decode_kernel: "auto", "mosaic" or "triton"
 
   def _decode_tuning(self):
     return self.decode or triton_paged.PagedTuning()
@@ -83,6 +91,14 @@ class PallasBackend:
 
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
+  def mosaic_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
+    """Why decode rows of `rows` query rows per kv head over pages of `page_dtype` cannot take the Mosaic GPU decode
+    kernels (lcjax.ops.mosaic_gpu.paged: bf16 or fp8 pages); None: they can."""
+    if self.interpret:
+      return "the Mosaic GPU kernel has no interpreter (interpret=True)"
+    return (mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
+            or hardware.on_sm90())
+
   def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
     """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mosaic_gpu.paged); None: they
     do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
@@ -90,12 +106,14 @@ class PallasBackend:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
     if jnp.dtype(page_dtype) != fp8_ops.E4M3:
       return f"the pages are {jnp.dtype(page_dtype).name}, not float8_e4m3fn"
-    return (mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
-            or hardware.on_sm90())
+    return self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'mgpu-fp8' (lcjax.ops.mosaic_gpu.paged) or
-    'triton' (lcjax.ops.triton.paged; pages other than e4m3 always)."""
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: with decode_route "auto", 'mgpu-fp8'
+    (lcjax.ops.mosaic_gpu.paged, Triton's split combine) or 'triton' (lcjax.ops.triton.paged; pages other than
+    e4m3 always); else the route's ('mosaic': decode and combine in Mosaic GPU; 'triton')."""
+    if self.decode_route != "auto":
+      return self.decode_route
     reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
     return "triton" if reason else "mgpu-fp8"
 
@@ -107,12 +125,22 @@ class PallasBackend:
     fp8_pages = k_pages.dtype == fp8_ops.E4M3
     if fp8_pages and (k_scale is None or v_scale is None):
       raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
+    if rows <= tuning.max_rows and self.decode_route == "mosaic":
+      reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      if reason:
+        raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
+      if fp8_pages:
+        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
+                                           tuning=MOSAIC_FP8_DECODE)
+      return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                          page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
     if rows <= tuning.max_rows:
       reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
-      if reason is None:
+      if reason is None and self.decode_route == "auto":
         return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                            k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-      if fp8_pages and not self.interpret:
+      if fp8_pages and not self.interpret and self.decode_route == "auto":
         ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
                       f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
       return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,

@@ -67,3 +67,26 @@ def test_gemv_splits_read_bf16_x_through_widen():
   x = sum(np.asarray(p, np.float64) * w for p, w in zip(parts, np.asarray(weights, np.float64)))
   np.testing.assert_array_equal(x[0], np.asarray(a.astype(jnp.bfloat16), np.float64))
   assert np.abs(np.asarray(parts[1])).max() <= 65280
+
+
+def test_fp8_page_writes_read_bf16_k_through_widen():
+  """XLA's fp8 page writes (lcjax.cache.kv: a decode step's token, a chunk's tokens, and write_tokens' kept
+  drafts) quantize K's bf16 values as the page-writer kernels do: their compiled programs keep the pin for bf16 K
+  made in the same program."""
+  from lcjax.cache import kv
+  L, P, Z, K, H, B = 1, 4, 16, 2, 8, 2
+  pool = jnp.zeros((L, P, Z, K, H), jnp.float8_e4m3fn)
+  scale = jnp.zeros((L, P, K), jnp.float32)
+  a = jnp.full((B, 1, K, H), 0.3, jnp.float32)
+
+  def decode_write(a, slots):
+    k = jnp.sqrt(a * a).astype(jnp.bfloat16)
+    return kv.write_kv(pool, pool, scale, scale, k, k, slots, slots, 0)
+
+  def kept_drafts(a, slots):
+    k = jnp.sqrt(a * a).astype(jnp.bfloat16)[None]                              # [L, B, T, K, H]
+    return kv.write_tokens(kv.PagedKV(pool, pool, scale, scale), k, k, slots)
+
+  slots = jnp.asarray([[17], [33]], jnp.int32)
+  for fn in (decode_write, kept_drafts):
+    assert "reduce-precision" in jax.jit(fn).lower(a, slots).compile().as_text(), fn.__name__

@@ -122,6 +122,20 @@ MUTANTS = (
            "      bad = live & ~finite(logits[:, 0])",
            "      bad = live & False",
            ("tests/test_speculate.py::test_nonfinite_logits_stop_the_request_and_say_so[off]",)),
+    Mutant("gemv-split-reads-unrounded-x",
+           "the Mosaic GEMV's band split widens bf16 x with a plain cast, which XLA's GPU compiler may drop: values "
+           "just below 1/4 kept in float32 go to the lo band and overflow float16 (NaN logits on an H100)",
+           "lcjax/ops/mosaic_gpu/gemv.py",
+           "  xf = precision.widen(x2)",
+           "  xf = x2.astype(jnp.float32)",
+           ("tests/test_precision.py::test_gemv_splits_read_bf16_x_through_widen",)),
+    Mutant("fp8-page-write-quantizes-unrounded-k",
+           "XLA's fp8 page write widens K with a plain cast: under excess precision it quantizes other values than "
+           "the page-writer kernels, whose pages then differ from XLA's",
+           "lcjax/cache/kv.py",
+           "  x = precision.widen(x)                                            # the model dtype's values",
+           "  x = x.astype(jnp.float32)                                         # the model dtype's values",
+           ("tests/test_precision.py::test_fp8_page_writes_read_bf16_k_through_widen",)),
 )
 
 

@@ -118,9 +118,8 @@ class Engine:
 
   @property
   def decode_kernel(self) -> str:
-    """The kernel decode steps run: the backend's name, or for pallas which of its decode kernels serves this
-    model's pages ('mgpu-fp8', 'triton' or, asked for by RunConfig.decode_kernel, 'mosaic'; `serving.decode.why`
-    says why)."""
+    """The kernel decode steps run: the backend's name, or pallas' kernel for these pages ('mgpu-fp8', 'triton',
+    'mosaic'; `serving.decode.why` says why)."""
     return self.serving.decode.name
 
   @property
@@ -131,9 +130,8 @@ class Engine:
 
   @property
   def linear_kernels(self) -> str:
-    """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks
-    and decode steps run (lcjax.ops.linear.dense: chosen by the rows of a call), and on a mesh that a GEMV kernel
-    runs on each device's shards."""
+    """How the projections and MLP multiply: by their dtype, or for fp8 weights which product prefill chunks and
+    decode steps run (lcjax.ops.linear.dense, by a call's rows), and on a mesh that a GEMV runs on each shard."""
     return linear_kernels(self.weights, self.run, self.serving.linear.kernel, self.mesh.size)
 
   def close(self) -> None:

@@ -9,7 +9,9 @@
 # fits one 10-minute GPU session; the wall time each part took on the H200 is noted (CPU: run on the CPU).
 #   attention     attention.{json,md}: attention-h200 (kernels beside cuDNN, FA3, torch SDPA), prefill-profile-h200
 #                 (the 8-bit prefill kernel's phases), attention-fp8-h200-c (8-bit prefill beside cuDNN fp8/bf16),
-#                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN)
+#                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN),
+#                 attention-decode-routing-h200 (issue 49: the Triton and Mosaic GPU decode paths, bf16 and fp8
+#                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions)     predicted ~4 min more
 #                                                                                          ~8 + 0.5 + 2 + 3 min
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)
@@ -89,7 +91,10 @@ for step in "${steps[@]}"; do
       python3 tools/bench_attention.py --prefill=32768,131072 --decode= --skip=nolse,lse,norotation,positions \
         --reps=3 --stall_s=60 --only=fp8,lcjax-pallas,cudnn-public --out="$P" --name=attention-fp8-h200-c
       python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --reps=5 --stall_s=60 \
-        --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$P" --name=attention-fp8-decode-h200-b ;;
+        --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$P" --name=attention-fp8-decode-h200-b
+      python3 tools/bench_attention.py --prefill= --decode=32768,100000,131072,524288 --batch=1,8 --pages=64 \
+        --reps=20 --stall_s=60 --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
+        --out="$P" --name=attention-decode-routing-h200 ;;
     longctx)
       python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=8192,32768,131072 --decode_steps=64 \
         --time_budget_s=150 --out="$P" --name=longctx-h200-w

@@ -305,11 +305,11 @@ class RunConfig:
                                      # Hopper, JAX 0.11+, head_dim 128, page_size a multiple of 64; not yet timed
                                      # on a GPU, so "auto" does not take it), "xla" (nine small XLA kernels a
                                      # layer), "pallas-interpret"
-  decode_kernel: str = "auto"        # decode steps over the pages, under attention="pallas": "auto" (on Hopper the
+  decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (on Hopper the
                                      # Mosaic GPU fp8 kernel over fp8 pages with Triton's split combine, else the
                                      # Triton kernel), "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and
-                                     # fp8 pages: no Triton kernel; Hopper), "triton" (lcjax.ops.triton.paged, both
-                                     # page dtypes); another attention backend decodes with its own kernel
+                                     # fp8 pages: no Triton attention kernel; Hopper), "triton"
+                                     # (lcjax.ops.triton.paged, both page dtypes); cuDNN decodes with its own
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)

@@ -293,8 +293,16 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
     small = jnp.zeros((8, 32, K, H), page_dtype)
     with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
       be.paged(q, small, small, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
+    assert len(ran) == 1                              # refused: no other kernel ran
   elif route == "auto" and fp8:
     assert ran[0][1] is None                          # paged_decode_fp8's default tuning: Triton's combine
+  # A prefill chunk (rows past the decode kernels' 64 a kv head) takes the chunk path whatever the route.
+  monkeypatch.setattr(pallas_backend.CudnnBackend, "paged", lambda self, *a, **kw: ran.append(("cudnn", None)))
+  ran.clear()
+  chunk = jnp.zeros((B, 32, N, H), jnp.bfloat16)
+  be.paged(chunk, pages, pages, table, q_pos=jnp.tile(jnp.arange(32), (B, 1)), kv_len=kv_len, k_scale=scales,
+           v_scale=scales)
+  assert ran == [("cudnn", None)]
 
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):

@@ -250,12 +250,13 @@ def fp8_xla_engine():
     ("auto", "auto"), ("mosaic", "pallas"), ("mosaic", "xla"), ("mosaic", "mosaic"), ("pallas", "pallas"),
     ("xla", "pallas"), ("xla", "xla")])
 def test_fp8_weight_and_cache_kernels_match_xla(linear_kernel, page_write, fp8_xla_engine):
-  """fp8 weights + fp8 KV with a 1,024-wide MLP and max_batch 8, through each GPU GEMV kernel and page writer: a 320-token prompt (5 whole pages), then the prompt plus one token (a 1-token
-  chunk over the 5 cached pages), then a prompt ending inside a page and its 1-token follow-up, and greedy decode
-  == the same model on XLA's products and page writes (its prefix cache cleared first, so that both engines read
-  the same prompts from the cache): finite logits within TOL of its norm, every token a greedy choice of XLA's
-  teacher-forced logits. Which case fails says which kernel breaks; (xla, xla) runs the oracle's kernels, so only
-  its finiteness checks can fail it (the attention kernels every case shares)."""
+  """fp8 weights + fp8 KV with a 1,024-wide MLP and max_batch 8, through each GPU GEMV kernel and page writer: a
+  320-token prompt (5 whole pages), then the prompt plus one token (a 1-token chunk over the 5 cached pages), then a
+  prompt ending inside a page and its 1-token follow-up, and greedy decode == the same model on XLA's products and
+  page writes (its prefix cache cleared first, so that both engines read the same prompts from the cache): finite
+  logits within TOL of its norm, every token a greedy choice of XLA's teacher-forced logits. Which case fails says
+  which kernel breaks; (xla, xla) runs the oracle's kernels, so only its finiteness checks can fail it (the attention
+  kernels every case shares)."""
   from tests.test_engine import _prefill_logits
   _skip_unless_served(linear_kernel, page_write)
   ref = fp8_xla_engine

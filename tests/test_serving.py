@@ -4,6 +4,7 @@ emulation answers `jax.default_backend()` and the compute capability the kernels
 presence (a CPU jaxlib has none)."""
 from __future__ import annotations
 
+import dataclasses
 import jax
 import pytest
 
@@ -63,14 +64,27 @@ def test_decode_kernel_asked_for_by_name(monkeypatch):
   assert (s.decode.name, s.attention.decode_route) == ("triton", "triton") and "asked for" in s.decode.why
   assert resolve(CFG, RUN, check_fit=False).attention.decode_route == "auto"
   with pytest.raises(ConfigError, match="decode_kernel='mosaic' picks among the pallas backend's decode kernels, "
-                                        "and attention='cudnn' decodes with its own"):
+                                        "and attention='cudnn', which decodes with its own kernel"):
     resolve(CFG, RUN.replace(attention="cudnn", decode_kernel="mosaic"), check_fit=False)
   with pytest.raises(ConfigError, match="decode_kernel='mosaic': .*blocks of 64 tokens; page_size=32"):
     resolve(CFG, RUN.replace(page_size=32, decode_kernel="mosaic"), check_fit=False)
+  assert resolve(CFG, RUN.replace(page_size=32, decode_kernel="triton"), check_fit=False).decode.name == "triton"
+  with pytest.raises(ConfigError, match="decode_kernel='triton': page size Z=192 must be a power of two"):
+    resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920, decode_kernel="triton"), check_fit=False)
   with pytest.raises(ConfigError, match="decode_kernel='mosaic': .*float16"):
     resolve(CFG, RUN.replace(dtype="float16", cache_dtype="auto", decode_kernel="mosaic"), check_fit=False)
+  with pytest.raises(ConfigError, match="decode_kernel='mosaic': .*bfloat16 queries, not float16"):
+    resolve(CFG, RUN.replace(dtype="float16", cache_dtype="bfloat16", decode_kernel="mosaic"), check_fit=False)
+  # verify steps: draft_tokens + 1 tokens of 8 query heads a kv head (a 70B's grouping) past the kernels' 64 rows
+  wide = dataclasses.replace(CFG, n_heads=64, n_kv_heads=8)
+  for route in ("mosaic", "triton"):
+    spec = RUN.replace(decode_kernel=route, draft="prompt", draft_tokens=8, max_batch=1)
+    with pytest.raises(ConfigError, match=f"decode_kernel='{route}': a verify step's 9 tokens x 8 query heads a kv "
+                                          "head are 72 rows, past the decode kernels' 64"):
+      resolve(wide, spec, check_fit=False)
+    assert resolve(wide, spec.replace(draft_tokens=7), check_fit=False).decode.name == route
   monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
-  with pytest.raises(ConfigError, match="decode_kernel='triton'.*attention='cudnn'"):
+  with pytest.raises(ConfigError, match="decode_kernel='triton'.*attention='auto' runs the cudnn backend"):
     resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
   with pytest.raises(ConfigError, match="decode_kernel='fast' must be one of auto, mosaic, triton"):
     RunConfig(decode_kernel="fast")

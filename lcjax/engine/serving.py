@@ -109,16 +109,21 @@ def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   if ask == "auto":
     return attention
   if not hasattr(attention, "decode_route"):
-    raise ConfigError(f"decode_kernel={ask!r} picks among the pallas backend's decode kernels, and "
-                      f"attention={attention.name!r} decodes with its own: use attention='pallas' or "
-                      "decode_kernel='auto'")
+    chosen = f"attention={run.attention!r} runs the {attention.name} backend" if run.attention == "auto" else \
+        f"attention={attention.name!r}"
+    raise ConfigError(f"decode_kernel={ask!r} picks among the pallas backend's decode kernels, and {chosen}, "
+                      "which decodes with its own kernel: leave decode_kernel='auto'")
+  G = serving_cfg.n_heads // serving_cfg.n_kv_heads
   tokens = run.draft_tokens + 1 if run.draft != "off" else 1
-  rows = tokens * (serving_cfg.n_heads // serving_cfg.n_kv_heads)
-  if ask == "mosaic":
-    reason = attention.mosaic_decode_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
-                                            page_dtype=run.resolved_cache_dtype)
-    if reason:
-      raise ConfigError(f"decode_kernel='mosaic': {reason}")
+  top = attention.max_decode_rows
+  if tokens * G > top:
+    raise ConfigError(f"decode_kernel={ask!r}: a verify step's {tokens} tokens x {G} query heads a kv head are "
+                      f"{tokens * G} rows, past the decode kernels' {top} (more run as a prefill chunk): lower "
+                      f"draft_tokens={run.draft_tokens}")
+  reason = attention.route_reason(ask, head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=tokens * G,
+                                  page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
+  if reason:
+    raise ConfigError(f"decode_kernel={ask!r}: {reason}")
   return dataclasses.replace(attention, decode_route=ask)
 
 

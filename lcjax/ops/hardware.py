@@ -50,8 +50,8 @@ def on_hopper() -> str | None:
 
 
 def on_sm90() -> str | None:
-  """The fp8 decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
+  """The Mosaic GPU decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
   cc = compute_capability()
   if cc is None or cc[0] != 9:
-    return f"the fp8 decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
+    return f"the Mosaic GPU decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
   return None

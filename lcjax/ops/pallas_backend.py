@@ -27,7 +27,8 @@ from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
 
 # decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
-# 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K and 128K, batch 8, on an H100: benchmarks/NOTES-attention).
+# 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
+# benchmarks/NOTES-attention).
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
 MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
 
@@ -56,6 +57,11 @@ class PallasBackend:
 
   def _decode_tuning(self):
     return self.decode or triton_paged.PagedTuning()
+
+  @property
+  def max_decode_rows(self) -> int:
+    """Query rows per kv head up to which `paged` runs a decode kernel (more: a prefill chunk's path)."""
+    return self._decode_tuning().max_rows
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = mgpu_flash.why_not(head_dim=head_dim, dtype=dtype)
@@ -91,13 +97,26 @@ class PallasBackend:
 
     return lax.cond(contiguous & jnp.all(d >= 0), lambda: kernel(d, causal=True), reference)
 
-  def mosaic_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
-    """Why decode rows of `rows` query rows per kv head over pages of `page_dtype` cannot take the Mosaic GPU decode
-    kernels (lcjax.ops.mosaic_gpu.paged: bf16 or fp8 pages); None: they can."""
+  def mosaic_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype,
+                           dtype=None) -> str | None:
+    """Why decode rows of `rows` query rows per kv head over pages of `page_dtype` (queries in `dtype`; None: not
+    checked) cannot take the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged: bf16 or fp8 pages, bf16
+    queries over bf16 pages); None: they can."""
     if self.interpret:
       return "the Mosaic GPU kernel has no interpreter (interpret=True)"
-    return (mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
-            or hardware.on_sm90())
+    reason = mgpu_paged.why_not(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
+    if not reason and dtype is not None and jnp.dtype(page_dtype) == jnp.bfloat16 and jnp.dtype(dtype) != jnp.bfloat16:
+      reason = f"the Mosaic GPU decode over bfloat16 pages takes bfloat16 queries, not {jnp.dtype(dtype).name}"
+    return reason or hardware.on_sm90()
+
+  def route_reason(self, route: str, *, head_dim: int, page_size: int, rows: int, page_dtype, dtype) -> str | None:
+    """Why decode_route `route` cannot read decode rows of this shape (None: it can)."""
+    if route == "mosaic":
+      return self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
+                                       dtype=dtype)
+    if route == "triton":
+      return triton_paged.unsupported_shape(page_size, head_dim)
+    return None
 
   def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
     """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mosaic_gpu.paged); None: they
@@ -126,7 +145,8 @@ class PallasBackend:
     if fp8_pages and (k_scale is None or v_scale is None):
       raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
     if rows <= tuning.max_rows and self.decode_route == "mosaic":
-      reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype,
+                                         dtype=q.dtype)
       if reason:
         raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
       if fp8_pages:

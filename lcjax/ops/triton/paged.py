@@ -63,6 +63,14 @@ class PagedTuning:
   max_rows: int = 64                 # above this many rows per kv head the call is prefill, not decode
 
 
+def unsupported_shape(page_size: int, head_dim: int) -> str | None:
+  """Why the decode kernel cannot read pages of this shape (None: it can): Triton tensors take power-of-two sides."""
+  for name, n in (("page size Z", page_size), ("head dim H", head_dim)):
+    if n & (n - 1) or n < 16:
+      return f"{name}={n} must be a power of two >= 16 for the Triton kernel"
+  return None
+
+
 def num_splits_for(tuning: PagedTuning, B, K, M):
   """The Triton kernel's splits: `split_count` with at least target_programs programs wanted over the B * K
   tables."""
@@ -191,9 +199,9 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   R = max(tuning.min_rows, next_pow2(R0))
   if R > tuning.max_rows:
     raise ValueError(f"{T=} * {G=} query rows per kv head exceed {tuning.max_rows=}; this is prefill, not decode")
-  for name, n in (("page size Z", Z), ("head dim H", H)):
-    if n & (n - 1) or n < 16:
-      raise ValueError(f"{name}={n} must be a power of two >= 16 for the Triton kernel")
+  reason = unsupported_shape(Z, H)
+  if reason:
+    raise ValueError(reason)
   S_ = num_splits_for(tuning, B, K, M)
   pps = -(-M // S_)
   if tuning.combine_block & (tuning.combine_block - 1) or H % min(H, tuning.combine_block):

@@ -144,23 +144,24 @@ class PallasBackend:
     fp8_pages = k_pages.dtype == fp8_ops.E4M3
     if fp8_pages and (k_scale is None or v_scale is None):
       raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
-    if rows <= tuning.max_rows and self.decode_route == "mosaic":
-      reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype,
-                                         dtype=q.dtype)
-      if reason:
-        raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
-      if fp8_pages:
-        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
-                                           tuning=MOSAIC_FP8_DECODE)
-      return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                          page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
     if rows <= tuning.max_rows:
-      reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
-      if reason is None and self.decode_route == "auto":
+      kernel = self.decode_kernel(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      if kernel == "mosaic":
+        reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype,
+                                           dtype=q.dtype)
+        if reason:
+          raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
+        if fp8_pages:
+          return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                             k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
+                                             tuning=MOSAIC_FP8_DECODE)
+        return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                            page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
+      if kernel == "mgpu-fp8":
         return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                            k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
       if fp8_pages and not self.interpret and self.decode_route == "auto":
+        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
         ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
                       f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
       return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,

@@ -24,9 +24,9 @@ CFG = dataclasses.replace(preset("llama3-8b"), name="l3-2layer", n_layers=2, voc
                           eos_ids=())
 
 
-def _engine(attention, dtype="bfloat16", cache_dtype="auto"):
+def _engine(attention, dtype="bfloat16", cache_dtype="auto", **run):
   run = RunConfig(dtype=dtype, page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024,
-                  decode_steps=16, attention=attention, cache_dtype=cache_dtype)
+                  decode_steps=16, attention=attention, cache_dtype=cache_dtype, **run)
   return Engine.random(CFG, run=run, seed=1)
 
 
@@ -125,9 +125,7 @@ def test_mosaic_decode_matches_reference(cache_dtype, prompts):
   from lcjax.ops import hardware
   if hardware.on_sm90():
     pytest.skip(hardware.on_sm90())
-  run = RunConfig(dtype="bfloat16", page_size=64, max_context=4096, max_batch=2, prefill_chunk=1024,
-                  decode_steps=16, attention="pallas", cache_dtype=cache_dtype, decode_kernel="mosaic")
-  fast = Engine.random(CFG, run=run, seed=1)
+  fast = _engine("pallas", cache_dtype=cache_dtype, decode_kernel="mosaic")
   assert fast.decode_kernel == "mosaic"
   _assert_agree(_engine("reference", cache_dtype=cache_dtype), fast, prompts, kernels=("pallas", "mosaic"),
                 uncached=cache_dtype == "auto")

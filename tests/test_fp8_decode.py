@@ -329,6 +329,39 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   assert cudnn.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "reference"
 
 
+@pytest.mark.parametrize("with_kernel", [True, False])
+def test_cudnn_backend_decodes_fp8_pages_with_its_fp8_decode_kernel(with_kernel, monkeypatch):
+  """CudnnBackend's decode rows over fp8 pages (which cuDNN cannot read) run its fp8_decode kernel, the Triton fp8
+  decode kernel (in the interpreter here), or without one the jnp reference; either gives the float64 oracle, and
+  decode_kernel() names what ran. Pages at an offset into the pools, one sequence empty, one full."""
+  from lcjax.ops import kernels
+  from lcjax.ops.cudnn.backend import CudnnBackend
+  ran = []
+  real = triton_paged.paged_decode
+  monkeypatch.setattr(triton_paged, "paged_decode", lambda *a, **kw: ran.append("triton") or real(*a, **kw))
+  be = CudnnBackend(emulate=True, fp8_decode=kernels.TritonFp8Decode(interpret=True) if with_kernel else None)
+  args, kw, want, _ = _inputs(CASES["T1-G4-Z64"])
+  got = be.paged(*args, **kw)
+  assert ran == (["triton"] if with_kernel else [])
+  check(got, want, tol_out=2e-2)
+  B, T, N, K, H, Z, M = CASES["T1-G4-Z64"][:7]
+  name = be.decode_kernel(head_dim=H, page_size=Z, rows=N // K, page_dtype=jnp.float8_e4m3fn)
+  assert name == ("triton" if with_kernel else "reference")
+  assert be.decode_kernel(head_dim=H, page_size=Z, rows=N // K, page_dtype=jnp.bfloat16) == "cudnn"
+
+
+def test_triton_fp8_decode_kernel_says_where_it_cannot_serve(monkeypatch):
+  from lcjax.ops import kernels
+  assert "needs a CUDA GPU" in kernels.TritonFp8Decode().why_not(64, 128)
+  assert kernels.TritonFp8Decode(interpret=True).why_not(64, 128) is None
+  assert "page size Z=192 must be a power of two" in kernels.TritonFp8Decode(interpret=True).why_not(192, 128)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 6))
+  assert "compute capability 8.9 or later, got (8, 6)" in kernels.TritonFp8Decode().why_not(64, 128)
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
+  assert kernels.TritonFp8Decode().why_not(64, 128) is None
+
+
 @pytest.mark.parametrize("combine", [pytest.param("triton", marks=TRITON_CROSS_LOWERS), "mosaic"])
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])
 def test_kernel_lowers_for_cuda(T, H, Z, combine):

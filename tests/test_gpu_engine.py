@@ -131,12 +131,12 @@ def test_mosaic_decode_matches_reference(cache_dtype, prompts):
                 uncached=cache_dtype == "auto")
 
 
-@pytest.mark.parametrize("backend, decode", [("cudnn", "reference"), ("pallas", "mgpu-fp8")])
+@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mgpu-fp8")])
 def test_fp8_cache_matches_reference(backend, decode, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
   fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms) == the same cache through the reference
-  backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the jnp reference, and its
-  stats say so; for it only the prefill chunks here are a fast path."""
+  backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8 decode kernel
+  (lcjax.ops.kernels.TritonFp8Decode, the decode of GPUs without the Mosaic GPU kernels), and its stats say so."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
   assert fast.attention.name == backend and fast.fp8_cache
   _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, kernels=(backend, decode),

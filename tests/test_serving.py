@@ -93,11 +93,19 @@ def test_decode_kernel_asked_for_by_name(monkeypatch):
 def test_on_ada(monkeypatch):
   _gpu(monkeypatch, (8, 9))
   s = resolve(CFG, RUN, check_fit=False)
-  # cuDNN's paged decode reads no fp8 pages, so fp8 decode rows fall to the jnp reference, and the table says so.
-  assert _kernels(s) == dict(attention="cudnn", decode="reference", linear="pallas", page_write="pallas")
-  assert "Hopper" in s.linear.why and "slow: a decode row over fp8 pages" in s.decode.why
+  # cuDNN's paged decode reads no fp8 pages: its fp8 decode rows run the Triton fp8 decode kernel.
+  assert _kernels(s) == dict(attention="cudnn", decode="triton", linear="pallas", page_write="pallas")
+  assert "Hopper" in s.linear.why and "cudnn backend reads no fp8 pages" in s.decode.why
+  assert s.attention.fp8_decode.name == "triton"
+  # Pages the Triton kernel cannot read: the jnp reference, and the table says why.
+  odd = resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False)
+  assert odd.decode.name == "reference" and odd.attention.fp8_decode is None
+  assert "slow: a decode row over fp8 pages, and page size Z=192 must be a power of two" in odd.decode.why
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 0))          # Ampere: no fp8 conversion
+  assert "compute capability 8.9 or later" in resolve(CFG, RUN, check_fit=False).decode.why
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
   bf16 = resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False)
-  assert bf16.decode.name == "cudnn" and bf16.page_write.name == "xla"
+  assert bf16.decode.name == "cudnn" and bf16.page_write.name == "xla" and bf16.attention.fp8_decode is None
   with pytest.raises(ConfigError, match="linear_kernel='mosaic'.*Hopper"):
     resolve(CFG, RUN.replace(linear_kernel="mosaic"), check_fit=False)
   with pytest.raises(ConfigError, match="attention_dtype=float8_e4m3fn cannot run here"):

@@ -92,12 +92,18 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
                         "decode_kernel='triton'")
   if name == "mgpu-fp8":
     return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged)")
+  if name == "triton" and getattr(attention, "fp8_decode", None):
+    return Choice(name, f"the Triton fp8 paged decode kernel (lcjax.ops.triton.paged; K and V widened to float16 in "
+                        f"the kernel): the {attention.name} backend reads no fp8 pages in a decode row")
   if name == "triton":
     reason = attention.fp8_decode_reason(**kwargs)
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged)"
                         + ("" if run.resolved_cache_dtype != "float8_e4m3fn" else f": {reason}"))
   if name == "reference":
-    return Choice(name, f"the jnp reference, slow: {attention.decode_reason(page_dtype=run.resolved_cache_dtype)}")
+    why = attention.decode_reason(page_dtype=run.resolved_cache_dtype)
+    if hasattr(attention, "fp8_decode") and run.resolved_cache_dtype == "float8_e4m3fn":
+      why += f", and {kernels.TritonFp8Decode().why_not(run.page_size, serving_cfg.head_dim)}"
+    return Choice(name, f"the jnp reference, slow: {why}")
   return Choice(name, f"the {name} backend's paged decode")
 
 
@@ -127,6 +133,18 @@ def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   return dataclasses.replace(attention, decode_route=ask)
 
 
+def _fp8_decode_kernel(attention, serving_cfg: ModelConfig, run: RunConfig):
+  """The attention backend with the Triton fp8 decode kernel for decode rows over fp8 pages where the backend
+  reads none itself (cuDNN: `auto` on GPUs without the Mosaic GPU kernels) and the kernel serves; else as given
+  (the table then names the jnp reference and why)."""
+  if not hasattr(attention, "fp8_decode") or run.resolved_cache_dtype != "float8_e4m3fn":
+    return attention
+  kernel = kernels.TritonFp8Decode()
+  if kernel.why_not(run.page_size, serving_cfg.head_dim):
+    return attention
+  return dataclasses.replace(attention, fp8_decode=kernel)
+
+
 def _draft_choice(run: RunConfig) -> Choice:
   if run.draft == "off":
     return Choice("off", "draft='off' (one token a decode step)")
@@ -150,7 +168,7 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
                             attention_dtype=run.attention_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  attention = _decode_route(attention, serving_cfg, run)
+  attention = _fp8_decode_kernel(_decode_route(attention, serving_cfg, run), serving_cfg, run)
   name, why = placement.decode_linear(run, weights, placement.gemv_kernels_unsupported(serving_cfg, run.tensor))
   linear = Choice(name, why, kernels.gemv_kernel(name))
   name, why = placement.page_write(run, serving_cfg.head_dim)

@@ -18,8 +18,10 @@ import dataclasses
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
+from lcjax.ops.hardware import fp8_convert_reason
 from lcjax.ops.triton import gemv as triton_gemv
 from lcjax.ops.triton import page_write as triton_page_write
+from lcjax.ops.triton import paged as triton_paged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,26 @@ class MosaicPageWriter:
   def __call__(self, k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer):
     """As TritonPageWriter.__call__."""
     return mgpu_page_write.write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonFp8Decode:
+  """lcjax.ops.triton.paged's split-K decode kernel over fp8 pages (K and V widened to float16 in the kernel): the
+  decode rows of a CUDA GPU of sm_89+ whose attention backend reads no fp8 pages itself (cuDNN, on GPUs without
+  the Mosaic GPU kernels), or with `interpret` in the Pallas interpreter."""
+  interpret: bool = False
+  name = "triton"
+
+  def why_not(self, page_size: int, head_dim: int) -> str | None:
+    """Why the kernel cannot read fp8 pages of this shape here (None: it can)."""
+    reason = None if self.interpret else fp8_convert_reason("Triton fp8 paged decode kernel")
+    return reason or triton_paged.unsupported_shape(page_size, head_dim)
+
+  def __call__(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale):
+    """(out [B, T, N, H], lse [B, T, N]) of q [B, T, N, H] over fp8 pools [P, Z, K, H] with scales [P, K] through
+    page_table [B, M] (lcjax.ops.attention's paged contract)."""
+    return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale,
+                                     v_scale=v_scale, interpret=self.interpret)
 
 
 # By name, in the order "auto" prefers the compiled ones (lcjax.engine.placement).

@@ -22,7 +22,8 @@ table. Its Python wrapper wants a pool of exactly B * M pages; lcjax calls the p
 (the kernel only needs table entries < P; checked on the H200), one path for every pool. JAX's cuDNN paged path
 has no fp8: a chunk of many rows over fp8 pages reads them dequantized into a compact bf16 pool
 (`dequantize_pages`; 128K prefill 10.9 s vs bf16's 11.1 s on the H200); a single decode row over fp8 pages goes
-to the reference (the pallas backend serves fp8 decode).
+to the backend's `fp8_decode` kernel (the Triton fp8 decode kernel, which lcjax.engine.serving gives it where that
+serves: sm_89+), else to the reference.
 
 `emulate=True` swaps the two cuDNN calls for the jnp model of their documented masks, so the decomposition above
 is tested on CPU against the reference.
@@ -102,6 +103,9 @@ class CudnnBackend:
   name: str = "cudnn"
   emulate: bool = False            # CPU tests: jnp model of cuDNN's masks instead of the library
   fp8_block_tokens: int = FP8_BLOCK_TOKENS   # an fp8 prefix is dequantized and read this many keys at a time
+  # The kernel of decode rows over fp8 pages, which cuDNN cannot read (lcjax.ops.kernels.TritonFp8Decode; None:
+  # the jnp reference). lcjax.engine.serving sets it where it can serve.
+  fp8_decode: object = None
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     if jnp.dtype(dtype).name not in calls.DTYPES:
@@ -126,7 +130,7 @@ class CudnnBackend:
     name = jnp.dtype(page_dtype).name
     fp8 = name == "float8_e4m3fn"
     if fp8 and T == 1:
-      return "a decode row over fp8 pages"
+      return None if self.fp8_decode else "a decode row over fp8 pages"
     if not (fp8 or name in calls.DTYPES):
       return f"cuDNN reads no {name} pages"
     if not self.emulate and not calls.has_private_paged():
@@ -134,8 +138,11 @@ class CudnnBackend:
     return None
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'cudnn', or 'reference' (the jnp
-    reference: fp8 pages, float32 pages, or a jax without cuDNN's paged entry; the trace logs why)."""
+    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'cudnn'; fp8_decode's name over fp8
+    pages; or 'reference' (the jnp reference: fp8 pages without fp8_decode, float32 pages, or a jax without
+    cuDNN's paged entry; the trace logs why)."""
+    if self.fp8_decode and jnp.dtype(page_dtype) == jnp.float8_e4m3fn:
+      return self.fp8_decode.name
     return "reference" if self.decode_reason(page_dtype=page_dtype) else self.name
 
   # -- the two library calls, swappable for the CPU emulation
@@ -233,6 +240,9 @@ class CudnnBackend:
     page_table = page_table + page_offset
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
+    if T == 1 and self.fp8_decode and k_pages.dtype == jnp.float8_e4m3fn:
+      return self.fp8_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl, k_scale=k_scale,
+                             v_scale=v_scale)
     reason = self.decode_reason(page_dtype=k_pages.dtype, T=T)
     if reason:
       # The exact jnp path: older jax has no cuDNN paged entry; cuDNN reads no float32 pages; and a decode row

@@ -427,6 +427,29 @@ def test_paged_gpu(backend, T, fp8, Z):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("Z", [16, 64, 128, 256])
+@pytest.mark.parametrize("T", [128, 300, 1024])
+def test_paged_flash_gpu(T, Z):
+  """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
+  128 / Z TMA copies or a part of one page) == the float64 oracle: a chunk of T rows at the end of each
+  sequence's keys (its own keys causal, the prefix before it whole), pages scattered out of order at an offset
+  into the pools, ragged lengths: a full table, a prefix ending inside a block, a chunk alone, kv_len past the
+  table (clipped)."""
+  B, N, K, H = 5, 32, 8, 128
+  M = 2048 // Z
+  off = 3
+  q, kp, vp, table, _, _, kd, vd = rand_pages(T + Z, B, T, N, K, H, Z, M, B * M + 4)
+  junk = lambda x: jnp.concatenate([jnp.full((off, *x.shape[1:]), 30.0, x.dtype), x])
+  kv_len = jnp.array([M * Z, 1000 + T, T, M * Z + 100, 777 + T], jnp.int32)
+  d = jnp.minimum(kv_len, M * Z) - T
+  got = mgpu_flash.flash_attention_paged(q, junk(kp), junk(vp), table, d, kv_len, off)
+  q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), jnp.minimum(kv_len, M * Z), M * Z, True)),
+        tol_out=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
 @pytest.mark.parametrize("past", [True, False], ids=["past", "split"])
 def test_paged_gpu_fp8_blocks(past):
   """An fp8 chunk's prefix read by the real cuDNN in blocks of 512 keys (3 blocks over 1536, one sequence

@@ -95,6 +95,17 @@ def test_flash_prefill_lowers(fp8):
   assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
 
 
+@pytest.mark.parametrize("T,Z", [(1024, 64), (1000, 128), (256, 256), (128, 16)])
+def test_paged_flash_prefill_lowers(T, Z):
+  """The flash kernel over pages read in place (flash_attention_paged): Llama-3-8B heads, a chunk of T rows over
+  a 128-slot table, pages of Z tokens (block_kv / Z TMA copies a block, or a block of a page)."""
+  B, N, K, H, M = 2, 32, 8, 128, 128
+  pages = S((B * M + 3, Z, K, H), jnp.bfloat16)
+  args = (S((B, T, N, H), jnp.bfloat16), pages, pages, S((B, M), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32))
+  calls = _lowered_calls(lambda q, kp, vp, t, d, kl: mgpu_flash.flash_attention_paged(q, kp, vp, t, d, kl, 3), *args)
+  assert calls == [MOSAIC_CALL], calls
+
+
 @pytest.mark.parametrize("T,combine", [pytest.param(1, "triton", marks=TRITON_CROSS_LOWERS),
                                        pytest.param(4, "triton", marks=TRITON_CROSS_LOWERS), (1, "mosaic"),
                                        (5, "mosaic")])

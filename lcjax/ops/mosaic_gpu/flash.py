@@ -87,34 +87,50 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
 
 
 def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True, scales=None,
-                out_dtype=None):
+                out_dtype=None, pages=None):
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
 
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
   of every 16-key group in KEY_PERM order (permute_keys),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
   save_lse=False drops the LSE output (only to measure what returning it costs).
+
+  Paged (`pages` = (table [B, M] int32, offset [1] int32); bf16 only): k/v are pools [P, Z, K, H] and key j of
+  sequence b is row j % Z of pool page table[b, j // Z] + offset; S = M * Z. Z a multiple of block_kv, or block_kv
+  a multiple of Z (a block then loads block_kv / Z pages, each its own TMA copy into the slot, all counted by the
+  slot's barrier).
   """
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   fp8 = scales is not None
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  if pages is None:
+    S, K = k.shape[1], k.shape[2]
+  else:
+    if fp8:
+      raise ValueError("the paged flash kernel reads bf16 / float16 pages")
+    Z, K = k.shape[1], k.shape[2]
+    M = pages[0].shape[1]
+    S = M * Z
+    if Z % tuning.block_kv and tuning.block_kv % Z:
+      raise ValueError(f"page size Z={Z} and block_kv={tuning.block_kv}: one must divide the other")
+  # TMA copies a block of keys takes (the slot's load barriers count each)
+  copies = 1 if pages is None else max(1, tuning.block_kv // k.shape[1])
   G = N // K
   dtype = q.dtype
   int_qk = jnp.issubdtype(dtype, jnp.integer)       # int8 Q and K: an int32 Q K^T
   v_dtype = v.dtype
   out_dtype = out_dtype or dtype
   bq, bkv = tuning.block_q, tuning.block_kv
-  mcs = min(tuning.max_concurrent_steps, S // bkv)
+  mcs = min(tuning.max_concurrent_steps, max(1, -(-S // bkv)))
   n_tiles = T // (_COMPUTE_WGS * bq)
   c = _LOG2E / math.sqrt(H)
   if tuning.profile_dir and S > PROFILE_MAX_KEYS:
     raise ValueError(f"profiling keeps its trace in shared memory: {S} keys > PROFILE_MAX_KEYS={PROFILE_MAX_KEYS}")
   p_shift = float(fp8_ops.P_SHIFT) if fp8 else 0.0
 
-  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch):
+  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, out_ref, lse_ref, scratch):
     (q_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
     b = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -289,12 +305,33 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         v_src = v_ref.at[b, kv_head, pl.ds(0, H), keys] if fp8 else v_ref.at[b, keys, kv_head]
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
-      fill_ring(issue, max_steps, mcs, k_free, v_free)
+      def issue_paged(i, slot):
+        table_ref, off_ref = page_refs
+        Z = k_ref.shape[1]
+        i = jnp.asarray(i, jnp.int32)                    # prime_ring passes Python ints
+        if copies == 1:
+          # Z >= bkv: the block is rows (i * bkv) % Z .. of one page
+          page = table_ref[b, lax.div(i * bkv, jnp.int32(Z))] + off_ref[0]
+          rows = pl.ds(lax.rem(i * bkv, jnp.int32(Z)), bkv)
+          plgpu.copy_gmem_to_smem(k_ref.at[page, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[page, rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+          return
+        for j in range(copies):
+          # Slots past the table (a last block over M * Z keys) repeat its last page; kv_len masks their keys.
+          m = jnp.minimum(i * copies + j, M - 1)
+          page = table_ref[b, m] + off_ref[0]
+          part = pl.ds(j * Z, Z)
+          plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, part], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, part], v_bar.at[slot])
+
+      fill_ring(issue if page_refs is None else issue_paged, max_steps, mcs, k_free, v_free)
 
   n_scales = 3 if fp8 else 0
+  n_pages = 0 if pages is None else 2
 
   def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, *refs):
-    scale_refs, (out_ref, *lse) = refs[:n_scales], refs[n_scales:]
+    scale_refs, page_refs = refs[:n_scales], refs[n_scales:n_scales + n_pages] or None
+    out_ref, *lse = refs[n_scales + n_pages:]
     lse_ref = lse[0] if lse else None
     v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
@@ -303,10 +340,11 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
             tiled(v_tile, v_dtype),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
             tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None)
-    loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-              plgpu.Barrier(num_barriers=_COMPUTE_WGS))
+    loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),
+              plgpu.Barrier(num_arrivals=copies, num_barriers=mcs), plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
-    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, out_ref, lse_ref, scratch),
+    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, out_ref, lse_ref,
+                                        scratch),
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
   out_type = [jax.ShapeDtypeStruct((B, T, N, H), out_dtype)]
@@ -320,7 +358,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(tuning, S)),
-  )(q, k, v, d, kvl, *(scales or ()))
+  )(q, k, v, d, kvl, *(scales or ()), *(pages or ()))
   return tuple(res) if save_lse else (res[0], None)
 
 
@@ -422,6 +460,55 @@ def flash_attention(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
   out, lse = _flash_call(q, k, v, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse)
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
+
+
+def why_not_paged(*, head_dim: int, dtype, page_size: int, tuning: FlashTuning = FlashTuning()) -> str | None:
+  """Why `flash_attention_paged` cannot read pages of this shape (None: it can)."""
+  reason = why_not(head_dim=head_dim, dtype=dtype)
+  if reason:
+    return reason
+  if page_size % tuning.block_kv and (tuning.block_kv % page_size or page_size % 8):
+    return (f"the paged flash kernel loads blocks of {tuning.block_kv} keys: page_size={page_size} must be a multiple "
+            f"of it, or divide it and be a multiple of 8")
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "save_lse"))
+def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0, *,
+                          tuning: FlashTuning = FlashTuning(), save_lse: bool = True):
+  """`flash_attention` (causal) over keys held in pages, read where they lie: key j of sequence b is row j % Z of
+  pool page page_table[b, j // Z] + page_offset, visible to row i iff j < kv_len[b] and j <= i + d[b].
+
+  q [B, T, N, H]; k_pages, v_pages [P, Z, K, H] in q's dtype; page_table [B, M] int32; d, kv_len [B] int32
+  (d >= 0: rows before the first key are the caller's; kv_len is clipped to M * Z). A prefill chunk at position
+  p0 whose own keys are already written to its pages passes d = p0, kv_len = p0 + T: one call covers the cached
+  prefix and the chunk's causal part. Returns (out [B, T, N, H], lse [B, T, N] float32)."""
+  B, T, N, H = q.shape
+  Z = k_pages.shape[1]
+  M = page_table.shape[1]
+  reason = why_not_paged(head_dim=H, dtype=q.dtype, page_size=Z, tuning=tuning)
+  if reason:
+    raise ValueError(reason)
+  if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    raise ValueError(f"pages {k_pages.dtype} / {v_pages.dtype} must be in the queries' dtype {q.dtype}")
+  rows = _COMPUTE_WGS * tuning.block_q
+  Tp = -(-T // rows) * rows
+  if Tp != T:
+    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  d = jnp.broadcast_to(d, (B,)).astype(jnp.int32)
+  kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)
+  pages = (page_table.astype(jnp.int32), jnp.reshape(page_offset, (1,)).astype(jnp.int32))
+  out, lse = _flash_call(q, k_pages, v_pages, d, kvl, causal=True, tuning=tuning, save_lse=save_lse, pages=pages)
+  return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
+
+
+def flash_attention_paged_reference(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0):
+  """The oracle of `flash_attention_paged`: the contract's jnp paged reference."""
+  B, T = q.shape[:2]
+  q_pos = jnp.broadcast_to(d, (B,)).astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  M, Z = page_table.shape[1], k_pages.shape[1]
+  kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)
+  return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kvl)
 
 
 # A 4-deep K/V ring for the FP8 kernel: 732 -> 754 TFLOP/s at 128K, measured when P still went through shared memory.

@@ -233,6 +233,9 @@ LINEAR_KERNELS = ("auto", *GEMV_NAMES)
 # RunConfig.decode_kernel: which of the pallas backend's decode kernels reads the pages in decode steps
 # (lcjax.ops.pallas_backend.PallasBackend.decode_route).
 DECODE_KERNELS = ("auto", "mosaic", "triton")
+# RunConfig.prefill_kernel: what reads a prefill chunk's keys from the pages on the pallas backend
+# (lcjax.ops.pallas_backend.PallasBackend.prefill_route).
+PREFILL_KERNELS = ("auto", "cudnn", "mosaic")
 PAGE_WRITES = ("auto", *PAGE_WRITER_NAMES)
 
 
@@ -310,6 +313,11 @@ class RunConfig:
                                      # Triton kernel), "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and
                                      # fp8 pages: no Triton attention kernel; Hopper), "triton"
                                      # (lcjax.ops.triton.paged, both page dtypes); cuDNN decodes with its own
+  prefill_kernel: str = "auto"       # prefill chunks over the paged cache, on the pallas backend (bf16 pages):
+                                     # "auto" (cudnn), "cudnn" (cuDNN's paged flash kernel), "mosaic"
+                                     # (lcjax.ops.mosaic_gpu.flash.flash_attention_paged: our flash kernel reading
+                                     # K and V where they lie; Hopper; not yet run on a GPU, so "auto" does not
+                                     # take it)
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)
@@ -360,6 +368,8 @@ class RunConfig:
       raise ConfigError(f"linear_kernel={self.linear_kernel!r} must be one of {', '.join(LINEAR_KERNELS)}")
     if self.decode_kernel not in DECODE_KERNELS:
       raise ConfigError(f"decode_kernel={self.decode_kernel!r} must be one of {', '.join(DECODE_KERNELS)}")
+    if self.prefill_kernel not in PREFILL_KERNELS:
+      raise ConfigError(f"prefill_kernel={self.prefill_kernel!r} must be one of {', '.join(PREFILL_KERNELS)}")
     if self.page_write not in PAGE_WRITES:
       raise ConfigError(f"page_write={self.page_write!r} must be one of {', '.join(PAGE_WRITES)}")
     for f in ("page_size", "max_batch", "prefill_chunk", "decode_steps", "decode_sync_every", "tensor", "seq"):

@@ -118,6 +118,18 @@ def test_bf16_generation_is_batch_invariant_up_to_ties(prompts):
       assert gap <= 2 ** -6 * scale, (d, alone, both, gap, scale)
 
 
+def test_paged_flash_prefill_matches_reference(prompts):
+  """prefill_kernel="mosaic" (the chunks after the first read their cached prefix and their own keys through
+  mgpu_flash.flash_attention_paged, in place) == the reference backend, and the stats name it."""
+  from lcjax.ops import hardware
+  if hardware.on_hopper():
+    pytest.skip(hardware.on_hopper())
+  fast = _engine("pallas", prefill_kernel="mosaic")
+  assert fast.kernels["prefill_kernel"] == "mosaic"
+  _assert_agree(_engine("reference"), fast, prompts, kernels=("pallas", BF16_DECODE["pallas"]))
+  assert fast.generate(prompts[:1], max_new_tokens=2)[0].stats["prefill_kernel"] == "mosaic"
+
+
 @pytest.mark.parametrize("cache_dtype", ["auto", "float8_e4m3fn"])
 def test_mosaic_decode_matches_reference(cache_dtype, prompts):
   """decode_kernel="mosaic" (the Mosaic GPU decode kernel and its Mosaic GPU split combine, bf16 or fp8 pages)

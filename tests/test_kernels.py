@@ -15,6 +15,7 @@ import pytest
 
 from lcjax.ops import attention as ref
 from lcjax.ops import backends
+from lcjax.ops import hardware
 from lcjax.ops.cudnn import backend as cudnn
 from lcjax.ops import pallas_backend
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
@@ -370,6 +371,42 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   _poison(monkeypatch, "attention_reference", "paged_attention_reference")    # cuDNN (emulated) must serve it
   got = pallas_backend.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+
+
+@pytest.mark.parametrize("pattern", ["split", "zigzag-past", "zigzag-partial"])
+def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
+  """prefill_route="mosaic": a chunk's rows over the pages go to flash_attention_paged (here its jnp model, which
+  masks by the kernel's diagonal offset d) with d = the first row's position, which gives the oracle for
+  contiguous rows and for rows in any order past every key; rows in another order that see part of the keys take
+  the jnp reference. The backend refuses pages the kernel cannot read."""
+  monkeypatch.setattr(hardware, "on_hopper", lambda: None)
+  # lax.cond traces both branches: the one that must not run returns NaN, so only the other gives the oracle.
+  to_reference = pattern == "zigzag-partial"
+  nan = lambda out: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), out)
+  real = ref.paged_attention_reference
+
+  def model(q, kp, vp, table, d, kv_len, off):          # flash_attention_paged's mask: row i sees j <= d + i
+    q_pos = d[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    return real(q, kp, vp, table + off, q_pos=q_pos, kv_len=kv_len)
+
+  monkeypatch.setattr(mgpu_flash, "flash_attention_paged",
+                      lambda *a, **kw: (nan if to_reference else lambda o: o)(model(*a[:7])))
+  monkeypatch.setattr(ref, "paged_attention_reference",
+                      lambda *a, **kw: (lambda o: o if to_reference else nan(o))(real(*a, **kw)))
+  B, T, N, K, H, Z, M, P = 2, 8, 64, 2, 64, 16, 12, 30            # T * G = 256 rows: a chunk, not a decode
+  q, kp, vp, table, _, _, kd, vd = rand_pages(5, B, T, N, K, H, Z, M, P)
+  zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
+  q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 108])),
+                   "zigzag-past": (zigzag, jnp.array([64, 40])),
+                   "zigzag-partial": (zigzag - 4, jnp.array([64, 40]))}[pattern]
+  be = pallas_backend.PallasBackend(prefill_route="mosaic")
+  assert be.prefill_kernel() == "mosaic"
+  got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
+  with pytest.raises(ValueError, match="prefill_kernel='mosaic' cannot read these pages: .*page_size=12"):
+    be.paged(q, kp[:, :12], vp[:, :12], table, q_pos=q_pos, kv_len=kv_len)
+  with pytest.raises(ValueError, match=r"reads pages in the queries' dtype \(bfloat16\), not float32"):
+    be.paged(q, kp.astype(jnp.float32), vp.astype(jnp.float32), table, q_pos=q_pos, kv_len=kv_len)
 
 
 @pytest.mark.parametrize("H,dtype,causal,save_lse", [(128, jnp.bfloat16, True, True), (64, jnp.float16, False, False)])

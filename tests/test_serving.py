@@ -39,7 +39,8 @@ def test_on_this_cpu():
   assert "needs a CUDA GPU" in s.page_write.why and "linear_kernel='auto'" in s.linear.why
   assert s.draft.name == "off"
   table = s.table()
-  for row in ("attention", "decode attention", "fp8 products, decode", "fp8 page write", "speculation"):
+  for row in ("attention", "prefill over pages", "decode attention", "fp8 products, decode", "fp8 page write",
+              "speculation"):
     assert f"\n  {row} " in table, table
 
 
@@ -88,6 +89,40 @@ def test_decode_kernel_asked_for_by_name(monkeypatch):
     resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
   with pytest.raises(ConfigError, match="decode_kernel='fast' must be one of auto, mosaic, triton"):
     RunConfig(decode_kernel="fast")
+
+
+def test_prefill_kernel(monkeypatch):
+  """RunConfig.prefill_kernel: "auto" keeps cuDNN's paged kernel under the pallas backend (and says what reads the
+  prefix under each backend); "mosaic" reaches the pallas backend's prefill_route and the table on Hopper over
+  bf16 pages, and is refused in one line for fp8 pages, FP8 attention, another backend (cuDNN: `auto` on GPUs
+  that are not Hopper) and page shapes the kernel cannot read."""
+  _gpu(monkeypatch, (9, 0))
+  bf16 = RUN.replace(cache_dtype="bfloat16")
+  s = resolve(CFG, bf16, check_fit=False)
+  assert (s.prefill.name, s.attention.prefill_route) == ("cudnn", "cudnn") and "cuDNN's paged" in s.prefill.why
+  assert "dequantized" in resolve(CFG, RUN, check_fit=False).prefill.why
+  fp8_attn = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False).prefill
+  assert fp8_attn.name == "pallas-fp8" and "gathered" in fp8_attn.why
+  s = resolve(CFG, bf16.replace(prefill_kernel="mosaic"), check_fit=False)
+  assert (s.prefill.name, s.attention.prefill_route) == ("mosaic", "mosaic")
+  assert "flash_attention_paged" in s.prefill.why and "\n  prefill over pages    mosaic: " in s.table()
+  assert resolve(CFG, bf16.replace(prefill_kernel="cudnn"), check_fit=False).prefill.name == "cudnn"
+  refusals = {
+      "reads pages in the queries' dtype \\(bfloat16\\), not float8_e4m3fn": RUN.replace(prefill_kernel="mosaic"),
+      "attention_dtype='float8_e4m3fn' reads the cached prefix with the FP8 flash kernel":
+          bf16.replace(prefill_kernel="mosaic", attention_dtype="float8_e4m3fn"),
+      "the cudnn backend reads the pages with its own": bf16.replace(prefill_kernel="mosaic", attention="cudnn"),
+      "page_size=96 must be a multiple of it": bf16.replace(prefill_kernel="mosaic", page_size=96, prefill_chunk=960),
+  }
+  for message, run in refusals.items():
+    with pytest.raises(ConfigError, match="prefill_kernel='mosaic'.*" + message):
+      resolve(CFG, run, check_fit=False)
+  assert resolve(CFG, bf16.replace(prefill_kernel="mosaic", page_size=32), check_fit=False).prefill.name == "mosaic"
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
+  with pytest.raises(ConfigError, match="prefill_kernel='mosaic' picks among the pallas backend's prefill kernels"):
+    resolve(CFG, bf16.replace(prefill_kernel="mosaic"), check_fit=False)
+  with pytest.raises(ConfigError, match="prefill_kernel='fast' must be one of auto, cudnn, mosaic"):
+    RunConfig(prefill_kernel="fast")
 
 
 def test_on_ada(monkeypatch):

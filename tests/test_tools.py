@@ -109,7 +109,7 @@ def test_check_exact_over_the_last_positions_and_with_fp8_weights(tmp_path):
 
 
 # What every end-to-end row says ran, as a result's stats name it (lcjax.Engine.kernels).
-KERNEL_KEYS = {"attention", "decode_kernel", "page_write", "linear"}
+KERNEL_KEYS = {"attention", "prefill_kernel", "decode_kernel", "page_write", "linear"}
 
 
 def test_profile_step_reports(tmp_path):

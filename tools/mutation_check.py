@@ -136,6 +136,19 @@ MUTANTS = (
            "  x = precision.widen(x)                                            # the model dtype's values",
            "  x = x.astype(jnp.float32)                                         # the model dtype's values",
            ("tests/test_precision.py::test_fp8_page_writes_read_bf16_k_through_widen",)),
+    Mutant("cudnn-fp8-decode-reads-v-scales-for-k",
+           "the cuDNN backend's fp8 decode kernel (the Triton kernel off Hopper) is handed V's page scales for K",
+           "lcjax/ops/cudnn/backend.py",
+           "      return self.fp8_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl, k_scale=k_scale,",
+           "      return self.fp8_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl, k_scale=v_scale,",
+           ("tests/test_fp8_decode.py::test_cudnn_backend_decodes_fp8_pages_with_its_fp8_decode_kernel[True]",)),
+    Mutant("paged-flash-prefill-masks-from-kv-len",
+           "the paged flash prefill masks a chunk's rows by kv_len instead of the first row's position: every row "
+           "sees the chunk's later keys",
+           "lcjax/ops/pallas_backend.py",
+           "    d = q_pos[:, 0]\n",
+           "    d = kvl\n",
+           ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[split]",)),
 )
 
 

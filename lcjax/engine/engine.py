@@ -124,8 +124,10 @@ class Engine:
 
   @property
   def kernels(self) -> dict[str, str]:
-    """What runs, as every result's stats name it: attention (prefill), decode_kernel, page_write, linear."""
-    return dict(attention=self.attention.name, decode_kernel=self.decode_kernel, page_write=self.page_write,
+    """What runs, as every result's stats name it: attention (prefill), prefill_kernel (what reads a chunk's keys
+    from the pages), decode_kernel, page_write, linear."""
+    return dict(attention=self.attention.name, prefill_kernel=self.serving.prefill.name,
+                decode_kernel=self.decode_kernel, page_write=self.page_write,
                 linear=self.linear_kernels)
 
   @property

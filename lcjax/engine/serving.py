@@ -41,6 +41,7 @@ class Serving:
   weights: WeightFormat              # how the linear weights are held while serving
   attention: object                  # the backend (lcjax.ops.backends), `name` says which
   decode: Choice                     # the kernel decode steps run over this cache's pages
+  prefill: Choice                    # what reads a prefill chunk's keys (its cached prefix) from the pages
   linear: Choice                     # Llama's gemv_kernel: the product of fp8 weights in decode-sized calls
   page_write: Choice                 # Llama's page_writer: what writes a decode step's token into fp8 pages
   draft: Choice                      # speculative decoding (RunConfig.draft)
@@ -68,6 +69,7 @@ class Serving:
                        f"{self.cache_dtype} KV cache"),
             ("attention", f"{self.attention.name} (attention={self.run.attention!r}, "
                           f"attention_dtype={self.run.attention_dtype!r})"),
+            ("prefill over pages", f"{self.prefill.name}: {self.prefill.why}"),
             ("decode attention", f"{self.decode.name}: {self.decode.why}"),
             ("fp8 products, decode", f"{self.linear.name}: {self.linear.why}"),
             ("fp8 page write", f"{self.page_write.name}: {self.page_write.why}"),
@@ -145,6 +147,42 @@ def _fp8_decode_kernel(attention, serving_cfg: ModelConfig, run: RunConfig):
   return dataclasses.replace(attention, fp8_decode=kernel)
 
 
+def _prefill_route(attention, serving_cfg: ModelConfig, run: RunConfig):
+  """The attention backend with RunConfig.prefill_kernel's route, or a one-line ConfigError where the route cannot
+  serve: a backend with no choice of prefill kernels, FP8 attention (its own kernel reads the prefix), pages the
+  Mosaic GPU kernel cannot read here."""
+  ask = run.prefill_kernel
+  if ask == "auto":
+    return attention
+  if not hasattr(attention, "prefill_route"):
+    raise ConfigError(f"prefill_kernel={ask!r} picks among the pallas backend's prefill kernels, and the "
+                      f"{attention.name} backend reads the pages with its own: leave prefill_kernel='auto'")
+  if ask == "mosaic":
+    if run.attention_dtype != "auto":
+      raise ConfigError(f"prefill_kernel='mosaic' reads bf16 pages, and attention_dtype={run.attention_dtype!r} "
+                        "reads the cached prefix with the FP8 flash kernel: leave prefill_kernel='auto'")
+    reason = attention.prefill_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
+                                      page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
+    if reason:
+      raise ConfigError(f"prefill_kernel='mosaic': {reason}")
+  return dataclasses.replace(attention, prefill_route=ask)
+
+
+def _prefill_choice(attention, run: RunConfig) -> Choice:
+  """What reads a prefill chunk's keys from the pages, and why."""
+  fp8_pages = run.resolved_cache_dtype == "float8_e4m3fn"
+  if getattr(attention, "prefill_route", None) == "mosaic":
+    return Choice("mosaic", "the Mosaic GPU flash kernel reading K and V where they lie "
+                            "(lcjax.ops.mosaic_gpu.flash.flash_attention_paged), asked for by prefill_kernel='mosaic'")
+  if attention.name.startswith("pallas-"):
+    return Choice(attention.name, "the FP8 flash kernel over the cached prefix gathered, dequantized and requantized "
+                                  "in blocks (PREFIX_BLOCK_TOKENS keys)")
+  if attention.name in ("pallas", "cudnn"):
+    over = " over the pages dequantized to bf16 in blocks" if fp8_pages else ""
+    return Choice("cudnn", f"cuDNN's paged flash kernel{over}")
+  return Choice(attention.name, f"the {attention.name} backend's own paged attention")
+
+
 def _draft_choice(run: RunConfig) -> Choice:
   if run.draft == "off":
     return Choice("off", "draft='off' (one token a decode step)")
@@ -169,6 +207,7 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
   except ValueError as e:
     raise ConfigError(str(e)) from None
   attention = _fp8_decode_kernel(_decode_route(attention, serving_cfg, run), serving_cfg, run)
+  attention = _prefill_route(attention, serving_cfg, run)
   name, why = placement.decode_linear(run, weights, placement.gemv_kernels_unsupported(serving_cfg, run.tensor))
   linear = Choice(name, why, kernels.gemv_kernel(name))
   name, why = placement.page_write(run, serving_cfg.head_dim)
@@ -180,8 +219,8 @@ def resolve(model_cfg: ModelConfig, run: RunConfig, *, weights: WeightFormat = W
                       f"activations and change the tokens): lower draft_tokens or max_batch")
   plan = planlib.plan(model_cfg, run, weights=weights)
   serving = Serving(model_cfg, run, mesh, serving_cfg, rep, weights, attention,
-                    _decode_choice(attention, serving_cfg, run), linear, page_write, _draft_choice(run), plan,
-                    Limits.of(model_cfg, run, plan.num_pages))
+                    _decode_choice(attention, serving_cfg, run), _prefill_choice(attention, run), linear, page_write,
+                    _draft_choice(run), plan, Limits.of(model_cfg, run, plan.num_pages))
   if check_fit:
     serving.require_fit()
   return serving

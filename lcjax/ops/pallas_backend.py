@@ -4,7 +4,8 @@ PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gp
 pages to the split-K Triton kernel (lcjax.ops.triton.paged); decode rows over fp8 pages to the Mosaic GPU fp8
 decode kernel (lcjax.ops.mosaic_gpu.paged) where it can serve them, else to the Triton kernel (or, by its
 decode_route, every decode row to the Mosaic GPU kernels or to the Triton one); prefill chunks against
-the paged cache to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
+the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route to the Mosaic GPU flash kernel reading
+the pages in place (mgpu_flash.flash_attention_paged). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
 prefill chunks over their cached prefix. Each `why_not` / `fp8_decode_reason` names why a kernel cannot serve a
 shape here; lcjax.ops.backends picks a backend by name.
 
@@ -24,7 +25,7 @@ from lcjax.ops import hardware
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
-from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
+from lcjax.ops.cudnn.backend import PAGED_PAST, PAGED_REFERENCE, CudnnBackend, paged_case
 
 # decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
 # 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
@@ -54,6 +55,7 @@ class PallasBackend:
   decode: object = None                          # a triton_paged.PagedTuning; None: its defaults
   interpret: bool = False
   decode_route: str = "auto"                     # RunConfig.decode_kernel: "auto", "mosaic" or "triton"
+  prefill_route: str = "cudnn"                   # RunConfig.prefill_kernel: "cudnn" or "mosaic"
 
   def _decode_tuning(self):
     return self.decode or triton_paged.PagedTuning()
@@ -127,6 +129,20 @@ class PallasBackend:
       return f"the pages are {jnp.dtype(page_dtype).name}, not float8_e4m3fn"
     return self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
 
+  def prefill_reason(self, *, head_dim: int, page_size: int, page_dtype, dtype) -> str | None:
+    """Why prefill_route "mosaic" (the flash kernel reading bf16 / float16 pages in place) cannot read a chunk's
+    keys from pages of this shape here (None: it can)."""
+    if jnp.dtype(page_dtype) != jnp.dtype(dtype):
+      return (f"the paged flash kernel reads pages in the queries' dtype ({jnp.dtype(dtype).name}), not "
+              f"{jnp.dtype(page_dtype).name}")
+    if self.interpret:
+      return "the Mosaic GPU flash kernel has no interpreter (interpret=True)"
+    return mgpu_flash.why_not_paged(head_dim=head_dim, dtype=dtype, page_size=page_size) or hardware.on_hopper()
+
+  def prefill_kernel(self) -> str:
+    """What reads a prefill chunk's keys from the pages: 'cudnn' (cuDNN's paged kernel) or 'mosaic'."""
+    return self.prefill_route
+
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
     """The kernel `paged` runs for decode rows over pages of `page_dtype`: with decode_route "auto", 'mgpu-fp8'
     (lcjax.ops.mosaic_gpu.paged, Triton's split combine) or 'triton' (lcjax.ops.triton.paged; pages other than
@@ -167,10 +183,38 @@ class PallasBackend:
       return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
                                        interpret=self.interpret)
+    if self.prefill_route == "mosaic":
+      reason = self.prefill_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype, dtype=q.dtype)
+      if reason:
+        raise ValueError(f"prefill_kernel='mosaic' cannot read these pages: {reason}")
+      return self._paged_flash(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, page_offset=page_offset)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
     # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+
+
+  def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset):
+    """A chunk's rows over its keys in the pages through the flash kernel that reads them in place, masked by the
+    diagonal offset d = q_pos[b, 0]: contiguous rows see keys j <= q_pos (the cached prefix and the chunk's own
+    keys, written before the call) below kv_len; rows in any order that every valid key precedes (a seq mesh's
+    zigzag chunk against its prefix: kv_len <= min(q_pos) + 1 <= d + 1) see all of them under the same mask.
+    Other position patterns take the jnp reference, which logs why."""
+    B, T = q.shape[:2]
+    M, Z = page_table.shape[1], k_pages.shape[1]
+    q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
+    kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
+    case = paged_case(q_pos, kvl)
+    d = q_pos[:, 0]
+
+    def reference():
+      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~ref.contiguous_rows(q_pos),
+                                           ref.NEGATIVE_POSITIONS: q_pos[:, 0] < 0})
+      return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kvl)
+
+    return lax.cond(case == PAGED_REFERENCE, reference,
+                    lambda: mgpu_flash.flash_attention_paged(q, k_pages, v_pages, page_table, d, kvl, page_offset,
+                                                             tuning=self.flash))
 
 
 @dataclasses.dataclass(frozen=True)

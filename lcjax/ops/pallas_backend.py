@@ -193,7 +193,6 @@ class PallasBackend:
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
 
-
   def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset):
     """A chunk's rows over its keys in the pages through the flash kernel that reads them in place, masked by the
     diagonal offset d = q_pos[b, 0]: contiguous rows see keys j <= q_pos (the cached prefix and the chunk's own

@@ -313,11 +313,10 @@ class RunConfig:
                                      # Triton kernel), "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and
                                      # fp8 pages: no Triton attention kernel; Hopper), "triton"
                                      # (lcjax.ops.triton.paged, both page dtypes); cuDNN decodes with its own
-  prefill_kernel: str = "auto"       # prefill chunks over the paged cache, on the pallas backend (bf16 pages):
-                                     # "auto" (cudnn), "cudnn" (cuDNN's paged flash kernel), "mosaic"
-                                     # (lcjax.ops.mosaic_gpu.flash.flash_attention_paged: our flash kernel reading
-                                     # K and V where they lie; Hopper; not yet run on a GPU, so "auto" does not
-                                     # take it)
+  prefill_kernel: str = "auto"       # what reads a prefill chunk's cached prefix from the pages, on the pallas
+                                     # backend (bf16 pages): "auto" (cudnn), "cudnn" (cuDNN's paged flash kernel),
+                                     # "mosaic" (lcjax.ops.mosaic_gpu.flash.flash_attention_paged: our flash
+                                     # kernel reading K and V where they lie; Hopper)
   page_size: int = 64                # Z: tokens per KV page
   num_pages: int = 0                 # P: pages in the pool (0: enough for max_batch * max_context + null page)
   max_context: int = 0               # 0: the model's trained context (max_position)

@@ -379,7 +379,7 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   masks by the kernel's diagonal offset d) with d = the first row's position, which gives the oracle for
   contiguous rows and for rows in any order past every key; rows in another order that see part of the keys take
   the jnp reference. The backend refuses pages the kernel cannot read."""
-  monkeypatch.setattr(hardware, "on_hopper", lambda: None)
+  monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   # lax.cond traces both branches: the one that must not run returns NaN, so only the other gives the oracle.
   to_reference = pattern == "zigzag-partial"
   nan = lambda out: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), out)
@@ -396,11 +396,10 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   B, T, N, K, H, Z, M, P = 2, 8, 64, 2, 64, 16, 12, 30            # T * G = 256 rows: a chunk, not a decode
   q, kp, vp, table, _, _, kd, vd = rand_pages(5, B, T, N, K, H, Z, M, P)
   zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
-  q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 108])),
+  q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 104])),
                    "zigzag-past": (zigzag, jnp.array([64, 40])),
                    "zigzag-partial": (zigzag - 4, jnp.array([64, 40]))}[pattern]
   be = pallas_backend.PallasBackend(prefill_route="mosaic")
-  assert be.prefill_kernel() == "mosaic"
   got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
   with pytest.raises(ValueError, match="prefill_kernel='mosaic' cannot read these pages: .*page_size=12"):
@@ -468,17 +467,19 @@ def test_paged_gpu(backend, T, fp8, Z):
 @pytest.mark.parametrize("T", [128, 300, 1024])
 def test_paged_flash_gpu(T, Z):
   """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
-  128 / Z TMA copies or a part of one page) == the float64 oracle: a chunk of T rows at the end of each
-  sequence's keys (its own keys causal, the prefix before it whole), pages scattered out of order at an offset
-  into the pools, ragged lengths: a full table, a prefix ending inside a block, a chunk alone, kv_len past the
-  table (clipped)."""
-  B, N, K, H = 5, 32, 8, 128
-  M = 2048 // Z
+  128 / Z TMA copies or a part of one page) == the float64 oracle, pages scattered out of order at an offset into
+  the pools, a table of M * Z keys that is not a whole number of blocks for Z < 128 (the last block's slots past
+  the table repeat its last page). Sequences: the engine's shape (a chunk after its whole cached prefix, d =
+  kv_len) at two lengths, a chunk whose own keys are in the pages (causal) after a full table, after a prefix
+  ending inside a block, alone, and with kv_len past the table (clipped)."""
+  B, N, K, H = 6, 32, 8, 128
+  M = 2048 // Z + 1
   off = 3
   q, kp, vp, table, _, _, kd, vd = rand_pages(T + Z, B, T, N, K, H, Z, M, B * M + 4)
   junk = lambda x: jnp.concatenate([jnp.full((off, *x.shape[1:]), 30.0, x.dtype), x])
-  kv_len = jnp.array([M * Z, 1000 + T, T, M * Z + 100, 777 + T], jnp.int32)
+  kv_len = jnp.array([M * Z, 1000 + T, T, M * Z + 100, 777, M * Z], jnp.int32)
   d = jnp.minimum(kv_len, M * Z) - T
+  d = d.at[4].set(777).at[5].set(M * Z)                     # the engine's shape: rows after every cached key
   got = mgpu_flash.flash_attention_paged(q, junk(kp), junk(vp), table, d, kv_len, off)
   q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), jnp.minimum(kv_len, M * Z), M * Z, True)),

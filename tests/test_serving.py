@@ -111,18 +111,30 @@ def test_prefill_kernel(monkeypatch):
       "reads pages in the queries' dtype \\(bfloat16\\), not float8_e4m3fn": RUN.replace(prefill_kernel="mosaic"),
       "attention_dtype='float8_e4m3fn' reads the cached prefix with the FP8 flash kernel":
           bf16.replace(prefill_kernel="mosaic", attention_dtype="float8_e4m3fn"),
-      "the cudnn backend reads the pages with its own": bf16.replace(prefill_kernel="mosaic", attention="cudnn"),
+      "the cudnn backend reads them with its own": bf16.replace(prefill_kernel="mosaic", attention="cudnn"),
       "page_size=96 must be a multiple of it": bf16.replace(prefill_kernel="mosaic", page_size=96, prefill_chunk=960),
   }
   for message, run in refusals.items():
     with pytest.raises(ConfigError, match="prefill_kernel='mosaic'.*" + message):
       resolve(CFG, run, check_fit=False)
+  with pytest.raises(ConfigError, match="prefill_kernel='cudnn': attention_dtype='float8_e4m3fn' reads"):
+    resolve(CFG, bf16.replace(prefill_kernel="cudnn", attention_dtype="float8_e4m3fn"), check_fit=False)
+  assert resolve(CFG, bf16.replace(prefill_kernel="cudnn", attention="cudnn"), check_fit=False).prefill.name == "cudnn"
+  with pytest.raises(ConfigError, match="prefill_kernel='cudnn' picks what reads the pages on the pallas and cudnn "
+                                        "backends, and the reference backend reads them with its own"):
+    resolve(CFG, bf16.replace(prefill_kernel="cudnn", attention="reference"), check_fit=False)
   assert resolve(CFG, bf16.replace(prefill_kernel="mosaic", page_size=32), check_fit=False).prefill.name == "mosaic"
   monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 9))
-  with pytest.raises(ConfigError, match="prefill_kernel='mosaic' picks among the pallas backend's prefill kernels"):
+  with pytest.raises(ConfigError, match="prefill_kernel='mosaic' picks what reads the pages on the pallas and "
+                                        "cudnn backends, and the cudnn backend"):
     resolve(CFG, bf16.replace(prefill_kernel="mosaic"), check_fit=False)
   with pytest.raises(ConfigError, match="prefill_kernel='fast' must be one of auto, cudnn, mosaic"):
     RunConfig(prefill_kernel="fast")
+  monkeypatch.setattr(hardware, "compute_capability", lambda: (10, 0))        # Blackwell: no wgmma
+  from lcjax.ops.pallas_backend import PallasBackend
+  assert resolve(CFG, bf16, check_fit=False).attention.name == "cudnn"
+  assert "wgmma needs a Hopper GPU (sm_90), got compute capability (10, 0)" in PallasBackend().why_not(
+      head_dim=128, dtype="bfloat16")
 
 
 def test_on_ada(monkeypatch):

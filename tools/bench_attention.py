@@ -4,9 +4,9 @@ GPU run.
   python3 tools/bench_attention.py --out=$OUT
 
 Prefill: causal, B=1, 32 query heads, 8 kv heads, head dim 128, bf16, S in --prefill (TFLOP/s with causal flops
-2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of one sequence held in
-pages (its cached prefix and its own keys), what reads them in place against cuDNN's paged kernel. Decode: batch
---batch (8), one query token, same heads, pages of --pages tokens shuffled in a
+2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
+pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place against
+cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
 pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random inputs
 against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a small
 size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near the
@@ -57,8 +57,9 @@ _REPS = flags.DEFINE_integer("reps", 7, "timed repeats (median)")
 _ONLY = flags.DEFINE_list("only", [], "run only impls whose name contains one of these")
 _SKIP = flags.DEFINE_list("skip", [], "skip impls whose name contains one of these")
 _STALL = flags.DEFINE_integer("stall_s", 120, "watchdog: seconds one measurement may take")
-_CHUNK = flags.DEFINE_list("chunk", [], "prefill chunks over paged keys, T:S pairs (a chunk of T rows ending at key S "
-                           "of one sequence: S - T cached keys and its own T, causal), pages of --pages' first size")
+_CHUNK = flags.DEFINE_list("chunk", [], "prefill chunks over a paged prefix, T:S pairs (a chunk of T rows at "
+                           "positions S .. S + T - 1 over the S cached keys of one sequence), pages of --pages' "
+                           "first size")
 _NAME = flags.DEFINE_string("name", "attention-h200", "result file stem")
 _EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
 
@@ -556,9 +557,9 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
 
 
 def chunk_impls():
-  """name -> (lcjax?, fn(q, kp, vp, table, q_pos, kv_len) -> (out, lse)): what reads a prefill chunk's keys from
-  the pages. cuDNN's paged kernel (through CudnnBackend's split into a prefix call and a causal window: the
-  pallas backend's path for chunks today) is the peer."""
+  """name -> (lcjax?, fn(q, kp, vp, table, q_pos, kv_len) -> (out, lse)): what reads a prefill chunk's cached
+  prefix from the pages. cuDNN's paged kernel (CudnnBackend's padding-only call, the pallas backend's
+  prefill_kernel="cudnn") is the peer."""
   paged_flash = pallas_backend.PallasBackend(prefill_route="mosaic")
   return {
       "lcjax-mosaic-paged": (True, lambda q, kp, vp, t, qp, kl: paged_flash._paged_flash(
@@ -569,21 +570,19 @@ def chunk_impls():
 
 
 def chunk_pages(key, T, S, Z):
-  """q [1, T, N, H] and one sequence's S keys in pages of Z shuffled in a pool; rows at S - T .. S - 1."""
+  """q [1, T, N, H] and one sequence's S keys in pages of Z shuffled in a pool; rows at S .. S + T - 1."""
   q, kp, vp, table, _, _ = pages(key, S, Z, False, B=1)
   q = jax.random.normal(jax.random.fold_in(key, 1), (1, T, N, H), DT)
   kv_len = jnp.full((1,), S, jnp.int32)
-  return q, kp, vp, table, (S - T + jnp.arange(T, dtype=jnp.int32))[None], kv_len
+  return q, kp, vp, table, (S + jnp.arange(T, dtype=jnp.int32))[None], kv_len
 
 
 def bench_chunk(res, dog, pairs, Z, reps):
-  """Prefill chunks over paged keys: each impl checked against the jnp reference on a 1,000-row chunk over 4,000
-  keys (3,000 cached), then timed on each T:S pair (TFLOP/s of the visible pairs, T * (S - T) + T * (T + 1) / 2,
-  at 4 N H flops each)."""
+  """Prefill chunks over a paged prefix: each impl checked against the jnp reference on a 1,000-row chunk over a
+  4,000-key prefix, then timed on each T:S pair (TFLOP/s of T * S visible pairs at 4 N H flops each)."""
   impls = {n: v for n, v in chunk_impls().items() if selected(n)}
-  q, kp, vp, table, _, _ = chunk_pages(jax.random.key(11 + Z), 1000, 4096, Z)
+  q, kp, vp, table, q_pos, _ = chunk_pages(jax.random.key(11 + Z), 1000, 4096, Z)
   kv_len = jnp.full((1,), 4000, jnp.int32)
-  q_pos = (3000 + jnp.arange(1000, dtype=jnp.int32))[None]
   want_o, want_l = jax.jit(lambda *a: ref.paged_attention_reference(*a[:4], q_pos=a[4], kv_len=a[5]))(
       q, kp, vp, table, q_pos, kv_len)
   checks = {}
@@ -597,7 +596,7 @@ def bench_chunk(res, dog, pairs, Z, reps):
     dog.disarm()
   for T, S in pairs:
     data = chunk_pages(jax.random.key(T + S + Z), T, S, Z)
-    flops = 4.0 * N * H * (T * (S - T) + T * (T + 1) / 2)
+    flops = 4.0 * N * H * T * S
     for name, (mine, fn) in impls.items():
       if name not in checks:
         continue

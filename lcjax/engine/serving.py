@@ -149,18 +149,20 @@ def _fp8_decode_kernel(attention, serving_cfg: ModelConfig, run: RunConfig):
 
 def _prefill_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   """The attention backend with RunConfig.prefill_kernel's route, or a one-line ConfigError where the route cannot
-  serve: a backend with no choice of prefill kernels, FP8 attention (its own kernel reads the prefix), pages the
-  Mosaic GPU kernel cannot read here."""
+  serve: FP8 attention (its own kernel reads the prefix), a backend that reads the pages with another kernel,
+  pages the Mosaic GPU kernel cannot read here."""
   ask = run.prefill_kernel
   if ask == "auto":
     return attention
+  if run.attention_dtype != "auto":
+    raise ConfigError(f"prefill_kernel={ask!r}: attention_dtype={run.attention_dtype!r} reads the cached prefix with "
+                      "the FP8 flash kernel: leave prefill_kernel='auto'")
+  if ask == "cudnn" and attention.name == "cudnn":
+    return attention
   if not hasattr(attention, "prefill_route"):
-    raise ConfigError(f"prefill_kernel={ask!r} picks among the pallas backend's prefill kernels, and the "
-                      f"{attention.name} backend reads the pages with its own: leave prefill_kernel='auto'")
+    raise ConfigError(f"prefill_kernel={ask!r} picks what reads the pages on the pallas and cudnn backends, and the "
+                      f"{attention.name} backend reads them with its own: leave prefill_kernel='auto'")
   if ask == "mosaic":
-    if run.attention_dtype != "auto":
-      raise ConfigError(f"prefill_kernel='mosaic' reads bf16 pages, and attention_dtype={run.attention_dtype!r} "
-                        "reads the cached prefix with the FP8 flash kernel: leave prefill_kernel='auto'")
     reason = attention.prefill_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
                                       page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
     if reason:

@@ -39,19 +39,12 @@ def jax_at_least(major: int, minor: int) -> bool:
   return tuple(map(int, jax.__version__.split(".")[:2])) >= (major, minor)
 
 
-def on_hopper() -> str | None:
-  """Why the Mosaic GPU kernels cannot run here (None: they can): they need a Hopper GPU or later (sm_90+)."""
+def on_sm90() -> str | None:
+  """Why the Mosaic GPU kernels built on wgmma (the decode kernels, the paged flash kernel) cannot run here: wgmma
+  needs sm_90a exactly (Blackwell has none). None: they can."""
   if jax.default_backend() != "gpu":
     return f"needs a CUDA GPU; jax.default_backend()={jax.default_backend()!r}"
   cc = compute_capability()
-  if cc is None or cc < (9, 0):
-    return f"the Mosaic GPU kernels need Hopper (sm_90+), got compute_capability={cc}"
-  return None
-
-
-def on_sm90() -> str | None:
-  """The Mosaic GPU decode kernel's wgmma needs sm_90a exactly (Blackwell has none)."""
-  cc = compute_capability()
   if cc is None or cc[0] != 9:
-    return f"the Mosaic GPU decode kernel needs a Hopper GPU (sm_90), got {jax.default_backend()} {cc}"
+    return f"the Mosaic GPU kernels' wgmma needs a Hopper GPU (sm_90), got compute capability {cc}"
   return None

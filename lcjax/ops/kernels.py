@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
+from lcjax.ops.hardware import fp8_convert_reason
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
-from lcjax.ops.hardware import fp8_convert_reason
 from lcjax.ops.triton import gemv as triton_gemv
 from lcjax.ops.triton import page_write as triton_page_write
 from lcjax.ops.triton import paged as triton_paged

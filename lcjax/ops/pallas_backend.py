@@ -69,7 +69,7 @@ class PallasBackend:
     reason = mgpu_flash.why_not(head_dim=head_dim, dtype=dtype)
     if reason or self.interpret:
       return reason
-    return hardware.on_hopper()
+    return hardware.on_sm90()
 
   def _kernel(self, q, k, v, kvl):
     """kernel(d=None, *, causal): the flash kernel on these operands."""
@@ -137,11 +137,8 @@ class PallasBackend:
               f"{jnp.dtype(page_dtype).name}")
     if self.interpret:
       return "the Mosaic GPU flash kernel has no interpreter (interpret=True)"
-    return mgpu_flash.why_not_paged(head_dim=head_dim, dtype=dtype, page_size=page_size) or hardware.on_hopper()
-
-  def prefill_kernel(self) -> str:
-    """What reads a prefill chunk's keys from the pages: 'cudnn' (cuDNN's paged kernel) or 'mosaic'."""
-    return self.prefill_route
+    return (mgpu_flash.why_not_paged(head_dim=head_dim, dtype=dtype, page_size=page_size, tuning=self.flash)
+            or hardware.on_sm90())
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
     """The kernel `paged` runs for decode rows over pages of `page_dtype`: with decode_route "auto", 'mgpu-fp8'
@@ -194,11 +191,11 @@ class PallasBackend:
                                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
 
   def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset):
-    """A chunk's rows over its keys in the pages through the flash kernel that reads them in place, masked by the
-    diagonal offset d = q_pos[b, 0]: contiguous rows see keys j <= q_pos (the cached prefix and the chunk's own
-    keys, written before the call) below kv_len; rows in any order that every valid key precedes (a seq mesh's
-    zigzag chunk against its prefix: kv_len <= min(q_pos) + 1 <= d + 1) see all of them under the same mask.
-    Other position patterns take the jnp reference, which logs why."""
+    """A chunk's rows over keys in the pages through the flash kernel that reads them in place, masked by the
+    diagonal offset d = q_pos[b, 0]: rows in any order that every valid key precedes (the engine's chunk against
+    its cached prefix, a seq mesh's zigzag rows too: kv_len <= min(q_pos) + 1 <= d + 1) see every key below
+    kv_len; contiguous rows that see part of the keys see j <= q_pos. Other position patterns take the jnp
+    reference, which logs why."""
     B, T = q.shape[:2]
     M, Z = page_table.shape[1], k_pages.shape[1]
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
@@ -235,7 +232,7 @@ class PallasFp8Backend(PallasBackend):
     if reason or self.interpret:
       return reason
     # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
-    return mgpu_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_hopper()
+    return mgpu_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_sm90()
 
   def _kernel(self, q, k, v, kvl):
     return functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,

@@ -118,17 +118,15 @@ class Engine:
 
   @property
   def decode_kernel(self) -> str:
-    """The kernel decode steps run: the backend's name, or pallas' kernel for these pages ('mgpu-fp8', 'triton',
-    'mosaic'; `serving.decode.why` says why)."""
+    """The kernel decode steps run ('cudnn', 'mgpu-fp8', 'triton', ...; `serving.decode.why` says why)."""
     return self.serving.decode.name
 
   @property
   def kernels(self) -> dict[str, str]:
-    """What runs, as every result's stats name it: attention (prefill), prefill_kernel (what reads a chunk's keys
-    from the pages), decode_kernel, page_write, linear."""
+    """What runs, as every result's stats name it: attention, prefill_kernel (what reads a chunk's cached prefix),
+    decode_kernel, page_write, linear."""
     return dict(attention=self.attention.name, prefill_kernel=self.serving.prefill.name,
-                decode_kernel=self.decode_kernel, page_write=self.page_write,
-                linear=self.linear_kernels)
+                decode_kernel=self.decode_kernel, page_write=self.page_write, linear=self.linear_kernels)
 
   @property
   def linear_kernels(self) -> str:

@@ -373,12 +373,12 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("pattern", ["split", "zigzag-past", "zigzag-partial"])
+@pytest.mark.parametrize("pattern", ["split", "zigzag-past", "zigzag-partial", "mixed"])
 def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   """prefill_route="mosaic": a chunk's rows over the pages go to flash_attention_paged (here its jnp model, which
-  masks by the kernel's diagonal offset d) with d = the first row's position, which gives the oracle for
-  contiguous rows and for rows in any order past every key; rows in another order that see part of the keys take
-  the jnp reference. The backend refuses pages the kernel cannot read."""
+  masks by the kernel's diagonal offset d) with d = each sequence's first row position, which gives the oracle for
+  contiguous rows and for rows in any order past every key, also when a batch holds both; rows in another order
+  that see part of the keys take the jnp reference. The backend refuses pages the kernel cannot read."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   # lax.cond traces both branches: the one that must not run returns NaN, so only the other gives the oracle.
   to_reference = pattern == "zigzag-partial"
@@ -398,7 +398,8 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
   q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 104])),
                    "zigzag-past": (zigzag, jnp.array([64, 40])),
-                   "zigzag-partial": (zigzag - 4, jnp.array([64, 40]))}[pattern]
+                   "zigzag-partial": (zigzag - 4, jnp.array([64, 40])),
+                   "mixed": (jnp.stack([zigzag[0], 30 + jnp.arange(T)]), jnp.array([64, 35]))}[pattern]
   be = pallas_backend.PallasBackend(prefill_route="mosaic")
   got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)

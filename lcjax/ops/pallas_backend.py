@@ -25,7 +25,7 @@ from lcjax.ops import hardware
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
-from lcjax.ops.cudnn.backend import PAGED_PAST, PAGED_REFERENCE, CudnnBackend, paged_case
+from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
 
 # decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
 # 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
@@ -192,23 +192,25 @@ class PallasBackend:
 
   def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset):
     """A chunk's rows over keys in the pages through the flash kernel that reads them in place, masked by the
-    diagonal offset d = q_pos[b, 0]: rows in any order that every valid key precedes (the engine's chunk against
-    its cached prefix, a seq mesh's zigzag rows too: kv_len <= min(q_pos) + 1 <= d + 1) see every key below
-    kv_len; contiguous rows that see part of the keys see j <= q_pos. Other position patterns take the jnp
-    reference, which logs why."""
+    diagonal offset d = q_pos[b, 0], sequence by sequence: rows in any order that every valid key precedes (the
+    engine's chunk against its cached prefix, a seq mesh's zigzag rows too: kv_len <= min(q_pos) + 1 <= d + 1)
+    see every key below kv_len; contiguous rows from position 0 on see j <= q_pos. A batch with a sequence of
+    neither kind takes the jnp reference, which logs why."""
     B, T = q.shape[:2]
     M, Z = page_table.shape[1], k_pages.shape[1]
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
-    case = paged_case(q_pos, kvl)
     d = q_pos[:, 0]
+    qmin = q_pos.min(axis=1)
+    past = (kvl <= qmin + 1) & (qmin >= 0)
+    contiguous = jnp.all(q_pos == d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], axis=1) & (d >= 0)
 
     def reference():
       ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~ref.contiguous_rows(q_pos),
                                            ref.NEGATIVE_POSITIONS: q_pos[:, 0] < 0})
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kvl)
 
-    return lax.cond(case == PAGED_REFERENCE, reference,
+    return lax.cond(~jnp.all(past | contiguous), reference,
                     lambda: mgpu_flash.flash_attention_paged(q, k_pages, v_pages, page_table, d, kvl, page_offset,
                                                              tuning=self.flash))
 

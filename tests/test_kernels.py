@@ -464,8 +464,8 @@ def test_paged_gpu(backend, T, fp8, Z):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-@pytest.mark.parametrize("Z", [16, 64, 128, 256])
-@pytest.mark.parametrize("T", [128, 300, 1024])
+@pytest.mark.parametrize("Z", [16, 64, 256])
+@pytest.mark.parametrize("T", [128, 1000])
 def test_paged_flash_gpu(T, Z):
   """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
   128 / Z TMA copies or a part of one page) == the float64 oracle, pages scattered out of order at an offset into

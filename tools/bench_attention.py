@@ -3,18 +3,18 @@ GPU run.
 
   python3 tools/bench_attention.py --out=$OUT
 
-Prefill: causal, B=1, 32 query heads, 8 kv heads, head dim 128, bf16, S in --prefill (TFLOP/s with causal flops
-2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
+Prefill: causal, B=1, 32 query heads, 8 kv heads (--heads), head dim 128, bf16, S in --prefill (TFLOP/s with causal
+flops 2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
 pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place against
 cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
-pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random inputs
-against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a small
-size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near the
-L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
+pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
+inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a
+small size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near
+the L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
 cut short still leaves what it measured. A watchdog ends the process if one measurement stalls (a hung kernel).
-Prefill rows `-positions` pass q_pos and k_start as the engine does (the backend picks its kernel with a lax.cond
-on them); `-positions-quiet` is the same graph without the reference branch's run-time announcement, so the pair
-shows what that callback costs when the kernel runs.
+Prefill rows `-positions` pass q_pos and k_start as the engine does (the backend picks its kernel with a lax.cond on
+them); `-positions-quiet` is the same graph without the reference branch's run-time announcement, so the pair shows
+what that callback costs when the kernel runs.
 """
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ _STALL = flags.DEFINE_integer("stall_s", 120, "watchdog: seconds one measurement
 _CHUNK = flags.DEFINE_list("chunk", [], "prefill chunks over a paged prefix, T:S pairs (a chunk of T rows at "
                            "positions S .. S + T - 1 over the S cached keys of one sequence), pages of --pages' "
                            "first size")
+_HEADS = flags.DEFINE_string("heads", "32:8", "query heads:kv heads of every shape (32:8 Llama-3-8B, 64:8 "
+                             "Llama-3.1-70B)")
 _NAME = flags.DEFINE_string("name", "attention-h200", "result file stem")
 _EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
 
@@ -78,6 +80,7 @@ class Results:
     self.versions = _versions()
 
   def add(self, **row):
+    row.setdefault("heads", f"{N}:{K}")
     self.rows.append(row)
     print(json.dumps(row), flush=True)
     self.flush()
@@ -633,6 +636,8 @@ def probe_cudnn_any_pool(res, dog):
 
 def main(argv):
   del argv
+  global N, K
+  N, K = (int(x) for x in _HEADS.value.split(":"))
   os.makedirs(FLAGS.value, exist_ok=True)
   res = Results(FLAGS.value, _NAME.value)
   dog = Watchdog(_STALL.value, res)

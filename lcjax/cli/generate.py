@@ -93,7 +93,7 @@ def _stats_table(engine, res, warmup) -> str:
            else f"{warmup[0]:.2f} s (compiling this run's {warmup[1]} programs without running them)"),
           ("compilation cache", _compile_cache_row()),
           ("prefill", f"{s['prefill_s']:.2f} s ({s['prefill_tokens'] / max(s['prefill_s'], 1e-9):,.0f} tok/s; "
-                      f"attention: {s['attention']}, cached prefix read by {s['prefill_kernel']})"),
+                      f"cached prefix read by {s['prefill_kernel']})"),
           ("time to first token", f"{s['time_to_first_token_s']:.2f} s"
                                   + (f" (the call spent {s['compile_s']:.2f} s making programs)"
                                      if s["compile_s"] >= 0.005 else "")),

@@ -7,6 +7,7 @@ flash kernel lowering for CUDA. GPU (`-m gpu`, run through the device tool): the
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -460,6 +461,33 @@ def test_paged_gpu(backend, T, fp8, Z):
   # the CPU emulation of cuDNN on the same bf16 pages: the rounding, not the kernel.
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2,
         tol_lse=6e-3 if fp8 and T > 1 else 2e-3)
+
+
+@pytest.mark.parametrize("block_kv", [128, 256])
+def test_paged_flash_block_copies_load_each_blocks_keys(block_kv):
+  """The paged flash kernel's TMA copies (mgpu_flash.block_copies, as its load warpgroup issues them, block index
+  traced) put key i * block_kv + r of the sequence at row r of the block's slot, for every block over the table's
+  M * Z keys; rows past the table hold keys of its last page (kv_len masks them). Page slot m row t is key
+  m * Z + t. Pages of 8 to 512 keys, tables of 1, 3, 12 and 13 slots."""
+  for Z, M in itertools.product([8, 16, 64, 128, 256, 512], [1, 3, 12, 13]):
+    _check_block_copies(block_kv, Z, M)
+
+
+def _check_block_copies(block_kv, Z, M):
+  S = M * Z
+  copies_of = jax.jit(lambda i: mgpu_flash.block_copies(i, block_kv, Z, M))
+  for i in range(-(-S // block_kv)):
+    got = np.full(block_kv, -1)
+    copies = copies_of(jnp.int32(i))
+    for m, first, rows, at in copies:
+      m, first = int(m), int(first)
+      assert 0 <= m < M and 0 <= first and first + rows <= Z and 0 <= at and at + rows <= block_kv
+      got[at:at + rows] = m * Z + first + np.arange(rows)
+    assert sum(rows for _, _, rows, _ in copies) == block_kv
+    want = i * block_kv + np.arange(block_kv)
+    inside = want < S
+    np.testing.assert_array_equal(got[inside], want[inside])
+    assert (got[~inside] >= (M - 1) * Z).all()                  # the last page, repeated
 
 
 @pytest.mark.gpu

@@ -149,6 +149,13 @@ MUTANTS = (
            "    d = q_pos[:, 0]\n",
            "    d = kvl\n",
            ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[split]",)),
+    Mutant("paged-flash-copies-page-from-the-wrong-row",
+           "the paged flash kernel's load of a block that is part of a page starts at the page's first row: every "
+           "second block of 128 keys in a 256-key page reads the first 128 again",
+           "lcjax/ops/mosaic_gpu/flash.py",
+           "    return [(i * block_kv // Z, i * block_kv % Z, block_kv, 0)]",
+           "    return [(i * block_kv // Z, 0, block_kv, 0)]",
+           ("tests/test_kernels.py::test_paged_flash_block_copies_load_each_blocks_keys[128]",)),
 )
 
 

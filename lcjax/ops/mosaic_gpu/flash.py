@@ -86,6 +86,17 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
   return full, total
 
 
+def block_copies(i, block_kv: int, Z: int, M: int):
+  """The TMA copies that load key block i (keys i * block_kv ..) from pages of Z keys through a table of M slots:
+  [(table slot m, first row in its page, rows, row in the block)]. Z a multiple of block_kv: one copy, a part of a
+  page; block_kv a multiple of Z: block_kv / Z whole pages, the slots past the table repeating its last (kv_len
+  masks their keys). i may be traced."""
+  if Z >= block_kv:
+    return [(i * block_kv // Z, i * block_kv % Z, block_kv, 0)]
+  n = block_kv // Z
+  return [(jnp.minimum(i * n + j, M - 1), 0, Z, j * Z) for j in range(n)]
+
+
 def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True, scales=None,
                 out_dtype=None, pages=None):
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
@@ -116,7 +127,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     if (Z % tuning.block_kv and tuning.block_kv % Z) or Z % 8:
       raise ValueError(f"page size Z={Z} and block_kv={tuning.block_kv}: one must divide the other, and Z be a "
                        "multiple of 8")
-  # TMA copies a block of keys takes (the slot's load barriers count each)
+  # TMA copies a block of keys takes (the slot's load barriers count each): block_copies
   copies = 1 if pages is None else max(1, tuning.block_kv // k.shape[1])
   G = N // K
   dtype = q.dtype
@@ -308,22 +319,14 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
       def issue_paged(i, slot):
         table_ref, off_ref = page_refs
-        Z = k_ref.shape[1]
         i = jnp.asarray(i, jnp.int32)                    # prime_ring passes Python ints
-        if copies == 1:
-          # Z >= bkv: the block is rows (i * bkv) % Z .. of one page
-          page = table_ref[b, lax.div(i * bkv, jnp.int32(Z))] + off_ref[0]
-          rows = pl.ds(lax.rem(i * bkv, jnp.int32(Z)), bkv)
-          plgpu.copy_gmem_to_smem(k_ref.at[page, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[page, rows, kv_head], v_smem.at[slot], v_bar.at[slot])
-          return
-        for j in range(copies):
-          # Slots past the table (a last block over M * Z keys) repeat its last page; kv_len masks their keys.
-          m = jnp.minimum(i * copies + j, M - 1)
+        for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):
           page = table_ref[b, m] + off_ref[0]
-          part = pl.ds(j * Z, Z)
-          plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, part], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, part], v_bar.at[slot])
+          src = pl.ds(first, rows)
+          dst = k_smem.at[slot] if rows == bkv else k_smem.at[slot, pl.ds(at, rows)]
+          plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], dst, k_bar.at[slot])
+          dst = v_smem.at[slot] if rows == bkv else v_smem.at[slot, pl.ds(at, rows)]
+          plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
       fill_ring(issue if page_refs is None else issue_paged, max_steps, mcs, k_free, v_free)
 

@@ -131,15 +131,6 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
   return name, f"page_write={ask!r}"
 
 
-def check_kernels(model_cfg: ModelConfig, run: RunConfig, weights: WeightFormat) -> None:
-  """Refuse (ConfigError) a kernel the run names that cannot serve it here: RunConfig.linear_kernel (for the
-  serving model's shards on run.tensor devices) and RunConfig.page_write. For the checks before any weight is read
-  or made."""
-  serving, _ = serving_config(model_cfg, run)
-  decode_linear(run, weights, gemv_kernels_unsupported(serving, run.tensor))
-  page_write(run, model_cfg.head_dim)
-
-
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,
                   weights: WeightFormat = WeightFormat(), gemv_kernel=None, page_writer=None) -> Llama:
   """The serving model (abstract under nnx.eval_shape): replicated KV heads, the mesh, sp_mode, the kernel of

@@ -490,18 +490,13 @@ def _check_block_copies(block_kv, Z, M):
     assert (got[~inside] >= (M - 1) * Z).all()                  # the last page, repeated
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-@pytest.mark.parametrize("Z", [16, 64, 256])
-@pytest.mark.parametrize("T", [128, 1000])
-def test_paged_flash_gpu(T, Z):
-  """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
-  128 / Z TMA copies or a part of one page) == the float64 oracle, pages scattered out of order at an offset into
-  the pools, a table of M * Z keys that is not a whole number of blocks for Z < 128 (the last block's slots past
-  the table repeat its last page). Sequences: the engine's shape (a chunk after its whole cached prefix, d =
-  kv_len) at two lengths, a chunk whose own keys are in the pages (causal) after a full table, after a prefix
-  ending inside a block, alone, and with kv_len past the table (clipped)."""
-  B, N, K, H = 6, 32, 8, 128
+def _check_paged_flash(fn, T, Z, N=32, K=8):
+  """fn (flash_attention_paged's signature) == the float64 oracle, pages scattered out of order at an offset into
+  the pools, a table of M * Z keys that is not a whole number of 128-key blocks for Z < 128. Sequences: the
+  engine's shape (a chunk after its whole cached prefix, d = kv_len) at two lengths, a chunk whose own keys are in
+  the pages (causal) after a full table, after a prefix ending inside a block, alone, and with kv_len past the
+  table (clipped)."""
+  B, H = 6, 128
   M = 2048 // Z + 1
   off = 3
   q, kp, vp, table, _, _, kd, vd = rand_pages(T + Z, B, T, N, K, H, Z, M, B * M + 4)
@@ -509,10 +504,26 @@ def test_paged_flash_gpu(T, Z):
   kv_len = jnp.array([M * Z, 1000 + T, T, M * Z + 100, 777, M * Z], jnp.int32)
   d = jnp.minimum(kv_len, M * Z) - T
   d = d.at[4].set(777).at[5].set(M * Z)                     # the engine's shape: rows after every cached key
-  got = mgpu_flash.flash_attention_paged(q, junk(kp), junk(vp), table, d, kv_len, off)
+  got = fn(q, junk(kp), junk(vp), table, d, kv_len, off)
   q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), jnp.minimum(kv_len, M * Z), M * Z, True)),
         tol_out=2e-2)
+
+
+def test_paged_flash_reference():
+  """flash_attention_paged's jnp oracle (its (d, kv_len) contract over the pages) on the cases of its GPU test: the
+  cases say what they mean, so a GPU failure is the kernel's."""
+  _check_paged_flash(mgpu_flash.flash_attention_paged_reference, 128, 64, N=4, K=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("Z", [16, 64, 256])
+@pytest.mark.parametrize("T", [128, 1000])
+def test_paged_flash_gpu(T, Z):
+  """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
+  128 / Z TMA copies or a part of one page): `_check_paged_flash`'s cases."""
+  _check_paged_flash(mgpu_flash.flash_attention_paged, T, Z)
 
 
 @pytest.mark.gpu

@@ -11,8 +11,8 @@
 #                 (the 8-bit prefill kernel's phases), attention-fp8-h200-c (8-bit prefill beside cuDNN fp8/bf16),
 #                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN),
 #                 attention-decode-routing-h200 (issue 49: the Triton and Mosaic GPU decode paths, bf16 and fp8
-#                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions; -70b-h200: the 70B's 64 query
-#                 heads over 8 kv heads), attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows
+#                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions), attention-decode-routing-70b-h200
+#                 (the same at the 70B's 64 query heads over 8 kv heads), attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows
 #                 over a 128K / 512K / 1M-key prefix in 64-token pages, the flash kernel reading it in place beside
 #                 cuDNN's paged kernel)                                       predicted ~4 + 3 + 3 min more
 #                                                                                          ~8 + 0.5 + 2 + 3 min
@@ -59,8 +59,8 @@
 #                                                                                         ~2.5 + 2 + 2 min
 #   speculation   speculation.{json,md}: prompt-lookup speculative decoding: tokens per model call on real answers
 #                 with the bundled SmolLM2 (speculation-smollm2-h200, and speculation-smollm2-cpu on the CPU), and
-#                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200, -8b-512k-h200 at
-#                 512K, -70b-h200)                                         predicted ~2 + 5 + 4 + 3 + 4 min
+#                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200,
+#                 speculation-cost-8b-512k-h200 at 512K, speculation-cost-70b-h200)   predicted ~2 + 5 + 4 + 3 + 4 min
 #                 The committed speculation-cost-8b-h100 (an H100: no H200 was lent) is the first of these
 #                 commands at --contexts=32768,131072 --batches=1; this step's H200 parts replace it.
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)

@@ -19,6 +19,7 @@ from flax import nnx
 import lcjax
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.engine import placement
+from lcjax.engine.serving import resolve
 from lcjax.model.llama import LINEAR, Llama, linear_shapes
 from lcjax.ops import kernels, linear
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
@@ -282,7 +283,6 @@ def test_mosaic_kernel_refuses_shapes_that_do_not_tile(monkeypatch):
   # On a mesh each device multiplies its own shards: at tensor=2, wo's contracted length is 2 heads x 16.
   shard_why = "wo: the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: Kd=32 is not a multiple of 64"
   assert placement.gemv_kernels_unsupported(tiny, tensor=2)["mosaic"] == shard_why
-  from lcjax.engine.serving import resolve
   with pytest.raises(ConfigError, match=f"^linear_kernel='mosaic': {shard_why}$"):
     resolve(tiny, run.replace(tensor=2), weights=fp8, check_fit=False)
 

@@ -374,15 +374,15 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("pattern", ["split", "zigzag-past", "zigzag-partial", "mixed"])
+@pytest.mark.parametrize("pattern", ["split", "zigzag-past", "zigzag-partial", "unordered-partial", "mixed"])
 def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   """prefill_route="mosaic": a chunk's rows over the pages go to flash_attention_paged (here its jnp model, which
   masks by the kernel's diagonal offset d) with d = each sequence's first row position, which gives the oracle for
   contiguous rows and for rows in any order past every key, also when a batch holds both; rows in another order
-  that see part of the keys take the jnp reference. The backend refuses pages the kernel cannot read."""
+  that see part of the keys (also when the first row is past them all) take the jnp reference. The backend refuses pages the kernel cannot read."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   # lax.cond traces both branches: the one that must not run returns NaN, so only the other gives the oracle.
-  to_reference = pattern == "zigzag-partial"
+  to_reference = pattern in ("zigzag-partial", "unordered-partial")
   nan = lambda out: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), out)
   real = ref.paged_attention_reference
 
@@ -400,6 +400,8 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 104])),
                    "zigzag-past": (zigzag, jnp.array([64, 40])),
                    "zigzag-partial": (zigzag - 4, jnp.array([64, 40])),
+                   # the first row (66) is past every key, the second (64) is not: key 65 is after it
+                   "unordered-partial": (jnp.array([[66, 64, 65, 67, 68, 69, 70, 71]] * 2), jnp.array([66, 40])),
                    "mixed": (jnp.stack([zigzag[0], 30 + jnp.arange(T)]), jnp.array([64, 35]))}[pattern]
   be = pallas_backend.PallasBackend(prefill_route="mosaic")
   got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
@@ -475,11 +477,12 @@ def test_paged_flash_block_copies_load_each_blocks_keys(block_kv):
 
 def _check_block_copies(block_kv, Z, M):
   S = M * Z
-  copies_of = jax.jit(lambda i: mgpu_flash.block_copies(i, block_kv, Z, M))
   for i in range(-(-S // block_kv)):
     got = np.full(block_kv, -1)
-    copies = copies_of(jnp.int32(i))
+    copies = mgpu_flash.block_copies(jnp.int32(i), block_kv, Z, M)      # as the kernel calls it: i traced
     for m, first, rows, at in copies:
+      assert type(rows) is int and type(at) is int                     # the kernel slices the slot with them
+      assert rows < block_kv or (len(copies) == 1 and at == 0)          # a whole slot is one copy at row 0
       m, first = int(m), int(first)
       assert 0 <= m < M and 0 <= first and first + rows <= Z and 0 <= at and at + rows <= block_kv
       got[at:at + rows] = m * Z + first + np.arange(rows)
@@ -513,13 +516,12 @@ def _check_paged_flash(fn, T, Z, N=32, K=8):
 def test_paged_flash_reference():
   """flash_attention_paged's jnp oracle (its (d, kv_len) contract over the pages) on the cases of its GPU test: the
   cases say what they mean, so a GPU failure is the kernel's."""
-  _check_paged_flash(mgpu_flash.flash_attention_paged_reference, 128, 64, N=4, K=1)
+  _check_paged_flash(mgpu_flash.flash_attention_paged_reference, 200, 16, N=4, K=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-@pytest.mark.parametrize("Z", [16, 64, 256])
-@pytest.mark.parametrize("T", [128, 1000])
+@pytest.mark.parametrize("T,Z", [(128, 16), (128, 64), (128, 256), (1000, 16), (1000, 64), (1000, 128), (1000, 256)])
 def test_paged_flash_gpu(T, Z):
   """mgpu_flash.flash_attention_paged (the flash kernel reading K and V from their pages, a block of 128 keys as
   128 / Z TMA copies or a part of one page): `_check_paged_flash`'s cases."""

@@ -128,14 +128,14 @@ def _ratios(rows):
 
 
 def _markdown(rows, errors):
-  lines = ["| op | S | batch | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | rel_err | "
-           "lse_err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| op | heads | S | batch | page | impl | lcjax | dtype | ms | TFLOP/s or TB/s | ratio to best peer | "
+           "rel_err | lse_err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r["op"], r["S"], r.get("batch") or 0, r.get("page") or 0, not r["lcjax"],
                                        r["impl"])):
     metric = r.get("tflops", r.get("tbps"))
     unit = "TF" if "tflops" in r else "TB/s"
     fmt = lambda x, f: "-" if x is None else format(x, f)
-    lines.append(f"| {r['op']} | {r['S']} | {r.get('batch') or '-'} | {r.get('page') or '-'} | {r['impl']} | "
+    lines.append(f"| {r['op']} | {r.get('heads', '32:8')} | {r['S']} | {r.get('batch') or '-'} | {r.get('page') or '-'} | {r['impl']} | "
                  f"{r['lcjax']} | {r['dtype']} | {fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | "
                  f"{fmt(r.get('ratio_to_best_peer'), '.3f')} | {fmt(r.get('rel_err'), '.1e')} | "
                  f"{fmt(r.get('lse_err'), '.1e')} |")
@@ -637,7 +637,10 @@ def probe_cudnn_any_pool(res, dog):
 def main(argv):
   del argv
   global N, K
-  N, K = (int(x) for x in _HEADS.value.split(":"))
+  heads = _HEADS.value.split(":")
+  if len(heads) != 2 or not all(h.isdigit() for h in heads) or int(heads[1]) < 1 or int(heads[0]) % int(heads[1]):
+    raise app.UsageError(f"--heads={_HEADS.value!r} must be N:K, query heads a multiple of kv heads (e.g. 64:8)")
+  N, K = int(heads[0]), int(heads[1])
   os.makedirs(FLAGS.value, exist_ok=True)
   res = Results(FLAGS.value, _NAME.value)
   dog = Watchdog(_STALL.value, res)

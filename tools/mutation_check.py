@@ -149,6 +149,13 @@ MUTANTS = (
            "    d = q_pos[:, 0]\n",
            "    d = kvl\n",
            ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[split]",)),
+    Mutant("paged-flash-prefill-calls-rows-past-by-the-first",
+           "the paged flash prefill takes rows in any order as past every key when the first row is, though an "
+           "earlier row still precedes some keys: that row sees keys after it",
+           "lcjax/ops/pallas_backend.py",
+           "    past = (kvl <= qmin + 1) & (qmin >= 0)",
+           "    past = (kvl <= d + 1) & (d >= 0)",
+           ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[unordered-partial]",)),
     Mutant("paged-flash-copies-page-from-the-wrong-row",
            "the paged flash kernel's load of a block that is part of a page starts at the page's first row: every "
            "second block of 128 keys in a 256-key page reads the first 128 again",

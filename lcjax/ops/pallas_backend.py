@@ -206,8 +206,9 @@ class PallasBackend:
     contiguous = jnp.all(q_pos == d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], axis=1) & (d >= 0)
 
     def reference():
-      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: ~ref.contiguous_rows(q_pos),
-                                           ref.NEGATIVE_POSITIONS: q_pos[:, 0] < 0})
+      other = ~(past | contiguous)                              # the sequences the kernel could not mask
+      ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: other & (d >= 0),
+                                           ref.NEGATIVE_POSITIONS: other & (d < 0)})
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kvl)
 
     return lax.cond(~jnp.all(past | contiguous), reference,

@@ -90,7 +90,9 @@ def block_copies(i, block_kv: int, Z: int, M: int):
   """The TMA copies that load key block i (keys i * block_kv ..) from pages of Z keys through a table of M slots:
   [(table slot m, first row in its page, rows, row in the block)]. Z a multiple of block_kv: one copy, a part of a
   page; block_kv a multiple of Z: block_kv / Z whole pages, the slots past the table repeating its last (kv_len
-  masks their keys). i may be traced."""
+  masks their keys). i may be traced; the rows and positions in the block are Python ints."""
+  if Z % block_kv and block_kv % Z:
+    raise ValueError(f"page size Z={Z} and block_kv={block_kv}: one must divide the other")
   if Z >= block_kv:
     return [(i * block_kv // Z, i * block_kv % Z, block_kv, 0)]
   n = block_kv // Z
@@ -127,8 +129,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     if (Z % tuning.block_kv and tuning.block_kv % Z) or Z % 8:
       raise ValueError(f"page size Z={Z} and block_kv={tuning.block_kv}: one must divide the other, and Z be a "
                        "multiple of 8")
-  # TMA copies a block of keys takes (the slot's load barriers count each): block_copies
-  copies = 1 if pages is None else max(1, tuning.block_kv // k.shape[1])
+  # TMA copies a block of keys takes (the slot's load barriers count each)
+  copies = 1 if pages is None else len(block_copies(0, tuning.block_kv, k.shape[1], M))
   G = N // K
   dtype = q.dtype
   int_qk = jnp.issubdtype(dtype, jnp.integer)       # int8 Q and K: an int32 Q K^T
@@ -323,9 +325,10 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):
           page = table_ref[b, m] + off_ref[0]
           src = pl.ds(first, rows)
-          dst = k_smem.at[slot] if rows == bkv else k_smem.at[slot, pl.ds(at, rows)]
+          whole = rows == bkv                          # then at == 0: the one copy fills the slot
+          dst = k_smem.at[slot] if whole else k_smem.at[slot, pl.ds(at, rows)]
           plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], dst, k_bar.at[slot])
-          dst = v_smem.at[slot] if rows == bkv else v_smem.at[slot, pl.ds(at, rows)]
+          dst = v_smem.at[slot] if whole else v_smem.at[slot, pl.ds(at, rows)]
           plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
       fill_ring(issue if page_refs is None else issue_paged, max_steps, mcs, k_free, v_free)

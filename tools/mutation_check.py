@@ -150,11 +150,11 @@ MUTANTS = (
            "    d = kvl\n",
            ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[split]",)),
     Mutant("paged-flash-prefill-calls-rows-past-by-the-first",
-           "the paged flash prefill takes rows in any order as past every key when the first row is, though an "
-           "earlier row still precedes some keys: that row sees keys after it",
-           "lcjax/ops/pallas_backend.py",
-           "    past = (kvl <= qmin + 1) & (qmin >= 0)",
-           "    past = (kvl <= d + 1) & (d >= 0)",
+           "a sequence's rows in any order count as past every key when the first row is, though an earlier row "
+           "still precedes some keys: under the paged flash prefill that row sees keys after it",
+           "lcjax/ops/cudnn/backend.py",
+           "  return (kvl <= qmin + 1) & (qmin >= 0)",
+           "  return (kvl <= q_pos[:, 0] + 1) & (q_pos[:, 0] >= 0)",
            ("tests/test_kernels.py::test_pallas_backend_prefill_route_mosaic[unordered-partial]",)),
     Mutant("paged-flash-copies-page-from-the-wrong-row",
            "the paged flash kernel's load of a block that is part of a page starts at the page's first row: every "

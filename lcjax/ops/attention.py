@@ -37,11 +37,16 @@ def block_positions(q_pos, k_start, B: int, T: int, S: int):
   return q_pos, k_start
 
 
+def contiguous_each(q_pos):
+  """[B]: whether sequence b's rows (q_pos [B, T]) are consecutive positions."""
+  T = q_pos.shape[1]
+  return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :], axis=1)
+
+
 def contiguous_rows(q_pos):
   """Whether every sequence's rows [B, T] are consecutive positions: what a kernel masking by one diagonal offset
   per sequence can express."""
-  T = q_pos.shape[1]
-  return jnp.all(q_pos == q_pos[:, :1] + jnp.arange(T, dtype=q_pos.dtype)[None, :])
+  return jnp.all(contiguous_each(q_pos))
 
 
 def dequantize(x, scale, dtype):

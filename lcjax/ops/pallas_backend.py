@@ -25,7 +25,7 @@ from lcjax.ops import hardware
 from lcjax.ops.mosaic_gpu import flash as mgpu_flash
 from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
-from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case
+from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_each
 
 # decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
 # 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
@@ -201,9 +201,8 @@ class PallasBackend:
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     d = q_pos[:, 0]
-    qmin = q_pos.min(axis=1)
-    past = (kvl <= qmin + 1) & (qmin >= 0)
-    contiguous = jnp.all(q_pos == d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], axis=1) & (d >= 0)
+    past = past_each(q_pos, kvl)
+    contiguous = ref.contiguous_each(q_pos) & (d >= 0)
 
     def reference():
       other = ~(past | contiguous)                              # the sequences the kernel could not mask

@@ -87,12 +87,18 @@ PAGED_REFERENCE, PAGED_PAST, PAGED_SPLIT = 0, 1, 2
 FP8_BLOCK_TOKENS = 131072
 
 
+def past_each(q_pos, kvl):
+  """[B]: whether every valid key of sequence b (below kvl[b]) precedes all its rows (q_pos [B, T]), in any row
+  order, at positions >= 0."""
+  qmin = q_pos.min(axis=1)
+  return (kvl <= qmin + 1) & (qmin >= 0)
+
+
 def paged_case(q_pos, kvl):
   """Which decomposition a paged call of many rows takes. PAST: every valid key precedes every row (a chunk
   against its cached prefix), in any row order: the sequence-sharded prefill gathers its queries in zigzag order,
   and a padding mask does not care. SPLIT: contiguous rows that see part of the pages causally. Else REFERENCE."""
-  qmin = q_pos.min(axis=1)
-  past = jnp.all((kvl <= qmin + 1) & (qmin >= 0))
+  past = jnp.all(past_each(q_pos, kvl))
   split = ref.contiguous_rows(q_pos) & jnp.all(q_pos[:, 0] >= 0)
   return jnp.where(past, PAGED_PAST, jnp.where(split, PAGED_SPLIT, PAGED_REFERENCE))
 

@@ -126,10 +126,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     Z, K = k.shape[1], k.shape[2]
     M = pages[0].shape[1]
     S = M * Z
-    if (Z % tuning.block_kv and tuning.block_kv % Z) or Z % 8:
-      raise ValueError(f"page size Z={Z} and block_kv={tuning.block_kv}: one must divide the other, and Z be a "
-                       "multiple of 8")
-  # TMA copies a block of keys takes (the slot's load barriers count each)
+  # TMA copies a block of keys takes (the slot's load barriers count each); block_copies refuses page sizes that
+  # neither divide nor are divided by block_kv (flash_attention_paged checks the rest with why_not_paged)
   copies = 1 if pages is None else len(block_copies(0, tuning.block_kv, k.shape[1], M))
   G = N // K
   dtype = q.dtype

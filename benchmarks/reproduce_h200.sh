@@ -12,9 +12,9 @@
 #                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN),
 #                 attention-decode-routing-h200 (issue 49: the Triton and Mosaic GPU decode paths, bf16 and fp8
 #                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions), attention-decode-routing-70b-h200
-#                 (the same at the 70B's 64 query heads over 8 kv heads), attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows
-#                 over a 128K / 512K / 1M-key prefix in 64-token pages, the flash kernel reading it in place beside
-#                 cuDNN's paged kernel)                                       predicted ~4 + 3 + 3 min more
+#                 (the same at the 70B's 64 query heads over 8 kv heads), attention-chunk-paged-h200 (issue 47:
+#                 prefill chunks of 1K / 4K / 16K rows over a 128K / 512K / 1M-key prefix in 64-token pages, the
+#                 flash kernel reading it in place beside cuDNN's paged kernel)  predicted ~4 + 3 + 3 min more
 #                                                                                          ~8 + 0.5 + 2 + 3 min
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)

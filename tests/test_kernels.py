@@ -379,7 +379,8 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
   """prefill_route="mosaic": a chunk's rows over the pages go to flash_attention_paged (here its jnp model, which
   masks by the kernel's diagonal offset d) with d = each sequence's first row position, which gives the oracle for
   contiguous rows and for rows in any order past every key, also when a batch holds both; rows in another order
-  that see part of the keys (also when the first row is past them all) take the jnp reference. The backend refuses pages the kernel cannot read."""
+  that see part of the keys (also when the first row is past them all) take the jnp reference. The backend
+  refuses pages the kernel cannot read."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   # lax.cond traces both branches: the one that must not run returns NaN, so only the other gives the oracle.
   to_reference = pattern in ("zigzag-partial", "unordered-partial")

@@ -135,7 +135,8 @@ def _markdown(rows, errors):
     metric = r.get("tflops", r.get("tbps"))
     unit = "TF" if "tflops" in r else "TB/s"
     fmt = lambda x, f: "-" if x is None else format(x, f)
-    lines.append(f"| {r['op']} | {r.get('heads', '32:8')} | {r['S']} | {r.get('batch') or '-'} | {r.get('page') or '-'} | {r['impl']} | "
+    lines.append(f"| {r['op']} | {r.get('heads', '32:8')} | {r['S']} | {r.get('batch') or '-'} | "
+                 f"{r.get('page') or '-'} | {r['impl']} | "
                  f"{r['lcjax']} | {r['dtype']} | {fmt(r.get('ms'), '.3f')} | {fmt(metric, '.3f')} {unit} | "
                  f"{fmt(r.get('ratio_to_best_peer'), '.3f')} | {fmt(r.get('rel_err'), '.1e')} | "
                  f"{fmt(r.get('lse_err'), '.1e')} |")

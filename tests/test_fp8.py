@@ -489,7 +489,7 @@ def test_fp8_engine_gpu(attention_dtype, name):
   prompt's logits within FP8's error, and each of the 20 generated tokens a greedy choice of the bf16 engine's
   uncached forward over the prompt and the tokens before it (its logit within 5e-2 of the logits' largest
   magnitude of the best one: FP8 attention's error, about 3e-2 of the logits' norm, makes near-ties go either
-  way). Decode reads bf16 pages with the Triton kernel (FP8 attention is prefill's)."""
+  way). Decode reads bf16 pages with the Mosaic GPU decode kernel (FP8 attention is prefill's)."""
   run = RunConfig(page_size=64, prefill_chunk=1024, max_context=4096, max_batch=1, decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(2).integers(3, 256, 2500)]
   cfg = dataclasses.replace(TINY128, max_position=4096)
@@ -499,7 +499,7 @@ def test_fp8_engine_gpu(attention_dtype, name):
   exact = base.prompt_logits(prompt)
   assert np.linalg.norm(eng.prompt_logits(prompt) - exact) / np.linalg.norm(exact) < 0.06
   got = eng.generate([prompt], max_new_tokens=20)[0]
-  assert got.stats["attention"] == name and got.stats["decode_kernel"] == "triton", got.stats
+  assert got.stats["attention"] == name and got.stats["decode_kernel"] == "mosaic", got.stats
   assert len(got.token_ids) == 20
   forced = np.asarray(base.logits([prompt + got.token_ids[:-1]])[0, len(prompt) - 1:], np.float64)   # [20, V]
   for i, (t, row) in enumerate(zip(got.token_ids, forced)):

@@ -143,13 +143,14 @@ def test_why_not_names_the_values():
 
 
 def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, caplog):
-  """Decode rows over fp8 pages take the Mosaic GPU kernel on a Hopper GPU; pages it cannot read (32 tokens) or
-  another GPU take the Triton kernel with one warning naming the reason; bf16 pages and interpret mode never
-  reach it."""
+  """Decode rows over fp8 pages take the Mosaic GPU fp8 kernel on a Hopper GPU (bf16 pages the bf16 one); pages it
+  cannot read (32 tokens) or another GPU take the Triton kernel with one warning naming the reason; interpret mode
+  never reaches it."""
   calls = []
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)                       # as on a Hopper GPU
   monkeypatch.setattr(ref, "_announced", set())
   monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, **k: calls.append("mgpu") or "mgpu")
+  monkeypatch.setattr(mgpu_paged, "paged_decode_bf16", lambda *a, **k: calls.append("mgpu-bf16") or "mgpu-bf16")
   monkeypatch.setattr(triton_paged, "paged_decode", lambda *a, **k: calls.append("triton") or "triton")
   be = pallas_backend.PallasBackend()
   q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
@@ -161,7 +162,7 @@ def test_pallas_backend_routes_fp8_decode_rows_to_the_fp8_kernel(monkeypatch, ca
     pages = jnp.zeros((9, Z, 2, 64), dt)
     with caplog.at_level("WARNING"):
       be.paged(q, pages, pages, table, q_pos=qp, kv_len=kl, k_scale=scale, v_scale=scale)
-  assert calls == ["mgpu", "triton", "triton", "triton"]
+  assert calls == ["mgpu", "triton", "triton", "mgpu-bf16"]
   assert sum("page_size=32" in r.getMessage() for r in caplog.records) == 1    # once per process
   monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")
   be.paged(q, pages.astype(jnp.float8_e4m3fn), pages.astype(jnp.float8_e4m3fn), table, q_pos=qp, kv_len=kl,
@@ -266,9 +267,9 @@ def check_mosaic_combine(B, K, S, H, RN, T, G, spread):
 def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeypatch):
   """PallasBackend.paged's decode rows by decode_route (RunConfig.decode_kernel), on an emulated sm_90: "mosaic"
   calls the Mosaic GPU decode entry of the page dtype with the Mosaic GPU combine (bf16 pages through a 2-slot
-  ring), "triton" the Triton kernel for both page dtypes, "auto" the Mosaic GPU fp8 kernel with Triton's combine
-  over fp8 pages and the Triton kernel over bf16 pages; decode_kernel() names what ran. Pages the Mosaic GPU kernel
-  cannot read are refused under "mosaic" (no other kernel runs)."""
+  ring), "triton" the Triton kernel for both page dtypes, "auto" what "mosaic" calls; decode_kernel() names what
+  ran. Pages the Mosaic GPU kernel cannot read are refused under "mosaic" (no other kernel runs) and go to the
+  Triton kernel under "auto"."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   ran = []
   for module, fn in ((mgpu_paged, "paged_decode_fp8"), (mgpu_paged, "paged_decode_bf16"),
@@ -282,20 +283,22 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
   table, q_pos, kv_len = jnp.zeros((B, M), jnp.int32), jnp.full((B, T), 100), jnp.full((B,), 101)
   be.paged(q, pages, pages, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
   fp8 = page_dtype == jnp.float8_e4m3fn
-  want = {"mosaic": "paged_decode_fp8" if fp8 else "paged_decode_bf16", "triton": "paged_decode",
-          "auto": "paged_decode_fp8" if fp8 else "paged_decode"}[route]
+  mosaic = "paged_decode_fp8" if fp8 else "paged_decode_bf16"
+  want = {"mosaic": mosaic, "triton": "paged_decode", "auto": mosaic}[route]
   assert [name for name, _ in ran] == [want]
-  named = {"mosaic": "mosaic", "triton": "triton", "auto": "mgpu-fp8" if fp8 else "triton"}[route]
+  named = {"mosaic": "mosaic", "triton": "triton", "auto": "mosaic"}[route]
   assert be.decode_kernel(head_dim=H, page_size=Z, rows=T * N // K, page_dtype=page_dtype) == named
-  if route == "mosaic":
+  if route in ("mosaic", "auto"):
     tuning = ran[0][1]
     assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (4 if fp8 else 2)
     small = jnp.zeros((8, 32, K, H), page_dtype)
-    with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
+    if route == "mosaic":
+      with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
+        be.paged(q, small, small, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
+      assert len(ran) == 1                            # refused: no other kernel ran
+    else:
       be.paged(q, small, small, table, q_pos=q_pos, kv_len=kv_len, k_scale=scales, v_scale=scales)
-    assert len(ran) == 1                              # refused: no other kernel ran
-  elif route == "auto" and fp8:
-    assert ran[0][1] is None                          # paged_decode_fp8's default tuning: Triton's combine
+      assert [name for name, _ in ran] == [mosaic, "paged_decode"]
   # A prefill chunk (rows past the decode kernels' 64 a kv head) takes the chunk path whatever the route.
   monkeypatch.setattr(pallas_backend.CudnnBackend, "paged", lambda self, *a, **kw: ran.append(("cudnn", None)))
   ran.clear()
@@ -309,9 +312,11 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
-  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
-  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "triton"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "mosaic"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16", dtype="float16") == "triton"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=65, page_dtype=e4) == "triton"
   interp = pallas_backend.PallasBackend(interpret=True)
   assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")

@@ -88,7 +88,7 @@ def _assert_agree(want, got, prompts, *, kernels, uncached=True, new_tokens=16):
 
 
 # The decode kernel each backend runs over bf16 pages (Engine.decode_kernel).
-BF16_DECODE = {"cudnn": "cudnn", "pallas": "triton"}
+BF16_DECODE = {"cudnn": "cudnn", "pallas": "mosaic"}
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas"])
@@ -143,10 +143,11 @@ def test_mosaic_decode_matches_reference(cache_dtype, prompts):
                 uncached=cache_dtype == "auto")
 
 
-@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mgpu-fp8")])
+@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mosaic")])
 def test_fp8_cache_matches_reference(backend, decode, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
-  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms) == the same cache through the reference
+  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms, and its Mosaic GPU split combine) == the
+  same cache through the reference
   backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8 decode kernel
   (lcjax.ops.kernels.TritonFp8Decode, the decode of GPUs without the Mosaic GPU kernels), and its stats say so."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
@@ -379,22 +380,14 @@ def test_mosaic_page_writer_in_the_engine():
 TRITON_DEPRECATED = "The Pallas Triton backend is deprecated"
 
 
-TRITON_DEFAULTS = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="issue 49: on Hopper the bf16 paged decode and its split combine, the fp8 decode's combine and the fp8 "
-           "page write still default to Triton kernels")
-
-
 @pytest.mark.skipif(not jax_at_least(0, 11), reason="JAX warns of the Pallas Triton backend from 0.11 on")
 @pytest.mark.parametrize("cache_dtype, weight_dtype, decode_kernel, page_write", [
-    pytest.param("auto", "auto", "auto", "auto", marks=TRITON_DEFAULTS),
-    pytest.param("float8_e4m3fn", "float8_e4m3fn", "auto", "auto", marks=TRITON_DEFAULTS),
+    ("auto", "auto", "auto", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "auto", "auto"),
     ("auto", "auto", "mosaic", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "mosaic", "mosaic")])
 def test_hopper_kernels_lower_no_pallas_triton_kernel(cache_dtype, weight_dtype, decode_kernel, page_write):
   """On a Hopper GPU, a bf16 model and fp8 weights + fp8 KV (prefill chunks, decode steps of two sequences, their
   page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on each such lowering, and
-  a fresh engine lowers every program it runs. The defaults (strict xfails until issue 49 moves them) and the
-  Mosaic GPU kernels asked for by name."""
+  a fresh engine lowers every program it runs. The defaults and the Mosaic GPU kernels asked for by name."""
   import warnings
   from lcjax.ops import hardware
   if hardware.sm90_fp8_reason("test", "wgmma"):

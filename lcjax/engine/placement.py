@@ -108,10 +108,15 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
   return ask, f"linear_kernel={ask!r}"
 
 
+# The page writers "auto" tries, in order (lcjax.ops.kernels.PAGE_WRITERS' names); then XLA.
+AUTO_PAGE_WRITERS = ("mosaic", "pallas")
+
+
 def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
   """(the name of Llama's page_writer for RunConfig.page_write, a name of lcjax.config.PAGE_WRITER_NAMES; why):
   what writes a decode step's K and V into the cache's pages (lcjax.cache.kv.write_kv). A kernel asked for by name
-  that cannot serve raises ConfigError; "auto" takes "pallas" where it can serve, else says why it took "xla"."""
+  that cannot serve raises ConfigError; "auto" takes "mosaic" (Hopper), else "pallas" (the Triton kernel), else
+  "xla", each where it can serve, and says why it passed over the ones before."""
   ask = run.page_write
   cache = run.for_platform(jax.default_backend()).resolved_cache_dtype
   if cache != "float8_e4m3fn":
@@ -121,14 +126,19 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
     return "xla", f"{cache} pages take one XLA scatter"
   if ask == "xla":
     return ask, "page_write='xla'"
-  name = "pallas" if ask == "auto" else ask
-  no_kernel = kernels.PAGE_WRITERS[name].why_not(run.page_size, head_dim)
-  if no_kernel and ask != "auto":
-    hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
-    raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")
-  if no_kernel:
-    return "xla", f"page_write='auto': {no_kernel}"
-  return name, f"page_write={ask!r}"
+  if ask != "auto":
+    no_kernel = kernels.PAGE_WRITERS[ask].why_not(run.page_size, head_dim)
+    if no_kernel:
+      hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
+      raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")
+    return ask, f"page_write={ask!r}"
+  passed = []
+  for name in AUTO_PAGE_WRITERS:
+    no_kernel = kernels.PAGE_WRITERS[name].why_not(run.page_size, head_dim)
+    if not no_kernel:
+      return name, "; ".join(["page_write='auto'", *passed])
+    passed.append(f"not {name}: {no_kernel}")
+  return "xla", "; ".join(["page_write='auto'", *passed])
 
 
 def serving_model(model_cfg: ModelConfig, run: RunConfig, mesh, attention=None, rngs=None,

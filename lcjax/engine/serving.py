@@ -83,24 +83,22 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
   if pick is None:
     return Choice(attention.name, f"the {attention.name} backend's own paged attention")
   rows = serving_cfg.n_heads // serving_cfg.n_kv_heads
-  kwargs = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
-                page_dtype=run.resolved_cache_dtype)
-  name = pick(**kwargs)
+  name = pick(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
+              page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
   if name == "mosaic":
-    return Choice(name, "the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
-                        ".combine), asked for by decode_kernel='mosaic'")
+    asked = "asked for by decode_kernel='mosaic'" if run.decode_kernel == "mosaic" else "decode_kernel='auto' on Hopper"
+    return Choice(name, f"the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
+                        f".combine), {asked}")
   if name == "triton" and run.decode_kernel == "triton":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged), asked for by "
                         "decode_kernel='triton'")
-  if name == "mgpu-fp8":
-    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged)")
   if name == "triton" and getattr(attention, "fp8_decode", None):
     return Choice(name, f"the Triton fp8 paged decode kernel (lcjax.ops.triton.paged; K and V widened to float16 in "
                         f"the kernel): the {attention.name} backend reads no fp8 pages in a decode row")
   if name == "triton":
-    reason = attention.fp8_decode_reason(**kwargs)
-    return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged)"
-                        + ("" if run.resolved_cache_dtype != "float8_e4m3fn" else f": {reason}"))
+    reason = attention.mosaic_decode_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=rows,
+                                            page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
+    return Choice(name, f"the Triton paged decode kernel (lcjax.ops.triton.paged): {reason}")
   if name == "reference":
     why = attention.decode_reason(page_dtype=run.resolved_cache_dtype)
     if hasattr(attention, "fp8_decode") and run.resolved_cache_dtype == "float8_e4m3fn":

@@ -1,13 +1,12 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
-pages to the split-K Triton kernel (lcjax.ops.triton.paged); decode rows over fp8 pages to the Mosaic GPU fp8
-decode kernel (lcjax.ops.mosaic_gpu.paged) where it can serve them, else to the Triton kernel (or, by its
-decode_route, every decode row to the Mosaic GPU kernels or to the Triton one); prefill chunks against
-the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route to the Mosaic GPU flash kernel reading
-the pages in place (mgpu_flash.flash_attention_paged). PallasFp8Backend runs the FP8 flash kernel for `attend` and for
-prefill chunks over their cached prefix. Each `why_not` / `fp8_decode_reason` names why a kernel cannot serve a
-shape here; lcjax.ops.backends picks a backend by name.
+or fp8 pages to the Mosaic GPU split-K decode kernels and their Mosaic GPU split combine (lcjax.ops.mosaic_gpu.paged)
+where they can serve them, else to the split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to
+one of the two; prefill chunks against the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route
+to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged). PallasFp8Backend runs
+the FP8 flash kernel for `attend` and for prefill chunks over their cached prefix. Each `why_not` /
+`mosaic_decode_reason` names why a kernel cannot serve a shape here; lcjax.ops.backends picks a backend by name.
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
 """
@@ -27,7 +26,7 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_each
 
-# decode_route="mosaic": the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
+# Decode rows on Hopper: the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
 # 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
 # benchmarks/NOTES-attention).
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
@@ -39,10 +38,10 @@ PREFIX_BLOCK_TOKENS = 131072
 
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
-  """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the split-K Pallas decode
-  kernel (Triton lowering) over bf16 pages and the Mosaic GPU fp8 decode kernel (lcjax.ops.mosaic_gpu.paged) over fp8
-  pages. `decode_route` "mosaic" sends decode rows over either page dtype to the Mosaic GPU kernels with their
-  Mosaic GPU split combine, "triton" to the Triton kernel (RunConfig.decode_kernel).
+  """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
+  kernels and split combine (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper, the split-K Pallas
+  decode kernel (Triton lowering) where they cannot serve (logged). `decode_route` "mosaic" or "triton" sends every
+  decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
   no working interpreter for its wgmma pipeline, so `attend` needs the GPU.
@@ -120,15 +119,6 @@ class PallasBackend:
       return triton_paged.unsupported_shape(page_size, head_dim)
     return None
 
-  def fp8_decode_reason(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str | None:
-    """Why decode rows over fp8 pages cannot take the Mosaic GPU fp8 kernel (lcjax.ops.mosaic_gpu.paged); None: they
-    do. They take the Triton kernel's fp8 path instead (in the Pallas interpreter on CPUs)."""
-    if self.interpret:
-      return "the Mosaic GPU kernel has no interpreter (interpret=True)"
-    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
-      return f"the pages are {jnp.dtype(page_dtype).name}, not float8_e4m3fn"
-    return self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
-
   def prefill_reason(self, *, head_dim: int, page_size: int, page_dtype, dtype) -> str | None:
     """Why prefill_route "mosaic" (the flash kernel reading bf16 / float16 pages in place) cannot read a chunk's
     keys from pages of this shape here (None: it can)."""
@@ -140,14 +130,16 @@ class PallasBackend:
     return (mgpu_flash.why_not_paged(head_dim=head_dim, dtype=dtype, page_size=page_size, tuning=self.flash)
             or hardware.on_sm90())
 
-  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: with decode_route "auto", 'mgpu-fp8'
-    (lcjax.ops.mosaic_gpu.paged, Triton's split combine) or 'triton' (lcjax.ops.triton.paged; pages other than
-    e4m3 always); else the route's ('mosaic': decode and combine in Mosaic GPU; 'triton')."""
+  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype, dtype=None) -> str:
+    """The kernel `paged` runs for decode rows over pages of `page_dtype` (queries in `dtype`; None: bfloat16):
+    decode_route "auto" takes 'mosaic' (lcjax.ops.mosaic_gpu.paged's decode and split combine, bf16 or fp8 pages)
+    where it can serve (`mosaic_decode_reason`), else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper,
+    page shapes the Mosaic GPU kernels do not read); another route is its own name."""
     if self.decode_route != "auto":
       return self.decode_route
-    reason = self.fp8_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype)
-    return "triton" if reason else "mgpu-fp8"
+    reason = self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
+                                       dtype=dtype)
+    return "triton" if reason else "mosaic"
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     B, T, N, H = q.shape
@@ -158,10 +150,10 @@ class PallasBackend:
     if fp8_pages and (k_scale is None or v_scale is None):
       raise ValueError("attention over float8_e4m3fn pages needs their k_scale and v_scale")
     if rows <= tuning.max_rows:
-      kernel = self.decode_kernel(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      shape = dict(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
+      kernel = self.decode_kernel(**shape, dtype=q.dtype)
       if kernel == "mosaic":
-        reason = self.mosaic_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype,
-                                           dtype=q.dtype)
+        reason = self.mosaic_decode_reason(**shape, dtype=q.dtype)
         if reason:
           raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
         if fp8_pages:
@@ -170,13 +162,10 @@ class PallasBackend:
                                              tuning=MOSAIC_FP8_DECODE)
         return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                             page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
-      if kernel == "mgpu-fp8":
-        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
-      if fp8_pages and not self.interpret and self.decode_route == "auto":
-        reason = self.fp8_decode_reason(head_dim=H, page_size=Z, rows=rows, page_dtype=k_pages.dtype)
-        ref.warn_once(f"attention backend {self.name}: decode over fp8 pages runs the Triton kernel, which "
-                      f"widens K and V to float16 (about half the fp8 kernel's speed): {reason}")
+      if self.decode_route == "auto" and not self.interpret:
+        slower = " (it widens K and V to float16: about half the fp8 kernel's speed)" if fp8_pages else ""
+        ref.warn_once(f"attention backend {self.name}: decode runs the Triton paged kernel{slower}: "
+                      f"{self.mosaic_decode_reason(**shape, dtype=q.dtype)}")
       return triton_paged.paged_decode(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                        k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, tuning=tuning,
                                        interpret=self.interpret)

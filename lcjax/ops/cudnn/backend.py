@@ -143,10 +143,10 @@ class CudnnBackend:
       return "this jax has no cuDNN paged attention entry"
     return None
 
-  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype`: 'cudnn'; fp8_decode's name over fp8
-    pages; or 'reference' (the jnp reference: fp8 pages without fp8_decode, float32 pages, or a jax without
-    cuDNN's paged entry; the trace logs why)."""
+  def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype, dtype=None) -> str:
+    """The kernel `paged` runs for decode rows over pages of `page_dtype` (whatever the query dtype): 'cudnn';
+    fp8_decode's name over fp8 pages; or 'reference' (the jnp reference: fp8 pages without fp8_decode, float32
+    pages, or a jax without cuDNN's paged entry; the trace logs why)."""
     if self.fp8_decode and jnp.dtype(page_dtype) == jnp.float8_e4m3fn:
       return self.fp8_decode.name
     return "reference" if self.decode_reason(page_dtype=page_dtype) else self.name

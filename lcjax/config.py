@@ -301,16 +301,19 @@ class RunConfig:
                                      # "pallas" (lcjax.ops.triton.gemv: the same product in Pallas' Triton
                                      # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
                                      # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)
-  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (mosaic, else pallas, each
-                                     # where it compiles; else xla), "mosaic" (lcjax.ops.mosaic_gpu.page_write: K,
-                                     # V and their page scales in one kernel; Hopper, JAX 0.11+, head_dim 128,
-                                     # page_size a multiple of 64), "pallas" (lcjax.ops.triton.page_write: the same
-                                     # in Pallas' Triton lowering; a CUDA GPU of sm_89+, power-of-two page_size and
-                                     # head_dim), "xla" (nine small XLA kernels a layer), "pallas-interpret"
-  decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (mosaic where it
-                                     # serves, else triton, the log says why), "mosaic" (lcjax.ops.mosaic_gpu.paged
-                                     # and .combine, bf16 and fp8 pages: no Triton attention kernel; Hopper), "triton"
-                                     # (lcjax.ops.triton.paged, both page dtypes); cuDNN decodes with its own
+  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
+                                     # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
+                                     # "pallas" (lcjax.ops.triton.page_write: K, V and their page scales in one
+                                     # kernel), "mosaic" (lcjax.ops.mosaic_gpu.page_write: the same in Mosaic GPU;
+                                     # Hopper, JAX 0.11+, head_dim 128, page_size a multiple of 64; "auto" does not
+                                     # take it: on the H200 0.05% of its page bytes differed by one e4m3 step from
+                                     # XLA's), "xla" (nine small XLA kernels a layer), "pallas-interpret"
+  decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (on Hopper the
+                                     # Mosaic GPU decode kernels, over bf16 pages with their Mosaic GPU split
+                                     # combine, over fp8 pages with Triton's; else triton, the log says why),
+                                     # "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and fp8 pages: no
+                                     # Triton attention kernel; Hopper), "triton" (lcjax.ops.triton.paged, both
+                                     # page dtypes); cuDNN decodes with its own
   prefill_kernel: str = "auto"       # what reads a prefill chunk's cached prefix from the pages, on the pallas
                                      # backend (bf16 pages): "auto" (cudnn), "cudnn" (cuDNN's paged flash kernel),
                                      # "mosaic" (lcjax.ops.mosaic_gpu.flash.flash_attention_paged: our flash

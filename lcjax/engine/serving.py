@@ -89,6 +89,9 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
     asked = "asked for by decode_kernel='mosaic'" if run.decode_kernel == "mosaic" else "decode_kernel='auto' on Hopper"
     return Choice(name, f"the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
                         f".combine), {asked}")
+  if name == "mgpu-fp8":
+    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged) with Triton's split "
+                        "combine, decode_kernel='auto' on Hopper over fp8 pages")
   if name == "triton" and run.decode_kernel == "triton":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged), asked for by "
                         "decode_kernel='triton'")

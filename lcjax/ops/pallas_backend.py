@@ -1,9 +1,9 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
-or fp8 pages to the Mosaic GPU split-K decode kernels and their Mosaic GPU split combine (lcjax.ops.mosaic_gpu.paged)
-where they can serve them, else to the split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to
-one of the two; prefill chunks against the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route
+or fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic GPU
+over bf16 pages, in Triton over fp8 pages) where they can serve them, else to the split-K Triton kernel
+(lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route
 to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged). PallasFp8Backend runs
 the FP8 flash kernel for `attend` and for prefill chunks over their cached prefix. Each `why_not` /
 `mosaic_decode_reason` names why a kernel cannot serve a shape here; lcjax.ops.backends picks a backend by name.
@@ -26,8 +26,8 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_each
 
-# Decode rows on Hopper: the Mosaic GPU decode kernels with the Mosaic GPU split combine; bf16 pages through a
-# 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
+# The Mosaic GPU decode kernels with the Mosaic GPU split combine (decode_route "mosaic"; "auto" over bf16 pages);
+# bf16 pages through a 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
 # benchmarks/NOTES-attention).
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
 MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
@@ -39,8 +39,8 @@ PREFIX_BLOCK_TOKENS = 131072
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
-  kernels and split combine (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper, the split-K Pallas
-  decode kernel (Triton lowering) where they cannot serve (logged). `decode_route` "mosaic" or "triton" sends every
+  kernels (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper (`decode_kernel` says with which split
+  combine), the split-K Pallas decode kernel (Triton lowering) where they cannot serve (logged). `decode_route` "mosaic" or "triton" sends every
   decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
@@ -131,15 +131,18 @@ class PallasBackend:
             or hardware.on_sm90())
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype, dtype=None) -> str:
-    """The kernel `paged` runs for decode rows over pages of `page_dtype` (queries in `dtype`; None: bfloat16):
-    decode_route "auto" takes 'mosaic' (lcjax.ops.mosaic_gpu.paged's decode and split combine, bf16 or fp8 pages)
-    where it can serve (`mosaic_decode_reason`), else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper,
-    page shapes the Mosaic GPU kernels do not read); another route is its own name."""
+    """The kernel `paged` runs for decode rows over pages of `page_dtype` (queries in `dtype`; None: bfloat16).
+    decode_route "auto" takes the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged) where they can serve
+    (`mosaic_decode_reason`): over bf16 pages with the Mosaic GPU split combine ('mosaic'), over fp8 pages with
+    Triton's ('mgpu-fp8': at batch 1 from 128K keys the Mosaic GPU combine ran 5-26% slower on the H200,
+    benchmarks/NOTES-attention); else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page shapes the
+    Mosaic GPU kernels do not read). Another route is its own name."""
     if self.decode_route != "auto":
       return self.decode_route
-    reason = self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
-                                       dtype=dtype)
-    return "triton" if reason else "mosaic"
+    if self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
+                                 dtype=dtype):
+      return "triton"
+    return "mgpu-fp8" if jnp.dtype(page_dtype) == fp8_ops.E4M3 else "mosaic"
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     B, T, N, H = q.shape
@@ -162,6 +165,9 @@ class PallasBackend:
                                              tuning=MOSAIC_FP8_DECODE)
         return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                             page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
+      if kernel == "mgpu-fp8":
+        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
+                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
       if self.decode_route == "auto" and not self.interpret:
         slower = " (it widens K and V to float16: about half the fp8 kernel's speed)" if fp8_pages else ""
         ref.warn_once(f"attention backend {self.name}: decode runs the Triton paged kernel{slower}: "

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from tests import forkserver
@@ -312,3 +313,13 @@ def test_bench_speculation_cost_rows(tmp_path):
   assert all(r["step_ms"] > 0 and r["plain_decode_ms_per_token"] > 0 for r in rows)
   assert all(r["step_over_plain_step"] == 1.0 for r in rows if r["k"] == 0)
   assert {r["kernels"]["page_write"] for r in rows} == {"xla"} and all(r["kernels"]["attention"] for r in rows)
+
+
+def test_bench_attention_pages_hold_a_length_that_is_no_multiple_of_the_page():
+  """tools/bench_attention.py's decode pages for S keys: each sequence's table holds ceil(S / Z) distinct pages of
+  the pool, so kv_len = S stays inside it (S // Z pages sent cuDNN past the table at S = 100,000)."""
+  import numpy as np
+  from tools import bench_attention
+  q, kp, vp, table, ks, vs = bench_attention.pages(jax.random.key(0), 100, 64, True, B=3)
+  assert table.shape == (3, 2) and kp.shape[:2] == (6, 64) and ks.shape == (6, bench_attention.K)
+  assert sorted(np.asarray(table).ravel().tolist()) == list(range(6))

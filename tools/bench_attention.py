@@ -486,7 +486,9 @@ def functools_partial_fa3(fa3, splits):
 
 
 def pages(key, S, Z, fp8, B=B_DEC):
-  M = S // Z
+  """q [B, 1, N, H] and B sequences' pages [P, Z, K, H] (fp8: with page scales [P, K]) in a shuffled pool, each
+  sequence's table [B, M] holding its S keys: M = ceil(S / Z), so a kv_len of S stays inside the table."""
+  M = -(-S // Z)
   P = B * M
   ks = jax.random.split(key, 6)
   q = jax.random.normal(ks[0], (B, 1, N, H), DT)

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from tests import forkserver
@@ -317,9 +316,12 @@ def test_bench_speculation_cost_rows(tmp_path):
 
 def test_bench_attention_pages_hold_a_length_that_is_no_multiple_of_the_page():
   """tools/bench_attention.py's decode pages for S keys: each sequence's table holds ceil(S / Z) distinct pages of
-  the pool, so kv_len = S stays inside it (S // Z pages sent cuDNN past the table at S = 100,000)."""
-  import numpy as np
-  from tools import bench_attention
-  q, kp, vp, table, ks, vs = bench_attention.pages(jax.random.key(0), 100, 64, True, B=3)
-  assert table.shape == (3, 2) and kp.shape[:2] == (6, 64) and ks.shape == (6, bench_attention.K)
-  assert sorted(np.asarray(table).ravel().tolist()) == list(range(6))
+  the pool, so kv_len = S stays inside it (S // Z pages sent cuDNN past the table at S = 100,000). In a process
+  of its own: the tool defines absl flags that other tools imported here define too."""
+  code = ("import json, jax, numpy as np; from tools import bench_attention as b; "
+          "q, kp, vp, t, ks, vs = b.pages(jax.random.key(0), 100, 64, True, B=3); "
+          "print(json.dumps([t.shape, kp.shape[:2], ks.shape, sorted(np.asarray(t).ravel().tolist()), b.K]))")
+  p = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  table, pool, scales, ids, K = json.loads(p.stdout.strip().splitlines()[-1])
+  assert (table, pool, scales, ids) == ([3, 2], [6, 64], [6, K], list(range(6)))

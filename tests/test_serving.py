@@ -116,21 +116,31 @@ def test_decode_kernel_asked_for_by_name(monkeypatch):
 
 
 def test_prefill_kernel(monkeypatch):
-  """RunConfig.prefill_kernel: "auto" keeps cuDNN's paged kernel under the pallas backend (and says what reads the
-  prefix under each backend); "mosaic" reaches the pallas backend's prefill_route and the table on Hopper over
-  bf16 pages, and is refused in one line for fp8 pages, FP8 attention, another backend (cuDNN: `auto` on GPUs
-  that are not Hopper) and page shapes the kernel cannot read."""
+  """RunConfig.prefill_kernel: "auto" takes the Mosaic GPU paged flash kernel on Hopper over bf16 pages and keeps
+  cuDNN's paged kernel where it cannot read the pages, saying why (and says what reads the prefix under each
+  backend); "mosaic" reaches the pallas backend's prefill_route and the table on Hopper over bf16 pages, and is
+  refused in one line for fp8 pages, FP8 attention, another backend (cuDNN: `auto` on GPUs that are not Hopper)
+  and page shapes the kernel cannot read."""
   _gpu(monkeypatch, (9, 0))
   bf16 = RUN.replace(cache_dtype="bfloat16")
   s = resolve(CFG, bf16, check_fit=False)
-  assert (s.prefill.name, s.attention.prefill_route) == ("cudnn", "cudnn") and "cuDNN's paged" in s.prefill.why
-  assert "dequantized" in resolve(CFG, RUN, check_fit=False).prefill.why
+  assert (s.prefill.name, s.attention.prefill_route) == ("mosaic", "mosaic")
+  assert "prefill_kernel='auto' on Hopper over bf16 pages" in s.prefill.why
+  fp8_pages = resolve(CFG, RUN, check_fit=False)
+  assert (fp8_pages.prefill.name, fp8_pages.attention.prefill_route) == ("cudnn", "cudnn")
+  assert "dequantized" in fp8_pages.prefill.why
+  assert "queries' dtype (bfloat16), not float8_e4m3fn" in fp8_pages.prefill.why
+  odd = resolve(CFG, bf16.replace(page_size=96, prefill_chunk=960), check_fit=False).prefill
+  assert odd.name == "cudnn" and "page_size=96 must be a multiple of it" in odd.why
   fp8_attn = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False).prefill
   assert fp8_attn.name == "pallas-fp8" and "gathered" in fp8_attn.why
+  cudnn_s = resolve(CFG, bf16.replace(prefill_kernel="cudnn"), check_fit=False)
+  assert (cudnn_s.prefill.name, cudnn_s.attention.prefill_route) == ("cudnn", "cudnn")
+  assert "cannot" not in cudnn_s.prefill.why
   s = resolve(CFG, bf16.replace(prefill_kernel="mosaic"), check_fit=False)
   assert (s.prefill.name, s.attention.prefill_route) == ("mosaic", "mosaic")
   assert "flash_attention_paged" in s.prefill.why and "\n  prefill over pages    mosaic: " in s.table()
-  assert resolve(CFG, bf16.replace(prefill_kernel="cudnn"), check_fit=False).prefill.name == "cudnn"
+  assert "asked for by prefill_kernel='mosaic'" in s.prefill.why
   refusals = {
       "reads pages in the queries' dtype \\(bfloat16\\), not float8_e4m3fn": RUN.replace(prefill_kernel="mosaic"),
       "attention_dtype='float8_e4m3fn' reads the cached prefix with the FP8 flash kernel":

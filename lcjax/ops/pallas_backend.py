@@ -1,12 +1,13 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
-or fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic GPU
-over bf16 pages, in Triton over fp8 pages) where they can serve them, else to the split-K Triton kernel
-(lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the paged cache to cuDNN (lcjax.ops.cudnn.backend), or by its prefill_route
-to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged). PallasFp8Backend runs
-the FP8 flash kernel for `attend` and for prefill chunks over their cached prefix. Each `why_not` /
-`mosaic_decode_reason` names why a kernel cannot serve a shape here; lcjax.ops.backends picks a backend by name.
+or fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic
+GPU over bf16 pages, in Triton over fp8 pages) where they can serve them, else to the split-K Triton kernel
+(lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the paged cache by its
+prefill_route to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged) or to
+cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for prefill chunks
+over their cached prefix. Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot
+serve a shape here; lcjax.ops.backends picks a backend by name.
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
 """
@@ -26,9 +27,9 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_each
 
-# The Mosaic GPU decode kernels with the Mosaic GPU split combine (decode_route "mosaic"; "auto" over bf16 pages);
-# bf16 pages through a 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3 slots at 128K:
-# benchmarks/NOTES-attention).
+# The Mosaic GPU decode kernels with the Mosaic GPU split combine (decode_route "mosaic"; "auto" over bf16
+# pages); bf16 pages through a 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within
+# 1% of 3 slots at 128K: benchmarks/NOTES-attention).
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
 MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
 
@@ -40,8 +41,10 @@ PREFIX_BLOCK_TOKENS = 131072
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
   kernels (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper (`decode_kernel` says with which split
-  combine), the split-K Pallas decode kernel (Triton lowering) where they cannot serve (logged). `decode_route` "mosaic" or "triton" sends every
-  decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
+  combine), the split-K Pallas decode kernel (Triton lowering) where they cannot serve (logged). `decode_route`
+  "mosaic" or "triton" sends every decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
+  `prefill_route` picks what reads a prefill chunk's cached prefix: "mosaic" (the flash kernel reading the pages
+  in place) or "cudnn" (RunConfig.prefill_kernel; lcjax.engine.serving resolves "auto").
 
   `interpret=True` (CPU tests) runs the decode kernel in the Pallas interpreter; the Mosaic GPU flash kernel has
   no working interpreter for its wgmma pipeline, so `attend` needs the GPU.

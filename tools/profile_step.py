@@ -42,6 +42,8 @@ flags.DEFINE_string("weight_dtype", "auto", "auto | bfloat16 | float8_e4m3fn (Ru
 flags.DEFINE_string("linear_kernel", "auto",
                     "auto | xla | mosaic | pallas | pallas-interpret (RunConfig.linear_kernel)")
 flags.DEFINE_string("page_write", "auto", "auto | xla | pallas | mosaic | pallas-interpret (RunConfig.page_write)")
+flags.DEFINE_string("decode_kernel", "auto", "auto | mosaic | triton (RunConfig.decode_kernel)")
+flags.DEFINE_string("prefill_kernel", "auto", "auto | cudnn | mosaic (RunConfig.prefill_kernel)")
 flags.DEFINE_integer("draft_tokens", 0, "decode: k > 0 traces prompt-lookup speculation (RunConfig.draft=\"prompt\") "
                      "with k drafts a step; figures are then per model call (a verify step of k + 1 rows)")
 flags.DEFINE_integer("draft_ngram", 3, "decode with --draft_tokens: RunConfig.draft_ngram")
@@ -93,6 +95,7 @@ def main(argv):
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
                   cache_dtype=FLAGS.cache_dtype, attention=FLAGS.attention, attention_dtype=FLAGS.attention_dtype,
                   weight_dtype=FLAGS.weight_dtype, linear_kernel=FLAGS.linear_kernel, page_write=FLAGS.page_write,
+                  decode_kernel=FLAGS.decode_kernel, prefill_kernel=FLAGS.prefill_kernel,
                   draft="prompt" if FLAGS.draft_tokens else "off", draft_tokens=FLAGS.draft_tokens or 4,
                   draft_ngram=FLAGS.draft_ngram,
                   # A traced prefill repeats the warm-up's prompt: with the prefix cache it would prefill nothing.

@@ -315,8 +315,8 @@ class RunConfig:
                                      # Triton attention kernel; Hopper), "triton" (lcjax.ops.triton.paged, both
                                      # page dtypes); cuDNN decodes with its own
   prefill_kernel: str = "auto"       # what reads a prefill chunk's cached prefix from the pages, on the pallas
-                                     # backend: "auto" (mosaic where it can read the pages: Hopper, bf16 pages;
-                                     # else cudnn, the table says why), "cudnn" (cuDNN's paged flash kernel),
+                                     # backend: "auto" (mosaic on Hopper over bf16 pages of 64 tokens or more,
+                                     # as timed; else cudnn, the table says why), "cudnn" (cuDNN's paged kernel),
                                      # "mosaic" (lcjax.ops.mosaic_gpu.flash.flash_attention_paged: our flash
                                      # kernel reading K and V where they lie; Hopper)
   page_size: int = 64                # Z: tokens per KV page

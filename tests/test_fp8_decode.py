@@ -320,7 +320,6 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16", dtype="float16") == "triton"
-  assert be.decode_kernel(head_dim=128, page_size=64, rows=65, page_dtype=e4) == "triton"
   interp = pallas_backend.PallasBackend(interpret=True)
   assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")

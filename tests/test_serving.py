@@ -69,6 +69,11 @@ def test_on_hopper(monkeypatch):
   # float16 activations over bf16 pages
   f16 = resolve(CFG, RUN.replace(dtype="float16", cache_dtype="bfloat16"), check_fit=False)
   assert f16.decode.name == "triton" and "bfloat16 queries, not float16" in f16.decode.why
+  # pages neither decode kernel reads: refused in one line, not at the first decode step
+  with pytest.raises(ConfigError, match="page_size=96: neither decode kernel of the pallas backend reads these pages "
+                                        "\\(Mosaic GPU: .*not a multiple; Triton: .*power of two"):
+    resolve(CFG, RUN.replace(page_size=96, prefill_chunk=960), check_fit=False)
+  assert resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False).decode.name == "mgpu-fp8"
   assert resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False).page_write.name == "mosaic"
   _jax_0_11(monkeypatch, False)
   with pytest.raises(ConfigError, match="page_write='mosaic': .*mutable refs, which Mosaic GPU kernels take from "
@@ -130,13 +135,17 @@ def test_prefill_kernel(monkeypatch):
   assert (fp8_pages.prefill.name, fp8_pages.attention.prefill_route) == ("cudnn", "cudnn")
   assert "dequantized" in fp8_pages.prefill.why
   assert "queries' dtype (bfloat16), not float8_e4m3fn" in fp8_pages.prefill.why
-  odd = resolve(CFG, bf16.replace(page_size=96, prefill_chunk=960), check_fit=False).prefill
-  assert odd.name == "cudnn" and "page_size=96 must be a multiple of it" in odd.why
+  odd = resolve(CFG, bf16.replace(page_size=192, prefill_chunk=1920), check_fit=False).prefill
+  assert odd.name == "cudnn" and "page_size=192 must be a multiple of it" in odd.why
+  small = resolve(CFG, bf16.replace(page_size=32), check_fit=False).prefill
+  assert small.name == "cudnn" and "pages of 64 tokens or more, which it was timed on; page_size=32" in small.why
+  f16 = resolve(CFG, RUN.replace(dtype="float16", cache_dtype="auto"), check_fit=False).prefill
+  assert f16.name == "cudnn" and "over bfloat16 pages, which it was timed on, not float16" in f16.why
   fp8_attn = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False).prefill
   assert fp8_attn.name == "pallas-fp8" and "gathered" in fp8_attn.why
   cudnn_s = resolve(CFG, bf16.replace(prefill_kernel="cudnn"), check_fit=False)
   assert (cudnn_s.prefill.name, cudnn_s.attention.prefill_route) == ("cudnn", "cudnn")
-  assert "cannot" not in cudnn_s.prefill.why
+  assert "not the Mosaic GPU" not in cudnn_s.prefill.why
   s = resolve(CFG, bf16.replace(prefill_kernel="mosaic"), check_fit=False)
   assert (s.prefill.name, s.attention.prefill_route) == ("mosaic", "mosaic")
   assert "flash_attention_paged" in s.prefill.why and "\n  prefill over pages    mosaic: " in s.table()
@@ -146,7 +155,8 @@ def test_prefill_kernel(monkeypatch):
       "attention_dtype='float8_e4m3fn' reads the cached prefix with the FP8 flash kernel":
           bf16.replace(prefill_kernel="mosaic", attention_dtype="float8_e4m3fn"),
       "the cudnn backend reads them with its own": bf16.replace(prefill_kernel="mosaic", attention="cudnn"),
-      "page_size=96 must be a multiple of it": bf16.replace(prefill_kernel="mosaic", page_size=96, prefill_chunk=960),
+      "page_size=192 must be a multiple of it": bf16.replace(prefill_kernel="mosaic", page_size=192,
+                                                             prefill_chunk=1920),
   }
   for message, run in refusals.items():
     with pytest.raises(ConfigError, match="prefill_kernel='mosaic'.*" + message):
@@ -200,6 +210,8 @@ def test_on_a_hopper_mesh(monkeypatch):
   s = resolve(CFG, RUN.replace(seq=2, tensor=4), check_fit=False)
   assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
   assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
+  bf16 = resolve(CFG, RUN.replace(seq=2, tensor=4, cache_dtype="bfloat16"), check_fit=False)
+  assert (bf16.prefill.name, bf16.decode.name) == ("mosaic", "mosaic")
   assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2
 
 

@@ -505,6 +505,7 @@ def pages(key, S, Z, fp8, B=B_DEC):
 
 # Tuning variants and FA3's single split run at the first page size only (compiles cost device time).
 MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-mgpu-bf16", "lcjax-mgpu-bf16-mcombine",
+               "lcjax-mgpu-bf16-mcs2-mcombine",
                "lcjax-mgpu-fp8-mcombine", "lcjax-cudnn", "fa3-paged-split8",
                "cudnn-private-paged", "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 

@@ -113,16 +113,23 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
 def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   """The attention backend with RunConfig.decode_kernel's route, or a one-line ConfigError where the route cannot
   serve: a backend with no choice of decode kernels, or Mosaic GPU kernels that cannot read these decode rows
-  (a verify step's k + 1 tokens included)."""
+  (a verify step's k + 1 tokens included). Under "auto", pages that neither decode kernel reads are refused too."""
   ask = run.decode_kernel
+  G = serving_cfg.n_heads // serving_cfg.n_kv_heads
   if ask == "auto":
+    if hasattr(attention, "decode_route"):
+      shape = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=G,
+                   page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
+      no_triton = attention.route_reason("triton", **shape)
+      if attention.decode_kernel(**shape) == "triton" and no_triton:
+        raise ConfigError(f"page_size={run.page_size}: neither decode kernel of the {attention.name} backend reads "
+                          f"these pages (Mosaic GPU: {attention.mosaic_decode_reason(**shape)}; Triton: {no_triton})")
     return attention
   if not hasattr(attention, "decode_route"):
     chosen = f"attention={run.attention!r} runs the {attention.name} backend" if run.attention == "auto" else \
         f"attention={attention.name!r}"
     raise ConfigError(f"decode_kernel={ask!r} picks among the pallas backend's decode kernels, and {chosen}, "
                       "which decodes with its own kernel: leave decode_kernel='auto'")
-  G = serving_cfg.n_heads // serving_cfg.n_kv_heads
   tokens = run.draft_tokens + 1 if run.draft != "off" else 1
   top = attention.max_decode_rows
   if tokens * G > top:
@@ -151,13 +158,11 @@ def _fp8_decode_kernel(attention, serving_cfg: ModelConfig, run: RunConfig):
 def _prefill_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   """The attention backend with RunConfig.prefill_kernel's route, or a one-line ConfigError where the route cannot
   serve: FP8 attention (its own kernel reads the prefix), a backend that reads the pages with another kernel,
-  pages the Mosaic GPU kernel cannot read here. "auto" takes "mosaic" on the pallas backend where the kernel can
-  read the pages (Hopper, bf16 pages: 8-19% faster than cuDNN's paged kernel on the H200,
-  benchmarks/results/attention.md, part attention-chunk-paged-h200), else keeps what the backend reads them with."""
+  pages the Mosaic GPU kernel cannot read here. "auto" takes "mosaic" on the pallas backend where
+  `_prefill_auto_reason` allows, else keeps what the backend reads the pages with."""
   ask = run.prefill_kernel
   if ask == "auto":
-    if run.attention_dtype != "auto" or not hasattr(attention, "prefill_route") or _prefill_reason(
-        attention, serving_cfg, run):
+    if attention.name != "pallas" or _prefill_auto_reason(attention, serving_cfg, run):
       return attention
     return dataclasses.replace(attention, prefill_route="mosaic")
   if run.attention_dtype != "auto":
@@ -181,6 +186,26 @@ def _prefill_reason(attention, serving_cfg: ModelConfig, run: RunConfig) -> str 
                                   page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
 
 
+# The smallest page prefill_kernel="auto" reads with the paged flash kernel: pages of 64 tokens were timed (8-19%
+# faster than cuDNN's paged kernel on the H200, benchmarks/results/attention.md, part attention-chunk-paged-h200);
+# smaller pages take several TMA copies a key block and were not.
+PAGED_FLASH_AUTO_MIN_PAGE = 64
+
+
+def _prefill_auto_reason(attention, serving_cfg: ModelConfig, run: RunConfig) -> str | None:
+  """Why prefill_kernel="auto" does not take the pallas backend's paged flash kernel for this run (None: it
+  does): the kernel cannot read the pages, or they are of a kind it was not timed on (float16, small pages)."""
+  reason = _prefill_reason(attention, serving_cfg, run)
+  if reason:
+    return reason
+  if run.resolved_cache_dtype != "bfloat16":
+    return f"'auto' takes it over bfloat16 pages, which it was timed on, not {run.resolved_cache_dtype}"
+  if run.page_size < PAGED_FLASH_AUTO_MIN_PAGE:
+    return (f"'auto' takes it at pages of {PAGED_FLASH_AUTO_MIN_PAGE} tokens or more, which it was timed on; "
+            f"page_size={run.page_size}")
+  return None
+
+
 def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choice:
   """What reads a prefill chunk's keys from the pages, and why."""
   fp8_pages = run.resolved_cache_dtype == "float8_e4m3fn"
@@ -196,7 +221,7 @@ def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choi
     over = " over the pages dequantized to bf16 in blocks" if fp8_pages else ""
     why = ""
     if attention.name == "pallas" and run.prefill_kernel == "auto":
-      why = f" (the Mosaic GPU paged flash kernel cannot: {_prefill_reason(attention, serving_cfg, run)})"
+      why = f" (not the Mosaic GPU paged flash kernel: {_prefill_auto_reason(attention, serving_cfg, run)})"
     return Choice("cudnn", f"cuDNN's paged flash kernel{over}{why}")
   return Choice(attention.name, f"the {attention.name} backend's own paged attention")
 

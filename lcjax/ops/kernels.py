@@ -127,7 +127,8 @@ class TritonFp8Decode:
                                      v_scale=v_scale, interpret=self.interpret)
 
 
-# By name, in the order "auto" prefers the compiled ones (lcjax.engine.placement).
+# By name (lcjax.engine.placement picks among them: the GEMVs in this order, the page writers by
+# AUTO_PAGE_WRITERS).
 GEMV_KERNELS = {k.name: k for k in (MosaicGemv(), TritonGemv(), TritonGemv(interpret=True))}
 PAGE_WRITERS = {k.name: k for k in (TritonPageWriter(), MosaicPageWriter(), TritonPageWriter(interpret=True))}
 

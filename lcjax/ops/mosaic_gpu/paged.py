@@ -21,8 +21,8 @@ lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine).
 Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
 computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
 warpgroup only fills the K/V ring. It is the Mosaic GPU counterpart of lcjax.ops.triton.paged's bf16 path, which
-JAX's deprecated Triton lowering runs; the attention backend routes to it for RunConfig.decode_kernel="mosaic"
-(tools/bench_attention.py times both, `lcjax-mgpu-bf16` beside `lcjax-pallas`).
+JAX's deprecated Triton lowering runs; the attention backend routes decode rows over bf16 pages to it on Hopper
+(tools/bench_attention.py times both, `lcjax-mgpu-bf16-mcs2-mcombine` beside `lcjax-pallas`).
 
 Masking is the paged contract's: token j is visible to row (t, g) iff j < kv_len[b] and j <= q_pos[b, t]. Blocks
 whose keys every real row sees skip the mask arithmetic. Padded rows (r >= R) are computed and written in the

@@ -16,12 +16,12 @@ from the pages): this kernel widens every fp8 K and V element to float16 in regi
 half its bf16 rate (attention-fp8-decode-h200-b: 2.0-2.7 TB/s against 3.4-4.3 for bf16 pages). Its fp8 path
 stays for the Pallas interpreter (CPU tests) and page sizes the Mosaic kernel cannot read.
 
-Why bf16 pages stay on the Triton lowering: the kernel reads them at 0.97-1.08x the bytes rate of cuDNN's paged
-decode in the same call (4.0-4.3 TB/s at 128K and 512K, batch 8, near the HBM floor), and it runs in Pallas
-interpret mode on CPU, so CI covers its indexing and masking. JAX 0.11.2 warns that the Pallas Triton backend is
-deprecated: moving this path to Mosaic GPU (lcjax.ops.mosaic_gpu.paged's structure with bf16 operands, no widening) is
-for that deprecation, not for speed. Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it
-elsewhere.
+On Hopper, decode over bf16 pages runs lcjax.ops.mosaic_gpu.paged too (its bf16 path and Mosaic GPU split combine:
+as fast or faster at 128K and 512K on the H200, benchmarks/results/attention.md, parts
+attention-decode-routing-*); JAX 0.11.2 warns that the Pallas Triton backend is deprecated. This kernel serves GPUs
+that are not Hopper (Ampere, Ada), page shapes the Mosaic GPU kernel cannot read, and the Pallas interpreter on
+CPUs, so CI covers its indexing and masking; its split combine joins the Mosaic GPU fp8 kernel's splits.
+Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it elsewhere.
 
 Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots.
 """

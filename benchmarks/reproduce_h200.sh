@@ -11,11 +11,11 @@
 #                 (the 8-bit prefill kernel's phases), attention-fp8-h200-c (8-bit prefill beside cuDNN fp8/bf16),
 #                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN),
 #                 attention-decode-routing-h200 (issue 49: the Triton and Mosaic GPU decode paths, bf16 and fp8
-#                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions), attention-decode-routing-70b-h200
-#                 (the same at the 70B's 64 query heads over 8 kv heads), attention-chunk-paged-h200 (issue 47:
-#                 prefill chunks of 1K / 4K / 16K rows over a 128K / 512K / 1M-key prefix in 64-token pages, the
-#                 flash kernel reading it in place beside cuDNN's paged kernel)  predicted ~4 + 3 + 3 min more
-#                                                                                          ~8 + 0.5 + 2 + 3 min
+#                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions of 16 chained calls),
+#                 attention-decode-routing-70b-h200 (the same at the 70B's 64 query heads over 8 kv heads),
+#                 attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows over a 128K / 512K /
+#                 1M-key prefix in 64-token pages, the flash kernel reading it in place beside cuDNN's paged
+#                 kernel)                                       ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)
 #                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200)  ~5 + 5 + 8 + 5 + 4 + 7 min
@@ -96,10 +96,12 @@ for step in "${steps[@]}"; do
       python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --reps=5 --stall_s=60 \
         --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$P" --name=attention-fp8-decode-h200-b
       python3 tools/bench_attention.py --prefill= --decode=32768,100000,131072,524288 --batch=1,8 --pages=64 \
-        --reps=20 --stall_s=60 --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
+        --reps=20 --chain=16 --stall_s=60 \
+        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
         --out="$P" --name=attention-decode-routing-h200
       python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --batch=1,8 --pages=64 --heads=64:8 \
-        --reps=20 --stall_s=60 --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
+        --reps=20 --chain=16 --stall_s=60 \
+        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
         --out="$P" --name=attention-decode-routing-70b-h200
       python3 tools/bench_attention.py --prefill= --decode= --pages=64 --reps=10 --stall_s=120 \
         --chunk=1024:131072,1000:131072,4096:131072,16384:131072,1024:524288,4096:524288,1024:1048576 \

@@ -330,3 +330,24 @@ def test_bench_attention_pages_hold_a_length_that_is_no_multiple_of_the_page():
   assert p.returncode == 0, p.stderr[-2000:]
   table, pool, scales, ids, K = json.loads(p.stdout.strip().splitlines()[-1])
   assert (table, pool, scales, ids) == ([3, 2], [6, 64], [6, K], list(range(6)))
+
+
+def test_chained_calls_run_in_one_program_in_order():
+  """benchlib.chained(fn, n): n calls of fn in one compiled program, each after the one before (its first argument
+  depends on the previous output, so XLA neither merges nor reorders them); every output."""
+  import jax.numpy as jnp
+  import numpy as np
+  from tools import benchlib
+  traced = []
+
+  def fn(q, x):
+    traced.append(q.shape)
+    return q * 2.0 + x
+
+  chain = benchlib.chained(fn, 3)
+  q, x = jnp.ones(4), jnp.full(4, 0.5)
+  outs = chain(q, x)
+  assert len(outs) == 3 and all(np.array_equal(np.asarray(o), np.full(4, 2.5)) for o in outs)
+  assert len(traced) == 3
+  hlo = chain.lower(q, x).compile().as_text()
+  assert hlo.count("multiply(") >= 3 and "copy(" not in hlo, hlo         # three products, none reused

@@ -63,6 +63,9 @@ _CHUNK = flags.DEFINE_list("chunk", [], "prefill chunks over a paged prefix, T:S
 _HEADS = flags.DEFINE_string("heads", "32:8", "query heads:kv heads of every shape (32:8 Llama-3-8B, 64:8 "
                              "Llama-3.1-70B)")
 _NAME = flags.DEFINE_string("name", "attention-h200", "result file stem")
+_CHAIN = flags.DEFINE_integer("chain", 0, "decode rows: time N calls chained in one compiled program "
+                              "(benchlib.chained: no host dispatch in the time, as in a model's layer loop); 0: "
+                              "4 dispatched calls a sample")
 _EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
 
 B_PF, N, K, H = 1, 32, 8, 128
@@ -545,7 +548,11 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
         try:
           dog.arm(f"decode {name} B={B} S={S} Z={Z}")
           f = jax.jit(fn)
-          t = time_jax(f, [(q, kp, vp, table, q_pos, kv_len, ks, vs)], reps, inner=4)
+          args = (q, kp, vp, table, q_pos, kv_len, ks, vs)
+          if _CHAIN.value:
+            t = time_jax(benchlib.chained(fn, _CHAIN.value), [args], reps) / _CHAIN.value
+          else:
+            t = time_jax(f, [args], reps, inner=4)
           o = f(q, kp, vp, table, q_pos, kv_len, ks, vs)[0]
           agree = None
           if not fp8:
@@ -556,6 +563,7 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
           res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B, page=Z,
                   dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
                   metric=nbytes / t / 1e12, tokens_per_s=B / t, rel_err=checks[name][0],
+                  timing=f"chained-{_CHAIN.value}" if _CHAIN.value else "dispatched-4",
                   lse_err=checks[name][1], rel_err_vs_first_impl=agree)
         except Exception as e:  # noqa: BLE001
           res.error(f"decode {name} B={B} S={S} Z={Z}", e)

@@ -363,23 +363,27 @@ class PageBytesDiffer(AssertionError):
   """Two engines' fp8 pages differ where their tokens agree."""
 
 
-@pytest.mark.xfail(strict=True, raises=PageBytesDiffer,
-                   reason="on the H200 (2026-12-05) the tokens matched and 0.05% of the page bytes differed from "
-                          "XLA's by one e4m3 step (page_write='auto' does not take this writer; NOTES-attention)")
-def test_mosaic_page_writer_in_the_engine():
-  """page_write="mosaic" (lcjax.ops.mosaic_gpu.page_write, the pools as mutable refs inside the compiled decode
-  loop): the greedy tokens, and every page's bytes and scales, of page_write="xla" on the same model (fp8 weights
-  + fp8 KV, 64-token pages, head dim 128, two sequences decoded together). Only differing page bytes or scales
-  raise PageBytesDiffer, the expected failure; differing tokens or stats fail the test."""
+@pytest.mark.parametrize("writer", [
+    "pallas",
+    pytest.param("mosaic", marks=pytest.mark.xfail(
+        strict=True, raises=PageBytesDiffer,
+        reason="on the H200 (2026-12-05) the tokens matched and 0.05% of the page bytes differed from XLA's by one "
+               "e4m3 step (page_write='auto' does not take this writer; NOTES-attention)"))])
+def test_page_writer_in_the_engine(writer):
+  """A page writer kernel inside the compiled decode loop ("mosaic": lcjax.ops.mosaic_gpu.page_write, the pools
+  as mutable refs; "pallas": the Triton writer): the greedy tokens, and every page's bytes and scales, of
+  page_write="xla" on the same model (fp8 weights + fp8 KV, 64-token pages, head dim 128, two sequences decoded
+  together). Only differing page bytes or scales raise PageBytesDiffer; differing tokens or stats fail the test.
+  The Triton case tells a writer's difference from one of the two programs' K (NOTES-attention)."""
   from tests.test_fp8_page_write import _bits
-  _skip_unless_served(page_write="mosaic")
+  _skip_unless_served(page_write=writer)
   run = FP8_RUN.replace(linear_kernel="xla", max_batch=2)
-  xla, kern = (Engine.random(FP8_CFG, run=run.replace(page_write=w), seed=1) for w in ("xla", "mosaic"))
+  xla, kern = (Engine.random(FP8_CFG, run=run.replace(page_write=w), seed=1) for w in ("xla", writer))
   try:
     prompts = [SPEC_PROMPTS[0][:100], SPEC_PROMPTS[1][:70]]
     a, b = (e.generate(prompts, max_new_tokens=40) for e in (xla, kern))
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
-    assert (a[0].stats["page_write"], b[0].stats["page_write"]) == ("xla", "mosaic")
+    assert (a[0].stats["page_write"], b[0].stats["page_write"]) == ("xla", writer)
     for i, (x, y) in enumerate(zip(xla.cache.parts(), kern.cache.parts())):
       x, y = _bits(np.asarray(x)[:, 1:]), _bits(np.asarray(y)[:, 1:])
       if not np.array_equal(x, y):

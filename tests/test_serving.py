@@ -74,6 +74,10 @@ def test_on_hopper(monkeypatch):
                                         "\\(Mosaic GPU: .*not a multiple; Triton: .*power of two"):
     resolve(CFG, RUN.replace(page_size=96, prefill_chunk=960), check_fit=False)
   assert resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False).decode.name == "mgpu-fp8"
+  # verify steps of more rows than the decode kernels take (9 tokens x 8 heads) run as chunks: not refused
+  wide = dataclasses.replace(CFG, n_heads=64, n_kv_heads=8)
+  resolve(wide, RUN.replace(page_size=96, prefill_chunk=960, draft="prompt", draft_tokens=8, max_batch=1),
+          check_fit=False)
   assert resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False).page_write.name == "mosaic"
   _jax_0_11(monkeypatch, False)
   with pytest.raises(ConfigError, match="page_write='mosaic': .*mutable refs, which Mosaic GPU kernels take from "

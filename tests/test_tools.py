@@ -351,3 +351,12 @@ def test_chained_calls_run_in_one_program_in_order():
   assert len(traced) == 3
   hlo = chain.lower(q, x).compile().as_text()
   assert hlo.count("multiply(") >= 3 and "copy(" not in hlo, hlo         # three products, none reused
+  # an infinite first element leaves the next query as it was (no 0 * inf); an integer output still chains
+  inf = jnp.ones(4).at[0].set(jnp.inf)
+  outs = benchlib.chained(lambda q, x: (q * x, None), 3)(jnp.ones(4), inf)
+  assert all(np.array_equal(np.asarray(o[0]), np.asarray(inf)) for o in outs)
+  counts = benchlib.chained(lambda q, x: (q > x).sum(), 3)
+  hlo = counts.lower(q, x).compile().as_text()
+  assert "copy(" not in hlo and len(set(int(c) for c in counts(q, x))) == 1, hlo
+  with pytest.raises(ValueError, match="n=0 must be at least 1"):
+    benchlib.chained(fn, 0)

@@ -9,12 +9,13 @@ pages (the engine's call: the chunk's own keys are a separate causal block), wha
 cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
 pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
 inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a
-small size, then timed: median of --reps calls after a warm-up, each call synchronised; at 8K, where inputs are near
-the L2 size, calls rotate over two input sets. Results go to <out>/attention-h200.json and .md, row by row, so a run
-cut short still leaves what it measured. A watchdog ends the process if one measurement stalls (a hung kernel).
-Prefill rows `-positions` pass q_pos and k_start as the engine does (the backend picks its kernel with a lax.cond on
-them); `-positions-quiet` is the same graph without the reference branch's run-time announcement, so the pair shows
-what that callback costs when the kernel runs.
+small size, then timed: median of --reps samples after a warm-up, a sample some back-to-back calls and one
+synchronisation (decode: 4 dispatched calls, or with --chain=N N calls chained in one compiled program, the row's
+`timing`); at 8K, where inputs are near the L2 size, calls rotate over two input sets. Results go to
+<out>/attention-h200.json and .md, row by row, so a run cut short still leaves what it measured. A watchdog ends the
+process if one measurement stalls (a hung kernel). Prefill rows `-positions` pass q_pos and k_start as the engine
+does (the backend picks its kernel with a lax.cond on them); `-positions-quiet` is the same graph without the
+reference branch's run-time announcement, so the pair shows what that callback costs when the kernel runs.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ _HEADS = flags.DEFINE_string("heads", "32:8", "query heads:kv heads of every sha
 _NAME = flags.DEFINE_string("name", "attention-h200", "result file stem")
 _CHAIN = flags.DEFINE_integer("chain", 0, "decode rows: time N calls chained in one compiled program "
                               "(benchlib.chained: no host dispatch in the time, as in a model's layer loop); 0: "
-                              "4 dispatched calls a sample")
+                              "4 dispatched calls a sample", lower_bound=0)
 _EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
 
 B_PF, N, K, H = 1, 32, 8, 128

@@ -114,19 +114,23 @@ def monotone_violations(points: list[tuple[int, float]], tolerance: float) -> li
 
 def chained(fn, n: int):
   """A compiled function of fn's arguments that calls fn(*args) n times in a row inside one program, each call's
-  first argument made to depend on the previous call's output (plus 0 times its first element: one tiny fused
-  kernel a call, which XLA cannot fold since 0 * x is not 0 for every float): the calls run back to back in order,
-  as a model's layers do, and a timing of it divided by n is fn's device time with no host dispatch in it (a
-  jitted call of ~0.1 ms can be bound by its dispatch). Returns every call's output."""
+  first argument made to depend on the previous call's output (plus 0 times its first element, made a finite
+  float32: one tiny fused kernel a call, which XLA cannot fold, a float product by 0 not being 0 for every float;
+  an integer one would be folded and the calls merged): the calls run back to back in order, as a model's layers
+  do, and a timing of it divided by n is fn's device time with no host dispatch in it (a jitted call of ~0.1 ms
+  can be bound by its dispatch), plus that small kernel. Returns every call's output."""
   import jax
+  import jax.numpy as jnp
+  if n < 1:
+    raise ValueError(f"chained calls n={n} must be at least 1")
 
   def run(*args):
     first, rest = args[0], args[1:]
     outs = []
     for _ in range(n):
       out = fn(first, *rest)
-      leaf = jax.tree_util.tree_leaves(out)[0]
-      first = first + (leaf.ravel()[0] * 0).astype(first.dtype)
+      x = jnp.nan_to_num(jax.tree_util.tree_leaves(out)[0].ravel()[0].astype(jnp.float32))
+      first = first + (x * 0).astype(first.dtype)
       outs.append(out)
     return outs
 

@@ -116,9 +116,11 @@ def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
   (a verify step's k + 1 tokens included). Under "auto", pages that neither decode kernel reads are refused too."""
   ask = run.decode_kernel
   G = serving_cfg.n_heads // serving_cfg.n_kv_heads
+  tokens = run.draft_tokens + 1 if run.draft != "off" else 1
   if ask == "auto":
-    if hasattr(attention, "decode_route"):
-      shape = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=G,
+    # Steps of more rows than the decode kernels take run as prefill chunks: no decode kernel reads their pages.
+    if hasattr(attention, "decode_route") and tokens * G <= attention.max_decode_rows:
+      shape = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=tokens * G,
                    page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
       no_triton = attention.route_reason("triton", **shape)
       if attention.decode_kernel(**shape) == "triton" and no_triton:
@@ -130,7 +132,6 @@ def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
         f"attention={attention.name!r}"
     raise ConfigError(f"decode_kernel={ask!r} picks among the pallas backend's decode kernels, and {chosen}, "
                       "which decodes with its own kernel: leave decode_kernel='auto'")
-  tokens = run.draft_tokens + 1 if run.draft != "off" else 1
   top = attention.max_decode_rows
   if tokens * G > top:
     raise ConfigError(f"decode_kernel={ask!r}: a verify step's {tokens} tokens x {G} query heads a kv head are "
@@ -187,8 +188,8 @@ def _prefill_reason(attention, serving_cfg: ModelConfig, run: RunConfig) -> str 
 
 
 # The smallest page prefill_kernel="auto" reads with the paged flash kernel: pages of 64 tokens were timed (8-19%
-# faster than cuDNN's paged kernel on the H200, benchmarks/results/attention.md, part attention-chunk-paged-h200);
-# smaller pages take several TMA copies a key block and were not.
+# faster than cuDNN's paged kernel on the H200, benchmarks/results/attention.md, part attention-chunk-paged-h200),
+# two TMA copies a 128-key block; larger pages take one, smaller ones four or more and were not timed.
 PAGED_FLASH_AUTO_MIN_PAGE = 64
 
 
@@ -211,7 +212,7 @@ def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choi
   fp8_pages = run.resolved_cache_dtype == "float8_e4m3fn"
   if getattr(attention, "prefill_route", None) == "mosaic":
     asked = "asked for by prefill_kernel='mosaic'" if run.prefill_kernel == "mosaic" else \
-        "prefill_kernel='auto' on Hopper over bf16 pages"
+        "prefill_kernel='auto' on Hopper over bf16 pages of 64 tokens or more"
     return Choice("mosaic", "the Mosaic GPU flash kernel reading K and V where they lie "
                             f"(lcjax.ops.mosaic_gpu.flash.flash_attention_paged), {asked}")
   if attention.name.startswith("pallas-"):

@@ -126,6 +126,13 @@ def test_profile_step_reports(tmp_path):
            "--prefill_chunk=128", f"--out={tmp_path}", "--name=pre")
   rep = json.load(open(tmp_path / "pre.json"))
   assert rep["phase"] == "prefill" and rep["wall_ms_per_token"] > 0 and "prefill at 200" in p.stdout
+  assert rep["cached_tokens"] == 0
+  # a question after a cached context: only the question's tokens (and the context's last partial page) prefilled
+  p = _run("profile_step.py", "--preset=tiny", "--context=200", "--phase=question", "--question=40", "--page_size=16",
+           "--prefill_chunk=128", f"--out={tmp_path}", "--name=q")
+  rep = json.load(open(tmp_path / "q.json"))
+  assert (rep["phase"], rep["per"], rep["question"], rep["cached_tokens"]) == ("question", "question", 40, 192), rep
+  assert rep["wall_ms_per_token"] > 0 and "question of 40 after 200" in p.stdout
   # --decode_kernel and --prefill_kernel reach RunConfig: on the CPU's reference backend both are refused
   for flag, refusal in (("--decode_kernel=mosaic", "decode_kernel='mosaic' picks among the pallas backend's"),
                         ("--prefill_kernel=mosaic", "prefill_kernel='mosaic' picks what reads the pages")):

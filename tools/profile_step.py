@@ -7,7 +7,9 @@ second one (with --draft_tokens=k, a speculative decode call: figures per model 
 rows) and sums the device time of every kernel by name (and by op on the "XLA Ops" line when the trace has
 one). Prints the top kernels with their share of the traced time and the floor of a token: the bytes it must
 read (weights + the KV of the context) at --bandwidth. With --phase=prefill it traces the whole prefill of the
-prompt instead (all its chunks; the report's "per token" figures are then per prefill).
+prompt instead (all its chunks; the report's "per token" figures are then per prefill), and with --phase=question
+the prefill of a --question-token question after the context, which the prefix cache holds (a question on a
+cached document: the chunk's attention over the cached prefix; figures per question).
 `--xla_flags` is added to XLA_FLAGS before JAX starts (A/B a compiler option); `--dump_hlo` writes the optimized
 HLO of every compiled step under <out>/hlo.
 """
@@ -34,7 +36,9 @@ flags.DEFINE_integer("context", 32768, "tokens prefilled before the traced call"
 flags.DEFINE_integer("steps", 16, "decode steps per call")
 flags.DEFINE_integer("decode_sync_every", 8, "decode steps between host checks for EOS (random weights: no EOS, so "
                      "no step is wasted; the session-4 profiles ran with 8)")
-flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "what to trace")
+flags.DEFINE_enum("phase", "decode", ["decode", "prefill", "question"], "what to trace")
+flags.DEFINE_integer("question", 1024, "--phase=question: tokens of the question after the cached context",
+                     lower_bound=1)
 flags.DEFINE_string("cache_dtype", "auto", "KV cache dtype")
 flags.DEFINE_string("attention", "auto", "attention backend")
 flags.DEFINE_string("attention_dtype", "auto", "auto | float8_e4m3fn | int8_fp8 (RunConfig.attention_dtype)")
@@ -89,7 +93,7 @@ def main(argv):
   cfg = dataclasses.replace(cfg, eos_ids=(), n_layers=FLAGS.layers or cfg.n_layers,
                             max_position=max(cfg.max_position, FLAGS.context + 4 * FLAGS.steps + 64))
   page = FLAGS.page_size
-  ctx = -(-(FLAGS.context + 4 * FLAGS.steps + 2) // page) * page
+  ctx = -(-(FLAGS.context + 4 * FLAGS.steps + 2 + (FLAGS.question if FLAGS.phase == "question" else 0)) // page) * page
   run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
                   decode_sync_every=FLAGS.decode_sync_every,
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),
@@ -99,7 +103,7 @@ def main(argv):
                   draft="prompt" if FLAGS.draft_tokens else "off", draft_tokens=FLAGS.draft_tokens or 4,
                   draft_ngram=FLAGS.draft_ngram,
                   # A traced prefill repeats the warm-up's prompt: with the prefix cache it would prefill nothing.
-                  prefix_cache=FLAGS.phase == "decode")
+                  prefix_cache=FLAGS.phase != "prefill")
   eng = Engine.random(cfg, run=run, seed=0)
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.vocab_size, FLAGS.context).tolist()
@@ -126,6 +130,21 @@ def main(argv):
     # Per token; with speculation per model call (what one verify step costs), however many tokens it kept.
     per = r.decode_calls - calls if FLAGS.draft_tokens else FLAGS.steps
     traced_ms = 1e3 * traced_s / per
+  elif FLAGS.phase == "question":
+    # Three questions of one length after the same context: the first prefills and caches the context, the second
+    # compiles the question's prefill over the cached pages, the third is traced.
+    qa, qb, qc = (rng.integers(0, cfg.vocab_size, FLAGS.question).tolist() for _ in range(3))
+    eng.generate(prompt + qa, max_new_tokens=1)
+    eng.generate(prompt + qb, max_new_tokens=1)
+    with jax.profiler.trace(trace_dir):
+      t = time.perf_counter()
+      res = eng.generate(prompt + qc, max_new_tokens=1)
+      traced_ms = 1e3 * (time.perf_counter() - t)
+    wall_ms = 1e3 * res.stats["prefill_s"]
+    if res.stats["cached_tokens"] < FLAGS.context - page:
+      raise RuntimeError(f"the traced question reused {res.stats['cached_tokens']} cached tokens of the "
+                         f"{FLAGS.context}-token context")
+    per = 1
   else:
     eng.generate(prompt, max_new_tokens=1)
     with jax.profiler.trace(trace_dir):
@@ -141,7 +160,9 @@ def main(argv):
   floor_ms = 1e3 * (p.weights + kv_bytes) / FLAGS.bandwidth
   report = dict(preset=FLAGS.preset, layers=cfg.n_layers, context=FLAGS.context, phase=FLAGS.phase,
                 steps=FLAGS.steps, draft_tokens=FLAGS.draft_tokens,
-                per="prefill" if FLAGS.phase == "prefill" else "model call" if FLAGS.draft_tokens else "token",
+                per=FLAGS.phase if FLAGS.phase != "decode" else "model call" if FLAGS.draft_tokens else "token",
+                question=FLAGS.question if FLAGS.phase == "question" else None,
+                cached_tokens=res.stats.get("cached_tokens"),
                 decode_sync_every=FLAGS.decode_sync_every, xla_flags=FLAGS.xla_flags,
                 **eng.kernels, weight_dtype=res.stats["weight_dtype"], cache_dtype=res.stats["cache_dtype"],
                 source=benchlib.source_revision(),
@@ -160,7 +181,8 @@ def main(argv):
       name = os.path.basename(path)
       if not (("_decode" in name or "_prefill" in name) and name.endswith("after_optimizations.txt")):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  print(f"{FLAGS.phase} at {FLAGS.context:,} ({eng.attention.name}, {res.stats['linear']}, "
+  what = f"question of {FLAGS.question:,} after" if FLAGS.phase == "question" else f"{FLAGS.phase} at"
+  print(f"{what} {FLAGS.context:,} ({eng.attention.name}, {res.stats['linear']}, "
         f"{res.stats['cache_dtype']} KV written by {res.stats['page_write']}, "
         f"xla_flags={FLAGS.xla_flags!r}): wall {wall_ms:.2f} ms/token, "
         f"traced {traced_ms:.2f} ms per {report['per']}"

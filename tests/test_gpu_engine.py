@@ -5,7 +5,9 @@ Run through the device tool: `python3 -m pytest -m gpu tests/test_gpu_engine.py`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 
 import jax
 import numpy as np
@@ -69,19 +71,49 @@ def _assert_greedy_under(logits, out):
     assert gap <= TOL * scale, (i, out, int(np.argmax(row)), gap, scale)
 
 
+# What lcjax.ops.attention logs when a fast backend runs a call through the jnp reference (traced or at run time).
+REFERENCE_RAN = ("runs this call through the jnp reference", "ran a call through the jnp reference")
+
+
+@contextlib.contextmanager
+def _no_reference_branch():
+  """Fail if a call inside runs the jnp reference where a fast backend should run a kernel: the warnings that
+  lcjax.ops.attention logs for it, each once per process, are let through again and collected for the block."""
+  from lcjax.ops import attention as ops_attention
+  seen, handler = [], logging.Handler()
+  handler.emit = lambda record: seen.append(record.getMessage())
+  saved = set(ops_attention._announced)
+  ops_attention._announced.clear()
+  logging.getLogger().addHandler(handler)
+  try:
+    yield
+    jax.effects_barrier()                        # run-time announcements are debug callbacks
+  finally:
+    logging.getLogger().removeHandler(handler)
+    ops_attention._announced.update(saved)
+  ran = [m for m in seen if any(r in m for r in REFERENCE_RAN)]
+  assert not ran, ran
+
+
 def _assert_agree(want, got, prompts, *, kernels, uncached=True, new_tokens=16):
   """`got` gives `want`'s results: last logits of an uncached forward (attend only) and of a chunked prefill
   against the paged prefix (attend + paged) within TOL of their norm, and every token of got's greedy generations
   (all `new_tokens` of them) a greedy choice of want's logits at its position, teacher-forced through want's
   paged cache (uncached=False: an fp8 cache, which the uncached forward does not quantize) or its uncached forward.
-  `kernels`: (attention, decode kernel) that got's stats must name."""
+  `kernels`: (attention, decode kernel) that got's stats must name. No call of got's runs the jnp reference."""
   from tests.test_engine import _prefill_logits
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(a)
   for p in prompts:
     if uncached:
-      assert rel(want.logits([p[:1024]])[0, -1], got.logits([p[:1024]])[0, -1]) < TOL
-    assert rel(_prefill_logits(want, p), _prefill_logits(got, p)) < TOL
-  for p, r in zip(prompts, got.generate(prompts, max_new_tokens=new_tokens)):
+      w = want.logits([p[:1024]])[0, -1]
+      with _no_reference_branch():
+        assert rel(w, got.logits([p[:1024]])[0, -1]) < TOL
+    w = _prefill_logits(want, p)
+    with _no_reference_branch():
+      assert rel(w, _prefill_logits(got, p)) < TOL
+  with _no_reference_branch():
+    results = got.generate(prompts, max_new_tokens=new_tokens)
+  for p, r in zip(prompts, results):
     assert (r.stats["attention"], r.stats["decode_kernel"]) == kernels, r.stats
     assert len(r.token_ids) == new_tokens
     _assert_greedy_under(_forced_logits(want, p, r.token_ids, paged=not uncached), r.token_ids)

@@ -269,15 +269,17 @@ def test_versions_of_modules_a_run_did_not_import_come_from_their_metadata():
 def test_variant_entries_name_cache_attention_and_weight_dtypes():
   from lcjax.config import RunConfig
   from tools import benchlib
-  plain = dict(attention_dtype="auto", weight_dtype="auto")
+  plain = dict(attention_dtype="auto", weight_dtype="auto", prefill_kernel="auto")
   assert benchlib.variant("float8_e4m3fn") == dict(plain, cache_dtype="float8_e4m3fn")
   assert benchlib.variant("bfloat16+fp8attn") == dict(plain, cache_dtype="bfloat16", attention_dtype="float8_e4m3fn")
   assert benchlib.variant("bfloat16+int8attn") == dict(plain, cache_dtype="bfloat16", attention_dtype="int8_fp8")
   assert benchlib.variant("auto+fp8w") == dict(plain, cache_dtype="auto", weight_dtype="float8_e4m3fn")
   assert benchlib.variant("float8_e4m3fn+fp8w+fp8attn") == dict(cache_dtype="float8_e4m3fn",
                                                                 attention_dtype="float8_e4m3fn",
-                                                                weight_dtype="float8_e4m3fn")
-  for entry in ("bfloat16", "float8_e4m3fn+fp8attn", "float8_e4m3fn+int8attn", "bfloat16+int8attn+fp8w"):
+                                                                weight_dtype="float8_e4m3fn", prefill_kernel="auto")
+  assert benchlib.variant("bfloat16+cudnnprefill") == dict(plain, cache_dtype="bfloat16", prefill_kernel="cudnn")
+  for entry in ("bfloat16", "float8_e4m3fn+fp8attn", "float8_e4m3fn+int8attn", "bfloat16+int8attn+fp8w",
+                "bfloat16+cudnnprefill"):
     RunConfig(**benchlib.variant(entry))                       # each one a valid config
   with pytest.raises(ValueError, match="'bfloat16\\+fp4attn'"):
     benchlib.variant("bfloat16+fp4attn")

@@ -37,7 +37,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama3.1-8b", "model preset (random weights made on the device)")
 flags.DEFINE_integer("layers", 0, "keep only this many layers (0: all)")
 flags.DEFINE_list("variants", ["float8_e4m3fn+fp8attn+fp8w", "float8_e4m3fn+fp8w"],
-                  "cache dtype with +fp8attn (FP8 attention) / +fp8w (fp8 weights), one engine each")
+                  "cache dtype with +fp8attn (FP8 attention) / +fp8w (fp8 weights) / +cudnnprefill (cuDNN reads the "
+                  "cached prefix), one engine each")
 flags.DEFINE_list("documents", ["98304", "114688", "126976", "129024", "130048", "131072"], "document lengths")
 flags.DEFINE_list("questions", ["16", "100", "520", "1000", "1024", "1100", "2048", "3000"], "question lengths")
 flags.DEFINE_integer("context", 131072, "tokens of the pinned context the questions are asked on")

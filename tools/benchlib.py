@@ -194,15 +194,17 @@ def write_result(out_dir: str, name: str, rows: list[dict], table: str, *, devic
 
 # A --caches entry's suffixes -> the RunConfig field each sets.
 VARIANT_SUFFIXES = {"fp8attn": ("attention_dtype", "float8_e4m3fn"), "int8attn": ("attention_dtype", "int8_fp8"),
-                    "fp8w": ("weight_dtype", "float8_e4m3fn")}
+                    "fp8w": ("weight_dtype", "float8_e4m3fn"), "cudnnprefill": ("prefill_kernel", "cudnn")}
 
 
 def variant(entry: str) -> dict:
   """A --caches entry as RunConfig fields: 'float8_e4m3fn' -> cache_dtype; suffixes pick low-precision attention,
-  '+fp8attn' (attention_dtype float8_e4m3fn) or '+int8attn' (int8_fp8), and fp8 weights, '+fp8w' (weight_dtype
-  float8_e4m3fn: the checkpoint's linear weights quantized at load), e.g. 'bfloat16+fp8attn+fp8w'."""
+  '+fp8attn' (attention_dtype float8_e4m3fn) or '+int8attn' (int8_fp8), fp8 weights, '+fp8w' (weight_dtype
+  float8_e4m3fn: the checkpoint's linear weights quantized at load), and cuDNN's paged kernel for the cached
+  prefix of prefill chunks, '+cudnnprefill' (prefill_kernel cudnn: beside the default's paged flash kernel in one
+  call), e.g. 'bfloat16+fp8attn+fp8w'."""
   cache, *extras = entry.split("+")
-  fields = dict(cache_dtype=cache, attention_dtype="auto", weight_dtype="auto")
+  fields = dict(cache_dtype=cache, attention_dtype="auto", weight_dtype="auto", prefill_kernel="auto")
   set_by = {}
   for extra in extras:
     if extra not in VARIANT_SUFFIXES:

@@ -18,7 +18,9 @@
 #                 kernel)                                       ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)
-#                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200)  ~5 + 5 + 8 + 5 + 4 + 7 min
+#                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200), and the spread of three
+#                 runs of each at 128K, lcjax and HF in one call (longctx-spread-128k-h200)
+#                                                                            ~5 + 5 + 8 + 5 + 4 + 7 + 3 min
 #   longctx-8bit  longctx-8bit.{json,md}: 8-bit attention and fp8 KV end to end: longctx-int8-128k-h200 (beside HF),
 #                 longctx-int8-1m-h200, longctx-fp8decode-128k-h200, longctx-int8-512k-h200,
 #                 longctx-fp8prefill-{128k,512k}-h200                                 ~2 + 8 + 3.5 + 4 + 3.5 + 2.5 min
@@ -118,7 +120,9 @@ for step in "${steps[@]}"; do
       python3 tools/bench_longctx.py --impls=lcjax,hf,dense --contexts=8192,32768,131072,262144 \
         --limits=dense:32768 --decode_steps=32 --time_budget_s=440 --out="$P" --name=longctx-h200-j
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=1048576 \
-        --decode_steps=16 --time_budget_s=560 --out="$P" --name=longctx-fp8prefill-1m-h200 ;;
+        --decode_steps=16 --time_budget_s=560 --out="$P" --name=longctx-fp8prefill-1m-h200
+      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072 --decode_steps=64 --repeats=3 \
+        --time_budget_s=300 --out="$P" --name=longctx-spread-128k-h200 ;;
     longctx-8bit)
       python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,lcjax-fp8kv,hf --contexts=131072 \
         --decode_steps=32 --time_budget_s=280 --out="$P" --name=longctx-int8-128k-h200

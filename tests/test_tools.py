@@ -181,15 +181,21 @@ def test_is_oom_tells_memory_from_a_kernel_launch_limit():
 
 def test_bench_longctx_rows_and_plots(tmp_path):
   """The long-context benchmark end to end on the CPU (the HF peer needs CUDA): the results file's keys, a row per
-  (impl, context), the planner beside lcjax rows only (it does not model the dense baseline), and both plots."""
+  (impl, context) with the median of its --repeats runs, the planner beside lcjax rows only (it does not model the
+  dense baseline), and both plots."""
   _run("bench_longctx.py", "--preset=tiny", "--contexts=256", "--impls=lcjax,dense", "--decode_steps=4",
-       "--prefill_chunk=128", "--page_size=16", f"--out={tmp_path}", "--name=lc")
+       "--prefill_chunk=128", "--page_size=16", "--repeats=2", f"--out={tmp_path}", "--name=lc")
   res = json.load(open(tmp_path / "lc.json"))
   assert {"device", "versions", "command", "date", "model", "rows"} <= set(res)
   rows = {r["impl"]: r for r in res["rows"]}
   assert len(res["rows"]) == 2 and set(rows) == {"lcjax", "dense"}
   assert all(r["S"] == 256 and r["oom"] is False for r in rows.values())
   assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
+  for r in rows.values():   # --repeats=2: each row is the median (mean) of its two runs, both kept
+    assert len(r["prefill_s_runs"]) == len(r["decode_ms_runs"]) == 2, r
+    assert r["prefill_s"] == pytest.approx(sum(r["prefill_s_runs"]) / 2)
+    assert r["decode_ms_per_token"] == pytest.approx(sum(r["decode_ms_runs"]) / 2)
+  assert "median of 2: prefill" in (tmp_path / "lc.md").read_text()
   assert rows["lcjax"]["planned_gib"] > 0 and rows["dense"]["planned_gib"] is None
   assert all(KERNEL_KEYS <= set(r) for r in rows.values()), rows
   assert (tmp_path / "lc-memory.png").stat().st_size > 0 and (tmp_path / "lc-prefill.png").stat().st_size > 0

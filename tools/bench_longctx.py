@@ -3,9 +3,10 @@ baselines, each implementation in its own process (so peak memory is its own), a
 
   python tools/bench_longctx.py --preset=llama3-8b --contexts=8192,32768,131072 --impls=lcjax,dense,hf
 
-Rows (one per implementation and context): prefill seconds and effective TFLOP/s, decode ms/token, peak device
-memory (lcjax: `memory_stats()["peak_bytes_in_use"]`; hf: `torch.cuda.max_memory_allocated`), the memory
-planner's estimate (lcjax rows), and `oom` where the implementation ran out of memory. Contexts run in
+Rows (one per implementation and context): prefill seconds and effective TFLOP/s, decode ms/token (with
+--repeats=N > 1: the median of N runs in the worker's process, every run kept beside it), peak device memory
+(lcjax: `memory_stats()["peak_bytes_in_use"]`; hf: `torch.cuda.max_memory_allocated`), the memory planner's
+estimate (lcjax rows), and `oom` where the implementation ran out of memory. Contexts run in
 increasing order in one process per implementation, so the process-wide peak of a context is its own (each
 context needs more than the one before). Writes JSON, a markdown table and PNG plots
 (lcjax.plot: memory and prefill time against context).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import statistics
 import sys
 import time
 
@@ -52,6 +54,8 @@ LCJAX_DTYPES = {"lcjax": ("auto", "auto"), "lcjax-fp8kv": (F8, "auto"),
 IMPLS = (*LCJAX_DTYPES, "hf")
 flags.DEFINE_list("impls", ["lcjax", "dense", "hf"], "implementations: " + ", ".join(IMPLS))
 flags.DEFINE_integer("decode_steps", 32, "decode steps timed after each prefill")
+flags.DEFINE_integer("repeats", 1, "timed runs of each context in one worker, each on a fresh random prompt: the row "
+                     "gives their median and keeps every run (prefill_s_runs, decode_ms_runs)")
 flags.DEFINE_integer("decode_sync_every", 8, "lcjax decode steps between host checks for EOS (RunConfig field; "
                      "random weights have no EOS, so no step is wasted; the session-4 calls ran with 8)")
 flags.DEFINE_integer("prefill_chunk", 16384, "lcjax prefill chunk (16K: peak within weights + KV + 4 GiB on "
@@ -149,19 +153,18 @@ def worker_jax(impl: str):
       # Compilation (autotuning) and one chunk's activations. Process-wide and never reset: in a sweep it holds
       # at least the previous (shorter) context's peak, so it tells apart warm-up and run only for a first context.
       warmup_peak = benchlib.memory_stat(dev, "peak_bytes_in_use")
-      prompt = rng.integers(0, cfg.vocab_size, S).tolist()
-      res = eng.generate(prompt, max_new_tokens=FLAGS.decode_steps + 1)
-      st = res.stats
+      runs = []
+      for _ in range(FLAGS.repeats):
+        st = eng.generate(rng.integers(0, cfg.vocab_size, S).tolist(), max_new_tokens=FLAGS.decode_steps + 1).stats
+        runs.append((st["prefill_s"], st["decode_ms_per_token"]))
       peak = benchlib.memory_stat(dev, "peak_bytes_in_use")
-      benchlib.emit_row(impl=impl, S=S, prefill_s=st["prefill_s"], prefill_tok_s=S / st["prefill_s"],
-                        prefill_tflops=planlib.prefill_flops(cfg, S) / st["prefill_s"] / 1e12,
-                        decode_ms_per_token=st["decode_ms_per_token"], peak_gib=peak / GiB if peak else None,
+      benchlib.emit_row(impl=impl, S=S, **_timings(cfg, S, runs), peak_gib=peak / GiB if peak else None,
                         planned_gib=planned, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
                         **eng.kernels, weight_dtype=st["weight_dtype"],
                         prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
                         resident_gib=resident and resident / GiB, warmup_peak_gib=warmup_peak and warmup_peak / GiB,
                         oom=False)
-      last = (S, st["prefill_s"])
+      last = (S, sum(t for t, _ in runs))
     except Exception as e:  # noqa: BLE001 - a benchmark records every failure as a row
       failed = benchlib.is_oom(e)
       benchlib.emit_row(impl=impl, S=S, oom=failed, error=repr(e)[:400],
@@ -189,29 +192,48 @@ def worker_hf():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-      ids = torch.randint(0, cfg.vocab_size, (1, S), device="cuda")
-      with torch.inference_mode():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        torch.cuda.synchronize()
-        tp = time.perf_counter() - t
-        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        del out
-        t = time.perf_counter()
-        for _ in range(FLAGS.decode_steps):
-          o = model(input_ids=nxt, past_key_values=pkv, use_cache=True)
-          pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        td = (time.perf_counter() - t) / FLAGS.decode_steps
-      benchlib.emit_row(impl="hf", S=S, prefill_s=tp, prefill_tok_s=S / tp,
-                        prefill_tflops=planlib.prefill_flops(cfg, S) / tp / 1e12, decode_ms_per_token=1e3 * td,
-                        peak_gib=torch.cuda.max_memory_allocated() / GiB, oom=False)
-      last = (S, tp)
-      del pkv, o
+      runs = []
+      for _ in range(FLAGS.repeats):
+        runs.append(_hf_run(model, cfg, S))
+        gc.collect()
+      benchlib.emit_row(impl="hf", S=S, **_timings(cfg, S, runs), peak_gib=torch.cuda.max_memory_allocated() / GiB,
+                        oom=False)
+      last = (S, sum(t for t, _ in runs))
     except Exception as e:  # noqa: BLE001
       failed = benchlib.is_oom(e)
       benchlib.emit_row(impl="hf", S=S, oom=failed, error=repr(e)[:400])
+
+
+def _hf_run(model, cfg, S: int) -> tuple[float, float]:
+  """One prefill of a fresh random S-token prompt (logits of the last token only) and FLAGS.decode_steps greedy
+  steps on its DynamicCache: (prefill seconds, decode ms/token)."""
+  import torch
+  ids = torch.randint(0, cfg.vocab_size, (1, S), device="cuda")
+  with torch.inference_mode():
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    torch.cuda.synchronize()
+    tp = time.perf_counter() - t
+    pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    del out
+    t = time.perf_counter()
+    for _ in range(FLAGS.decode_steps):
+      o = model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+      pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    return tp, 1e3 * (time.perf_counter() - t) / FLAGS.decode_steps
+
+
+def _timings(cfg, S: int, runs: list[tuple[float, float]]) -> dict:
+  """A row's time fields from (prefill s, decode ms/token) runs: their medians, and every run when there are
+  several."""
+  tp = statistics.median(t for t, _ in runs)
+  row = dict(prefill_s=tp, prefill_tok_s=S / tp, prefill_tflops=planlib.prefill_flops(cfg, S) / tp / 1e12,
+             decode_ms_per_token=statistics.median(d for _, d in runs))
+  if len(runs) > 1:
+    row.update(prefill_s_runs=[t for t, _ in runs], decode_ms_runs=[d for _, d in runs])
+  return row
 
 
 # -- orchestration ------------------------------------------------------------------------------------------
@@ -226,7 +248,7 @@ def orchestrate():
       raise app.UsageError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
     remaining = FLAGS.time_budget_s - (time.time() - start)
     argv = [sys.executable, os.path.abspath(__file__), f"--worker={impl}", f"--deadline={time.time() + remaining}"]
-    argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "decode_sync_every",
+    argv += [f"--{k}={getattr(FLAGS, k)}" for k in ("preset", "layers", "decode_steps", "repeats", "decode_sync_every",
                                                       "prefill_chunk", "page_size", "attention", "dtype")]
     argv += ["--contexts=" + ",".join(FLAGS.contexts), "--limits=" + ",".join(FLAGS.limits)]
     print(f"== {impl}: {' '.join(argv[2:])}", flush=True)
@@ -247,6 +269,7 @@ def write_results(rows):
   result = benchlib.write_result(
       FLAGS.out, FLAGS.name, rows, table,
       model=dict(preset=FLAGS.preset, layers=FLAGS.layers or None, dtype=FLAGS.dtype, decode_steps=FLAGS.decode_steps,
+                 repeats=FLAGS.repeats,
                  decode_sync_every=FLAGS.decode_sync_every, prefill_chunk=FLAGS.prefill_chunk,
                  page_size=FLAGS.page_size, attention=FLAGS.attention))
   from lcjax import plot
@@ -256,6 +279,8 @@ def write_results(rows):
 
 def main(argv):
   del argv
+  if FLAGS.repeats < 1:
+    raise app.UsageError(f"--repeats={FLAGS.repeats}: needs at least one timed run")
   if FLAGS.worker == "hf":
     worker_hf()
   elif FLAGS.worker:

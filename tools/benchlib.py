@@ -228,13 +228,21 @@ def cell(row: dict, key: str, spec: str) -> str:
   return spec.format(row[key]) if row.get(key) is not None else "-"
 
 
+def _runs_note(r) -> str:
+  """'median of N: prefill a-b s, decode c-d ms' for a row timed N > 1 times, else ''."""
+  tp, td = r.get("prefill_s_runs") or [], r.get("decode_ms_runs") or []
+  if len(tp) < 2:
+    return ""
+  return f"median of {len(tp)}: prefill {min(tp):.2f}-{max(tp):.2f} s, decode {min(td):.1f}-{max(td):.1f} ms"
+
+
 def longctx_markdown(rows) -> str:
   """The table of tools/bench_longctx.py's rows (and of the combined rows of benchmarks/merge_results.py)."""
   lines = ["| impl | S | prefill s | prefill tok/s | TFLOP/s | decode ms/token | peak GiB | planned GiB | note |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     note = (("OOM (implied)" if r.get("skipped") else "OOM") if r.get("oom") else
-            (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60]))
+            (r.get("note") or r.get("skipped") or (r.get("error") or "")[:60] or _runs_note(r)))
     lines.append(f"| {r['impl']} | {r['S']:,} | {cell(r, 'prefill_s', '{:.2f}')} | "
                  f"{cell(r, 'prefill_tok_s', '{:,.0f}')} | {cell(r, 'prefill_tflops', '{:.0f}')} | "
                  f"{cell(r, 'decode_ms_per_token', '{:.1f}')} | {cell(r, 'peak_gib', '{:.1f}')} | "

@@ -90,10 +90,10 @@ def main(argv):
   from lcjax.engine.engine import Engine
   from tools import benchlib
   cfg = preset(FLAGS.preset)
-  cfg = dataclasses.replace(cfg, eos_ids=(), n_layers=FLAGS.layers or cfg.n_layers,
-                            max_position=max(cfg.max_position, FLAGS.context + 4 * FLAGS.steps + 64))
   page = FLAGS.page_size
   ctx = -(-(FLAGS.context + 4 * FLAGS.steps + 2 + (FLAGS.question if FLAGS.phase == "question" else 0)) // page) * page
+  cfg = dataclasses.replace(cfg, eos_ids=(), n_layers=FLAGS.layers or cfg.n_layers,
+                            max_position=max(cfg.max_position, ctx))
   run = RunConfig(page_size=page, max_context=ctx, max_batch=1, decode_steps=FLAGS.steps,
                   decode_sync_every=FLAGS.decode_sync_every,
                   prefill_chunk=min(FLAGS.prefill_chunk, -(-FLAGS.context // page) * page),

@@ -73,11 +73,11 @@ def test_quantize_rows_scales_each_block_to_e4m3_range():
   assert float(s[1, 2, 1]) > 5 * float(s[1, 2, 0])
 
 
-def test_quantize_v_transposed():
+def test_quantize_v():
   v = _normal(1, 2, 300, 2, 64)
-  v8t, s = fp8.quantize_v_transposed(v)
-  assert v8t.shape == (2, 2, 64, 300) and s.shape == (2, 2)
-  back = jnp.transpose(v8t.astype(jnp.float32), (0, 3, 1, 2)) * s[:, None, :, None]
+  v8, s = fp8.quantize_v(v)
+  assert v8.shape == (2, 300, 2, 64) and s.shape == (2, 2)
+  back = v8.astype(jnp.float32) * s[:, None, :, None]
   assert float(jnp.max(jnp.abs(back - v) / (jnp.abs(v) + s[:, None, :, None] * 2.0 ** -6))) <= E4M3_EPS
 
 
@@ -101,13 +101,13 @@ def test_model_single_block_equals_direct_formula(qk_dtype):
   (e4m3(p * 2^8) @ v8 / l * vs), computed here without any blockwise loop; Q and K in e4m3 or int8."""
   B, T, S, N, K, H = 1, 64, 128, 4, 2, 128
   q, k, v = _normal(4, B, T, N, H), _normal(5, B, S, K, H), _normal(6, B, S, K, H)
-  (q8, qs), (k8, ks), (v8t, vs) = fp8.quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False,
+  (q8, qs), (k8, ks), (v8, vs) = fp8.quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False,
                                                         qk_dtype=qk_dtype)
   assert q8.dtype == jnp.dtype(qk_dtype) and k8.dtype == jnp.dtype(qk_dtype)
   if qk_dtype == "int8":
     assert int(jnp.max(jnp.abs(q8.astype(jnp.int32)))) == 127
   d, kvl = jnp.array([S - T]), jnp.array([S])
-  out, lse = fp8.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=True, block_q=64, block_kv=128)
+  out, lse = fp8.attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kvl, causal=True, block_q=64, block_kv=128)
 
   qf = np.asarray(q8.astype(jnp.float32), np.float64) * np.asarray(qs)[0, None, :, 0, None]   # [B, T, N, H]
   kf = np.asarray(k8.astype(jnp.float32), np.float64) * np.asarray(ks)[0, None, :, 0, None]
@@ -117,7 +117,7 @@ def test_model_single_block_equals_direct_formula(qk_dtype):
   m = x.max(-1, keepdims=True)
   p = np.exp2(x - m + fp8.P_SHIFT)
   p8 = np.asarray(jnp.asarray(p, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
-  v8 = np.repeat(np.transpose(np.asarray(v8t.astype(jnp.float32), np.float64), (0, 3, 1, 2)), N // K, axis=2)
+  v8 = np.repeat(np.asarray(v8.astype(jnp.float32), np.float64), N // K, axis=2)
   want = np.einsum("bnts,bsnh->btnh", p8, v8) / p.sum(-1).transpose(0, 2, 1)[..., None]
   want = want * np.repeat(np.asarray(vs), N // K, axis=1)[:, None, :, None]
   np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6)
@@ -402,7 +402,8 @@ def test_p_register_relabel_is_key_perm():
   """The FP8 kernel hands P's e4m3 registers from the accumulator layout to the P V wgmma as its 8-bit A operand,
   pairing registers as mgpu_flash.a_operand_sources says (the low one's two bytes first). Derived from Mosaic
   GPU's own layout definitions, A position c of every row is then P's key 16 (c // 16) + KEY_PERM[c % 16], the
-  order permute_keys gives V. (The MLIR that moves the bytes runs only on a GPU: tests marked gpu.)"""
+  order v_operand gives V, transposed to [B, K, H, S]. (The MLIR that moves the bytes runs only on a GPU: tests
+  marked gpu.)"""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   acc = _thread_coords(fa.WGMMA_LAYOUT, (64, 128))
   a8 = _thread_coords(fa.WGMMA_LAYOUT_8BIT, (64, 128))
@@ -416,9 +417,10 @@ def test_p_register_relabel_is_key_perm():
       want = a8[thread][dst[:-1]]                                           # [4 positions, (row, col)]
       assert (got[:, 0] == want[:, 0]).all(), thread                   # the same rows
       assert (got[:, 1] == 16 * (want[:, 1] // 16) + perm[want[:, 1] % 16]).all(), thread
-  v = np.arange(2 * 3 * 64).reshape(2, 3, 64)
-  want = np.stack([v[..., 16 * (c // 16) + perm[c % 16]] for c in range(64)], -1)
-  np.testing.assert_array_equal(np.asarray(mgpu_flash.permute_keys(jnp.asarray(v))), want)
+  v = np.arange(2 * 64 * 3 * 5).reshape(2, 64, 3, 5)                                # [B, S, K, H]
+  vt = np.transpose(v, (0, 2, 3, 1))
+  want = np.stack([vt[..., 16 * (c // 16) + perm[c % 16]] for c in range(64)], -1)
+  np.testing.assert_array_equal(np.asarray(mgpu_flash.v_operand(jnp.asarray(v))), want)
 
 
 @pytest.mark.parametrize("H,qk_dtype", [(128, "float8_e4m3fn"), (64, "float8_e4m3fn"), (128, "int8")])

@@ -310,12 +310,12 @@ def _fp8_attend(q, k, v, *, tuning=mgpu_flash.FP8_TUNING, incoherent=True, qk_dt
 
 
 def _fp8_operands(q, k, v, *, tuning, qk_dtype="float8_e4m3fn"):
-  (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
+  (q8, qs), (k8, ks), (v8, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
                                                             block_kv=tuning.block_kv, incoherent=True,
                                                             qk_dtype=qk_dtype)
   B, S = k.shape[:2]
   d, kvl = jnp.zeros((B,), jnp.int32) + (S - q.shape[1]), jnp.full((B,), S, jnp.int32)
-  return q8, qs, k8, ks, v8t, vs, d, kvl
+  return q8, qs, k8, ks, v8, vs, d, kvl
 
 
 def _fp8_kernel(*ops, tuning):

@@ -5,8 +5,9 @@ Quantization: x is stored as e4m3(x / scale) with scale = absmax / 448 over a bl
 maps to e4m3's largest finite value. With qk_dtype="int8" (RunConfig attention_dtype="int8_fp8") Q and K are
 int8 instead, round(x / scale) with scale = absmax / 127, and the kernel's Q K^T is an exact int32 product; V and
 P stay e4m3. Q gets one scale per (batch, `block_q` rows, head), K one per (batch,
-`block_kv` keys, kv head), V one per (batch, kv head); V is stored transposed, [B, K, H, S], because Hopper's fp8
-tensor-core product wants both operands contiguous along the contracted axis (keys, for P @ V).
+`block_kv` keys, kv head), V one per (batch, kv head). The kernel reads V transposed, [B, K, H, S], because
+Hopper's fp8 tensor-core product wants both operands contiguous along the contracted axis (keys, for P @ V); that
+layout is made next to the kernel (`lcjax.ops.mosaic_gpu.flash.v_operand`), V is quantized here in its own.
 
 Incoherent processing: Q and K are multiplied by the same orthogonal matrix R = D H / sqrt(H) (H a Sylvester
 Hadamard matrix, D a fixed random +-1 diagonal) before quantization. Q R (K R)^T = Q K^T in exact arithmetic; the
@@ -92,12 +93,11 @@ def quantize_rows(x, block: int, dtype=E4M3):
   return x8, jnp.transpose(scale, (0, 2, 1))
 
 
-def quantize_v_transposed(v):
-  """v [B, S, K, H] -> (v8 transposed [B, K, H, S] e4m3, scale [B, K] float32), one scale per kv head."""
+def quantize_v(v):
+  """v [B, S, K, H] -> (v8 [B, S, K, H] e4m3, scale [B, K] float32), one scale per kv head."""
   vf = v.astype(jnp.float32)
   scale = scale_for(jnp.max(jnp.abs(vf), axis=(1, 3)))                     # [B, K]
-  v8 = jnp.clip(vf / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
-  return jnp.transpose(v8, (0, 2, 3, 1)), scale
+  return jnp.clip(vf / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +158,7 @@ QK_DTYPES = ("float8_e4m3fn", "int8")
 
 def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool, qk_dtype: str = "float8_e4m3fn"):
   """bf16/float32 q [B, T, N, H], k/v [B, S, K, H] -> the FP8 kernel's operands
-  (q8, qs [B, N, T/block_q]), (k8, ks [B, K, S/block_kv]), (v8t [B, K, H, S], vs [B, K]); q8 and k8 are e4m3 or,
+  (q8, qs [B, N, T/block_q]), (k8, ks [B, K, S/block_kv]), (v8 [B, S, K, H], vs [B, K]); q8 and k8 are e4m3 or,
   with qk_dtype="int8", int8 (V is e4m3 either way)."""
   if qk_dtype not in QK_DTYPES:
     raise ValueError(f"qk_dtype={qk_dtype!r}: expected one of {QK_DTYPES}")
@@ -166,17 +166,16 @@ def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool,
     q, k = rotate(q), rotate(k)
   q8, qs = quantize_rows(q, block_q, qk_dtype)
   k8, ks = quantize_rows(k, block_kv, qk_dtype)
-  v8t, vs = quantize_v_transposed(v)
-  return (q8, qs), (k8, ks), (v8t, vs)
+  return (q8, qs), (k8, ks), quantize_v(v)
 
 
-def attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool, block_q: int, block_kv: int):
+def attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool, block_q: int, block_kv: int):
   """The FP8 kernel's arithmetic in jnp (see the module docstring): (out [B, T, N, H] float32, lse [B, T, N]).
 
   Same masking as the bf16 flash kernel: key j is visible to row i iff j < kv_len[b] and (not causal or
   j <= i + d[b]). Rows that see no key give out 0 and lse -inf."""
   B, T, N, H = q8.shape
-  K, S = v8t.shape[1], v8t.shape[3]
+  S, K = v8.shape[1], v8.shape[2]
   G = N // K
   nq, nk = T // block_q, S // block_kv
   c = _LOG2E / math.sqrt(H)
@@ -187,7 +186,7 @@ def attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool, blo
   def step(carry, i):
     m, l, acc = carry                                                    # [B, K, G, nq, bq](, H)
     kb = lax.dynamic_slice_in_dim(k8, i * block_kv, block_kv, axis=1).astype(jnp.float32)    # [B, bkv, K, H]
-    vb = lax.dynamic_slice_in_dim(v8t, i * block_kv, block_kv, axis=3).astype(jnp.float32)   # [B, K, H, bkv]
+    vb = lax.dynamic_slice_in_dim(v8, i * block_kv, block_kv, axis=1).astype(jnp.float32)    # [B, bkv, K, H]
     s = jnp.einsum("bqrkgh,bjkh->bkgqrj", qf, kb, precision=lax.Precision.HIGHEST)
     ci = cq * lax.dynamic_index_in_dim(ks, i, axis=2, keepdims=False)[:, :, None, None]      # [B, K, G, nq]
     cols = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
@@ -199,7 +198,7 @@ def attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool, blo
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(x - (m_new - P_SHIFT)[..., None])
     l = l * alpha + p.sum(axis=-1)
-    pv = jnp.einsum("bkgqrj,bkhj->bkgqrh", p.astype(E4M3).astype(jnp.float32), vb,
+    pv = jnp.einsum("bkgqrj,bjkh->bkgqrh", p.astype(E4M3).astype(jnp.float32), vb,
                     precision=lax.Precision.HIGHEST)
     return (m_new, l, acc * alpha[..., None] + pv), None
 

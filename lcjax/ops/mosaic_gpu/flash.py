@@ -104,7 +104,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
 
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
-  of every 16-key group in KEY_PERM order (permute_keys),
+  of every 16-key group in KEY_PERM order (v_operand),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
   save_lse=False drops the LSE output (only to measure what returning it costs).
 
@@ -413,11 +413,18 @@ def _p_as_a_operand(p8):
   return relabel(p8)
 
 
-def permute_keys(x):
-  """[..., S] (S % 16 == 0) -> the keys of every 16-key group in KEY_PERM order (the FP8 kernel's V operand): each
-  group read as [half 2, t 4, pair 2] and written as [t, half, pair]."""
-  *lead, S = x.shape
-  return jnp.swapaxes(x.reshape(*lead, S // 16, 2, 4, 2), -3, -2).reshape(*lead, S)
+def v_operand(v8):
+  """The FP8 kernel's V: v8 [B, S, K, H] (S % 16 == 0) -> [B, K, H, S] with the keys of every 16-key group in
+  KEY_PERM order (each group read as [half 2, t 4, pair 2] and written as [t, half, pair]).
+
+  The keys are reordered in v8's own layout, where each key's K * H values move as one contiguous row; the result
+  is then transposed as a [S, K * H] matrix behind an optimization barrier, so that XLA transposes materialized
+  bytes on their own rather than in one loop fusion with the quantization and the reordering (NOTES-attention
+  has both measured)."""
+  B, S, K, H = v8.shape
+  rows = jnp.swapaxes(v8.reshape(B, S // 16, 2, 4, 2, K * H), 2, 3).reshape(B, S, K * H)
+  rows = lax.optimization_barrier(rows)
+  return jnp.swapaxes(rows, 1, 2).reshape(B, K, H, S)
 
 
 PROFILE_MAX_KEYS = 8192
@@ -547,15 +554,15 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
   lse_shift = None
   if smooth_k:
     k, lse_shift = fp8_ops.smooth_keys(q, k, kvl)
-  (q8, qs), (k8, ks), (v8t, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
+  (q8, qs), (k8, ks), (v8, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
                                                             block_kv=tuning.block_kv, incoherent=incoherent,
                                                             qk_dtype=qk_dtype)
   if interpret:
-    out, lse = fp8_ops.attention_fp8_model(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, block_q=tuning.block_q,
+    out, lse = fp8_ops.attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kvl, causal=causal, block_q=tuning.block_q,
                                            block_kv=tuning.block_kv)
     out = out.astype(out_dtype)
   else:
-    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
+    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
                                 out_dtype=out_dtype)
   if lse is not None and lse_shift is not None:
     lse = lse + lse_shift
@@ -563,12 +570,12 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse", "out_dtype"))
-def flash_fp8_kernel(q8, qs, k8, ks, v8t, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
+def flash_fp8_kernel(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
                      save_lse: bool = True, out_dtype=jnp.bfloat16):
-  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; v8t's keys in
-  their natural order, put in the kernel's order here by permute_keys): (out [B, T, N, H] out_dtype, lse [B, T, N]
+  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; v8 [B, S, K, H]
+  laid out for the kernel here by v_operand): (out [B, T, N, H] out_dtype, lse [B, T, N]
   float32)."""
-  out, lse = _flash_call(q8, k8, permute_keys(v8t), d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
+  out, lse = _flash_call(q8, k8, v_operand(v8), d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
                          scales=(qs, ks, vs), out_dtype=out_dtype)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
 

@@ -22,11 +22,28 @@ def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _from_dict(cls, d: Mapping[str, Any], where: str):
+_TYPES = {"bool": ("true or false", lambda x: isinstance(x, bool)),
+          "int": ("an integer", _is_int),
+          "float": ("a number", lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)),
+          "str": ("a string", lambda x: isinstance(x, str))}
+
+
+def _check_type(name: str, value, annotation: str) -> None:
+  """Refuse (one line) a field value of the wrong kind: a string "no" for a bool would read as True."""
+  what, ok = _TYPES[annotation]
+  if not ok(value):
+    raise ConfigError(f"{name}={value!r} must be {what}")
+
+
+def _refuse_unknown(cls, keys, where: str) -> None:
   names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(d) - names)
+  unknown = sorted(set(keys) - names)
   if unknown:
     raise ConfigError(f"unknown {where} key(s) {unknown}; known keys: {sorted(names)}")
+
+
+def _from_dict(cls, d: Mapping[str, Any], where: str):
+  _refuse_unknown(cls, d, where)
   return cls(**d)
 
 
@@ -358,6 +375,8 @@ class RunConfig:
                                      # <user cache>/jax-compile), "off", or a directory
 
   def __post_init__(self):
+    for f in dataclasses.fields(self):
+      _check_type(f.name, getattr(self, f.name), f.type)
     if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
       raise ConfigError(f"dtype={self.dtype!r} must be one of auto, bfloat16, float32, float16")
     if self.cache_dtype not in ("auto", "bfloat16", "float32", "float16", "float8_e4m3fn"):
@@ -384,6 +403,14 @@ class RunConfig:
         raise ConfigError(f"{f}={v!r} must be an integer from 1 to {top}")
     if self.stream_decode_steps < 0:
       raise ConfigError(f"stream_decode_steps={self.stream_decode_steps} must be >= 0 (0: decode_steps)")
+    if self.max_context < 0:
+      raise ConfigError(f"max_context={self.max_context} must be >= 0 (0: the model's trained context)")
+    if self.num_pages < 0 or self.num_pages == 1:
+      raise ConfigError(f"num_pages={self.num_pages} must be 0 (enough for max_batch sequences of max_context "
+                        "tokens) or >= 2 (the null page and one more)")
+    if self.host_cache_gib > 0 and not self.prefix_cache:
+      raise ConfigError(f"host_cache_gib={self.host_cache_gib} keeps the prefix cache's evicted pages, but "
+                        "prefix_cache=False keeps none: set prefix_cache=True or host_cache_gib=0")
     if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
       raise ConfigError(f"compile_cache={self.compile_cache!r} must be 'auto', 'off' or a directory")
     if not self.host_cache_gib >= 0:
@@ -423,6 +450,7 @@ class RunConfig:
     return self.max_context or model.max_position
 
   def replace(self, **kw) -> "RunConfig":
+    _refuse_unknown(RunConfig, kw, "run config")
     return dataclasses.replace(self, **kw)
 
   @classmethod

@@ -132,6 +132,8 @@ def paths(tmp_path_factory):
   variant("bomb_template", template("{% set ns = namespace(s='a') %}{% for i in range(60) %}"
                                     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"))
   variant("broken_template", template("{% for m in messages %}"))
+  variant("chat", template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}assistant: {% endif %}"))
   variant("list_tokenizer_config", lambda d: open(os.path.join(d, "tokenizer_config.json"), "w").write("[1]"))
   p["hf"] = str(root / "hf")
   shard = write_hf_folder(p["hf"], CFG)[1]
@@ -161,6 +163,8 @@ def paths(tmp_path_factory):
                                         "  c = ml_collections.ConfigDict()\n  c.pagesize = 64\n  return c\n")
   p["broken_cfg"] = str(root / "broken.py")
   open(p["broken_cfg"], "w").write("def get_config(:\n")
+  p["dict_cfg"] = str(root / "as_dict.py")
+  open(p["dict_cfg"], "w").write("def get_config():\n  return {'page_size': 64}\n")
   return p
 
 
@@ -178,6 +182,7 @@ CLI_CASES = [
     ("unknown key without a config file", ["--prompt=hi", "--config.pagesize=64"], ["'pagesize'", "known keys"]),
     ("missing config file", ["--prompt=hi", "--config={root}/nope.py"], ["nope.py", "No such file"]),
     ("config file that does not parse", ["--prompt=hi", "--config={broken_cfg}"], ["broken.py", "line 1"]),
+    ("config file returning a dict", ["--prompt=hi", "--config={dict_cfg}"], ["returned a dict", "ConfigDict"]),
     ("config value of the wrong type", ["--prompt=hi", "--config={default_cfg}", "--config.page_size=abc"],
      ["--config.page_size=abc", "int()"]),
     ("page_size of 0", ["--prompt=hi", "--config={default_cfg}", "--config.page_size=0"], ["page_size=0", ">= 1"]),
@@ -205,7 +210,9 @@ CLI_CASES = [
     ("command-line bytes that are not UTF-8", [os.fsdecode(b"--prompt=caf\xe9"), "--checkpoint={good}"],
      ["not valid UTF-8", "\\udce9", "index 3"]),
     ("prompt ids that are not integers", ["--prompt_ids=1,two,3"], ["'two'", "integer"]),
-    ("prompt ids with none in them", ["--prompt_ids=,"], ["empty prompt"]),
+    ("prompt ids with none in them", ["--prompt_ids= "], ["empty prompt"]),
+    ("prompt ids with an empty field", ["--prompt_ids=1,,2"], ["'1,,2'", "empty field"]),
+    ("demo of no words", ["--demo", "--demo_words=0"], ["--demo_words=0", ">= 1"]),
     # generation options
     ("zero max_new_tokens", ["--prompt=hi", "--max_new_tokens=0"], ["max_new_tokens=0", ">= 1"]),
     ("negative max_new_tokens", ["--prompt=hi", "--max_new_tokens=-3"], ["max_new_tokens=-3", ">= 1"]),
@@ -215,6 +222,8 @@ CLI_CASES = [
     ("negative top_k", ["--prompt=hi", "--top_k=-1"], ["top_k=-1", ">= 0"]),
     ("negative temperature", ["--prompt=hi", "--temperature=-0.5"], ["temperature=-0.5", "from 0 to 1e+06"]),
     ("seed outside uint32", ["--prompt=hi", "--seed=-1"], ["seed=-1", "[0, 2**32)"]),
+    ("top_k past the vocabulary", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--top_k=1000"],
+     ["--top_k=1000", "vocabulary of 300 tokens"]),
     # checkpoints and sources
     ("missing checkpoint dir", ["--prompt=hi", "--checkpoint={root}/nowhere"],
      ["--checkpoint={root}/nowhere", "no such checkpoint"]),
@@ -293,7 +302,13 @@ CLI_CASES = [
     ("context saved where no directory can be made", ["ckpt", "--prompt=hi", "--checkpoint={good}",
                                                        "--context_file={doc_file}", "--nochat",
                                                        "--save_context={empty_file}/ctx"],
-     ["--save_context={empty_file}/ctx"]),
+     ["--save_context={empty_file}/ctx", "{empty_file} is not a directory"]),
+    ("context saved over a file", ["ckpt", "--prompt=hi", "--checkpoint={good}", "--context_file={doc_file}",
+                                   "--nochat", "--save_context={doc_file}"],
+     ["--save_context={doc_file} is a file but not a saved context"]),
+    ("prompt ids asking a chat context", ["ckpt", "--prompt_ids=1,2", "--checkpoint={chat}",
+                                          "--context_file={doc_file}"],
+     ["--prompt_ids cannot ask a chat context", "--nochat"]),
 ]
 PLAN_PRINTED = {"page pool larger than memory", "context larger than memory", "HF folder of a model past the machine"}
 # Refused from the flags alone, before JAX starts and the memory plan is printed.
@@ -386,6 +401,14 @@ API_CASES = [
      ["['pagesize']", "'page_size'"]),
     ("unknown model config key", lambda a: ModelConfig.from_dict({**CFG.to_dict(), "n_head": 4}), ConfigError,
      ["['n_head']", "'n_heads'"]),
+    ("unknown run config key in Engine.load", lambda a: Engine.load(a["good"], run=RUN, max_ctx=2048), ConfigError,
+     ["['max_ctx']", "'max_context'"]),
+    ("run config value of the wrong kind", lambda a: RUN.replace(prefix_cache="no"), ConfigError,
+     ["prefix_cache='no'", "true or false"]),
+    ("negative max_context", lambda a: RUN.replace(max_context=-5), ConfigError, ["max_context=-5", ">= 0"]),
+    ("one page", lambda a: RUN.replace(num_pages=1), ConfigError, ["num_pages=1", ">= 2"]),
+    ("host tier without the prefix cache", lambda a: RUN.replace(prefix_cache=False, host_cache_gib=1.0),
+     ConfigError, ["host_cache_gib=1.0", "prefix_cache=False"]),
     ("unknown preset", lambda a: preset("llama9"), ConfigError, ["'llama9'", "llama3.1-70b"]),
     ("heads not divisible by KV heads", lambda a: ModelConfig("x", 10, 8, 1, 6, 4, 2, 8), ConfigError,
      ["n_heads=6", "n_kv_heads=4"]),

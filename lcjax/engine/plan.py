@@ -248,7 +248,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
 def _host_tier(model: ModelConfig, run: RunConfig, rep: int, item: int, fp8: bool) -> tuple[int, int]:
   """(bytes, tokens) of the host tier: whole pages of every layer and (repeated) KV head, fp8 pages with their
   float32 scales."""
-  if not run.prefix_cache or not run.host_cache_gib:
+  if not run.host_cache_gib:
     return 0, 0
   nbytes = int(run.host_cache_gib * GiB)
   Z = run.page_size
@@ -273,7 +273,7 @@ def compare(model: ModelConfig, contexts, meshes, device_gib, *, base: RunConfig
   """A table of per-device plans of `model` for each context and (tensor, seq) mesh, and which fit on devices of
   each size in `device_gib` (GB as sold: 80 and 141 mean 80e9 and 141e9 bytes), of which `usable` is given to
   JAX (XLA_PYTHON_CLIENT_MEM_FRACTION; its default is 0.75)."""
-  base = base or RunConfig(max_batch=1, page_size=256, prefill_chunk=16384)
+  base = base or RunConfig(dtype="bfloat16", max_batch=1, page_size=256, prefill_chunk=16384)
   head = (f"{'context':>9} {'tensor x seq':>12} {'KV rep':>6} {'weights':>8} {'KV':>8} {'act':>7} {'total':>8}  "
           + "  ".join(f"{g:>4g} GB" for g in device_gib) + "   ring step: send / compute (us), hidden")
   lines = [f"{model.name}: per-device GiB; fits = total <= {usable:g} x device memory", head]
@@ -289,6 +289,35 @@ def compare(model: ModelConfig, contexts, meshes, device_gib, *, base: RunConfig
   return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv) -> None:
+  """python -m lcjax.engine.plan [--preset=...] [--contexts=...] [--meshes=TxS,...] [--device_gb=...]"""
+  from absl import app, flags
   from lcjax.config import preset
-  print(compare(preset("llama3.1-70b"), [512 * 1024, 1024 * 1024], [(8, 1), (4, 2), (2, 4)], [80, 141]))
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected argument(s) {argv[1:]}: flags are written --name=value")
+  F = flags.FLAGS
+  try:
+    meshes = [tuple(int(x) for x in m.split("x")) for m in F.meshes]
+    if any(len(m) != 2 or min(m) < 1 for m in meshes):
+      raise ValueError
+  except ValueError:
+    raise app.UsageError(f"--meshes={','.join(F.meshes)}: give tensor x seq sizes as 8x1,4x2") from None
+  base = RunConfig(dtype=F.dtype, cache_dtype=F.cache_dtype, weight_dtype=F.weight_dtype, max_batch=F.max_batch,
+                   page_size=F.page_size, prefill_chunk=F.prefill_chunk, allow_beyond_trained_context=True)
+  print(compare(preset(F.preset), [int(c) for c in F.contexts], meshes, [float(g) for g in F.device_gb],
+                base=base))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_string("preset", "llama3.1-70b", "the model (lcjax.config.preset)")
+  flags.DEFINE_list("contexts", ["524288", "1048576"], "max_context values, in tokens")
+  flags.DEFINE_list("meshes", ["8x1", "4x2", "2x4"], "tensor x seq meshes")
+  flags.DEFINE_list("device_gb", ["80", "141"], "device memory in GB as sold (80e9, 141e9 bytes)")
+  flags.DEFINE_string("dtype", "bfloat16", "activations (RunConfig.dtype)")
+  flags.DEFINE_string("cache_dtype", "auto", "RunConfig.cache_dtype")
+  flags.DEFINE_string("weight_dtype", "auto", "RunConfig.weight_dtype")
+  flags.DEFINE_integer("max_batch", 1, "sequences of max_context tokens the cache holds")
+  flags.DEFINE_integer("page_size", 256, "RunConfig.page_size")
+  flags.DEFINE_integer("prefill_chunk", 16384, "RunConfig.prefill_chunk")
+  app.run(main)

@@ -43,7 +43,7 @@ class Limits:
 
   @classmethod
   def of(cls, model_cfg: ModelConfig, run: RunConfig, num_pages: int) -> "Limits":
-    check_context_length(model_cfg, run)
+    """The limits of a run whose context length serving.resolve has checked."""
     return cls(model_cfg.vocab_size, run.context_for(model_cfg), run.page_size, run.seq, num_pages // run.seq)
 
   def check_ids(self, ids) -> None:

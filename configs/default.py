@@ -12,6 +12,4 @@ from lcjax.config import RunConfig
 
 
 def get_config():
-  c = ml_collections.ConfigDict(dataclasses.asdict(RunConfig()))
-  c.decode_steps = 32
-  return c
+  return ml_collections.ConfigDict(dataclasses.asdict(RunConfig()))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import time
 
@@ -144,6 +143,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = FLAGS(argv)
     if FLAGS.config is not None:
+      if not callable(getattr(FLAGS.config, "to_dict", None)):
+        _refuse(f"--config: get_config() returned a {type(FLAGS.config).__name__}, not an "
+                "ml_collections.ConfigDict of RunConfig fields (configs/default.py shows one)")
       FLAGS.config.to_dict()                  # ml_collections defers some load failures to the first use
   except flags.Error as e:
     _refuse(e)
@@ -185,13 +187,16 @@ class _names_flag:
 
 
 def _prompt_ids(text: str) -> list[int]:
+  """Token ids separated by commas (spaces around them allowed) or by spaces alone."""
   ids = []
-  for x in re.split(r"[,\s]+", text.strip()):
-    if x:
-      try:
-        ids.append(int(x))
-      except ValueError:
-        raise UsageError(f"--prompt_ids: {x!r} is not an integer token id") from None
+  for x in (text.split(",") if "," in text else text.split()):
+    x = x.strip()
+    if not x:
+      raise UsageError(f"--prompt_ids={text!r}: an empty field between commas (give ids as 1,2,3)")
+    try:
+      ids.append(int(x))
+    except ValueError:
+      raise UsageError(f"--prompt_ids: {x!r} is not an integer token id") from None
   return ids
 
 
@@ -218,6 +223,8 @@ def _prompt() -> tuple[str | None, list[int] | None, str | None]:
                      "(with a context, --interactive asks questions from stdin, and --context_file with "
                      "--save_context alone prefills and saves it)")
   if FLAGS.demo:
+    if FLAGS.demo_words < 1:
+      raise UsageError(f"--demo_words={FLAGS.demo_words} must be >= 1")
     text, answer = demo_prompt(FLAGS.demo_words)
     return text, None, answer
   if FLAGS.prompt_ids is not None:
@@ -279,6 +286,9 @@ def _generate() -> None:
   except ValueError as e:
     raise UsageError(str(e)) from None
   model_cfg, stored, source = _model(run)
+  if FLAGS.top_k > model_cfg.vocab_size:
+    raise UsageError(f"--top_k={FLAGS.top_k} is more than {model_cfg.name}'s vocabulary of "
+                     f"{model_cfg.vocab_size:,} tokens (0 turns top-k off)")
 
   from lcjax.engine import compile_cache
   from lcjax.engine.engine import Engine
@@ -341,6 +351,10 @@ def _ask(tokenizer, limits, prompt, doc, max_new: int) -> tuple[bool, list[int]]
   from lcjax.engine.prompts import prompt_ids
   head = doc.ids if doc is not None else []
   if not isinstance(prompt, str):
+    if doc is not None and doc.chat is not None:
+      where = f"--load_context={FLAGS.load_context}" if FLAGS.load_context else "--context_file with --chat"
+      raise UsageError(f"--prompt_ids cannot ask a chat context ({where}): its questions continue the chat turn "
+                       "as text; ask with --prompt, or prefill the context with --nochat")
     chat, continuation = False, None
   elif doc is not None:
     chat, continuation = doc.chat is not None, doc.chat
@@ -390,6 +404,8 @@ def _context(tokenizer, limits, mine: dict) -> _Document | None:
   from lcjax.tokenizer import ChatContinuation
   if not (FLAGS.context_file or FLAGS.load_context):
     return None
+  if FLAGS.save_context:
+    _check_save_destination()
   if FLAGS.load_context:
     with _names_flag("load_context"):
       path = os.path.abspath(FLAGS.load_context)
@@ -414,6 +430,23 @@ def _context(tokenizer, limits, mine: dict) -> _Document | None:
     doc = _Document(tokenizer.encode(text), None, text)
   limits.check(0, doc.ids, 1, what="the context")
   return doc
+
+
+def _check_save_destination() -> None:
+  """--save_context names a saved context (replaced) or a new path whose nearest existing ancestor is a writable
+  directory: checked before the weights are read and the context prefilled."""
+  from lcjax.engine.context_file import META_FILE
+  path = os.path.abspath(FLAGS.save_context)
+  if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(os.path.join(path, META_FILE))):
+    kind = "a link" if os.path.islink(path) else "a directory" if os.path.isdir(path) else "a file"
+    raise UsageError(f"--save_context={FLAGS.save_context} is {kind} but not a saved context (no {META_FILE}): "
+                     "only a saved context is replaced")
+  up = os.path.dirname(path)
+  while not os.path.lexists(up):
+    up = os.path.dirname(up)
+  if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+    why = "not a directory" if not os.path.isdir(up) else "not writable"
+    raise UsageError(f"--save_context={FLAGS.save_context}: {up} is {why}")
 
 
 def _open_context(engine, doc: _Document):

@@ -197,3 +197,24 @@ def test_engine_random_refuses_a_plan_that_does_not_fit_before_allocating():
   msg = str(e.value)
   assert "\n" not in msg and "max_context=131072 x max_batch=4 does not fit: the memory plan needs" in msg, msg
   assert len(jax.live_arrays()) == before
+
+
+def test_plan_command_prints_the_plans_it_is_asked_for():
+  """`python -m lcjax.engine.plan` with a preset, contexts and meshes prints one row each, in bfloat16 by default
+  (the rows equal plan() of the same run), and refuses a malformed mesh in one line."""
+  import subprocess
+  import sys
+  from tests.run_cache import cpu_env
+  run = [sys.executable, "-m", "lcjax.engine.plan", "--preset=llama3.1-8b", "--contexts=131072,1048576",
+         "--meshes=1x1,2x1", "--cache_dtype=float8_e4m3fn"]
+  p = subprocess.run(run, capture_output=True, text=True, env=cpu_env(), timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  rows = [l.split() for l in p.stdout.splitlines() if l.strip()[:1].isdigit()]
+  assert [(r[0], r[1] + r[2] + r[3]) for r in rows] == [("131,072", "1x1"), ("131,072", "2x1"),
+                                                         ("1,048,576", "1x1"), ("1,048,576", "2x1")]
+  want = planlib.plan(preset("llama3.1-8b"), RunConfig(dtype="bfloat16", cache_dtype="float8_e4m3fn", max_batch=1,
+                                                      page_size=256, prefill_chunk=16384, max_context=1048576,
+                                                      tensor=2, allow_beyond_trained_context=True))
+  assert float(rows[3][8]) == round(want.total / 2**30, 2)
+  bad = subprocess.run(run[:3] + ["--meshes=8"], capture_output=True, text=True, env=cpu_env(), timeout=120)
+  assert bad.returncode != 0 and "--meshes=8: give tensor x seq sizes" in bad.stderr

@@ -47,8 +47,8 @@ def decode_compiler_options() -> dict | None:
   """XLA options for the decode loop on GPUs (None: XLA's defaults).
 
   The layer scan reads layer l's weights as a dynamic slice of the stacked [L, ...] arrays. XLA's Triton GEMM
-  fusions cannot read such a slice in place, so each decode step copied 5 of the 7 weight matrices of every layer
-  before multiplying (160 memcpys, 6.6 of 13.0 ms of a Llama-3-8B token at 32K on the H200). cuBLAS with
+  fusions cannot read such a slice in place: with them each decode step copies 5 of the 7 weight matrices of every
+  layer before multiplying (160 memcpys, 6.6 of 13.0 ms of a Llama-3-8B token at 32K on the H200). cuBLAS with
   dynamic-slice fusion reads the slice where it lies (benchmarks/NOTES-longctx.md). Prefill keeps XLA's
   defaults: a chunk's GEMMs are compute-bound and one copy per layer is noise there. LCJAX_DECODE_XLA_DEFAULTS=1,
   set before an Engine is made (its steps are built then), compiles decode with XLA's defaults too (e.g. to rule

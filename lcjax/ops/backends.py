@@ -97,7 +97,8 @@ def _fp8_backend(name: str, head_dim: int, dtype, attention_dtype: str):
   kernel = "pallas-fp8" if qk == "float8_e4m3fn" else "pallas-int8-fp8"
   if name == "auto" and jax.default_backend() != "gpu":
     be = PallasFp8Backend(name=kernel + "-model", interpret=True, qk_dtype=qk)
-    logging.warning("attention_dtype=%s on %s runs the FP8 kernel's jnp model (its arithmetic, none of its speed)",
+    logging.warning("attention_dtype=%s on %s runs the FP8 kernel's jnp model for prefill and the Triton decode "
+                    "kernel in the Pallas interpreter (their arithmetic, none of their speed)",
                     attention_dtype, jax.default_backend())
   else:
     be = PallasFp8Backend(name=kernel, qk_dtype=qk)

@@ -92,7 +92,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
   q = q_ref[...]                                                       # [R, H]
   R, R0 = q.shape[0], T * G
   # Row r = t * G + g sees up to position q_pos[b, t]; padded rows (r >= R0) see nothing. Built here from the
-  # T scalars rather than passed as a padded [B, R] array: that pad was one more XLA kernel per layer.
+  # T scalars: a padded [B, R] array passed in would cost one more XLA kernel per layer.
   row = jax.lax.broadcasted_iota(jnp.int32, (R,), 0)
   qpos = jnp.full((R,), -1, jnp.int32)
   last = jnp.int32(-1)

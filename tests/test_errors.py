@@ -165,6 +165,8 @@ def paths(tmp_path_factory):
   open(p["broken_cfg"], "w").write("def get_config(:\n")
   p["dict_cfg"] = str(root / "as_dict.py")
   open(p["dict_cfg"], "w").write("def get_config():\n  return {'page_size': 64}\n")
+  p["none_cfg"] = str(root / "returns_none.py")
+  open(p["none_cfg"], "w").write("def get_config():\n  pass\n")
   return p
 
 
@@ -183,6 +185,7 @@ CLI_CASES = [
     ("missing config file", ["--prompt=hi", "--config={root}/nope.py"], ["nope.py", "No such file"]),
     ("config file that does not parse", ["--prompt=hi", "--config={broken_cfg}"], ["broken.py", "line 1"]),
     ("config file returning a dict", ["--prompt=hi", "--config={dict_cfg}"], ["returned a dict", "ConfigDict"]),
+    ("config file returning None", ["--prompt=hi", "--config={none_cfg}"], ["returned None", "ConfigDict"]),
     ("config value of the wrong type", ["--prompt=hi", "--config={default_cfg}", "--config.page_size=abc"],
      ["--config.page_size=abc", "int()"]),
     ("page_size of 0", ["--prompt=hi", "--config={default_cfg}", "--config.page_size=0"], ["page_size=0", ">= 1"]),

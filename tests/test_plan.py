@@ -216,5 +216,7 @@ def test_plan_command_prints_the_plans_it_is_asked_for():
                                                       page_size=256, prefill_chunk=16384, max_context=1048576,
                                                       tensor=2, allow_beyond_trained_context=True))
   assert float(rows[3][8]) == round(want.total / 2**30, 2)
-  bad = subprocess.run(run[:3] + ["--meshes=8"], capture_output=True, text=True, env=cpu_env(), timeout=120)
-  assert bad.returncode != 0 and "--meshes=8: give tensor x seq sizes" in bad.stderr
+  for flag, says in (("--meshes=8", "--meshes=8: give tensor x seq sizes"), ("--contexts=abc", "give int values"),
+                     ("--preset=llama9", "unknown preset 'llama9'")):
+    bad = subprocess.run(run[:3] + [flag], capture_output=True, text=True, env=cpu_env(), timeout=120)
+    assert bad.returncode != 0 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]

@@ -315,7 +315,7 @@ def _fp8_operands(q, k, v, *, tuning, qk_dtype="float8_e4m3fn"):
                                                             qk_dtype=qk_dtype)
   B, S = k.shape[:2]
   d, kvl = jnp.zeros((B,), jnp.int32) + (S - q.shape[1]), jnp.full((B,), S, jnp.int32)
-  return q8, qs, k8, ks, v8, vs, d, kvl
+  return q8, qs, k8, ks, mgpu_flash.v_operand(v8), vs, d, kvl
 
 
 def _fp8_kernel(*ops, tuning):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -142,6 +143,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     argv = [argv[0], f"--config={RUN_DEFAULTS}", *argv[1:]]     # the overrides apply to RunConfig's defaults
   try:
     rest = FLAGS(argv)
+    if FLAGS.config is None and any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+      _refuse("--config: get_config() returned None (a missing return?), not an ml_collections.ConfigDict")
     if FLAGS.config is not None:
       if not callable(getattr(FLAGS.config, "to_dict", None)):
         _refuse(f"--config: get_config() returned a {type(FLAGS.config).__name__}, not an "
@@ -187,12 +190,13 @@ class _names_flag:
 
 
 def _prompt_ids(text: str) -> list[int]:
-  """Token ids separated by commas (spaces around them allowed) or by spaces alone."""
+  """Token ids separated by commas or white space (one trailing comma allowed, as `tr '\\n' ,` leaves)."""
   ids = []
-  for x in (text.split(",") if "," in text else text.split()):
-    x = x.strip()
+  body = text.strip()
+  body = body[:-1] if body.endswith(",") else body
+  for x in re.split(r"\s*,\s*|\s+", body) if body else []:
     if not x:
-      raise UsageError(f"--prompt_ids={text!r}: an empty field between commas (give ids as 1,2,3)")
+      raise UsageError(f"--prompt_ids={text!r}: an empty field (two commas in a row, or a leading comma)")
     try:
       ids.append(int(x))
     except ValueError:
@@ -303,6 +307,8 @@ def _generate() -> None:
   print(serving.plan.table(), file=sys.stderr)   # the plan, printed once (the stats give the measured peak)
   print(serving.table(), file=sys.stderr)
   serving.require_fit()
+  if FLAGS.save_context:
+    _check_save_destination()
   weights = serving.weights
   ckpt = _checkpoint(source) if source is not None else None
 
@@ -404,8 +410,6 @@ def _context(tokenizer, limits, mine: dict) -> _Document | None:
   from lcjax.tokenizer import ChatContinuation
   if not (FLAGS.context_file or FLAGS.load_context):
     return None
-  if FLAGS.save_context:
-    _check_save_destination()
   if FLAGS.load_context:
     with _names_flag("load_context"):
       path = os.path.abspath(FLAGS.load_context)
@@ -434,7 +438,7 @@ def _context(tokenizer, limits, mine: dict) -> _Document | None:
 
 def _check_save_destination() -> None:
   """--save_context names a saved context (replaced) or a new path whose nearest existing ancestor is a writable
-  directory: checked before the weights are read and the context prefilled."""
+  directory: checked before a checkpoint is converted or read and the context prefilled."""
   from lcjax.engine.context_file import META_FILE
   path = os.path.abspath(FLAGS.save_context)
   if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(os.path.join(path, META_FILE))):

@@ -296,16 +296,29 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected argument(s) {argv[1:]}: flags are written --name=value")
   F = flags.FLAGS
+
+  def numbers(flag, kind):
+    try:
+      return [kind(x) for x in F[flag].value]
+    except ValueError:
+      raise app.UsageError(f"--{flag}={','.join(F[flag].value)}: give {kind.__name__} values") from None
+
   try:
     meshes = [tuple(int(x) for x in m.split("x")) for m in F.meshes]
     if any(len(m) != 2 or min(m) < 1 for m in meshes):
       raise ValueError
   except ValueError:
     raise app.UsageError(f"--meshes={','.join(F.meshes)}: give tensor x seq sizes as 8x1,4x2") from None
-  base = RunConfig(dtype=F.dtype, cache_dtype=F.cache_dtype, weight_dtype=F.weight_dtype, max_batch=F.max_batch,
-                   page_size=F.page_size, prefill_chunk=F.prefill_chunk, allow_beyond_trained_context=True)
-  print(compare(preset(F.preset), [int(c) for c in F.contexts], meshes, [float(g) for g in F.device_gb],
-                base=base))
+  contexts, device_gb = numbers("contexts", int), numbers("device_gb", float)
+  if not 0 < F.usable <= 1:
+    raise app.UsageError(f"--usable={F.usable} must be in (0, 1]")
+  try:
+    model = preset(F.preset)
+    base = RunConfig(dtype=F.dtype, cache_dtype=F.cache_dtype, weight_dtype=F.weight_dtype, max_batch=F.max_batch,
+                     page_size=F.page_size, prefill_chunk=F.prefill_chunk, allow_beyond_trained_context=True)
+    print(compare(model, contexts, meshes, device_gb, base=base, usable=F.usable))
+  except ConfigError as e:
+    raise app.UsageError(str(e)) from None
 
 
 if __name__ == "__main__":
@@ -314,6 +327,8 @@ if __name__ == "__main__":
   flags.DEFINE_list("contexts", ["524288", "1048576"], "max_context values, in tokens")
   flags.DEFINE_list("meshes", ["8x1", "4x2", "2x4"], "tensor x seq meshes")
   flags.DEFINE_list("device_gb", ["80", "141"], "device memory in GB as sold (80e9, 141e9 bytes)")
+  flags.DEFINE_float("usable", 0.95, "the share of device memory given to JAX (XLA_PYTHON_CLIENT_MEM_FRACTION; "
+                     "JAX's default is 0.75)")
   flags.DEFINE_string("dtype", "bfloat16", "activations (RunConfig.dtype)")
   flags.DEFINE_string("cache_dtype", "auto", "RunConfig.cache_dtype")
   flags.DEFINE_string("weight_dtype", "auto", "RunConfig.weight_dtype")

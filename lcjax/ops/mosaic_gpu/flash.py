@@ -561,20 +561,19 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
                                            block_kv=tuning.block_kv)
     out = out.astype(out_dtype)
   else:
-    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v8, vs, d, kvl, causal=causal, tuning=tuning, save_lse=save_lse,
-                                out_dtype=out_dtype)
+    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v_operand(v8), vs, d, kvl, causal=causal, tuning=tuning,
+                                save_lse=save_lse, out_dtype=out_dtype)
   if lse is not None and lse_shift is not None:
     lse = lse + lse_shift
   return out[:, :T], (None if lse is None else lse[:, :T])
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse", "out_dtype"))
-def flash_fp8_kernel(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
+def flash_fp8_kernel(q8, qs, k8, ks, vt, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
                      save_lse: bool = True, out_dtype=jnp.bfloat16):
-  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; v8 [B, S, K, H]
-  laid out for the kernel here by v_operand): (out [B, T, N, H] out_dtype, lse [B, T, N]
-  float32)."""
-  out, lse = _flash_call(q8, k8, v_operand(v8), d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
+  """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; V as v_operand
+  lays it out): (out [B, T, N, H] out_dtype, lse [B, T, N] float32)."""
+  out, lse = _flash_call(q8, k8, vt, d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
                          scales=(qs, ks, vs), out_dtype=out_dtype)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
 

@@ -399,7 +399,7 @@ class RunConfig:
       raise ConfigError(f"draft={self.draft!r} must be 'off' or 'prompt' (drafts looked up in the sequence itself)")
     for f, top in (("draft_ngram", MAX_DRAFT_NGRAM), ("draft_tokens", MAX_DRAFT_TOKENS)):
       v = getattr(self, f)
-      if not _is_int(v) or not 1 <= v <= top:
+      if not 1 <= v <= top:                                        # an integer: checked with every field
         raise ConfigError(f"{f}={v!r} must be an integer from 1 to {top}")
     if self.stream_decode_steps < 0:
       raise ConfigError(f"stream_decode_steps={self.stream_decode_steps} must be >= 0 (0: decode_steps)")
@@ -411,7 +411,7 @@ class RunConfig:
     if self.host_cache_gib > 0 and not self.prefix_cache:
       raise ConfigError(f"host_cache_gib={self.host_cache_gib} keeps the prefix cache's evicted pages, but "
                         "prefix_cache=False keeps none: set prefix_cache=True or host_cache_gib=0")
-    if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
+    if not self.compile_cache.strip():
       raise ConfigError(f"compile_cache={self.compile_cache!r} must be 'auto', 'off' or a directory")
     if not 0 <= self.host_cache_gib < float("inf"):
       raise ConfigError(f"host_cache_gib={self.host_cache_gib} must be a finite number >= 0")

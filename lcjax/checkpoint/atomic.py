@@ -207,6 +207,14 @@ def _commit_lock(dst: str) -> threading.Lock:
     return _commit_locks.setdefault(dst, threading.Lock())
 
 
+def not_replaceable(dst: str, marker: str) -> str | None:
+  """What an existing `dst` is ("a link", "a directory", "a file") when an overwriting AtomicDirectory(dst,
+  marker) would refuse to replace it (a link, or no `marker` file in it); None when absent or replaceable."""
+  if not os.path.lexists(dst) or (not os.path.islink(dst) and os.path.isfile(os.path.join(dst, marker))):
+    return None
+  return "a link" if os.path.islink(dst) else "a directory" if os.path.isdir(dst) else "a file"
+
+
 class AtomicDirectory:
   """with AtomicDirectory(dst, marker, overwrite=..., exists_error=...) as d:  write into d.tmp, then d.commit().
 
@@ -235,8 +243,8 @@ class AtomicDirectory:
     if os.path.lexists(self.dst):
       if not self.overwrite:
         raise self.exists_error
-      if os.path.islink(self.dst) or not os.path.isfile(os.path.join(self.dst, self.marker)):
-        kind = "a link" if os.path.islink(self.dst) else "a directory" if os.path.isdir(self.dst) else "a file"
+      kind = not_replaceable(self.dst, self.marker)
+      if kind:
         raise self.error(f"{self.dst} is {kind} but not a {self.what} (no {self.marker}): overwrite replaces "
                          f"only a {self.what}; remove it yourself or choose another path")
 

@@ -439,10 +439,11 @@ def _context(tokenizer, limits, mine: dict) -> _Document | None:
 def _check_save_destination() -> None:
   """--save_context names a saved context (replaced) or a new path whose nearest existing ancestor is a writable
   directory: checked before a checkpoint is converted or read and the context prefilled."""
+  from lcjax.checkpoint.atomic import not_replaceable
   from lcjax.engine.context_file import META_FILE
   path = os.path.abspath(FLAGS.save_context)
-  if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(os.path.join(path, META_FILE))):
-    kind = "a link" if os.path.islink(path) else "a directory" if os.path.isdir(path) else "a file"
+  kind = not_replaceable(path, META_FILE)
+  if kind:
     raise UsageError(f"--save_context={FLAGS.save_context} is {kind} but not a saved context (no {META_FILE}): "
                      "only a saved context is replaced")
   up = os.path.dirname(path)

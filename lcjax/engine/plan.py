@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
+from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.ops.cudnn.backend import FP8_BLOCK_TOKENS
 from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS
 
@@ -292,7 +292,6 @@ def compare(model: ModelConfig, contexts, meshes, device_gib, *, base: RunConfig
 def main(argv) -> None:
   """python -m lcjax.engine.plan [--preset=...] [--contexts=...] [--meshes=TxS,...] [--device_gb=...]"""
   from absl import app, flags
-  from lcjax.config import preset
   if len(argv) > 1:
     raise app.UsageError(f"unexpected argument(s) {argv[1:]}: flags are written --name=value")
   F = flags.FLAGS

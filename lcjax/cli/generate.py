@@ -139,11 +139,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     key = a[len("--config."):].split("=", 1)[0]
     if key not in known:
       _refuse(f"unknown run config key {key!r} in {a}; known keys: {known}")
-  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+  config_given = any(a == "--config" or a.startswith("--config=") for a in argv[1:])
+  if overrides and not config_given:
     argv = [argv[0], f"--config={RUN_DEFAULTS}", *argv[1:]]     # the overrides apply to RunConfig's defaults
   try:
     rest = FLAGS(argv)
-    if FLAGS.config is None and any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    if FLAGS.config is None and config_given:
       _refuse("--config: get_config() returned None (a missing return?), not an ml_collections.ConfigDict")
     if FLAGS.config is not None:
       if not callable(getattr(FLAGS.config, "to_dict", None)):

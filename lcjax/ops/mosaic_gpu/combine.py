@@ -3,10 +3,13 @@ their log-sum-exp weights, the exact merge of `lcjax.ops.splits.combine_splits_r
 
 The fp8 decode kernel writes, per (sequence b, kv head h, split s), a float32 partial out^T [H, RN] (normalised
 within the split) and its lse [RN] (natural log). One CTA here takes (b, h, a block of HB = 64 head-dim rows): it
-loads the lse rows by one TMA copy (`lse_rows` of them, as many as the decode kernel allocates), takes the maximum
-m of the S written ones per query row, then streams the partials [SC, HB, RN] (SC splits a step) through a
-two-slot TMA pipeline and accumulates acc += o_s exp(lse_s - m) and l += exp(lse_s - m), in the WGMMA register
-layout the decode kernel stores them from (a value per (head-dim row, query row)).
+issues the TMA copy of the lse rows (`lse_rows` of them, as many as the decode kernel allocates) and streams the
+partials [SC, HB, RN] (SC splits a step) through a two-slot TMA pipeline whose first loads fly with it, and
+accumulates online, in the WGMMA register layout the decode kernel stores them from (a value per (head-dim row,
+query row)): per step the running maximum m moves to m' = max(m, the step's lse), acc and l are scaled by
+exp(m - m'), and each split adds o_s exp(lse_s - m') to acc and exp(lse_s - m') to l. A batch-1 decode gives
+the combine few CTAs (16 on the Llama-3.1-70B shape), so its time is the chain of memory round trips, and the lse
+load no longer precedes the partials'.
 It writes acc / l as out^T [B, K, H, RN] float32 and, from the first head-dim block, the lse m + log l [B, K, RN]:
 XLA's transpose of the R real rows into [B, T, N, H] and the cast fuse into whatever reads the attention output.
 
@@ -14,6 +17,8 @@ Legend: B batch, K kv heads, S splits (a power of two), H head dim, RN query row
 of 8), HB head-dim rows per CTA, SC splits per pipeline step.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,29 +76,33 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
 
   def body(o_ref, lse_ref, out_ref, lse_out_ref, lse_smem, acc_smem, lse_out_smem, bar):
     b, h, c = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("hblock")
-    plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_smem, bar.at[0])
-    plgpu.barrier_wait(bar.at[0])
-    m = lax.fori_loop(0, S, lambda s, m: jnp.maximum(m, load(lse_smem.at[s], COLS)),
-                      plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS))
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_smem, bar.at[0])      # waited for in the first step
 
     def step(idx, o_smem, carry):
-      acc, l = carry
+      acc, l, m = carry
+      pl.when(idx[0] == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+      lse = [load(lse_smem.at[idx[0] * SC + j], COLS) for j in range(SC)]
+      m_new = functools.reduce(jnp.maximum, lse, m)
+      alpha = jnp.exp(m - m_new)
+      acc = acc * lax.broadcast_in_dim(alpha, (HB, RN), [1])
+      l = l * alpha
       for j in range(SC):
-        w = jnp.exp(load(lse_smem.at[idx[0] * SC + j], COLS) - m)
+        w = jnp.exp(lse[j] - m_new)
         acc = acc + load(o_smem.at[j] if SC > 1 else o_smem, WGMMA) * lax.broadcast_in_dim(w, (HB, RN), [1])
         l = l + w
       # The pipeline refills this slot by TMA as soon as the step returns: every warp's reads must be done first
       # (a warpgroup barrier; without it a lagging warp reads the next fill).
       plgpu.commit_smem()
-      return acc, l
+      return acc, l, m_new
 
-    acc, l = plgpu.emit_pipeline(
+    acc, l, m = plgpu.emit_pipeline(
         step, grid=(steps,),
         in_specs=[plgpu.BlockSpec((SC, HB, RN) if SC > 1 else (None, HB, RN), lambda i: (i, c, 0),
                                   transforms=transforms)],
         max_concurrent_steps=min(2, steps),
         init_carry=(plgpu.layout_cast(jnp.zeros((HB, RN), jnp.float32), WGMMA),
-                    plgpu.layout_cast(jnp.zeros((RN,), jnp.float32), COLS)),
+                    plgpu.layout_cast(jnp.zeros((RN,), jnp.float32), COLS),
+                    plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS)),
     )(o_ref.at[b, h])
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)

@@ -318,12 +318,12 @@ class RunConfig:
                                      # "pallas" (lcjax.ops.triton.gemv: the same product in Pallas' Triton
                                      # lowering, sm_89+), "xla" (widened by XLA: a copy in dtype of each layer's
                                      # slice), "pallas-interpret" (the Triton kernel in Pallas' interpreter)
-  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (pallas where it compiles:
-                                     # a CUDA GPU of sm_89+, power-of-two page_size and head_dim; else xla),
-                                     # "pallas" (lcjax.ops.triton.page_write: K, V and their page scales in one
-                                     # kernel), "mosaic" (lcjax.ops.mosaic_gpu.page_write: the same in Mosaic GPU;
-                                     # Hopper, JAX 0.11+, head_dim 128, page_size a multiple of 64; "auto" does not
-                                     # take it: 2.9 us a call on the H200 against the Triton writer's 2.1 us),
+  page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (mosaic where it compiles,
+                                     # else pallas where it compiles, else xla; the log says why),
+                                     # "mosaic" (lcjax.ops.mosaic_gpu.page_write: K, V and their page scales in
+                                     # one kernel; Hopper, JAX 0.11+, head_dim 128, page_size 64 to 256 and a
+                                     # multiple of 64), "pallas" (lcjax.ops.triton.page_write: the same in
+                                     # Triton; a CUDA GPU of sm_89+, power-of-two page_size and head_dim),
                                      # "xla" (nine small XLA kernels a layer), "pallas-interpret"
   decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (on Hopper the
                                      # Mosaic GPU decode kernels, over bf16 pages with their Mosaic GPU split

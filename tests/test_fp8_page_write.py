@@ -106,12 +106,14 @@ def test_kernel_refuses_what_it_cannot_write():
 
 
 def test_page_write_choice_and_refusals():
-  """placement.page_write: auto takes the kernel where it compiles and says why not elsewhere; a named kernel that
-  cannot serve is refused with the reason; pages that are not fp8 need no kernel."""
+  """placement.page_write: auto takes the first kernel that compiles here (Mosaic GPU, then Triton) and says why it
+  passed over each; a named kernel that cannot serve is refused with the reason; pages that are not fp8 need no
+  kernel."""
   fp8 = RunConfig(dtype="float32", cache_dtype="float8_e4m3fn")
   cpu = "the fp8 page-write kernel needs a CUDA GPU, not 'cpu'"
   assert triton_page_write.unsupported(64, 128) == cpu                    # this test runs on CPUs
-  assert placement.page_write(fp8, 128) == ("xla", f"page_write='auto'; not pallas: {cpu}")
+  mosaic = "the Mosaic GPU fp8 page writer needs a CUDA GPU, not 'cpu'"
+  assert placement.page_write(fp8, 128) == ("xla", f"page_write='auto'; not mosaic: {mosaic}; not pallas: {cpu}")
   assert placement.page_write(fp8.replace(page_write="pallas-interpret"), 128)[0] == "pallas-interpret"
   assert placement.page_write(fp8.replace(page_write="xla"), 128)[0] == "xla"
   with pytest.raises(ConfigError, match=f"page_write='pallas': {cpu} \\('pallas-interpret' runs it"):
@@ -170,8 +172,9 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
   run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32", page_size=16)
   with caplog.at_level(logging.INFO, logger="lcjax.engine.engine"):
     xla, kern = _engines(run, "auto", "pallas-interpret")
-  assert ("decode steps write fp8 pages in XLA (nine small kernels a layer): page_write='auto'; not pallas: the "
-          "fp8 page-write kernel needs a CUDA GPU, not 'cpu'") in caplog.text
+  assert ("decode steps write fp8 pages in XLA (nine small kernels a layer): page_write='auto'; not mosaic: the "
+          "Mosaic GPU fp8 page writer needs a CUDA GPU, not 'cpu'; not pallas: the fp8 page-write kernel needs a "
+          "CUDA GPU, not 'cpu'") in caplog.text
   calls = _count_kernel_calls(monkeypatch)
   a, b = _decode_both(xla, kern, calls, [[5, 6, 7, 8, 9] * 5, [3, 4, 5]], 20)
   assert all(calls)
@@ -228,8 +231,8 @@ def _check_on_gpu(write_token, marker: str, L: int, P: int):
 
 @pytest.mark.gpu
 def test_gpu_engine_decodes_through_the_kernel(monkeypatch):
-  """On a GPU, page_write="auto" decodes through the compiled Triton kernel: the greedy tokens and pages of
-  XLA's."""
+  """On a GPU, page_write="auto" over 16-token pages (which the Mosaic GPU writer does not write) decodes through the
+  compiled Triton kernel: the greedy tokens and pages of XLA's."""
   run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32", page_size=16)
   xla, kern = _engines(run, "xla", "auto")
   assert kern.page_write == "pallas"

@@ -424,14 +424,14 @@ TRITON_DEPRECATED = "The Pallas Triton backend is deprecated"
     ("auto", "auto", "auto", "auto"),
     pytest.param("float8_e4m3fn", "float8_e4m3fn", "auto", "auto", marks=pytest.mark.xfail(
         strict=True, raises=AssertionError,
-        reason="over fp8 pages the defaults keep Triton's split combine (faster at batch 1 from 128K keys) and page "
-               "writer (2.1 us a call against the Mosaic GPU writer's 2.9 us): issue 49")),
+        reason="over fp8 pages the defaults keep Triton's split combine (1.9 us a call against the Mosaic GPU "
+               "combine's ~2.6 us on an H100): issue 49")),
     ("auto", "auto", "mosaic", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "mosaic", "mosaic")])
 def test_hopper_kernels_lower_no_pallas_triton_kernel(cache_dtype, weight_dtype, decode_kernel, page_write):
   """On a Hopper GPU, a bf16 model and fp8 weights + fp8 KV (prefill chunks, decode steps of two sequences, their
   page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on each such lowering, and
   a fresh engine lowers every program it runs. The defaults and the Mosaic GPU kernels asked for by name; over fp8
-  pages the defaults still take Triton's split combine and page writer (a strict xfail)."""
+  pages the defaults still take Triton's split combine (a strict xfail)."""
   import warnings
   from lcjax.ops import hardware
   if hardware.sm90_fp8_reason("test", "wgmma"):

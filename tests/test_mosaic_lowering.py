@@ -165,8 +165,8 @@ def test_fp8_page_write_lowers_in_place(Z):
 def test_fp8_page_write_refuses_what_it_cannot_write():
   assert mgpu_page_write.unsupported_shape(64, 128) is None and mgpu_page_write.unsupported_shape(256, 128) is None
   assert "head_dim 128, got 64" in mgpu_page_write.unsupported_shape(64, 64)
-  assert "multiple of 64 and at most 1536, got 16" in mgpu_page_write.unsupported_shape(16, 128)
-  assert "at most 1536, got 2048" in mgpu_page_write.unsupported_shape(2048, 128)
+  assert "multiple of 64 and at most 256, got 16" in mgpu_page_write.unsupported_shape(16, 128)
+  assert "at most 256, got 512" in mgpu_page_write.unsupported_shape(512, 128)
   assert mgpu_page_write.unsupported(64, 128)                  # this CPU machine: no Hopper GPU
   with pytest.raises(ValueError, match="head_dim 128, got 96"):
     mgpu_page_write.write_token(*(jnp.zeros((1, 2, 64, 1, 96), jnp.float8_e4m3fn),) * 2,

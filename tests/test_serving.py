@@ -51,14 +51,15 @@ def _jax_0_11(monkeypatch, yes=True):
 
 def test_on_hopper(monkeypatch):
   """Hopper's defaults: the Mosaic GPU decode kernels (over bf16 pages with their Mosaic GPU split combine, over fp8
-  pages with Triton's), the Mosaic GPU fp8 GEMV, the Triton fp8 page write (the Mosaic GPU writer only by name);
-  Triton decode only where the Mosaic GPU kernels cannot serve, with the reason."""
+  pages with Triton's), the Mosaic GPU fp8 GEMV and fp8 page write; Triton decode and the Triton page write only
+  where the Mosaic GPU kernels cannot serve, with the reason."""
   _gpu(monkeypatch, (9, 0))
   _jax_0_11(monkeypatch)
   s = resolve(CFG, RUN.replace(draft="prompt"), check_fit=False)
   assert s.run.dtype == "bfloat16"
-  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
+  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="mosaic")
   assert "decode_kernel='auto' on Hopper" in s.decode.why and "Triton's split combine" in s.decode.why
+  assert s.page_write.why == "page_write='auto'"
   assert s.draft.name == "prompt" and "4 drafts" in s.draft.why
   bf16 = resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False).decode
   assert bf16.name == "mosaic" and "decode_kernel='auto' on Hopper" in bf16.why and "split combine" in bf16.why
@@ -66,6 +67,7 @@ def test_on_hopper(monkeypatch):
   small = resolve(CFG, RUN.replace(page_size=32), check_fit=False)
   assert (small.decode.name, small.page_write.name) == ("triton", "pallas")
   assert "blocks of 64 tokens; page_size=32" in small.decode.why
+  assert "not mosaic: the Mosaic GPU fp8 page writer needs a page_size that is a multiple of 64" in small.page_write.why
   # float16 activations over bf16 pages
   f16 = resolve(CFG, RUN.replace(dtype="float16", cache_dtype="bfloat16"), check_fit=False)
   assert f16.decode.name == "triton" and "bfloat16 queries, not float16" in f16.decode.why
@@ -79,7 +81,10 @@ def test_on_hopper(monkeypatch):
   resolve(wide, RUN.replace(page_size=96, prefill_chunk=960, draft="prompt", draft_tokens=8, max_batch=1),
           check_fit=False)
   assert resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False).page_write.name == "mosaic"
+  assert resolve(CFG, RUN.replace(page_write="pallas"), check_fit=False).page_write.name == "pallas"
   _jax_0_11(monkeypatch, False)
+  old_jax = resolve(CFG, RUN, check_fit=False).page_write
+  assert old_jax.name == "pallas" and "not mosaic: " in old_jax.why and "JAX 0.11" in old_jax.why
   with pytest.raises(ConfigError, match="page_write='mosaic': .*mutable refs, which Mosaic GPU kernels take from "
                                         "JAX 0.11"):
     resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False)
@@ -213,7 +218,7 @@ def test_on_a_hopper_mesh(monkeypatch):
   _jax_0_11(monkeypatch)
   s = resolve(CFG, RUN.replace(seq=2, tensor=4), check_fit=False)
   assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
-  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="pallas")
+  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="mosaic")
   bf16 = resolve(CFG, RUN.replace(seq=2, tensor=4, cache_dtype="bfloat16"), check_fit=False)
   assert (bf16.prefill.name, bf16.decode.name) == ("mosaic", "mosaic")
   assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2

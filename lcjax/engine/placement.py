@@ -109,9 +109,9 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
 
 
 # The page writers "auto" tries, in order (lcjax.ops.kernels.PAGE_WRITERS' names); then XLA. The Mosaic GPU
-# writer ("mosaic") is asked for by name only: it takes 2.9 us a call on the H200 against Triton's 2.1 us
-# (benchmarks/NOTES-attention).
-AUTO_PAGE_WRITERS = ("pallas",)
+# writer first (Hopper, JAX 0.11+: 1.9 us a call against the Triton writer's 2.1 on an H100, bit for bit the same
+# bytes; benchmarks/NOTES-attention), the Triton writer where it cannot serve (GPUs that are not Hopper).
+AUTO_PAGE_WRITERS = ("mosaic", "pallas")
 
 
 def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:

@@ -321,7 +321,9 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16", dtype="float16") == "triton"
   interp = pallas_backend.PallasBackend(interpret=True)
-  assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
+  assert interp.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton-interpret"
+  assert pallas_backend.PallasBackend(interpret=True, decode_route="triton").decode_kernel(
+      head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton-interpret"
   monkeypatch.setattr(hardware, "on_sm90", lambda: "not Hopper")
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "triton"
   # cuDNN's paged kernel reads bf16 / fp16 pages; decode rows over fp8 or float32 pages take the jnp reference

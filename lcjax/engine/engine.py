@@ -119,7 +119,7 @@ class Engine:
   @property
   def decode_kernel(self) -> str:
     """The kernel decode steps run: the backend's name, or the kernel the backend picks for these pages ('mosaic',
-    'mgpu-fp8', 'triton'; `serving.decode.why` says why)."""
+    'mgpu-fp8', 'triton', 'triton-interpret'; `serving.decode.why` says why)."""
     return self.serving.decode.name
 
   @property

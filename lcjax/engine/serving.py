@@ -92,6 +92,9 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
   if name == "mgpu-fp8":
     return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged) with Triton's split "
                         "combine, decode_kernel='auto' on Hopper over fp8 pages")
+  if name == "triton-interpret":
+    return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged) in the Pallas interpreter: its "
+                        "arithmetic, none of its speed (8-bit attention on a machine without a GPU)")
   if name == "triton" and run.decode_kernel == "triton":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged), asked for by "
                         "decode_kernel='triton'")

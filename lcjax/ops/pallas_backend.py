@@ -137,15 +137,18 @@ class PallasBackend:
     """The kernel `paged` runs for decode rows over pages of `page_dtype` (queries in `dtype`; None: bfloat16).
     decode_route "auto" takes the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged) where they can serve
     (`mosaic_decode_reason`): over bf16 pages with the Mosaic GPU split combine ('mosaic'), over fp8 pages with
-    Triton's ('mgpu-fp8': at batch 1 from 128K keys the Mosaic GPU combine ran 5-26% slower on the H200,
+    Triton's ('mgpu-fp8': 1.9 us a call against the Mosaic GPU combine's ~2.6 on an H100,
     benchmarks/NOTES-attention); else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page shapes the
-    Mosaic GPU kernels do not read). Another route is its own name."""
+    Mosaic GPU kernels do not read). Another route is its own name. With interpret=True the Triton kernel runs in
+    the Pallas interpreter: 'triton-interpret'."""
     if self.decode_route != "auto":
-      return self.decode_route
-    if self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
-                                 dtype=dtype):
-      return "triton"
-    return "mgpu-fp8" if jnp.dtype(page_dtype) == fp8_ops.E4M3 else "mosaic"
+      name = self.decode_route
+    elif self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
+                                   dtype=dtype):
+      name = "triton"
+    else:
+      name = "mgpu-fp8" if jnp.dtype(page_dtype) == fp8_ops.E4M3 else "mosaic"
+    return "triton-interpret" if name == "triton" and self.interpret else name
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
     B, T, N, H = q.shape

@@ -321,9 +321,9 @@ class RunConfig:
   page_write: str = "auto"           # a decode step's K and V into fp8 pages: "auto" (mosaic where it compiles,
                                      # else pallas where it compiles, else xla; the log says why),
                                      # "mosaic" (lcjax.ops.mosaic_gpu.page_write: K, V and their page scales in
-                                     # one kernel; Hopper, JAX 0.11+, head_dim 128, page_size 64 to 256 and a
-                                     # multiple of 64), "pallas" (lcjax.ops.triton.page_write: the same in
-                                     # Triton; a CUDA GPU of sm_89+, power-of-two page_size and head_dim),
+                                     # one kernel; Hopper, JAX 0.11+, head_dim 128, page_size 64 or 128),
+                                     # "pallas" (lcjax.ops.triton.page_write: the same in Triton; a CUDA GPU of
+                                     # sm_89+, power-of-two page_size and head_dim),
                                      # "xla" (nine small XLA kernels a layer), "pallas-interpret"
   decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (on Hopper the
                                      # Mosaic GPU decode kernels, over bf16 pages with their Mosaic GPU split

@@ -42,6 +42,13 @@ def test_on_this_cpu():
   for row in ("attention", "prefill over pages", "decode attention", "fp8 products, decode", "fp8 page write",
               "speculation"):
     assert f"\n  {row} " in table, table
+  # 8-bit attention here: the FP8 kernel's model, decode rows through the Triton kernel in the interpreter, whose
+  # pages must still be ones it reads (refused in one line, not at the first decode step)
+  fp8 = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False)
+  assert fp8.decode.name == "triton-interpret" and "Pallas interpreter" in fp8.decode.why
+  with pytest.raises(ConfigError, match="page_size=96: neither decode kernel of the pallas-fp8-model backend reads "
+                                        "these pages \\(Mosaic GPU: .*interpret.*; Triton: .*power of two"):
+    resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn", page_size=96, prefill_chunk=960), check_fit=False)
 
 
 def _jax_0_11(monkeypatch, yes=True):
@@ -196,6 +203,7 @@ def test_on_ada(monkeypatch):
   # cuDNN's paged decode reads no fp8 pages: its fp8 decode rows run the Triton fp8 decode kernel.
   assert _kernels(s) == dict(attention="cudnn", decode="triton", linear="pallas", page_write="pallas")
   assert "Hopper" in s.linear.why and "cudnn backend reads no fp8 pages" in s.decode.why
+  assert "not mosaic: the Mosaic GPU fp8 page writer needs a Hopper GPU" in s.page_write.why
   assert s.attention.fp8_decode.name == "triton"
   # Pages the Triton kernel cannot read: the jnp reference, and the table says why.
   odd = resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False)

@@ -94,7 +94,7 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
                         "combine, decode_kernel='auto' on Hopper over fp8 pages")
   if name == "triton-interpret":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged) in the Pallas interpreter: its "
-                        "arithmetic, none of its speed (8-bit attention on a machine without a GPU)")
+                        "arithmetic, none of its speed")
   if name == "triton" and run.decode_kernel == "triton":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged), asked for by "
                         "decode_kernel='triton'")
@@ -126,7 +126,7 @@ def _decode_route(attention, serving_cfg: ModelConfig, run: RunConfig):
       shape = dict(head_dim=serving_cfg.head_dim, page_size=run.page_size, rows=tokens * G,
                    page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
       no_triton = attention.route_reason("triton", **shape)
-      if attention.decode_kernel(**shape) == "triton" and no_triton:
+      if attention.decode_kernel(**shape) in ("triton", "triton-interpret") and no_triton:
         raise ConfigError(f"page_size={run.page_size}: neither decode kernel of the {attention.name} backend reads "
                           f"these pages (Mosaic GPU: {attention.mosaic_decode_reason(**shape)}; Triton: {no_triton})")
     return attention

@@ -8,8 +8,8 @@ partials [SC, HB, RN] (SC splits a step) through a two-slot TMA pipeline whose f
 accumulates online, in the WGMMA register layout the decode kernel stores them from (a value per (head-dim row,
 query row)): per step the running maximum m moves to m' = max(m, the step's lse), acc and l are scaled by
 exp(m - m'), and each split adds o_s exp(lse_s - m') to acc and exp(lse_s - m') to l. A batch-1 decode gives
-the combine few CTAs (16 on the Llama-3.1-70B shape), so its time is the chain of memory round trips, and the lse
-load no longer precedes the partials'.
+the combine few CTAs (16 on the Llama-3.1-70B shape), so its time is the chain of memory round trips: the lse
+copy flies with the first partials' copies.
 It writes acc / l as out^T [B, K, H, RN] float32 and, from the first head-dim block, the lse m + log l [B, K, RN]:
 XLA's transpose of the R real rows into [B, T, N, H] and the cast fuse into whatever reads the attention output.
 

@@ -9,9 +9,9 @@ quantized with the new scale. The result is lcjax.cache.kv._write_one_token's, b
 One CTA (one warpgroup) per (row b, kv head h, K or V): it reads the old scale and the token's [H] values (one a
 thread) by plain loads, reduces their absmax across the warpgroup, stores the quantized token row and the new
 scale, and reads and rewrites the head's [Z, H] page slice (in registers) only when the scale changed. A call's
-time is this chain of memory round trips, so nothing goes through shared memory or TMA (with their copies and
-barriers a call took 2.9 us on the H200; without, 1.9 us on an H100, where Triton's writer takes 2.1:
-benchmarks/NOTES-attention), and K and V do not wait for each other.
+time is this chain of memory round trips, so nothing goes through shared memory or TMA, and K and V do not wait
+for each other (1.9 us a call on an H100, the Triton writer 2.1: benchmarks/NOTES-attention). The scale is
+stored after the ratio's cross-thread reduction, which every thread reaches with the old scale read.
 Rows whose page is out of the pool (`Pl`: a padding row's, or a page of another shard) write nothing.
 
 The pools and scales are written in place: they enter the kernel as mutable refs (`jax.new_ref`), which the
@@ -31,7 +31,7 @@ from lcjax.ops.fp8 import E4M3_MAX
 from lcjax.ops.hardware import jax_at_least, sm90_fp8_reason
 
 
-MAX_PAGE_SIZE = 256    # a requantized page slice [Z, 128] is Z / 2 float32 values a thread of the warpgroup
+MAX_PAGE_SIZE = 128    # a requantized page slice [Z, 128] is Z float32 values a thread of the warpgroup
 
 
 def unsupported_shape(page_size: int, head_dim: int) -> str | None:
@@ -56,7 +56,7 @@ def unsupported(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot be compiled here for pages of this shape (None: it can): a Hopper GPU (e4m3 converted
   in hardware; the Mosaic GPU lowering as tested), JAX 0.11 or later (mutable refs into Mosaic GPU kernels), and
   `unsupported_shape`."""
-  reason = sm90_fp8_reason("Mosaic GPU fp8 page writer", "Mosaic GPU")
+  reason = sm90_fp8_reason("Mosaic GPU fp8 page writer", "its Mosaic GPU lowering")
   if not reason and not refs_into_kernels():
     reason = (f"the Mosaic GPU fp8 page writer writes the pools in place through mutable refs, which Mosaic GPU "
               f"kernels take from JAX 0.11 (this is {jax.__version__})")
@@ -95,7 +95,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
       def _requantize():
         slot = pool.at[l, p, :, h]                                        # [Z, H]
         slot[...] = (slot[...].astype(jnp.float32) * ratio).astype(e4m3)
-        plgpu.commit_smem()                     # a warpgroup barrier: the slice's stores precede the token's
+        _warpgroup_barrier()                    # row `off` of the slice lands before the token's row
 
       pool[l, p, off, h] = jnp.clip(x * inv, -E4M3_MAX, E4M3_MAX).astype(e4m3)
       scale[l, p, h] = jnp.max(new)
@@ -103,6 +103,16 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
     inside = (p >= 0) & (p < Pl)
     pl.when(inside & (c == 0))(lambda: write(k_ref, ks_ref))
     pl.when(inside & (c == 1))(lambda: write(v_ref, vs_ref))
+
+  def _warpgroup_barrier():
+    """bar.sync over the warpgroup's 128 threads: each thread's global stores before it are ordered before every
+    thread's after it (PTX's memory model for bar.sync participants), so a row that two threads write holds the
+    later store."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu()
+    def _(_ctx):
+      mgpu_utils.warpgroup_barrier()
 
   x = precision.widen(jnp.stack([k_new, v_new], axis=1))                  # [B, 2, K, H], k_new's values exactly
   refs = [jax.new_ref(a) for a in (k_pool, v_pool, k_scale, v_scale)]

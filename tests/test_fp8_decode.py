@@ -248,6 +248,7 @@ def test_mosaic_combine_lse_rows_divide_over_a_warpgroup():
     (1, 8, 256, 128, 64, 8, 8, 1.0)])    # 64 rows (swizzled, a split a step), 256 splits
 def test_mosaic_combine_gpu(B, K, S, H, RN, T, G, spread):
   check_mosaic_combine(B, K, S, H, RN, T, G, spread)
+  check_flat_combine(B, K, S, H, RN, T, G, spread)
 
 
 def check_mosaic_combine(B, K, S, H, RN, T, G, spread):
@@ -258,6 +259,17 @@ def check_mosaic_combine(B, K, S, H, RN, T, G, spread):
   lse = jnp.concatenate([lse, jnp.full((B, K, S2 - S, RN), jnp.nan, jnp.float32)], axis=2)
   want, want_lse = _numpy_join(o, lse, S, T, G)
   out, lse_out = mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=2e-5, atol=2e-5)
+
+
+def check_flat_combine(B, K, S, H, RN, T, G, spread):
+  """The flat split combine (combine_splits_flat: the lse broadcast over the head dim) == the float64 numpy join,
+  including an empty split and a row no split saw. On the GPU and in the Mosaic GPU interpreter."""
+  o, lse = _partials(B + S, B, K, S, H, RN, S=S, spread=spread)
+  want, want_lse = _numpy_join(o, lse, S, T, G)
+  out, lse_out = mgpu_combine.combine_splits_flat(o, jnp.broadcast_to(lse[:, :, :, None, :], o.shape), T=T, G=G,
+                                                  out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=2e-5, atol=2e-5)
 

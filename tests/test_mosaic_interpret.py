@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from lcjax.ops.hardware import jax_at_least
-from tests.test_fp8_decode import CASES, check_bf16_kernel, check_fp8_kernel, check_mosaic_combine
+from tests.test_fp8_decode import CASES, check_bf16_kernel, check_fp8_kernel, check_flat_combine, check_mosaic_combine
 
 pytestmark = pytest.mark.skipif(not jax_at_least(0, 11),
                                 reason=f"the Mosaic GPU interpreter runs these kernels from JAX 0.11 (this is "
@@ -57,28 +57,31 @@ def _interpreted():
   assert not interpret_pallas_call.get_races().races_found, "the interpreter saw a data race in shared memory"
 
 
+@pytest.mark.parametrize("combine", ["mosaic", "mosaic-flat"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_decode_interpreted(name, decode_interpreter):
-  """test_kernel_gpu's checks with the Mosaic GPU combine: on the quantized queries == the float32 model, the whole
-  call == the float64 oracle."""
-  check_fp8_kernel(name, "mosaic")
+def test_fp8_decode_interpreted(name, combine, decode_interpreter):
+  """test_kernel_gpu's checks with each Mosaic GPU combine: on the quantized queries == the float32 model, the
+  whole call == the float64 oracle."""
+  check_fp8_kernel(name, combine)
 
 
+@pytest.mark.parametrize("combine", ["mosaic", "mosaic-flat"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_bf16_decode_interpreted(name, decode_interpreter):
-  """test_bf16_kernel_gpu's checks with the Mosaic GPU combine: == the float64 oracle."""
-  check_bf16_kernel(name, "mosaic")
+def test_bf16_decode_interpreted(name, combine, decode_interpreter):
+  """test_bf16_kernel_gpu's checks with each Mosaic GPU combine: == the float64 oracle."""
+  check_bf16_kernel(name, combine)
 
 
 @pytest.mark.parametrize("B,K,S,H,RN,T,G", [
     (1, 8, 32, 128, 8, 1, 4), (1, 2, 64, 64, 8, 1, 4), (2, 2, 16, 64, 16, 4, 4), (1, 2, 32, 64, 16, 4, 4),
     (1, 4, 8, 128, 24, 5, 4), (1, 2, 16, 64, 32, 8, 4), (2, 4, 64, 128, 40, 5, 8), (1, 2, 8, 64, 48, 6, 8),
-    (1, 2, 4, 64, 56, 7, 8), (1, 8, 64, 128, 64, 16, 4)])
+    (1, 2, 4, 64, 56, 7, 8), (1, 8, 64, 128, 64, 16, 4), (1, 2, 128, 64, 8, 1, 4)])
 def test_combine_interpreted(B, K, S, H, RN, T, G, interpreter):
   """The split combine at every row width (several splits a pipeline step for rows of 8, 16 and 32, one for the
   others; at 8 and 16 also over more steps than the ring's two slots, so slots are refilled), with an empty split,
-  a row no split saw and unused lse rows holding NaN == the float64 join."""
+  a row no split saw and unused lse rows holding NaN == the float64 join; the flat combine on the same partials."""
   check_mosaic_combine(B, K, S, H, RN, T, G, 5.0)
+  check_flat_combine(B, K, S, H, RN, T, G, 5.0)
 
 
 @pytest.mark.parametrize("L,P,Z,K,H,B,layer", [(3, 9, 64, 2, 128, 5, 2), (2, 12, 128, 4, 128, 8, 0)])

@@ -108,7 +108,7 @@ def test_paged_flash_prefill_lowers(T, Z):
 
 @pytest.mark.parametrize("T,combine", [pytest.param(1, "triton", marks=TRITON_CROSS_LOWERS),
                                        pytest.param(4, "triton", marks=TRITON_CROSS_LOWERS), (1, "mosaic"),
-                                       (5, "mosaic")])
+                                       (5, "mosaic"), (1, "mosaic-flat"), (5, "mosaic-flat")])
 def test_fp8_paged_decode_lowers(T, combine):
   """The fp8 paged decode kernel: Llama-3-8B heads over 64-token pages, one to five query tokens; with
   DecodeTuning(combine="mosaic") it is two Mosaic GPU kernels and no Triton call."""
@@ -131,9 +131,12 @@ def test_split_combine_lowers(B, splits, RN, T, G):
   lse = S((B, 8, mgpu_combine.lse_rows(splits, RN), RN), jnp.float32)
   assert _lowered_calls(lambda o, l: mgpu_combine.combine_splits(o, l, T=T, G=G, out_dtype=jnp.bfloat16), o, lse) \
       == [MOSAIC_CALL]
+  assert _lowered_calls(lambda o, l: mgpu_combine.combine_splits_flat(o, l, T=T, G=G, out_dtype=jnp.bfloat16), o, o) \
+      == [MOSAIC_CALL]
 
 
 @pytest.mark.parametrize("T,G,Z,combine", [(1, 4, 64, "mosaic"), (5, 4, 128, "mosaic"), (16, 4, 64, "mosaic"),
+                                           (1, 4, 64, "mosaic-flat"),
                                            pytest.param(1, 8, 256, "triton", marks=TRITON_CROSS_LOWERS)])
 def test_bf16_paged_decode_lowers(T, G, Z, combine):
   """The Mosaic GPU decode over bfloat16 pages (one bf16 wgmma for Q K^T, V read as TMA brought it): 1 to 64 rows

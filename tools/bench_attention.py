@@ -451,6 +451,8 @@ def decode_impls():
       "lcjax-pallas-fp8": (True, True, pal(triton_paged.PagedTuning())),
       "lcjax-mgpu-fp8": (True, True, mgpu(D())),
       "lcjax-mgpu-fp8-mcombine": (True, True, mgpu(D(combine="mosaic"))),
+      "lcjax-mgpu-bf16-mcs2-fcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="mosaic-flat"))),
+      "lcjax-mgpu-fp8-fcombine": (True, True, mgpu(D(combine="mosaic-flat"))),
   }
   if _EXPLORE.value:
     T = triton_paged.PagedTuning

@@ -122,3 +122,62 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
                      plgpu.SMEM((RN,), jnp.float32), plgpu.Barrier(num_barriers=1)],
   )(o, lse)
   return heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype), heads_from_rows(lse_t, T, G)
+
+
+FLAT_VALUES = 2              # partial values per thread of a `combine_splits_flat` CTA
+_FLAT_UNROLL = 64            # splits up to which its loops over the splits are unrolled (their loads in flight)
+
+
+def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
+  """`combine_splits` on partials whose lse the decode kernel also stores broadcast over the head dim:
+  o, lse_full [B, K, S, H, RN] float32 (every written split; lse_full[b, h, s, :, r] = split s's lse of row r) ->
+  (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] float32).
+
+  The join is then elementwise over each (b, h)'s flat H * RN values: one CTA takes (b, h, a chunk of 128 *
+  FLAT_VALUES of them), reads the maximum m over the splits' lse, then adds o_s exp(lse_s - m) and exp(lse_s - m),
+  all by plain loads (each thread its own values; no shared memory, TMA or register layout to match), and stores
+  acc / l and m + log l. The partial bytes read double; the memory round trips of shared-memory staging are gone."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  B, K, S, H, RN = o.shape
+  F, C = H * RN, 128 * FLAT_VALUES
+  if lse_full.shape != o.shape or F % C or T * G > RN:
+    raise ValueError(f"partials {tuple(o.shape)} and lse {tuple(lse_full.shape)} for {T=} {G=}: the flat combine "
+                     f"takes lse of the partials' shape, H * RN a multiple of {C}, and RN >= T * G")
+
+  def body(o_ref, l_ref, out_ref, lse_out_ref):
+    b, h, c = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunk")
+    cols = pl.ds(c * C, C)
+    lse = lambda s: l_ref[b, h, s, cols]
+
+    def over_splits(fn, carry):
+      if S <= _FLAT_UNROLL:
+        for s in range(S):
+          carry = fn(s, carry)
+        return carry
+      return lax.fori_loop(0, S, fn, carry)
+
+    first = lse(0)
+    m = over_splits(lambda s, m: jnp.maximum(m, lse(s)), jnp.maximum(first, _M_FLOOR))
+
+    def add(s, carry):
+      acc, l = carry
+      w = jnp.exp(lse(s) - m)
+      return acc + o_ref[b, h, s, cols] * w, l + w
+
+    zero = m * 0.0                       # m is finite: zeros in the loads' register layout (a loop carries it)
+    acc, l = over_splits(add, (zero, zero))
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out_ref[b, h, cols] = acc / l_safe
+    lse_out_ref[b, h, cols] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+  out_t, lse_t = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, K, F), jnp.float32), jax.ShapeDtypeStruct((B, K, F), jnp.float32)),
+      grid=(F // C, K, B),
+      grid_names=("chunk", "heads", "batch"),
+  )(o.reshape(B, K, S, F), lse_full.reshape(B, K, S, F))
+  out_t = out_t.reshape(B, K, H, RN)
+  return (heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype),
+          heads_from_rows(lse_t.reshape(B, K, H, RN)[:, :, 0], T, G))

@@ -55,7 +55,7 @@ MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are pad
 BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the K of O^T = V^T P^T
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
-COMBINES = ("triton", "mosaic")
+COMBINES = ("triton", "mosaic", "mosaic-flat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +68,9 @@ class DecodeTuning:
                                      # each (from 24 rows, 117+ KiB: one; at 64 rows, 152 KiB)
   min_pages_per_split: int = 4
   max_concurrent_steps: int = 4      # K/V ring depth
-  combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged) or "mosaic"
-                                     # (lcjax.ops.mosaic_gpu.combine)
+  combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
+                                     # (lcjax.ops.mosaic_gpu.combine) or "mosaic-flat" (its combine_splits_flat,
+                                     # on partials whose lse the kernel also stores broadcast over the head dim)
 
   def __post_init__(self):
     if self.max_concurrent_steps < 2:
@@ -134,7 +135,8 @@ def dequantize_rows(q8, qs, T, G):
 def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset, *, T, G, splits,
                  tuning: DecodeTuning):
   """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, S2, RN] f32, natural log, the first
-  `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits).
+  `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits;
+  with combine "mosaic-flat" a third, the lse broadcast over the head dim [B, K, splits, H, RN]).
 
   Over e4m3 pages q8 [B, K, 2, RN, H] holds the queries' two e4m3 terms and qs [B, K] their scale. Over bfloat16
   pages (`quantized` False) q8 [B, K, 1, RN, H] is the bfloat16 rows themselves, qs, k_scale and v_scale are
@@ -153,13 +155,14 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   pps = -(-M // splits)                           # pages per split
   mcs = tuning.max_concurrent_steps
   S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
+  flat = tuning.combine == "mosaic-flat"          # the lse also stored broadcast over the head dim
   c = _LOG2E / math.sqrt(H)
   COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
 
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
-           scratch):
+           lse_full_ref, scratch):
     # fp8: `v_free` is the widened V ring's (V16_SLOTS); bf16: the K/V ring's, as `k_free`
-    ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
+    ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem, lse_full_smem), (k_bar, v_bar, q_bar, v16_bar),
      (k_free, v_free)) = scratch
     s = lax.axis_index("splits")
     h = lax.axis_index("heads")
@@ -263,10 +266,15 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       seen = l > 0
       l_safe = jnp.where(seen, l, 1.0)
       o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
-      lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      lse_smem[...] = lse
+      if flat:
+        lse_full_smem[...] = lax.broadcast_in_dim(lse, (H, RN), [1])
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
+      if flat:
+        plgpu.copy_smem_to_gmem(lse_full_smem, lse_full_ref.at[b, h, s])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -303,7 +311,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   page = k_pages.dtype
 
   def entry(*refs):
-    ins, (o_ref, lse_ref) = refs[:10], refs[10:]
+    ins, (o_ref, lse_ref, *lse_full) = refs[:10], refs[10:]
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
     smem = (tiled((n_terms, RN, H), q8.dtype),
             tiled((mcs, Zb, H), page),
@@ -311,17 +319,20 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
             tiled((V16_SLOTS, Zb, H), jnp.float16) if quantized else None,
             tiled((RN, Zb), p_dtype),
             plgpu.SMEM((H, RN), jnp.float32),
-            plgpu.SMEM((RN,), jnp.float32))
+            plgpu.SMEM((RN,), jnp.float32),
+            plgpu.SMEM((H, RN), jnp.float32) if flat else None)
     v_slots = V16_SLOTS if quantized else mcs
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
               plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS) if quantized else None)
     freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=v_slots))
-    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed, collective_axes="wg")
+    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, *(lse_full or (None,)), scratch), smem, loaded, freed,
+                  collective_axes="wg")
 
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),
-                jax.ShapeDtypeStruct((B, K, S2, RN), jnp.float32)),
+                jax.ShapeDtypeStruct((B, K, S2, RN), jnp.float32),
+                *((jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),) if flat else ())),
       grid=(splits, K, B),
       grid_names=("splits", "heads", "batch"),
       num_threads=2,
@@ -372,10 +383,13 @@ def _decode_and_combine(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_tab
   split combine `tuning.combine` names: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
   B, K, _, _, H = q_rows.shape
   splits = num_splits_for(tuning, B, K, page_table.shape[1])
-  o, lse = _decode_call(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table.astype(jnp.int32),
-                        jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
-                        jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
-                        jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
+  o, lse, *lse_full = _decode_call(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table.astype(jnp.int32),
+                                   jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
+                                   jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
+                                   jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits,
+                                   tuning=tuning)
+  if tuning.combine == "mosaic-flat":
+    return mgpu_combine.combine_splits_flat(o, lse_full[0], T=T, G=G, out_dtype=out_dtype)
   if tuning.combine == "mosaic":
     return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=out_dtype)
   return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,

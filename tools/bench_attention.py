@@ -256,6 +256,12 @@ def prefill_impls():
     impls["lcjax-pallas-fp8" + tag] = (True, functools.partial(_fp8_attend, tuning=tuning), None, FP8)
     impls["lcjax-pallas-fp8-kernel" + tag] = (True, functools.partial(_fp8_kernel, tuning=tuning),
                                               functools.partial(_fp8_operands, tuning=tuning), FP8)
+  if _EXPLORE.value:
+    # One key block a 64-token page (per-page K and V scales would be per block): the kernel alone, as
+    # flash_attention_fp8 asks block_kv % 128 == 0.
+    bkv64 = mgpu_flash.FlashTuning(block_kv=64, max_concurrent_steps=4)
+    impls["lcjax-pallas-fp8-kernel-bkv64"] = (True, functools.partial(_fp8_kernel, tuning=bkv64),
+                                              functools.partial(_fp8_operands, tuning=bkv64), FP8)
   impls["lcjax-pallas-fp8-norotation"] = (True, functools.partial(_fp8_attend, incoherent=False), None, FP8)
   # int8 Q K^T, e4m3 P and V (SageAttention's split): quantization included, and the kernel alone.
   impls["lcjax-pallas-fp8-int8qk"] = (True, functools.partial(_fp8_attend, qk_dtype="int8"), None, INT8_FP8)

@@ -10,10 +10,8 @@ first test), so each refusal is the planted value's.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import struct
 import time
 
@@ -27,6 +25,7 @@ from lcjax.checkpoint.layout import QUANTIZED, param_shapes
 from lcjax.checkpoint.restore import load_checkpoint
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ModelConfig, WeightFormat
+from tests.alarm import alarm
 
 CFG = ModelConfig("values-test", vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                   ffn_dim=64, max_position=128, bos_id=0, eos_ids=(1,))
@@ -197,7 +196,7 @@ def _config_refused(tmp_path, change, *names) -> str:
   (src / "config.json").write_text(json.dumps(d))
   t0 = time.perf_counter()
   with pytest.raises(CheckpointError) as e:
-    with _alarm(10.0):
+    with alarm(10.0):
       convert_hf(str(src), str(tmp_path / "out"), progress=False)
   assert time.perf_counter() - t0 < 5.0
   msg = str(e.value)
@@ -205,21 +204,6 @@ def _config_refused(tmp_path, change, *names) -> str:
   for n in names:
     assert n in msg, msg
   return msg
-
-
-@contextlib.contextmanager
-def _alarm(seconds: float):
-  """TimeoutError in this thread after `seconds` (re's matching loop checks for signals, so a backtracking pattern is
-  stopped too)."""
-  def stop(*_):
-    raise TimeoutError(f"still running after {seconds} s")
-  before = signal.signal(signal.SIGALRM, stop)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
-  try:
-    yield
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, before)
 
 
 def test_an_ignore_pattern_that_backtracks_is_matched_in_linear_time(tmp_path):

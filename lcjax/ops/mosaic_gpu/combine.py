@@ -136,7 +136,8 @@ def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
   The join is then elementwise over each (b, h)'s flat H * RN values: one CTA takes (b, h, a chunk of 128 *
   FLAT_VALUES of them), reads the maximum m over the splits' lse, then adds o_s exp(lse_s - m) and exp(lse_s - m),
   all by plain loads (each thread its own values; no shared memory, TMA or register layout to match), and stores
-  acc / l and m + log l. The partial bytes read double; the memory round trips of shared-memory staging are gone."""
+  acc / l; the first chunk (head-dim row 0 of every query row) also stores m + log l. It reads three times the
+  partials' bytes (o once, the lse twice) in no shared-memory round trips."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   B, K, S, H, RN = o.shape
@@ -150,15 +151,14 @@ def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
     cols = pl.ds(c * C, C)
     lse = lambda s: l_ref[b, h, s, cols]
 
-    def over_splits(fn, carry):
+    def over_splits(fn, carry, start=0):
       if S <= _FLAT_UNROLL:
-        for s in range(S):
+        for s in range(start, S):
           carry = fn(s, carry)
         return carry
-      return lax.fori_loop(0, S, fn, carry)
+      return lax.fori_loop(start, S, fn, carry)
 
-    first = lse(0)
-    m = over_splits(lambda s, m: jnp.maximum(m, lse(s)), jnp.maximum(first, _M_FLOOR))
+    m = over_splits(lambda s, m: jnp.maximum(m, lse(s)), jnp.maximum(lse(0), _M_FLOOR), start=1)
 
     def add(s, carry):
       acc, l = carry
@@ -170,14 +170,17 @@ def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out_ref[b, h, cols] = acc / l_safe
-    lse_out_ref[b, h, cols] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+    @pl.when(c == 0)
+    def _():
+      lse_out_ref[b, h] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
   out_t, lse_t = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((B, K, F), jnp.float32), jax.ShapeDtypeStruct((B, K, F), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((B, K, F), jnp.float32), jax.ShapeDtypeStruct((B, K, C), jnp.float32)),
       grid=(F // C, K, B),
       grid_names=("chunk", "heads", "batch"),
   )(o.reshape(B, K, S, F), lse_full.reshape(B, K, S, F))
   out_t = out_t.reshape(B, K, H, RN)
   return (heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype),
-          heads_from_rows(lse_t.reshape(B, K, H, RN)[:, :, 0], T, G))
+          heads_from_rows(lse_t[:, :, :RN], T, G))

@@ -16,7 +16,8 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
 writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine: Triton's of
-lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine).
+lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine's, for whose flat join the kernel also stores the lse
+broadcast over the head dim).
 
 Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
 computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
@@ -162,7 +163,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
            lse_full_ref, scratch):
     # fp8: `v_free` is the widened V ring's (V16_SLOTS); bf16: the K/V ring's, as `k_free`
-    ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem, lse_full_smem), (k_bar, v_bar, q_bar, v16_bar),
+    ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
      (k_free, v_free)) = scratch
     s = lax.axis_index("splits")
     h = lax.axis_index("heads")
@@ -268,13 +269,16 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
       lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
       lse_smem[...] = lse
-      if flat:
-        lse_full_smem[...] = lax.broadcast_in_dim(lse, (H, RN), [1])
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
       if flat:
-        plgpu.copy_smem_to_gmem(lse_full_smem, lse_full_ref.at[b, h, s])
+        # The broadcast lse goes out through o's buffer once its copy has read it (no shared memory of its own:
+        # at 9-16 rows another [H, RN] buffer would leave one fp8 CTA an SM instead of two).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = lax.broadcast_in_dim(lse, (H, RN), [1])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, lse_full_ref.at[b, h, s])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -319,8 +323,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
             tiled((V16_SLOTS, Zb, H), jnp.float16) if quantized else None,
             tiled((RN, Zb), p_dtype),
             plgpu.SMEM((H, RN), jnp.float32),
-            plgpu.SMEM((RN,), jnp.float32),
-            plgpu.SMEM((H, RN), jnp.float32) if flat else None)
+            plgpu.SMEM((RN,), jnp.float32))
     v_slots = V16_SLOTS if quantized else mcs
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
               plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS) if quantized else None)

@@ -129,7 +129,7 @@ _FLAT_UNROLL = 64            # splits up to which its loops over the splits are 
 
 
 def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
-  """`combine_splits` on partials whose lse the decode kernel also stores broadcast over the head dim:
+  """`combine_splits` on partials whose lse the decode kernel stores broadcast over the head dim:
   o, lse_full [B, K, S, H, RN] float32 (every written split; lse_full[b, h, s, :, r] = split s's lse of row r) ->
   (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] float32).
 

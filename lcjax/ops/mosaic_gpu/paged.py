@@ -16,8 +16,8 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
 writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine: Triton's of
-lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine's, for whose flat join the kernel also stores the lse
-broadcast over the head dim).
+lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine's, for whose flat join the kernel stores the lse broadcast
+over the head dim).
 
 Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
 computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
@@ -71,7 +71,7 @@ class DecodeTuning:
   max_concurrent_steps: int = 4      # K/V ring depth
   combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
                                      # (lcjax.ops.mosaic_gpu.combine) or "mosaic-flat" (its combine_splits_flat,
-                                     # on partials whose lse the kernel also stores broadcast over the head dim)
+                                     # on partials whose lse the kernel stores broadcast over the head dim)
 
   def __post_init__(self):
     if self.max_concurrent_steps < 2:
@@ -137,7 +137,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
                  tuning: DecodeTuning):
   """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, S2, RN] f32, natural log, the first
   `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits;
-  with combine "mosaic-flat" a third, the lse broadcast over the head dim [B, K, splits, H, RN]).
+  with combine "mosaic-flat" the lse broadcast over the head dim instead, [B, K, splits, H, RN]).
 
   Over e4m3 pages q8 [B, K, 2, RN, H] holds the queries' two e4m3 terms and qs [B, K] their scale. Over bfloat16
   pages (`quantized` False) q8 [B, K, 1, RN, H] is the bfloat16 rows themselves, qs, k_scale and v_scale are
@@ -156,12 +156,12 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   pps = -(-M // splits)                           # pages per split
   mcs = tuning.max_concurrent_steps
   S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
-  flat = tuning.combine == "mosaic-flat"          # the lse also stored broadcast over the head dim
+  flat = tuning.combine == "mosaic-flat"          # the lse stored broadcast over the head dim
   c = _LOG2E / math.sqrt(H)
   COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
 
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
-           lse_full_ref, scratch):
+           scratch):
     # fp8: `v_free` is the widened V ring's (V16_SLOTS); bf16: the K/V ring's, as `k_free`
     ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
      (k_free, v_free)) = scratch
@@ -268,17 +268,19 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       l_safe = jnp.where(seen, l, 1.0)
       o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
       lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-      lse_smem[...] = lse
+      if not flat:
+        lse_smem[...] = lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
       if flat:
         # The broadcast lse goes out through o's buffer once its copy has read it (no shared memory of its own:
         # at 9-16 rows another [H, RN] buffer would leave one fp8 CTA an SM instead of two).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_smem[...] = lax.broadcast_in_dim(lse, (H, RN), [1])
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, lse_full_ref.at[b, h, s])
+        plgpu.copy_smem_to_gmem(o_smem, lse_ref.at[b, h, s])
+      else:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -315,7 +317,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   page = k_pages.dtype
 
   def entry(*refs):
-    ins, (o_ref, lse_ref, *lse_full) = refs[:10], refs[10:]
+    ins, (o_ref, lse_ref) = refs[:10], refs[10:]
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
     smem = (tiled((n_terms, RN, H), q8.dtype),
             tiled((mcs, Zb, H), page),
@@ -323,19 +325,17 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
             tiled((V16_SLOTS, Zb, H), jnp.float16) if quantized else None,
             tiled((RN, Zb), p_dtype),
             plgpu.SMEM((H, RN), jnp.float32),
-            plgpu.SMEM((RN,), jnp.float32))
+            None if flat else plgpu.SMEM((RN,), jnp.float32))
     v_slots = V16_SLOTS if quantized else mcs
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
               plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS) if quantized else None)
     freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=v_slots))
-    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, *(lse_full or (None,)), scratch), smem, loaded, freed,
-                  collective_axes="wg")
+    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed, collective_axes="wg")
 
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),
-                jax.ShapeDtypeStruct((B, K, S2, RN), jnp.float32),
-                *((jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),) if flat else ())),
+                jax.ShapeDtypeStruct((B, K, splits, H, RN) if flat else (B, K, S2, RN), jnp.float32)),
       grid=(splits, K, B),
       grid_names=("splits", "heads", "batch"),
       num_threads=2,
@@ -386,13 +386,12 @@ def _decode_and_combine(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_tab
   split combine `tuning.combine` names: (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32)."""
   B, K, _, _, H = q_rows.shape
   splits = num_splits_for(tuning, B, K, page_table.shape[1])
-  o, lse, *lse_full = _decode_call(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table.astype(jnp.int32),
-                                   jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
-                                   jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
-                                   jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits,
-                                   tuning=tuning)
+  o, lse = _decode_call(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_table.astype(jnp.int32),
+                        jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
+                        jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
+                        jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
   if tuning.combine == "mosaic-flat":
-    return mgpu_combine.combine_splits_flat(o, lse_full[0], T=T, G=G, out_dtype=out_dtype)
+    return mgpu_combine.combine_splits_flat(o, lse, T=T, G=G, out_dtype=out_dtype)
   if tuning.combine == "mosaic":
     return mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=out_dtype)
   return triton_paged.combine_splits(o, lse, S=splits, G=G, out_shape=(B, T, K * G, H), out_dtype=out_dtype,

@@ -454,15 +454,20 @@ GPU_CASES = [  # T, S, N, K, H, causal, d, kv_len
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-@pytest.mark.parametrize("T,S,N,K,H,causal,d,kv_len,qk_dtype",
-                         [c + ("float8_e4m3fn",) for c in GPU_CASES] + [c + ("int8",) for c in GPU_CASES[:2]])
-def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len, qk_dtype):
+@pytest.mark.parametrize("T,S,N,K,H,causal,d,kv_len,qk_dtype,kv_splits",
+                         [c + ("float8_e4m3fn", None) for c in GPU_CASES] + [c + ("int8", None) for c in GPU_CASES[:2]]
+                         + [c + ("float8_e4m3fn", s) for c in GPU_CASES[1:3] for s in (1, 5)])
+def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len, qk_dtype, kv_splits):
+  """The FP8 kernel against its jnp model and float32 attention; kv_splits None: chosen per call (these small
+  grids take 2 or 4), else each tile's keys in that many CTAs."""
   B = 2
   q, k, v = (x.astype(jnp.bfloat16) for x in (_normal(20, B, T, N, H), _normal(21, B, S, K, H),
                                                _normal(22, B, S, K, H)))
   d = None if d is None else jnp.array(d, jnp.int32)
   kvl = None if kv_len is None else jnp.array(kv_len, jnp.int32)
-  run = functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, d, kvl, causal=causal, qk_dtype=qk_dtype)
+  tuning = dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits)
+  run = functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, d, kvl, causal=causal, qk_dtype=qk_dtype,
+                          tuning=tuning)
   out, lse = run()
   m_out, m_lse = run(interpret=True)
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32

@@ -422,6 +422,49 @@ def test_flash_kernel_lowers_for_cuda(H, dtype, causal, save_lse):
   assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_key_splits_end_the_grid_in_fewer_waves():
+  """kv_splits_for on 132 SMs over a 128K-key prefix (1,024 blocks), Llama-3-8B's 32 query heads: a question of
+  5 tiles (640 rows, 160 CTAs: two waves of whole ranges) or 10 tiles (320 CTAs: three) is split; 8 tiles (256
+  CTAs, 1.94 waves) and a 16K-row chunk (4,096 CTAs) are not; nor are keys too few to pay for the merge."""
+  pick = functools.partial(mgpu_flash.kv_splits_for, sms=132)
+  assert pick(32 * 5, 1024) == 4
+  assert pick(32 * 10, 1024) > 1
+  assert pick(32 * 8, 1024) == 1
+  assert pick(32 * 128, 1024) == 1
+  assert pick(32 * 5, 1) == 1
+  for ctas, blocks in itertools.product([1, 32, 100, 160, 256, 320, 640], [1, 8, 64, 1024, 8192]):
+    s = pick(ctas, blocks)
+    assert 1 <= s <= mgpu_flash.MAX_KV_SPLITS
+    waves = lambda s: -(-ctas * s // 132) * (blocks / s + 2)
+    assert waves(s) <= waves(1)
+  with pytest.raises(ValueError, match="kv_splits=9 must be None"):
+    mgpu_flash.FlashTuning(kv_splits=9)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_merge_splits_is_attention_over_every_key(splits):
+  """merge_splits of partials over disjoint key ranges (the jnp reference over each range, lse -inf where a row
+  saw none of it, one range empty) == the float64 oracle over all keys."""
+  B, T, S, N, K, H = 2, 16, 80, 4, 2, 32
+  q, k, v = rand_qkv(5, B, T, S, N, K, H, jnp.float32)
+  kv_len = jnp.array([S, 37], jnp.int32)
+  q_pos = jnp.array([S - T, 30], jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  cuts = np.linspace(0, S, splits + 1).astype(int) if splits < 5 else np.array([0, 10, 10, 40, 41, S])
+  outs, lses = [], []
+  for lo, hi in zip(cuts[:-1], cuts[1:]):
+    if lo == hi:                                                  # a split with no keys, as the kernel writes it
+      outs.append(jnp.zeros_like(q))
+      lses.append(jnp.full((B, N, T), -jnp.inf))
+      continue
+    o, lse = ref.attention_reference(q, k[:, lo:hi], v[:, lo:hi], q_pos=q_pos, k_start=jnp.full((B,), lo, jnp.int32),
+                                     kv_len=jnp.clip(kv_len - lo, 0, hi - lo))
+    outs.append(o)
+    lses.append(jnp.swapaxes(lse, 1, 2))
+  out, lse = mgpu_flash.merge_splits(jnp.stack(outs), jnp.stack(lses))
+  check((out, jnp.swapaxes(lse, 1, 2)), oracle(q, k, v, visibility(q_pos, np.zeros(B, int), kv_len, S, True)),
+        tol_out=1e-5, tol_lse=1e-5)
+
+
 # ---------------------------------------------------------------- GPU: the real kernels
 # Every mask case in bf16 at head dim 128; fp16 at head dim 64 on two of them.
 GPU_ATTEND = ([(*c, 128, jnp.bfloat16) for c in ATTEND_CASES]
@@ -528,6 +571,35 @@ def test_paged_flash_gpu(T, Z):
   128 / Z TMA copies or a part of one page): `_check_paged_flash`'s cases. 1,000-row chunks at 8 query heads over
   2 kv heads: the float64 oracle at 32 heads takes minutes on the host."""
   _check_paged_flash(mgpu_flash.flash_attention_paged, T, Z, *((8, 2) if T > 128 else ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("kv_splits", [1, 3, 8])
+@pytest.mark.parametrize("T,Z", [(128, 64), (1000, 128)])
+def test_paged_flash_key_splits_gpu(T, Z, kv_splits):
+  """The paged flash kernel with each tile's keys cut into kv_splits CTAs (ranges ending inside a page, empty
+  ranges where kv_len is short): `_check_paged_flash`'s cases against the float64 oracle."""
+  tuning = mgpu_flash.FlashTuning(kv_splits=kv_splits)
+  _check_paged_flash(functools.partial(mgpu_flash.flash_attention_paged, tuning=tuning), T, Z,
+                     *((8, 2) if T > 128 else ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("kv_splits", [1, 2, 7])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_key_splits_gpu(kv_splits, causal):
+  """The flash kernel on contiguous keys with kv_splits CTAs a tile: rows after a prefix (d > 0), kv_len inside a
+  block and a sequence with no key, against the float64 oracle."""
+  B, T, S, N, K, H = 3, 256, 2000, 8, 2, 128
+  q, k, v = rand_qkv(11, B, T, S, N, K, H)
+  d = jnp.array([S - T, 900, 0], jnp.int32)
+  kv_len = jnp.array([S, 1000, 0], jnp.int32)
+  tuning = mgpu_flash.FlashTuning(kv_splits=kv_splits)
+  got = mgpu_flash.flash_attention(q, k, v, d, kv_len, causal=causal, tuning=tuning)
+  q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  check(got, oracle(q, k, v, visibility(q_pos, np.zeros(B, int), kv_len, S, causal)), tol_out=2e-2)
 
 
 @pytest.mark.gpu

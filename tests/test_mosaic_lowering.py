@@ -11,6 +11,8 @@ shared memory limits at launch.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import jax
@@ -88,11 +90,14 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_flash_prefill_lowers(fp8):
-  """The prefill flash kernel, bf16 and 8-bit, Llama-3-8B heads (32 query, 8 KV, head_dim 128), 1K tokens."""
+@pytest.mark.parametrize("kv_splits", [1, 3])
+def test_flash_prefill_lowers(fp8, kv_splits):
+  """The prefill flash kernel, bf16 and 8-bit, Llama-3-8B heads (32 query, 8 KV, head_dim 128), 1K tokens, its keys
+  in one range or cut into 3 splits."""
   q, kv = S((1, 1024, 32, 128), jnp.bfloat16), S((1, 1024, 8, 128), jnp.bfloat16)
   fn = mgpu_flash.flash_attention_fp8 if fp8 else mgpu_flash.flash_attention
-  assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v), q, kv, kv)
+  tuning = dataclasses.replace(mgpu_flash.FP8_TUNING if fp8 else mgpu_flash.FlashTuning(), kv_splits=kv_splits)
+  assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v, tuning=tuning), q, kv, kv)
 
 
 @pytest.mark.parametrize("T,Z", [(1024, 64), (1000, 128), (256, 256), (128, 16)])

@@ -5,8 +5,9 @@ GPU run.
 
 Prefill: causal, B=1, 32 query heads, 8 kv heads (--heads), head dim 128, bf16, S in --prefill (TFLOP/s with causal
 flops 2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
-pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place against
-cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
+pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place and the FP8
+path over the gathered prefix, each with the flash kernel's key splits chosen per call and with one split
+(`-split1`), against cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
 pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
 inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a
 small size, then timed: median of --reps samples after a warm-up, a sample some back-to-back calls and one
@@ -23,6 +24,7 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch peers share the GPU in this process
 
+import dataclasses
 import functools
 import json
 import math
@@ -584,10 +586,21 @@ def chunk_impls():
   """name -> (lcjax?, fn(q, kp, vp, table, q_pos, kv_len) -> (out, lse)): what reads a prefill chunk's cached
   prefix from the pages. cuDNN's paged kernel (CudnnBackend's padding-only call, the pallas backend's
   prefill_kernel="cudnn") is the peer."""
-  paged_flash = pallas_backend.PallasBackend(prefill_route="mosaic")
+  def paged_flash(kv_splits=None):
+    be = pallas_backend.PallasBackend(prefill_route="mosaic", flash=mgpu_flash.FlashTuning(kv_splits=kv_splits))
+    return lambda q, kp, vp, t, qp, kl: be._paged_flash(q, kp, vp, t, q_pos=qp, kv_len=kl, page_offset=0)
+
+  def fp8_prefix(kv_splits=None):
+    be = pallas_backend.PallasFp8Backend(flash=dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits))
+    return lambda q, kp, vp, t, qp, kl: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl)
+
+  # "-split1": each tile's keys in one CTA, beside the key splits chosen per call (FlashTuning.kv_splits).
   return {
-      "lcjax-mosaic-paged": (True, lambda q, kp, vp, t, qp, kl: paged_flash._paged_flash(
-          q, kp, vp, t, q_pos=qp, kv_len=kl, page_offset=0)),
+      "lcjax-mosaic-paged": (True, paged_flash()),
+      "lcjax-mosaic-paged-split1": (True, paged_flash(1)),
+      # The FP8 kernel over the prefix gathered from the pages and quantized (PallasFp8Backend's chunk path).
+      "lcjax-fp8-prefix": (True, fp8_prefix()),
+      "lcjax-fp8-prefix-split1": (True, fp8_prefix(1)),
       "cudnn-paged": (False, lambda q, kp, vp, t, qp, kl: cudnn.CudnnBackend().paged(q, kp, vp, t, q_pos=qp,
                                                                                     kv_len=kl)),
   }

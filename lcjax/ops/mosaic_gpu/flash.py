@@ -11,6 +11,11 @@ sees fully (no mask arithmetic), blocks that need the mask, and blocks past the 
 memory warpgroup still loads for the other warpgroup and this one just releases. Running maxima start at a finite
 floor and masked scores are -inf, so a row that sees no key ends with l = 0: out = 0 and lse = -inf.
 
+Key splits: a grid of few tiles (a question's rows over a long cached prefix) leaves SMs idle in its last wave, so
+each tile's key range can be cut into `FlashTuning.kv_splits` parts, each a CTA writing its own (out, lse) partial,
+merged by their lse after the kernel (`merge_splits`); the count is chosen per call by the grid's waves on this
+GPU (`kv_splits_for`) unless given.
+
 Softmax runs in base 2 with the 1/sqrt(H) * log2(e) factor folded into the exponent (one FMA per score); the
 kernel's lse is converted to natural log outside. Causal tiles run heaviest first (reversed q-tile order) so the
 short tiles fill the tail of the grid.
@@ -36,6 +41,10 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_FLOOR = -1e30
 _COMPUTE_WGS = 2
+MAX_KV_SPLITS = 8
+# A CTA's cost beside its key blocks, in block-times (the Q load, the ring's first fill, the output's store): what
+# makes many short splits dearer than a few long ones in `kv_splits_for`.
+_CTA_OVERHEAD_BLOCKS = 2
 # The FP8 kernel's P @ V takes P's e4m3 registers as they come out of the float32 accumulator layout, read as the
 # 8-bit A-operand layout: within every 16-key group, A position 4t + u holds key KEY_PERM[4t + u] (a quad's
 # thread t owns keys 2t, 2t+1, 8+2t, 9+2t of the group in the first layout and positions 4t..4t+3 in the second).
@@ -54,6 +63,11 @@ class FlashTuning:
   # example's 232/40: 466 vs 344 TF/s at 8K, 656 vs 645 at 32K, 607 vs 608 at 128K (call 2; spread ~5-10%).
   compute_regs: int = 240
   memory_regs: int = 24
+  # Splits of each tile's key range, each a CTA of its own, merged by their lse (`merge_splits`): None picks the
+  # count that ends the grid in the fewest block-times on this GPU's SMs (`kv_splits_for`). A question of 5 tiles
+  # a head over a 128K prefix is 160 CTAs on 132 SMs, two waves of one CTA's work; 4 splits make it 5 waves of a
+  # quarter.
+  kv_splits: int | None = None
   # Non-empty: Mosaic GPU's on-device profiler writes a Chrome trace of the step's named phases here
   # (tools/profile_prefill.py). Its buffer lives in shared memory, so it serves up to PROFILE_MAX_KEYS keys.
   profile_dir: str = ""
@@ -63,6 +77,8 @@ class FlashTuning:
       raise ValueError(f"block_q={self.block_q} and block_kv={self.block_kv} must be multiples of 64")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2")
+    if self.kv_splits is not None and not 1 <= self.kv_splits <= MAX_KV_SPLITS:
+      raise ValueError(f"kv_splits={self.kv_splits} must be None (chosen per call) or 1 to {MAX_KV_SPLITS}")
 
 
 def why_not(*, head_dim: int, dtype) -> str | None:
@@ -86,6 +102,34 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
   return full, total
 
 
+def sm_count() -> int:
+  """Streaming multiprocessors of the default device (132 on an H100 or H200; 132 where the device does not say)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def kv_splits_for(ctas: int, key_blocks: int, sms: int, most: int = MAX_KV_SPLITS) -> int:
+  """Splits of every CTA's key range that end a grid of `ctas` CTAs of `key_blocks` key blocks each soonest on
+  `sms` SMs (one CTA an SM): the grid takes ceil(ctas * s / sms) waves of key_blocks / s + _CTA_OVERHEAD_BLOCKS
+  block-times. A split count must save 5% over one to be taken (its partials cost a merge)."""
+  cost = lambda s: -(-ctas * s // sms) * (key_blocks / s + _CTA_OVERHEAD_BLOCKS)
+  best = min(range(1, max(1, most) + 1), key=cost)
+  return best if cost(best) < 0.95 * cost(1) else 1
+
+
+def merge_splits(out, lse):
+  """The flash kernel's split partials -> one result: out [s, B, T, N, H] (each normalised over its keys), lse
+  [s, B, N, T] float32 (natural log; -inf where a split saw no key) -> (out [B, T, N, H] in out's dtype, lse
+  [B, N, T]), each split weighted by exp(lse): the exact log-sum-exp merge. A row no split saw gets out 0 and lse
+  -inf."""
+  top = jnp.max(lse, axis=0)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)                                                   # [s, B, N, T]
+  tot = jnp.sum(w, axis=0)
+  w_rows = jnp.swapaxes(w / jnp.where(tot > 0, tot, 1.0), 2, 3)[..., None]  # [s, B, T, N, 1]
+  merged = jnp.sum(out.astype(jnp.float32) * w_rows, axis=0)
+  return merged.astype(out.dtype), jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top, -jnp.inf)
+
+
 def block_copies(i, block_kv: int, Z: int, M: int):
   """The TMA copies that load key block i (keys i * block_kv ..) from pages of Z keys through a table of M slots:
   [(table slot m, first row in its page, rows, row in the block)]. Z a multiple of block_kv: one copy, a part of a
@@ -106,7 +150,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
   of every 16-key group in KEY_PERM order (v_operand),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
-  save_lse=False drops the LSE output (only to measure what returning it costs).
+  save_lse=False drops the LSE output (only to measure what returning it costs). With key splits (FlashTuning.
+  kv_splits, or chosen by `kv_splits_for`) the kernel writes [splits * B, ...] partials, merged here.
 
   Paged (`pages` = (table [B, M] int32, offset [1] int32); bf16 only): k/v are pools [P, Z, K, H] and key j of
   sequence b is row j % Z of pool page table[b, j // Z] + offset; S = M * Z. Z a multiple of block_kv, or block_kv
@@ -137,6 +182,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   bq, bkv = tuning.block_q, tuning.block_kv
   mcs = min(tuning.max_concurrent_steps, max(1, -(-S // bkv)))
   n_tiles = T // (_COMPUTE_WGS * bq)
+  splits = tuning.kv_splits or kv_splits_for(N * n_tiles * B, -(-S // bkv), sm_count())
+  keep_lse = save_lse
+  save_lse = save_lse or splits > 1                   # the splits' merge weighs them by their lse
   c = _LOG2E / math.sqrt(H)
   if tuning.profile_dir and S > PROFILE_MAX_KEYS:
     raise ValueError(f"profiling keeps its trace in shared memory: {S} keys > PROFILE_MAX_KEYS={PROFILE_MAX_KEYS}")
@@ -144,7 +192,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
   def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, out_ref, lse_ref, scratch):
     (q_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
-    b = lax.axis_index("batch")
+    cta = lax.axis_index("batch")                   # split * B + b
+    b = lax.rem(cta, jnp.array(B, cta.dtype)) if splits > 1 else cta
     head = lax.axis_index("heads")
     kv_head = lax.div(head, jnp.array(G, head.dtype))
     tile = lax.axis_index("q_seq")
@@ -156,6 +205,15 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     tile_base = tile * (_COMPUTE_WGS * bq)
     # The memory warpgroup feeds the union of both compute warpgroups' blocks; the later rows need the most.
     _, max_steps = _steps(tile_base + (_COMPUTE_WGS - 1) * bq, bq, bkv, db, kb, causal)
+    # This CTA's key blocks [lo, hi): its split's share of the tile's [0, max_steps). Ring slots count from lo.
+    if splits > 1:
+      per = (max_steps + splits - 1) // splits
+      lo = jnp.minimum(lax.div(cta, jnp.array(B, cta.dtype)) * per, max_steps)
+      hi = jnp.minimum(lo + per, max_steps)
+      ring = lambda i: lax.rem(i - lo, jnp.array(mcs, i.dtype))
+    else:
+      lo, hi = 0, max_steps
+      ring = lambda i: lax.rem(i, jnp.array(mcs, i.dtype))
 
     def sched_sync():
       plgpu.barrier_arrive(sched)
@@ -169,6 +227,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
       full, total = _steps(q_base, bq, bkv, db, kb, causal)
+      if splits > 1:
+        full, total = jnp.clip(full, lo, hi), jnp.clip(total, lo, hi)
       if fp8:
         qs_ref, ks_ref, vs_ref = scale_refs
         c_q = c * qs_ref[b, head, lax.div(q_base, jnp.array(bq, q_base.dtype))]
@@ -180,7 +240,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((bq, H), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-      @pl.when(total > 0)
+      @pl.when(total > lo)
       def _():
         plgpu.barrier_wait(k_bar.at[0])
 
@@ -190,7 +250,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         # The named scopes are the step's phases in Mosaic GPU's on-device profiler (FlashTuning.profile_dir,
         # tools/profile_prefill.py); without the profiler they emit nothing.
         acc, m, l = carry
-        slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        slot = ring(i)
         c_i = c_q * ks_ref[b, kv_head, i] if fp8 else c
 
         def qk_scope(acc_ref):
@@ -245,7 +305,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
           @pl.when(nxt < total)
           def _():
-            plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(mcs, nxt.dtype))])
+            plgpu.barrier_wait(k_bar.at[ring(nxt)])
 
         with jax.named_scope("pv"):
           if fp8:
@@ -281,15 +341,15 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
       def drain(i, _):
         # Blocks this warpgroup does not need: release them and keep the schedule barrier in step.
-        slot = lax.rem(i, jnp.array(mcs, i.dtype))
+        slot = ring(i)
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         sched_sync()
         sched_sync()
 
-      carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
+      carry = lax.fori_loop(lo, full, functools.partial(step, masked=False), (acc, m, l))
       acc, m, l = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
-      lax.fori_loop(total, max_steps, drain, None)
+      lax.fori_loop(total, hi, drain, None)
       pl.when(wg == 0)(sched_sync)
 
       seen = l > 0
@@ -302,9 +362,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       if lse_smem is not None:
         lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe) - p_shift) * _LN2, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, pl.ds(q_base, bq), head])
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[cta, pl.ds(q_base, bq), head])
       if lse_smem is not None:
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, pl.ds(q_base, bq)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[cta, head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _COMPUTE_WGS)
@@ -329,7 +389,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           dst = v_smem.at[slot] if whole else v_smem.at[slot, pl.ds(at, rows)]
           plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
-      fill_ring(issue if page_refs is None else issue_paged, max_steps, mcs, k_free, v_free)
+      load = issue if page_refs is None else issue_paged
+      fill_ring(lambda j, slot: load(lo + j, slot), hi - lo, mcs, k_free, v_free)
 
   n_scales = 3 if fp8 else 0
   n_pages = 0 if pages is None else 2
@@ -352,18 +413,21 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
                                         scratch),
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
-  out_type = [jax.ShapeDtypeStruct((B, T, N, H), out_dtype)]
+  out_type = [jax.ShapeDtypeStruct((splits * B, T, N, H), out_dtype)]
   if save_lse:
-    out_type.append(jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((splits * B, N, T), jnp.float32))
   res = plgpu.kernel(
       entry,
       out_type=tuple(out_type),
-      grid=(N, n_tiles, B),
+      grid=(N, n_tiles, splits * B),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(tuning, S)),
   )(q, k, v, d, kvl, *(scales or ()), *(pages or ()))
+  if splits > 1:
+    out, lse = merge_splits(res[0].reshape(splits, B, T, N, H), res[1].reshape(splits, B, N, T))
+    return (out, lse) if keep_lse else (out, None)
   return tuple(res) if save_lse else (res[0], None)
 
 

@@ -6,6 +6,7 @@ flash kernel lowering for CUDA. GPU (`-m gpu`, run through the device tool): the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -583,6 +584,39 @@ def test_paged_flash_key_splits_gpu(T, Z, kv_splits):
   tuning = mgpu_flash.FlashTuning(kv_splits=kv_splits)
   _check_paged_flash(functools.partial(mgpu_flash.flash_attention_paged, tuning=tuning), T, Z,
                      *((8, 2) if T > 128 else ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kv_splits", [1, 3])
+def test_flash_leaves_out_padding_rows_gpu(fp8, kv_splits):
+  """q_len (the real rows of a padded chunk): the rows before it are bit for bit what the kernel gives without
+  q_len, and for bf16 pages the float64 oracle's; the 64-row warpgroup tiles wholly past it hold out 0 and lse
+  -inf. The engine's prefix read (rows after every key); q_len inside a warpgroup's tile, on the boundary of a
+  CTA's two tiles (the first computes, the second only releases the blocks), 0 and T."""
+  B, T, N, K, H, Z, M = 4, 384, 8, 2, 128, 64, 33
+  q, kp, vp, table, _, _, kd, vd = rand_pages(31, B, T, N, K, H, Z, M, B * M + 4)
+  kv_len = jnp.array([M * Z, 1500, 2000, 700], jnp.int32)
+  q_len = jnp.array([100, 192, 0, T], jnp.int32)
+  tuning = mgpu_flash.FlashTuning(kv_splits=kv_splits)
+  if fp8:
+    tuning = dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits)
+    kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (kd, vd))
+    run = lambda n: mgpu_flash.flash_attention_fp8(q, kb, vb, kv_len, kv_len, n, causal=False, tuning=tuning)
+  else:
+    run = lambda n: mgpu_flash.flash_attention_paged(q, kp, vp, table, kv_len, kv_len, 0, n, tuning=tuning)
+  (out, lse), (full_out, full_lse) = (tuple(np.asarray(x, np.float64) for x in run(n)) for n in (q_len, None))
+  real = np.arange(T)[None, :] < np.asarray(q_len)[:, None]
+  np.testing.assert_array_equal(out[real], full_out[real])
+  np.testing.assert_array_equal(lse[real], full_lse[real])
+  skipped = np.arange(T)[None, :] >= -(-np.asarray(q_len)[:, None] // 64) * 64
+  assert skipped.sum() == (T - 128) + (T - 192) + T
+  assert (out[skipped] == 0).all() and np.isneginf(lse[skipped]).all()
+  if not fp8:
+    q_pos = kv_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
+    check((full_out, full_lse), want, tol_out=2e-2)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from flax import nnx
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig, RopeScaling, preset
 from lcjax.model.llama import Llama
+from lcjax.ops.backends import ReferenceBackend
 from tests import hf_oracle
 
 # Published parameter counts (model cards / HF safetensors index totals).
@@ -118,3 +119,53 @@ def test_pool_reads_layer_and_view_compute_the_same(cache_dtype):
   if cache_dtype == jnp.float32:
     full, _ = model(jnp.asarray(tokens[None], jnp.int32))
     np.testing.assert_allclose(view, np.asarray(full), rtol=1e-4, atol=1e-4)
+
+
+_TOLD_ROWS = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _PaddingIsGarbage(ReferenceBackend):
+  """ReferenceBackend whose `paged` fills the rows it is told are padding (rows at or past q_len) with 1e3, as a
+  kernel that skips them may leave anything there; it records each q_len it is given."""
+  name: str = "padding-is-garbage"
+
+  def paged(self, q, *args, q_len=None, **kw):
+    out, lse = super().paged(q, *args, q_len=q_len, **kw)
+    if q_len is None:
+      return out, lse
+    _TOLD_ROWS.append(q_len)
+    pad = jnp.arange(q.shape[1])[None, :] >= q_len[:, None]                     # [B, T]
+    return jnp.where(pad[..., None, None], 1e3, out), jnp.where(pad[..., None], 1e3, lse)
+
+
+def test_a_padded_chunk_tells_the_prefix_read_its_real_rows():
+  """A chunk of 8 rows of which 5 and 3 are real (two sequences), over a cached prefix of 8 tokens: the model tells
+  the backend's prefix read the real rows (q_len = lengths), and the real rows' logits do not depend on what the
+  read leaves in the padded rows (the other layers never see them)."""
+  cfg = _cfg()
+  L, K, H, Z, M = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, 6
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+  table = jnp.asarray([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], jnp.int32)
+  lengths = jnp.asarray([5, 3], jnp.int32)
+
+  def slots(c0, n):
+    pos = np.arange(c0, c0 + 8)
+    s = np.asarray(table)[:, pos // Z] * Z + pos % Z
+    return jnp.asarray(np.where(np.arange(8)[None, :] < np.asarray(n)[:, None], s, 0), jnp.int32)
+
+  def run(backend):
+    model = Llama(cfg, dtype=jnp.float32, attention=backend, rngs=nnx.Rngs(0))
+    cache = kvc.init_cache(L, 13, Z, K, H, jnp.float32)
+    pos = lambda c0: jnp.broadcast_to(jnp.arange(c0, c0 + 8, dtype=jnp.int32), (2, 8))
+    _, cache = model(tokens[:, :8], pos(0), cache=cache, slots=slots(0, [8, 8]), page_table=table,
+                     prefix_len=jnp.zeros(2, jnp.int32))
+    logits, _ = model(tokens[:, 8:], pos(8), cache=cache, slots=slots(8, lengths), page_table=table,
+                      prefix_len=jnp.full(2, 8, jnp.int32), lengths=lengths, logits_at=lengths - 1)
+    return np.asarray(logits)
+
+  _TOLD_ROWS.clear()
+  got = run(_PaddingIsGarbage())
+  assert [np.asarray(n).tolist() for n in _TOLD_ROWS] == [[8, 8], [5, 3]]       # one read a chunk (a layer scan)
+  np.testing.assert_allclose(got, run(ReferenceBackend()), rtol=1e-5, atol=1e-5)

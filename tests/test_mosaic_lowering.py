@@ -98,6 +98,10 @@ def test_flash_prefill_lowers(fp8, kv_splits):
   fn = mgpu_flash.flash_attention_fp8 if fp8 else mgpu_flash.flash_attention
   tuning = dataclasses.replace(mgpu_flash.FP8_TUNING if fp8 else mgpu_flash.FlashTuning(), kv_splits=kv_splits)
   assert MOSAIC_CALL in _lowered_calls(lambda q, k, v: fn(q, k, v, tuning=tuning), q, kv, kv)
+  if fp8:                                        # a prefix read with the chunk's real rows (q_len)
+    n = S((1,), jnp.int32)
+    assert MOSAIC_CALL in _lowered_calls(lambda q, k, v, n: fn(q, k, v, None, None, n, causal=False, tuning=tuning),
+                                         q, kv, kv, n)
 
 
 @pytest.mark.parametrize("T,Z", [(1024, 64), (1000, 128), (256, 256), (128, 16)])
@@ -109,6 +113,9 @@ def test_paged_flash_prefill_lowers(T, Z):
   args = (S((B, T, N, H), jnp.bfloat16), pages, pages, S((B, M), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32))
   calls = _lowered_calls(lambda q, kp, vp, t, d, kl: mgpu_flash.flash_attention_paged(q, kp, vp, t, d, kl, 3), *args)
   assert calls == [MOSAIC_CALL], calls
+  if T == 1000:                                  # with the chunk's real rows (q_len), as the engine calls it
+    calls = _lowered_calls(lambda *a: mgpu_flash.flash_attention_paged(*a[:6], 3, a[6]), *args, S((B,), jnp.int32))
+    assert calls == [MOSAIC_CALL], calls
 
 
 @pytest.mark.parametrize("T,combine", [pytest.param(1, "triton", marks=TRITON_CROSS_LOWERS),

@@ -442,7 +442,7 @@ class Llama(nnx.Module):
       o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
                                    causal=True)
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
-                                   q_pos=step.positions, kv_len=step.prefix_len)
+                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     elif q.shape[1] > 1 or read_only:
       # Decode rows of several tokens, or of a call that writes nothing: the cache's keys before the call's first
@@ -455,20 +455,21 @@ class Llama(nnx.Module):
                          kv_len=step.kv_len)
     return o, None if read_only else (k_all, v_all, k_scale, v_scale)
 
-  def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len):
+  def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len, q_len=None):
     """The backend's `paged` over layer `layer`'s pages of the pools of every layer k_all, v_all [L, P, Z, K, H]
     (fp8 scales [L, P, K] or None), read as `pool_reads` says. "view": the pools as L * P pages (a free reshape)
     where layer `layer`'s page p is page layer * P + p; slicing pool[layer] instead makes XLA copy the layer's
-    pool (GiBs at long context) for every kernel call. "layer": the pools as they are, with the layer index."""
+    pool (GiBs at long context) for every kernel call. "layer": the pools as they are, with the layer index.
+    q_len [B]: the call's real rows (the rest padding; lcjax.ops.backends)."""
     be = self.attention
     if self.pool_reads == "layer":
       return be.paged(q, k_all, v_all, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale,
-                      layer=layer)
+                      layer=layer, q_len=q_len)
     L, P = k_all.shape[:2]
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
     ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
     return be.paged(q, k_pool, v_pool, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
-                    page_offset=layer * P)
+                    page_offset=layer * P, q_len=q_len)
 
   def _attend_mesh(self, q, k, v, step: CallContext, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""

@@ -150,7 +150,8 @@ class PallasBackend:
       name = "mgpu-fp8" if jnp.dtype(page_dtype) == fp8_ops.E4M3 else "mosaic"
     return "triton-interpret" if name == "triton" and self.interpret else name
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
+            q_len=None):
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
@@ -185,18 +186,20 @@ class PallasBackend:
       reason = self.prefill_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype, dtype=q.dtype)
       if reason:
         raise ValueError(f"prefill_kernel='mosaic' cannot read these pages: {reason}")
-      return self._paged_flash(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, page_offset=page_offset)
+      return self._paged_flash(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, page_offset=page_offset,
+                               q_len=q_len)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
     # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                                       k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
 
-  def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset):
+  def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset, q_len=None):
     """A chunk's rows over keys in the pages through the flash kernel that reads them in place, masked by the
     diagonal offset d = q_pos[b, 0], sequence by sequence: rows in any order that every valid key precedes (the
     engine's chunk against its cached prefix, a seq mesh's zigzag rows too: kv_len <= min(q_pos) + 1 <= d + 1)
     see every key below kv_len; contiguous rows from position 0 on see j <= q_pos. A batch with a sequence of
-    neither kind takes the jnp reference, which logs why."""
+    neither kind takes the jnp reference, which logs why. Rows at or past q_len (padding) are left out where the
+    kernel can skip them."""
     B, T = q.shape[:2]
     M, Z = page_table.shape[1], k_pages.shape[1]
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
@@ -213,7 +216,7 @@ class PallasBackend:
 
     return lax.cond(~jnp.all(past | contiguous), reference,
                     lambda: mgpu_flash.flash_attention_paged(q, k_pages, v_pages, page_table, d, kvl, page_offset,
-                                                             tuning=self.flash))
+                                                             q_len, tuning=self.flash))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,12 +240,13 @@ class PallasFp8Backend(PallasBackend):
     # Decode rows and the prefix merge run PallasBackend's kernels in the activation dtype.
     return mgpu_flash.why_not(head_dim=head_dim, dtype=dtype) or hardware.on_sm90()
 
-  def _kernel(self, q, k, v, kvl):
-    return functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, kv_len=kvl, tuning=self.flash,
+  def _kernel(self, q, k, v, kvl, q_len=None):
+    return functools.partial(mgpu_flash.flash_attention_fp8, q, k, v, kv_len=kvl, q_len=q_len, tuning=self.flash,
                              incoherent=self.incoherent, smooth_k=self.smooth_k, qk_dtype=self.qk_dtype,
                              interpret=self.interpret)
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
+            q_len=None):
     B, T, N, H = q.shape
     K = k_pages.shape[2]
     M, Z = page_table.shape[1], k_pages.shape[1]
@@ -255,24 +259,25 @@ class PallasFp8Backend(PallasBackend):
                            v_scale=v_scale, page_offset=page_offset)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     bf16_path = functools.partial(super().paged, q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
-                                  k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+                                  k_scale=k_scale, v_scale=v_scale, page_offset=page_offset, q_len=q_len)
     # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
     # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
     # many rows (rows that see part of the pages causally) take PallasBackend's path.
     return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST,
-                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale),
+                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale, q_len),
                     lambda: bf16_path())
 
-  def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale):
+  def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale, q_len=None):
     """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse). The table's pages are
     gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
-    merged by their LSE in float32; blocks past every sequence's length are skipped."""
+    merged by their LSE in float32; blocks past every sequence's length are skipped. Rows at or past q_len
+    (padding) are left out where the kernel can skip them."""
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1], k_pages.shape[2]
 
     def block(ids, n):
       k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, -1, K, H)
       v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, -1, K, H)
-      return self._kernel(q, k, v, n)(causal=False)
+      return self._kernel(q, k, v, n, q_len)(causal=False)
 
     return ref.over_table_blocks(block, table, lengths, Z, PREFIX_BLOCK_TOKENS, q.shape, q.dtype)

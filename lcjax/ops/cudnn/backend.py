@@ -238,7 +238,8 @@ class CudnnBackend:
     case = jnp.where(~ok, 0, jnp.where(jnp.all(d == 0), 1, jnp.where(jnp.all(d >= S - 1), 2, 3)))
     return lax.switch(case, (reference, diagonal, past, split))
 
-  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0):
+  def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
+            q_len=None):
     B, T, N, H = q.shape
     Z = k_pages.shape[1]
     M = page_table.shape[1]

@@ -144,12 +144,15 @@ def block_copies(i, block_kv: int, Z: int, M: int):
 
 
 def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse: bool = True, scales=None,
-                out_dtype=None, pages=None):
+                out_dtype=None, pages=None, q_len=None):
   """q [B, T, N, H] (T % (2 * block_q) == 0), k/v [B, S, K, H] (S % block_kv == 0), d/kvl [B] int32.
 
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
   of every 16-key group in KEY_PERM order (v_operand),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
+  q_len [B] int32 (None: every row is real): rows at or past q_len[b] are padding the caller drops; a compute
+  warpgroup whose block_q rows all are skips its key blocks (out 0, lse -inf there), a CTA whose rows all are loads
+  none.
   save_lse=False drops the LSE output (only to measure what returning it costs). With key splits (FlashTuning.
   kv_splits, or chosen by `kv_splits_for`) the kernel writes [splits * B, ...] partials, merged here.
 
@@ -190,7 +193,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     raise ValueError(f"profiling keeps its trace in shared memory: {S} keys > PROFILE_MAX_KEYS={PROFILE_MAX_KEYS}")
   p_shift = float(fp8_ops.P_SHIFT) if fp8 else 0.0
 
-  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, out_ref, lse_ref, scratch):
+  def body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, q_len_ref, out_ref, lse_ref, scratch):
     (q_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scratch
     cta = lax.axis_index("batch")                   # split * B + b
     b = lax.rem(cta, jnp.array(B, cta.dtype)) if splits > 1 else cta
@@ -205,6 +208,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     tile_base = tile * (_COMPUTE_WGS * bq)
     # The memory warpgroup feeds the union of both compute warpgroups' blocks; the later rows need the most.
     _, max_steps = _steps(tile_base + (_COMPUTE_WGS - 1) * bq, bq, bkv, db, kb, causal)
+    real = lambda base: True if q_len_ref is None else base < q_len_ref[b]   # rows from `base` on: not all padding
+    if q_len_ref is not None:
+      max_steps = jnp.where(real(tile_base), max_steps, 0)
     # This CTA's key blocks [lo, hi): its split's share of the tile's [0, max_steps). Ring slots count from lo.
     if splits > 1:
       per = (max_steps + splits - 1) // splits
@@ -227,6 +233,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
       full, total = _steps(q_base, bq, bkv, db, kb, causal)
+      if q_len_ref is not None:
+        full, total = jnp.where(real(q_base), full, 0), jnp.where(real(q_base), total, 0)
       if splits > 1:
         full, total = jnp.clip(full, lo, hi), jnp.clip(total, lo, hi)
       if fp8:
@@ -394,10 +402,12 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
   n_scales = 3 if fp8 else 0
   n_pages = 0 if pages is None else 2
+  n_in = n_scales + n_pages + (q_len is not None)
 
   def entry(q_ref, k_ref, v_ref, d_ref, kvl_ref, *refs):
     scale_refs, page_refs = refs[:n_scales], refs[n_scales:n_scales + n_pages] or None
-    out_ref, *lse = refs[n_scales + n_pages:]
+    q_len_ref = refs[n_in - 1] if q_len is not None else None
+    out_ref, *lse = refs[n_in:]
     lse_ref = lse[0] if lse else None
     v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
@@ -409,7 +419,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),
               plgpu.Barrier(num_arrivals=copies, num_barriers=mcs), plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
-    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, out_ref, lse_ref,
+    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, q_len_ref, out_ref,
+                                        lse_ref,
                                         scratch),
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
@@ -424,7 +435,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(tuning, S)),
-  )(q, k, v, d, kvl, *(scales or ()), *(pages or ()))
+  )(q, k, v, d, kvl, *(scales or ()), *(pages or ()), *(() if q_len is None else (q_len,)))
   if splits > 1:
     out, lse = merge_splits(res[0].reshape(splits, B, T, N, H), res[1].reshape(splits, B, N, T))
     return (out, lse) if keep_lse else (out, None)
@@ -549,7 +560,7 @@ def why_not_paged(*, head_dim: int, dtype, page_size: int, tuning: FlashTuning =
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "save_lse"))
-def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0, *,
+def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0, q_len=None, *,
                           tuning: FlashTuning = FlashTuning(), save_lse: bool = True):
   """`flash_attention` (causal) over keys held in pages, read where they lie: key j of sequence b is row j % Z of
   pool page page_table[b, j // Z] + page_offset, visible to row i iff j < kv_len[b] and j <= i + d[b].
@@ -557,7 +568,9 @@ def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offse
   q [B, T, N, H]; k_pages, v_pages [P, Z, K, H] in q's dtype; page_table [B, M] int32; d, kv_len [B] int32
   (d >= 0: rows before the first key are the caller's; kv_len is clipped to M * Z). A prefill chunk at position
   p0 whose own keys are already written to its pages passes d = p0, kv_len = p0 + T: one call covers the cached
-  prefix and the chunk's causal part. Returns (out [B, T, N, H], lse [B, T, N] float32)."""
+  prefix and the chunk's causal part. q_len [B] int32 (None: T): rows at or past it are padding whose out and
+  lse are unspecified (`_flash_call` skips whole warpgroup tiles of them). Returns (out [B, T, N, H], lse [B, T, N]
+  float32)."""
   B, T, N, H = q.shape
   Z = k_pages.shape[1]
   M = page_table.shape[1]
@@ -573,8 +586,13 @@ def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offse
   d = jnp.broadcast_to(d, (B,)).astype(jnp.int32)
   kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)
   pages = (page_table.astype(jnp.int32), jnp.reshape(page_offset, (1,)).astype(jnp.int32))
-  out, lse = _flash_call(q, k_pages, v_pages, d, kvl, causal=True, tuning=tuning, save_lse=save_lse, pages=pages)
+  out, lse = _flash_call(q, k_pages, v_pages, d, kvl, causal=True, tuning=tuning, save_lse=save_lse, pages=pages,
+                         q_len=_rows(q_len, B))
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
+
+
+def _rows(q_len, B):
+  return None if q_len is None else jnp.broadcast_to(q_len, (B,)).astype(jnp.int32)
 
 
 def flash_attention_paged_reference(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0):
@@ -600,14 +618,15 @@ def why_not_fp8(*, head_dim: int, tuning: FlashTuning) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "incoherent", "smooth_k", "qk_dtype", "save_lse",
                                              "interpret"))
-def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
-                        incoherent: bool = True, smooth_k: bool = True, qk_dtype: str = "float8_e4m3fn",
-                        save_lse: bool = True, interpret: bool = False):
+def flash_attention_fp8(q, k, v, d=None, kv_len=None, q_len=None, *, causal: bool = True,
+                        tuning: FlashTuning = FP8_TUNING, incoherent: bool = True, smooth_k: bool = True,
+                        qk_dtype: str = "float8_e4m3fn", save_lse: bool = True, interpret: bool = False):
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
   block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
   and k; the output has q's dtype and the lse is float32. qk_dtype="int8" quantizes Q and K to int8 instead (an
-  int32 Q K^T; V and P stay e4m3). interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in
-  jnp) instead of running the kernel."""
+  int32 Q K^T; V and P stay e4m3). q_len: as `flash_attention_paged` takes it (the model computes every row).
+  interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
+  kernel."""
   T, H = q.shape[1], q.shape[3]
   reason = why_not_fp8(head_dim=H, tuning=tuning)
   if reason:
@@ -625,20 +644,20 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, *, causal: bool = True, tu
                                            block_kv=tuning.block_kv)
     out = out.astype(out_dtype)
   else:
-    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v_operand(v8), vs, d, kvl, causal=causal, tuning=tuning,
-                                save_lse=save_lse, out_dtype=out_dtype)
+    out, lse = flash_fp8_kernel(q8, qs, k8, ks, v_operand(v8), vs, d, kvl, _rows(q_len, q.shape[0]), causal=causal,
+                                tuning=tuning, save_lse=save_lse, out_dtype=out_dtype)
   if lse is not None and lse_shift is not None:
     lse = lse + lse_shift
   return out[:, :T], (None if lse is None else lse[:, :T])
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "tuning", "save_lse", "out_dtype"))
-def flash_fp8_kernel(q8, qs, k8, ks, vt, vs, d, kv_len, *, causal: bool = True, tuning: FlashTuning = FP8_TUNING,
-                     save_lse: bool = True, out_dtype=jnp.bfloat16):
+def flash_fp8_kernel(q8, qs, k8, ks, vt, vs, d, kv_len, q_len=None, *, causal: bool = True,
+                     tuning: FlashTuning = FP8_TUNING, save_lse: bool = True, out_dtype=jnp.bfloat16):
   """The FP8 kernel on operands already quantized by `fp8.quantize_operands` (tile-aligned T and S; V as v_operand
   lays it out): (out [B, T, N, H] out_dtype, lse [B, T, N] float32)."""
   out, lse = _flash_call(q8, k8, vt, d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
-                         scales=(qs, ks, vs), out_dtype=out_dtype)
+                         scales=(qs, ks, vs), out_dtype=out_dtype, q_len=q_len)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
 
 

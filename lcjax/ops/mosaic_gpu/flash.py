@@ -109,10 +109,12 @@ def sm_count() -> int:
 
 def kv_splits_for(ctas: int, key_blocks: int, sms: int, most: int = MAX_KV_SPLITS) -> int:
   """Splits of every CTA's key range that end a grid of `ctas` CTAs of `key_blocks` key blocks each soonest on
-  `sms` SMs (one CTA an SM): the grid takes ceil(ctas * s / sms) waves of key_blocks / s + _CTA_OVERHEAD_BLOCKS
-  block-times. A split count must save 5% over one to be taken (its partials cost a merge)."""
-  cost = lambda s: -(-ctas * s // sms) * (key_blocks / s + _CTA_OVERHEAD_BLOCKS)
-  best = min(range(1, max(1, most) + 1), key=cost)
+  `sms` SMs (one CTA an SM): the grid takes ceil(ctas * s / sms) waves of ceil(key_blocks / s) +
+  _CTA_OVERHEAD_BLOCKS block-times; at most one split a block. A split count must save 5% over one to be taken
+  (its partials cost a merge). The counts are the call's static shapes: the keys of a paged call are its table's
+  (M * Z), so a question over a short context in a long table is split as over the whole table."""
+  cost = lambda s: -(-ctas * s // sms) * (-(-key_blocks // s) + _CTA_OVERHEAD_BLOCKS)
+  best = min(range(1, min(most, key_blocks) + 1), key=cost)
   return best if cost(best) < 0.95 * cost(1) else 1
 
 
@@ -150,10 +152,11 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
   of every 16-key group in KEY_PERM order (v_operand),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
-  q_len [B] int32 (None: every row is real): rows at or past q_len[b] are padding the caller drops; a compute
-  warpgroup whose block_q rows all are skips its key blocks (out 0, lse -inf there), a CTA whose rows all are loads
-  none.
-  save_lse=False drops the LSE output (only to measure what returning it costs). With key splits (FlashTuning.
+  q_len [B] int32 (None: every row is real): rows at or past q_len[b] are padding the caller drops. A compute
+  warpgroup whose block_q rows are all padding skips its key blocks (out 0, lse -inf there); a CTA loads the
+  blocks of its last warpgroup with real rows, none if it has none.
+  save_lse=False drops the LSE output (only to measure what returning it costs; with key splits the kernel still
+  stores it for their merge). With key splits (FlashTuning.
   kv_splits, or chosen by `kv_splits_for`) the kernel writes [splits * B, ...] partials, merged here.
 
   Paged (`pages` = (table [B, M] int32, offset [1] int32); bf16 only): k/v are pools [P, Z, K, H] and key j of
@@ -210,12 +213,16 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     _, max_steps = _steps(tile_base + (_COMPUTE_WGS - 1) * bq, bq, bkv, db, kb, causal)
     real = lambda base: True if q_len_ref is None else base < q_len_ref[b]   # rows from `base` on: not all padding
     if q_len_ref is not None:
-      max_steps = jnp.where(real(tile_base), max_steps, 0)
-    # This CTA's key blocks [lo, hi): its split's share of the tile's [0, max_steps). Ring slots count from lo.
+      # The blocks of the last warpgroup with real rows (a causal tile's first warpgroup needs fewer): every block
+      # loaded is waited for by a warpgroup that computes on it.
+      _, first_steps = _steps(tile_base, bq, bkv, db, kb, causal)
+      max_steps = jnp.where(real(tile_base + bq), max_steps, jnp.where(real(tile_base), first_steps, 0))
+    # This CTA's key blocks [lo, hi): its split's share of the tile's [0, max_steps), the shares within a block of
+    # each other. Ring slots count from lo.
     if splits > 1:
-      per = (max_steps + splits - 1) // splits
-      lo = jnp.minimum(lax.div(cta, jnp.array(B, cta.dtype)) * per, max_steps)
-      hi = jnp.minimum(lo + per, max_steps)
+      split = lax.div(cta, jnp.array(B, cta.dtype))
+      lo = split * max_steps // splits
+      hi = (split + 1) * max_steps // splits
       ring = lambda i: lax.rem(i - lo, jnp.array(mcs, i.dtype))
     else:
       lo, hi = 0, max_steps
@@ -419,9 +426,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     loaded = (plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),
               plgpu.Barrier(num_arrivals=copies, num_barriers=mcs), plgpu.Barrier(num_barriers=_COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=mcs),) * 2
-    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, q_len_ref, out_ref,
-                                        lse_ref,
-                                        scratch),
+    run = lambda *scratch: body(q_ref, k_ref, v_ref, d_ref, kvl_ref, scale_refs, page_refs, q_len_ref, out_ref,
+                                lse_ref, scratch)
+    pl.run_scoped(run,
                   smem, loaded, freed, plgpu.Barrier(num_arrivals=_COMPUTE_WGS), collective_axes="wg")
 
   out_type = [jax.ShapeDtypeStruct((splits * B, T, N, H), out_dtype)]
@@ -512,6 +519,11 @@ def _profile_params(tuning: FlashTuning, S: int) -> dict:
   return dict(profile_space=8 * (S // tuning.block_kv) + 16, profile_dir=tuning.profile_dir)
 
 
+def _rows(q_len, B):
+  """q_len (a caller's real rows: None, a scalar or [B]) as the kernel takes it: None or [B] int32."""
+  return None if q_len is None else jnp.broadcast_to(q_len, (B,)).astype(jnp.int32)
+
+
 def _padded(q, k, v, d, kv_len, tuning: FlashTuning):
   """(q, k, v padded to the tile sizes, d [B], kv_len [B]) with the defaults d = S - T, kv_len = S."""
   B, T, N, H = q.shape
@@ -589,10 +601,6 @@ def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offse
   out, lse = _flash_call(q, k_pages, v_pages, d, kvl, causal=True, tuning=tuning, save_lse=save_lse, pages=pages,
                          q_len=_rows(q_len, B))
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
-
-
-def _rows(q_len, B):
-  return None if q_len is None else jnp.broadcast_to(q_len, (B,)).astype(jnp.int32)
 
 
 def flash_attention_paged_reference(q, k_pages, v_pages, page_table, d, kv_len, page_offset=0):

@@ -256,6 +256,8 @@ def _child(req: dict) -> None:
     os.dup2(f, fd)
     os.close(f)
   argv, code = req["argv"], 0
+  for name in [n for n in sys.modules if n == "tests" or n.startswith("tests.")]:
+    del sys.modules[name]      # the server's own package (a job in a copy of the repository imports the copy's)
   try:
     os.chdir(req["cwd"])
     os.environ.clear()

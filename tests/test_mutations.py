@@ -1,5 +1,9 @@
 """tools/mutation_check.py: each planted bug fails every test it lists (slow: a pytest process per mutant, on a
-copy of the package), and each mutant still applies to the code as it is (fast, on every run)."""
+copy of the package), and each mutant still applies to the code as it is (fast, on every run).
+
+The mutants' pytest processes are forked from a server that has imported jax, flax, torch and pytest (not lcjax:
+each copy's must be the one imported), instead of started afresh: the 18 mutants took 53 s instead of 61 s on
+two workers of a 2-core machine."""
 from __future__ import annotations
 
 import os
@@ -7,7 +11,14 @@ import re
 
 import pytest
 
+from tests import forkserver
 from tools.mutation_check import MUTANTS, REPO, check_text, run
+
+_PRELOAD = ("jax", "numpy", "flax.nnx", "torch", "transformers", "pytest")
+
+
+def _forked(argv, *, env, cwd, timeout):
+  return forkserver.run(argv, env=env, cwd=cwd, timeout=timeout, preload=_PRELOAD)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
@@ -23,5 +34,5 @@ def test_each_mutant_applies_and_names_existing_tests(mutant):
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_each_planted_bug_fails_its_tests(mutant):
-  out = run(mutant)
+  out = run(mutant, spawn=_forked)
   assert out.caught, f"{mutant.name} ({mutant.bug}) survived: {out.passed} passed with it\n{out.output}"

@@ -230,20 +230,27 @@ def _fails(test: str, failed) -> bool:
   return any(f == test or f.startswith(test + "[") for f in failed)
 
 
-def run(m: Mutant, repo: str = REPO, timeout: float = 900) -> Outcome:
-  """Plant `m` in a copy of `repo` and run its tests there."""
+def python(argv: list[str], *, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+  """`run`'s default way to run a Python command line (`python -c ...`, `python -m pytest ...`): a fresh
+  interpreter whose first sys.path entry is `cwd` (the copy), its output captured as text."""
+  return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run(m: Mutant, repo: str = REPO, timeout: float = 900, spawn=python) -> Outcome:
+  """Plant `m` in a copy of `repo` and run its tests there. spawn(argv, env=, cwd=, timeout=) runs the Python
+  command lines (`python`'s contract: the copy first on sys.path; tests/test_mutations.py forks them from a server
+  that has imported jax)."""
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"lcjax-mutant-{m.name}-") as root:
     _copy(repo, root)
     plant(root, m)
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", COLUMNS="240")   # wide: -rf's reasons
-    where = subprocess.run([sys.executable, "-c", "import lcjax; print(lcjax.__file__)"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="240")   # wide: -rf's reasons
+    where = spawn([sys.executable, "-c", "import lcjax; print(lcjax.__file__)"], env=env, cwd=root, timeout=120)
     if where.returncode or not os.path.realpath(where.stdout.strip()).startswith(os.path.realpath(root)):
       raise MutantError(f"mutant {m.name}: `import lcjax` in the copy finds {where.stdout.strip() or where.stderr}, "
                         f"not {root}/lcjax")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=timeout)
+    p = spawn([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests], env=env, cwd=root,
+              timeout=timeout)
   output = (p.stdout + p.stderr)[-4000:]
   if p.returncode not in (0, 1):
     raise MutantError(f"mutant {m.name}: pytest exited with status {p.returncode} (its tests did not run: a test "

@@ -14,8 +14,11 @@
 #                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions of 16 chained calls),
 #                 attention-decode-routing-70b-h200 (the same at the 70B's 64 query heads over 8 kv heads),
 #                 attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows over a 128K / 512K /
-#                 1M-key prefix in 64-token pages, the flash kernel reading it in place beside cuDNN's paged
-#                 kernel)                                       ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05)
+#                 1M-key prefix in 64-token pages, and questions of 128 to 1,280 rows over 128K, the flash kernel
+#                 reading it in place and the FP8 path over the gathered prefix, each with its key splits chosen per
+#                 call and with one split, beside cuDNN's paged kernel)
+#                                                               ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05;
+#                                                               the chunk rows since 262b87a: not yet timed)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)
 #                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200), and the spread of three
@@ -105,8 +108,9 @@ for step in "${steps[@]}"; do
         --reps=20 --chain=16 --stall_s=60 \
         --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
         --out="$P" --name=attention-decode-routing-70b-h200
+      at_128k=128:131072,640:131072,1000:131072,1024:131072,1152:131072,1280:131072,4096:131072,16384:131072
       python3 tools/bench_attention.py --prefill= --decode= --pages=64 --reps=10 --stall_s=120 \
-        --chunk=1024:131072,1000:131072,4096:131072,16384:131072,1024:524288,4096:524288,1024:1048576 \
+        --chunk=$at_128k,1024:524288,4096:524288,1024:1048576 \
         --out="$P" --name=attention-chunk-paged-h200 ;;
     longctx)
       python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=8192,32768,131072 --decode_steps=64 \

@@ -18,7 +18,7 @@
 #                 reading it in place and the FP8 path over the gathered prefix, each with its key splits chosen per
 #                 call and with one split, beside cuDNN's paged kernel)
 #                                                               ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05;
-#                                                               the chunk rows since 262b87a: not yet timed)
+#                                                               the chunk part with fewer rows)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense
 #                 baseline, 8K-512K (longctx-h200-{w,v,q,j}), 1M with fp8 KV on 8 layers (longctx-h200-o-8layers)
 #                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200), and the spread of three

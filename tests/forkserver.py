@@ -11,6 +11,8 @@ killed at the server's next request, a job still running when its server is clos
 and their output files are removed.
 Each job's random state is its own, as a fresh interpreter's: numpy's legacy global RandomState is reseeded from the
 OS's entropy in each job (Python's `random` reseeds itself at fork).
+A job does not see the server's own `tests` package: it imports `tests` from its own sys.path (a job in a copy of
+the repository, the copy's).
 What it does not get afresh: the server's hash seed (str hashes, so the order of a set of strings, are the same in
 every job of a server), and the modules the server imported, in the state importing left them. So:
 - no preloaded module may start a JAX backend (the server checks; each job chooses its platforms and devices);

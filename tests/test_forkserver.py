@@ -53,6 +53,16 @@ def test_module_and_script_jobs_see_their_argv_cwd_and_path(tmp_path):
     assert forked == fresh and forked[0] == 0, (forked, fresh)
 
 
+def test_a_job_in_another_checkout_imports_its_tests_package(tmp_path):
+  """The server runs as `-m tests.forkserver` from this repository; a job whose cwd holds a `tests` package of its
+  own (the mutation check's copies) imports that one, as a fresh `python` there does."""
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "tests" / "__init__.py").write_text("")
+  code = "import os, tests; print(os.path.dirname(os.path.realpath(tests.__file__)))"
+  forked, fresh = _both([sys.executable, "-c", code], dict(os.environ), str(tmp_path))
+  assert forked == fresh and forked[1].strip() == os.path.realpath(tmp_path / "tests"), (forked, fresh)
+
+
 def test_a_job_is_its_own_process_that_can_be_killed():
   env = dict(os.environ, PYTHONPATH=REPO)
   job = forkserver.start([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],

@@ -239,7 +239,8 @@ def python(argv: list[str], *, env: dict, cwd: str, timeout: float) -> subproces
 def run(m: Mutant, repo: str = REPO, timeout: float = 900, spawn=python) -> Outcome:
   """Plant `m` in a copy of `repo` and run its tests there. spawn(argv, env=, cwd=, timeout=) runs the Python
   command lines (`python`'s contract: the copy first on sys.path; tests/test_mutations.py forks them from a server
-  that has imported jax)."""
+  that has imported jax). The copy is found as the job's first sys.path entry, not through PYTHONPATH: a process a
+  mutant's test starts must put the copy on its own path (the tests' helpers name their REPO, the copy)."""
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"lcjax-mutant-{m.name}-") as root:
     _copy(repo, root)

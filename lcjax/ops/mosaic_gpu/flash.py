@@ -64,9 +64,9 @@ class FlashTuning:
   compute_regs: int = 240
   memory_regs: int = 24
   # Splits of each tile's key range, each a CTA of its own, merged by their lse (`merge_splits`): None picks the
-  # count that ends the grid in the fewest block-times on this GPU's SMs (`kv_splits_for`). A question of 5 tiles
-  # a head over a 128K prefix is 160 CTAs on 132 SMs, two waves of one CTA's work; 4 splits make it 5 waves of a
-  # quarter.
+  # count that ends the grid in the fewest block-times on this GPU's SMs if that saves 5% (`kv_splits_for`). A
+  # question of 5 tiles a head over a 128K prefix is 160 CTAs on 132 SMs, two waves of one CTA's work; 4 splits
+  # make it 5 waves of a quarter.
   kv_splits: int | None = None
   # Non-empty: Mosaic GPU's on-device profiler writes a Chrome trace of the step's named phases here
   # (tools/profile_prefill.py). Its buffer lives in shared memory, so it serves up to PROFILE_MAX_KEYS keys.
@@ -103,7 +103,8 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
 
 
 def sm_count() -> int:
-  """Streaming multiprocessors of the default device (132 on an H100 or H200; 132 where the device does not say)."""
+  """Streaming multiprocessors of the default device (132 on an H100 SXM or H200; 132 where the device does not
+  say)."""
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
@@ -156,8 +157,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   warpgroup whose block_q rows are all padding skips its key blocks (out 0, lse -inf there); a CTA loads the
   blocks of its last warpgroup with real rows, none if it has none.
   save_lse=False drops the LSE output (only to measure what returning it costs; with key splits the kernel still
-  stores it for their merge). With key splits (FlashTuning.
-  kv_splits, or chosen by `kv_splits_for`) the kernel writes [splits * B, ...] partials, merged here.
+  stores it for their merge). With key splits (`FlashTuning.kv_splits`, or chosen by `kv_splits_for`) the
+  kernel writes [splits * B, ...] partials, merged here.
 
   Paged (`pages` = (table [B, M] int32, offset [1] int32); bf16 only): k/v are pools [P, Z, K, H] and key j of
   sequence b is row j % Z of pool page table[b, j // Z] + offset; S = M * Z. Z a multiple of block_kv, or block_kv
@@ -632,7 +633,8 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, q_len=None, *, causal: boo
   """FP8 flash attention with `flash_attention`'s contract: q, k, v (bf16 or float32) are quantized to e4m3 with
   block scales (lcjax.ops.fp8), optionally after smoothing K (`fp8.smooth_keys`) and the incoherence rotation of q
   and k; the output has q's dtype and the lse is float32. qk_dtype="int8" quantizes Q and K to int8 instead (an
-  int32 Q K^T; V and P stay e4m3). q_len: as `flash_attention_paged` takes it (the model computes every row).
+  int32 Q K^T; V and P stay e4m3). q_len: as `flash_attention_paged` takes it (interpret=True's
+  `fp8.attention_fp8_model` ignores it and computes every row).
   interpret=True computes `fp8.attention_fp8_model` (the kernel's arithmetic in jnp) instead of running the
   kernel."""
   T, H = q.shape[1], q.shape[3]

@@ -7,8 +7,9 @@ Prefill: causal, B=1, 32 query heads, 8 kv heads (--heads), head dim 128, bf16, 
 flops 2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
 pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place and the FP8
 path over the gathered prefix, each with the flash kernel's key splits chosen per call and with one split
-(`-split1`), against cuDNN's paged kernel. Decode: batch --batch (8), one query token, same heads, pages of --pages tokens shuffled in a
-pool, S in --decode (TB/s of K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
+(`-split1`), against cuDNN's paged kernel. Decode: batch --batch (8), one query token (--decode_tokens: as many as
+a speculative verify step feeds), same heads, pages of --pages tokens shuffled in a pool, S in --decode (TB/s of
+K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
 inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a
 small size, then timed: median of --reps samples after a warm-up, a sample some back-to-back calls and one
 synchronisation (decode: 4 dispatched calls, or with --chain=N N calls chained in one compiled program, the row's
@@ -70,6 +71,8 @@ _CHAIN = flags.DEFINE_integer("chain", 0, "decode rows: time N calls chained in 
                               "(benchlib.chained: no host dispatch in the time, as in a model's layer loop); 0: "
                               "4 dispatched calls a sample", lower_bound=0)
 _EXPLORE = flags.DEFINE_bool("explore", False, "also time tuning variants of lcjax's kernels")
+_DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 1, "decode rows: query tokens per sequence (a speculative "
+                                      "verify step's k + 1), at the positions before kv_len", lower_bound=1)
 
 B_PF, N, K, H = 1, 32, 8, 128
 B_DEC = 8
@@ -470,9 +473,11 @@ def decode_impls():
                          ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
       impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
     F = D
+    # mcs3 / mcs2: a shallower K/V ring, so that two CTAs fit an SM at 17-32 rows a kv head (--decode_tokens).
     for name, tuning in (("mcs3-ctas396", F(max_concurrent_steps=3, target_ctas=396)),
                          ("mcs2-ctas396", F(max_concurrent_steps=2, target_ctas=396)),
-                         ("mcs2-ctas528", F(max_concurrent_steps=2, target_ctas=528))):
+                         ("mcs2-ctas528", F(max_concurrent_steps=2, target_ctas=528)),
+                         ("mcs3", F(max_concurrent_steps=3)), ("mcs2", F(max_concurrent_steps=2))):
       impls["lcjax-mgpu-fp8-" + name] = (True, True, mgpu(tuning))
     impls["lcjax-pallas-fp8-st2"] = (True, True, pal(T(num_stages=2)))
     impls["lcjax-pallas-fp8-st4-pps1"] = (True, True, pal(T(num_stages=4, pages_per_step=1)))
@@ -499,13 +504,13 @@ def functools_partial_fa3(fa3, splits):
   return fn
 
 
-def pages(key, S, Z, fp8, B=B_DEC):
-  """q [B, 1, N, H] and B sequences' pages [P, Z, K, H] (fp8: with page scales [P, K]) in a shuffled pool, each
+def pages(key, S, Z, fp8, B=B_DEC, T=1):
+  """q [B, T, N, H] and B sequences' pages [P, Z, K, H] (fp8: with page scales [P, K]) in a shuffled pool, each
   sequence's table [B, M] holding its S keys: M = ceil(S / Z), so a kv_len of S stays inside the table."""
   M = -(-S // Z)
   P = B * M
   ks = jax.random.split(key, 6)
-  q = jax.random.normal(ks[0], (B, 1, N, H), DT)
+  q = jax.random.normal(ks[0], (B, T, N, H), DT)
   table = jax.random.permutation(ks[3], P).reshape(B, M).astype(jnp.int32)
   if fp8:
     kp = jax.random.normal(ks[1], (P, Z, K, H), DT).astype(jnp.float8_e4m3fn)
@@ -524,14 +529,20 @@ MAIN_DECODE = ("lcjax-pallas", "lcjax-pallas-fp8", "lcjax-mgpu-fp8", "lcjax-mgpu
                "cudnn-private-paged", "lcjax-pallas-st2", "lcjax-pallas-fp8-st2", "lcjax-pallas-st3-pps1")
 
 
+def decode_positions(kv_len, T):
+  """q_pos [B, T] of T decode tokens a sequence: the last T positions before kv_len (from 0 where it is shorter)."""
+  return jnp.maximum(kv_len[:, None] - T, 0) + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
 def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
   impls = {n: v for n, v in decode_impls().items() if selected(n)}
+  T = _DECODE_TOKENS.value
   for Z in page_sizes:
     checks = {}
     for fp8 in (False, True):
-      q, kp, vp, table, ks, vs = pages(jax.random.key(7 + Z + fp8), 4096, Z, fp8)
+      q, kp, vp, table, ks, vs = pages(jax.random.key(7 + Z + fp8), 4096, Z, fp8, T=T)
       kv_len = jnp.array([4096, 4000, 1, 2500, 77, 4095, 3000, 1024], jnp.int32)
-      q_pos = kv_len[:, None] - 1
+      q_pos = decode_positions(kv_len, T)
       want_o, want_l = jax.jit(lambda *a: ref.paged_attention_reference(
           a[0], a[1], a[2], a[3], q_pos=a[4], kv_len=a[5], k_scale=a[6], v_scale=a[7]))(
               q, kp, vp, table, q_pos, kv_len, ks, vs)
@@ -546,10 +557,10 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
           res.error(f"decode check {name} Z={Z}", e)
         dog.disarm()
     for B, S in ((B, S) for B in batches for S in sizes):
-      data = {fp8: pages(jax.random.key(S + Z + fp8), S, Z, fp8, B=B) for fp8 in (False, True)
+      data = {fp8: pages(jax.random.key(S + Z + fp8), S, Z, fp8, B=B, T=T) for fp8 in (False, True)
               if any(v[1] == fp8 and n in checks for n, v in impls.items())}
       kv_len = jnp.full((B,), S, jnp.int32)
-      q_pos = kv_len[:, None] - 1
+      q_pos = decode_positions(kv_len, T)
       first = None
       for name, (mine, fp8, fn) in impls.items():
         if name not in checks:
@@ -574,7 +585,7 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
           res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B, page=Z,
                   dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
                   metric=nbytes / t / 1e12, tokens_per_s=B / t, rel_err=checks[name][0],
-                  timing=f"chained-{_CHAIN.value}" if _CHAIN.value else "dispatched-4",
+                  timing=f"chained-{_CHAIN.value}" if _CHAIN.value else "dispatched-4", tokens=T,
                   lse_err=checks[name][1], rel_err_vs_first_impl=agree)
         except Exception as e:  # noqa: BLE001
           res.error(f"decode {name} B={B} S={S} Z={Z}", e)

@@ -175,6 +175,20 @@ MUTANTS = (
            "                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,\n"
            "                                           tuning=MOSAIC_FP8_DECODE)\n",
            ("tests/test_fp8_decode.py::test_decode_route_sends_decode_rows_to_its_kernel[float8_e4m3fn-auto]",)),
+    Mutant("prefix-read-told-one-real-row-too-few",
+           "a padded chunk tells its prefix read one real row fewer than it has: a kernel that leaves padding out "
+           "leaves out the last real row's attention to the cached prefix",
+           "lcjax/model/llama.py",
+           "kv_len=step.prefix_len, q_len=step.lengths)",
+           "kv_len=step.prefix_len, q_len=step.lengths - 1)",
+           ("tests/test_model.py::test_a_padded_chunk_tells_the_prefix_read_its_real_rows",)),
+    Mutant("flash-split-merge-unnormalised",
+           "the flash kernel's key-split merge adds the splits' partials weighted by exp(lse - max) without dividing "
+           "by their sum",
+           "lcjax/ops/mosaic_gpu/flash.py",
+           "  w_rows = jnp.swapaxes(w / jnp.where(tot > 0, tot, 1.0), 2, 3)[..., None]",
+           "  w_rows = jnp.swapaxes(w, 2, 3)[..., None]",
+           ("tests/test_kernels.py::test_merge_splits_is_attention_over_every_key[2]",)),
 )
 
 

@@ -40,7 +40,8 @@ flags.DEFINE_list("variants", ["float8_e4m3fn+fp8attn+fp8w", "float8_e4m3fn+fp8w
                   "cache dtype with +fp8attn (FP8 attention) / +fp8w (fp8 weights) / +cudnnprefill (cuDNN reads the "
                   "cached prefix), one engine each")
 flags.DEFINE_list("documents", ["98304", "114688", "126976", "129024", "130048", "131072"], "document lengths")
-flags.DEFINE_list("questions", ["16", "100", "520", "1000", "1024", "1100", "2048", "3000"], "question lengths")
+flags.DEFINE_list("questions", ["16", "100", "520", "1000", "1024", "1100", "1152", "2048", "3000"],
+                  "question lengths (1,152: the rows a 1,100-token question computes once its padding is left out)")
 flags.DEFINE_integer("context", 131072, "tokens of the pinned context the questions are asked on")
 flags.DEFINE_integer("reps", 3, "questions timed per length (the median is reported)")
 flags.DEFINE_float("tolerance", 1.05, "monotone: time(n) <= tolerance * time(m) for every n < m of a sweep")

@@ -443,6 +443,48 @@ def test_key_splits_end_the_grid_in_fewer_waves():
     mgpu_flash.FlashTuning(kv_splits=9)
 
 
+def test_flash_schedule_loads_what_its_warpgroups_compute():
+  """The flash kernel's schedule (mgpu_flash.cta_blocks, warpgroup_blocks: the functions the kernel calls on its
+  scalars), vectorised over tiles, diagonal offsets, kv_len and q_len, causal or not, 1 to 8 key splits, against
+  each row's visible keys counted here: a warpgroup computes [lo, full) unmasked and [full, total) masked inside its
+  CTA's loads [lo, hi); over the splits it computes each block once, a prefix of blocks that holds every key a real
+  row of it sees and no block none of its rows sees (none if all its rows are padding); an unmasked block is seen
+  whole by each of its rows; every block a CTA loads is computed by one of its warpgroups (no TMA load left
+  unwaited)."""
+  bq, NB = 64, 20
+  cases = np.array(list(itertools.product((0, 128, 256), (0, 37, 200, 511), (0, 1, 100, 129, 640, 1000),
+                                          (0, 30, 64, 100, 128, 150, 200, 10 ** 6))), np.int32)
+  tb, d, kvl, ql = cases.T
+  blocks = np.arange(NB)[None, :]
+  for bkv, causal, splits, padded in itertools.product((64, 128), (True, False), (1, 2, 3, 8), (True, False)):
+    q_len = ql if padded else None
+    rows = tb[:, None] + np.arange(2 * bq)[None, :]
+    sees = np.maximum(np.minimum(kvl[:, None], rows + d[:, None] + 1), 0) if causal else np.repeat(
+        kvl[:, None], 2 * bq, axis=1)                                              # keys [0, sees) per row
+    real = rows < (ql[:, None] if padded else np.iinfo(np.int32).max)
+    computed = np.zeros((2, len(cases), NB), int)
+    for s in range(splits):
+      lo, hi = (np.broadcast_to(x, tb.shape) for x in mgpu_flash.cta_blocks(tb, d, kvl, q_len, s, bq=bq, bkv=bkv,
+                                                                             causal=causal, splits=splits))
+      tops = []
+      for w in range(2):
+        full, total = (np.asarray(x) for x in mgpu_flash.warpgroup_blocks(tb + w * bq, d, kvl, q_len, lo, hi,
+                                                                           bq=bq, bkv=bkv, causal=causal))
+        assert (lo <= full).all() and (full <= total).all() and (total <= hi).all()
+        wg_sees = sees[:, w * bq:(w + 1) * bq]
+        assert ((full <= lo) | (full * bkv <= wg_sees.min(axis=1))).all()      # unmasked: whole for every row
+        computed[w] += (blocks >= lo[:, None]) & (blocks < total[:, None])
+        tops.append(total)
+      assert (np.maximum(*tops) == hi).all(), (bkv, causal, splits, padded)       # every loaded block computed
+    for w in range(2):
+      wr = slice(w * bq, (w + 1) * bq)
+      need_real = -(-np.where(real[:, wr], sees[:, wr], 0).max(axis=1) // bkv)
+      need_any = -(-sees[:, wr].max(axis=1) // bkv) * real[:, wr].any(axis=1)
+      n = computed[w].sum(axis=1)
+      assert computed[w].max() <= 1 and (computed[w] == (blocks < n[:, None])).all()
+      assert (need_real <= n).all() and (n <= need_any).all(), (bkv, causal, splits, padded, w)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_merge_splits_is_attention_over_every_key(splits):
   """merge_splits of partials over disjoint key ranges (the jnp reference over each range, lse -inf where a row

@@ -182,6 +182,13 @@ MUTANTS = (
            "kv_len=step.prefix_len, q_len=step.lengths)",
            "kv_len=step.prefix_len, q_len=step.lengths - 1)",
            ("tests/test_model.py::test_a_padded_chunk_tells_the_prefix_read_its_real_rows",)),
+    Mutant("flash-cta-loads-a-padding-warpgroups-blocks",
+           "a flash CTA whose second warpgroup is all padding still loads that warpgroup's (longer causal) range: "
+           "blocks no warpgroup waits for, TMA copies that can outlive the CTA",
+           "lcjax/ops/mosaic_gpu/flash.py",
+           "    need = jnp.where(tile_base + bq < q_len, need, jnp.where(tile_base < q_len, first, 0))",
+           "    need = jnp.where(tile_base < q_len, need, 0)",
+           ("tests/test_kernels.py::test_flash_schedule_loads_what_its_warpgroups_compute",)),
     Mutant("flash-split-merge-unnormalised",
            "the flash kernel's key-split merge adds the splits' partials weighted by exp(lse - max) without dividing "
            "by their sum",

@@ -102,6 +102,31 @@ def _steps(q_base, block_q, block_kv, d, kvl, causal):
   return full, total
 
 
+def cta_blocks(tile_base, d, kvl, q_len, split, *, bq: int, bkv: int, causal: bool, splits: int):
+  """[lo, hi): the key blocks a CTA's memory warpgroup loads for the rows tile_base .. tile_base + 2 * bq - 1 (two
+  compute warpgroups of bq rows), in split `split` of `splits`: its share, within a block of the others', of the
+  blocks of the last warpgroup with real rows (rows at or past q_len are padding; q_len None: none is). The later
+  rows of a causal tile need the most blocks; a CTA of padding loads none. Works on Python ints and traced int32
+  alike (the kernel's scalars; tests/test_kernels.py checks the schedule's invariants on the CPU)."""
+  _, need = _steps(tile_base + bq, bq, bkv, d, kvl, causal)
+  if q_len is not None:
+    _, first = _steps(tile_base, bq, bkv, d, kvl, causal)
+    need = jnp.where(tile_base + bq < q_len, need, jnp.where(tile_base < q_len, first, 0))
+  if splits == 1:
+    return 0, need
+  return split * need // splits, (split + 1) * need // splits
+
+
+def warpgroup_blocks(q_base, d, kvl, q_len, lo, hi, *, bq: int, bkv: int, causal: bool):
+  """(full, total) of the compute warpgroup of rows q_base .. q_base + bq - 1 in a CTA loading blocks [lo, hi):
+  it computes blocks [lo, full) unmasked and [full, total) masked, and releases [total, hi) unread. A warpgroup of
+  padding (q_base >= q_len) computes none."""
+  full, total = _steps(q_base, bq, bkv, d, kvl, causal)
+  if q_len is not None:
+    full, total = jnp.where(q_base < q_len, full, 0), jnp.where(q_base < q_len, total, 0)
+  return jnp.clip(full, lo, hi), jnp.clip(total, lo, hi)
+
+
 def sm_count() -> int:
   """Streaming multiprocessors of the default device (132 on an H100 SXM or H200; 132 where the device does not
   say)."""
@@ -210,23 +235,13 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     db = d_ref[b]
     kb = kvl_ref[b]
     tile_base = tile * (_COMPUTE_WGS * bq)
-    # The memory warpgroup feeds the union of both compute warpgroups' blocks; the later rows need the most.
-    _, max_steps = _steps(tile_base + (_COMPUTE_WGS - 1) * bq, bq, bkv, db, kb, causal)
-    real = lambda base: True if q_len_ref is None else base < q_len_ref[b]   # rows from `base` on: not all padding
-    if q_len_ref is not None:
-      # The blocks of the last warpgroup with real rows (a causal tile's first warpgroup needs fewer): every block
-      # loaded is waited for by a warpgroup that computes on it.
-      _, first_steps = _steps(tile_base, bq, bkv, db, kb, causal)
-      max_steps = jnp.where(real(tile_base + bq), max_steps, jnp.where(real(tile_base), first_steps, 0))
-    # This CTA's key blocks [lo, hi): its split's share of the tile's [0, max_steps), the shares within a block of
-    # each other. Ring slots count from lo.
+    ql = None if q_len_ref is None else q_len_ref[b]
+    split = lax.div(cta, jnp.array(B, cta.dtype)) if splits > 1 else 0
+    # This CTA's key blocks [lo, hi), which the memory warpgroup loads into ring slots counted from lo.
+    lo, hi = cta_blocks(tile_base, db, kb, ql, split, bq=bq, bkv=bkv, causal=causal, splits=splits)
     if splits > 1:
-      split = lax.div(cta, jnp.array(B, cta.dtype))
-      lo = split * max_steps // splits
-      hi = (split + 1) * max_steps // splits
       ring = lambda i: lax.rem(i - lo, jnp.array(mcs, i.dtype))
     else:
-      lo, hi = 0, max_steps
       ring = lambda i: lax.rem(i, jnp.array(mcs, i.dtype))
 
     def sched_sync():
@@ -240,11 +255,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       o_smem = o_smem2.at[wg] if fp8 else q_smem
       lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
-      full, total = _steps(q_base, bq, bkv, db, kb, causal)
-      if q_len_ref is not None:
-        full, total = jnp.where(real(q_base), full, 0), jnp.where(real(q_base), total, 0)
-      if splits > 1:
-        full, total = jnp.clip(full, lo, hi), jnp.clip(total, lo, hi)
+      full, total = warpgroup_blocks(q_base, db, kb, ql, lo, hi, bq=bq, bkv=bkv, causal=causal)
       if fp8:
         qs_ref, ks_ref, vs_ref = scale_refs
         c_q = c * qs_ref[b, head, lax.div(q_base, jnp.array(bq, q_base.dtype))]

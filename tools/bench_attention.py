@@ -582,7 +582,7 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
               first = o
             else:
               agree = rel_err(o, first)
-          res.add(op="decode", impl=name, lcjax=mine, S=S, batch=B, page=Z,
+          res.add(op="decode" if T == 1 else f"decode-{T}-tokens", impl=name, lcjax=mine, S=S, batch=B, page=Z,
                   dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
                   metric=nbytes / t / 1e12, tokens_per_s=B / t, rel_err=checks[name][0],
                   timing=f"chained-{_CHAIN.value}" if _CHAIN.value else "dispatched-4", tokens=T,

@@ -79,7 +79,7 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
   """The fp8 GEMV at the four products of a model, bf16 rows (two parts by magnitude, or row-scaled) and float32
   rows (hi and lo: at 64 rows RN 128, a shorter ring), and with x scaled in the kernel (x^T tiles, a float16 tile
   written for the wgmma), over 132 SMs."""
-  monkeypatch.setattr(mgpu_gemv, "_sm_count", lambda: 132)
+  monkeypatch.setattr(mgpu_gemv, "sm_count", lambda: 132)
   for name, shape in linear_shapes(preset(preset_name)).items():
     spec = LINEAR[name]
     w8, scale = jax.eval_shape(jax.vmap(lambda a: linear.quantize_weight(a, spec)), S((2, *shape), jnp.bfloat16))

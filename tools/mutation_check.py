@@ -190,11 +190,11 @@ MUTANTS = (
            "    need = jnp.where(tile_base < q_len, need, 0)",
            ("tests/test_kernels.py::test_flash_schedule_loads_what_its_warpgroups_compute",)),
     Mutant("flash-split-merge-unnormalised",
-           "the flash kernel's key-split merge adds the splits' partials weighted by exp(lse - max) without dividing "
-           "by their sum",
-           "lcjax/ops/mosaic_gpu/flash.py",
-           "  w_rows = jnp.swapaxes(w / jnp.where(tot > 0, tot, 1.0), 2, 3)[..., None]",
-           "  w_rows = jnp.swapaxes(w, 2, 3)[..., None]",
+           "the merge of a stack of attention partials (the flash kernel's key splits) weighs them by exp(lse - max) "
+           "without dividing by their sum",
+           "lcjax/ops/attention.py",
+           "  merged = jnp.sum(out.astype(jnp.float32) * jnp.exp(lse - safe)[..., None], axis=0)",
+           "  merged = jnp.sum(out.astype(jnp.float32) * jnp.exp(lse - jnp.max(lse, axis=0))[..., None], axis=0)",
            ("tests/test_kernels.py::test_merge_splits_is_attention_over_every_key[2]",)),
 )
 

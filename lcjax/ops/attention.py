@@ -99,6 +99,15 @@ def merge(o_a, lse_a, o_b, lse_b):
   return out.astype(o_a.dtype), lse
 
 
+def merge_stack(out, lse):
+  """`merge` of a stack of partials over disjoint key sets: out [n, ..., H], lse [n, ...] float32 -> (out [..., H]
+  in out's dtype, lse [...]), each weighted in float32. A row no partial saw gets out 0 and lse -inf."""
+  total = jax.nn.logsumexp(lse, axis=0)
+  safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  merged = jnp.sum(out.astype(jnp.float32) * jnp.exp(lse - safe)[..., None], axis=0)
+  return merged.astype(out.dtype), total
+
+
 def _online_softmax(q, n_blocks, block_fn, scale):
   """Flash-style online softmax over key blocks. q [B, T, N, H]; block_fn(i) -> (k, v, visible).
 

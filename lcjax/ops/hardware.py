@@ -34,6 +34,12 @@ def sm90_fp8_reason(kernel: str, uses: str) -> str | None:
   return reason
 
 
+def sm_count() -> int:
+  """Streaming multiprocessors of the default device (132 on an H100 SXM or H200; 132 where the device does not
+  say): the Mosaic GPU kernels size their grids by it."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def jax_at_least(major: int, minor: int) -> bool:
   """Whether this JAX is major.minor or later (what the Mosaic GPU lowering and interpreter can do changes with it)."""
   return tuple(map(int, jax.__version__.split(".")[:2])) >= (major, minor)

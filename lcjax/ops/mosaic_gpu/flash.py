@@ -35,6 +35,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
+from lcjax.ops.hardware import sm_count
 from lcjax.ops.mosaic_gpu.common import fill_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
@@ -127,12 +128,6 @@ def warpgroup_blocks(q_base, d, kvl, q_len, lo, hi, *, bq: int, bkv: int, causal
   return jnp.clip(full, lo, hi), jnp.clip(total, lo, hi)
 
 
-def sm_count() -> int:
-  """Streaming multiprocessors of the default device (132 on an H100 SXM or H200; 132 where the device does not
-  say)."""
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def kv_splits_for(ctas: int, key_blocks: int, sms: int, most: int = MAX_KV_SPLITS) -> int:
   """Splits of every CTA's key range that end a grid of `ctas` CTAs of `key_blocks` key blocks each soonest on
   `sms` SMs (one CTA an SM): the grid takes ceil(ctas * s / sms) waves of ceil(key_blocks / s) +
@@ -147,15 +142,9 @@ def kv_splits_for(ctas: int, key_blocks: int, sms: int, most: int = MAX_KV_SPLIT
 def merge_splits(out, lse):
   """The flash kernel's split partials -> one result: out [s, B, T, N, H] (each normalised over its keys), lse
   [s, B, N, T] float32 (natural log; -inf where a split saw no key) -> (out [B, T, N, H] in out's dtype, lse
-  [B, N, T]), each split weighted by exp(lse): the exact log-sum-exp merge. A row no split saw gets out 0 and lse
-  -inf."""
-  top = jnp.max(lse, axis=0)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp(lse - top)                                                   # [s, B, N, T]
-  tot = jnp.sum(w, axis=0)
-  w_rows = jnp.swapaxes(w / jnp.where(tot > 0, tot, 1.0), 2, 3)[..., None]  # [s, B, T, N, 1]
-  merged = jnp.sum(out.astype(jnp.float32) * w_rows, axis=0)
-  return merged.astype(out.dtype), jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top, -jnp.inf)
+  [B, N, T]): the exact log-sum-exp merge (`attention.merge_stack`). A row no split saw gets out 0 and lse -inf."""
+  out, lse = ref.merge_stack(out, jnp.swapaxes(lse, 2, 3))
+  return out, jnp.swapaxes(lse, 1, 2)
 
 
 def block_copies(i, block_kv: int, Z: int, M: int):
@@ -239,10 +228,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     split = lax.div(cta, jnp.array(B, cta.dtype)) if splits > 1 else 0
     # This CTA's key blocks [lo, hi), which the memory warpgroup loads into ring slots counted from lo.
     lo, hi = cta_blocks(tile_base, db, kb, ql, split, bq=bq, bkv=bkv, causal=causal, splits=splits)
-    if splits > 1:
-      ring = lambda i: lax.rem(i - lo, jnp.array(mcs, i.dtype))
-    else:
-      ring = lambda i: lax.rem(i, jnp.array(mcs, i.dtype))
+    ring = lambda i: lax.rem(i - lo, jnp.array(mcs, i.dtype))
 
     def sched_sync():
       plgpu.barrier_arrive(sched)

@@ -58,7 +58,7 @@ from jax import lax
 from lcjax.ops import precision
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
 from lcjax.ops.mosaic_gpu.common import load, smem_transforms
-from lcjax.ops.hardware import sm90_fp8_reason
+from lcjax.ops.hardware import sm90_fp8_reason, sm_count
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
@@ -90,11 +90,6 @@ def unsupported_shape(N: int, Kd: int) -> str | None:
     return (f"the Mosaic GPU GEMV kernel tiles weights by 64 rows and 64 columns: {' and '.join(bad)} "
             f"{'is' if len(bad) == 1 else 'are'} not a multiple of 64")
   return None
-
-
-def _sm_count() -> int:
-  """Streaming multiprocessors of the default device (132 on an H200; 132 where the device does not say)."""
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +151,7 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
     M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
   fit = max(1, SM_SMEM_BYTES // (smem_bytes(RN, bk, M, scale_in_kernel) + 1024))   # CTAs an SM holds at once
-  G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * _sm_count())
+  G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
   return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel)

@@ -40,6 +40,8 @@ CASES = {
     # one query 100 keys before the end of its cache (the keys past it are masked by q_pos, not kv_len); a ring
     # of two slots
     "T1-G4-early-mcs2": (2, 1, 16, 4, 128, 64, 10, (640, 300), -100, {"max_concurrent_steps": 2}),
+    # a verify step of four drafts (5 queries of GQA 4 = 20 rows): the default ring is 3 slots (`ring_depth`)
+    "T5-G4-Z64-ring3": (2, 5, 16, 4, 128, 64, 10, (640, 300), -20, {}),
     # the most rows the kernel takes (16 queries of GQA 4 = 64), 192-token pages read as three blocks each
     "T16-G4-Z192": (2, 16, 8, 2, 128, 192, 4, (768, 400), -40, {}),
     # kv_len and the query past the 6-page table; 8 splits of one page: the last two cover slots 6 and 7, clamped
@@ -128,6 +130,23 @@ def test_split_heuristic_is_a_power_of_two_near_two_ctas_per_sm():
   assert mgpu_paged.num_splits_for(T(num_splits=6), 1, 8, 100) == 4
   assert mgpu_paged.num_splits_for(T(), 9, 8, 8192) == 2                 # 264 // 72 = 3 wanted: at most the target
   assert mgpu_paged.num_splits_for(T(), 32, 8, 8192) == 1
+
+
+def test_ring_depth_is_the_deepest_that_two_ctas_an_sm_hold():
+  """`smem_bytes` against the allocations the compiler reported for the 4-slot ring over e4m3 pages (103-110 KiB up
+  to 16 rows a kv head, 117 KiB at 24, 152 KiB at 64); `ring_depth` the deepest ring two CTAs share an SM with."""
+  e4, bf = jnp.float8_e4m3fn, jnp.bfloat16
+  kib = lambda RN, mcs=4: mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=e4) // 1024
+  assert (kib(8), kib(16), kib(24), kib(64)) == (103, 110, 117, 152)
+  depth = lambda RN, page=e4, **kw: mgpu_paged.ring_depth(mgpu_paged.DecodeTuning(**kw), RN=RN, H=128, page_dtype=page)
+  assert [depth(RN) for RN in (8, 16, 24, 32, 40, 48, 56, 64)] == [4, 4, 3, 3, 2, 2, 4, 4]
+  assert depth(24, max_concurrent_steps=4) == 4 and depth(8, max_concurrent_steps=2) == 2   # asked for: taken
+  assert depth(8, bf) == 3                             # bf16 pages: 16 KiB a slot, no widened V
+  for RN in (8, 16, 24, 32, 40, 48):
+    mcs = depth(RN)
+    assert 2 * (mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=e4) + mgpu_paged.SMEM_RESERVED) <= 228 * 1024
+    if mcs < 4:                                        # one slot more and the second CTA would not fit
+      assert 2 * (mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs + 1, page_dtype=e4) + mgpu_paged.SMEM_RESERVED) > 228 * 1024
 
 
 def test_why_not_names_the_values():
@@ -306,7 +325,7 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
     if route == "auto" and fp8:
       assert tuning is None                           # paged_decode_fp8's default tuning: Triton's combine
     else:
-      assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (4 if fp8 else 2)
+      assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (None if fp8 else 2)
     small = jnp.zeros((8, 32, K, H), page_dtype)
     if route == "mosaic":
       with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
@@ -385,7 +404,7 @@ def test_triton_fp8_decode_kernel_says_where_it_cannot_serve(monkeypatch):
 
 
 @pytest.mark.parametrize("combine", [pytest.param("triton", marks=TRITON_CROSS_LOWERS), "mosaic", "mosaic-flat"])
-@pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256)])
+@pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256), (5, 128, 64)])
 def test_kernel_lowers_for_cuda(T, H, Z, combine):
   sd = jax.ShapeDtypeStruct
   e4 = jnp.float8_e4m3fn

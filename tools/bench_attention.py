@@ -473,8 +473,10 @@ def decode_impls():
                          ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
       impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
     F = D
-    # mcs3 / mcs2: a shallower K/V ring, so that two CTAs fit an SM at 17-32 rows a kv head (--decode_tokens).
-    for name, tuning in (("mcs3-ctas396", F(max_concurrent_steps=3, target_ctas=396)),
+    # mcs4 / mcs3 / mcs2: K/V rings of a set depth beside the default's `ring_depth` (shallower from 17 rows a
+    # kv head, so that two CTAs fit an SM: --decode_tokens).
+    for name, tuning in (("mcs4", F(max_concurrent_steps=4)),
+                         ("mcs3-ctas396", F(max_concurrent_steps=3, target_ctas=396)),
                          ("mcs2-ctas396", F(max_concurrent_steps=2, target_ctas=396)),
                          ("mcs2-ctas528", F(max_concurrent_steps=2, target_ctas=528)),
                          ("mcs3", F(max_concurrent_steps=3)), ("mcs2", F(max_concurrent_steps=2))):

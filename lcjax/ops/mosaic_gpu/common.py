@@ -13,6 +13,8 @@ import inspect
 import jax.numpy as jnp
 from jax import lax
 
+SM_SMEM_BYTES = 228 * 1024   # shared memory of a Hopper SM, shared by its resident CTAs (1 KiB of each reserved)
+
 
 def smem_transforms(dtype, cols: int):
   """Shared-memory tiling of rows of `cols` elements in swizzled chunks of up to 128 bytes, the layout a wgmma

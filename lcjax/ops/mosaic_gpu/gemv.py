@@ -57,12 +57,11 @@ from jax import lax
 
 from lcjax.ops import precision
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
-from lcjax.ops.mosaic_gpu.common import load, smem_transforms
+from lcjax.ops.mosaic_gpu.common import SM_SMEM_BYTES, load, smem_transforms
 from lcjax.ops.hardware import sm90_fp8_reason, sm_count
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
-SM_SMEM_BYTES = 228 * 1024     # shared memory of a Hopper SM, shared by its resident CTAs (1 KiB of each reserved)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.splits import heads_from_rows, rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
-from lcjax.ops.mosaic_gpu.common import fill_ring, prime_ring, smem_transforms
+from lcjax.ops.mosaic_gpu.common import SM_SMEM_BYTES, fill_ring, prime_ring, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -57,6 +57,7 @@ BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the 
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
 COMBINES = ("triton", "mosaic", "mosaic-flat")
+SMEM_RESERVED = 2 * 1024     # per CTA: the 1 KiB the hardware keeps, barriers and alignment (`ring_depth`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +65,16 @@ class DecodeTuning:
   """Static knobs (part of the jit cache key)."""
   num_splits: int | None = None      # splits of each (b, h)'s page table (rounded down to a power of two);
                                      # None: about two CTAs per SM
-  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and with up to 16
-                                     # rows per kv head a CTA takes 103-110 KiB of shared memory, so two run on
-                                     # each (from 24 rows, 117+ KiB: one; at 64 rows, 152 KiB)
+  target_ctas: int = 264             # CTAs aimed at by the heuristic: an H200 has 132 SMs, and two CTAs share
+                                     # an SM where the ring depth lets them (`ring_depth`)
   min_pages_per_split: int = 4
-  max_concurrent_steps: int = 4      # K/V ring depth
+  max_concurrent_steps: int | None = None   # K/V ring depth; None: `ring_depth` per call
   combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
                                      # (lcjax.ops.mosaic_gpu.combine) or "mosaic-flat" (its combine_splits_flat,
                                      # on partials whose lse the kernel stores broadcast over the head dim)
 
   def __post_init__(self):
-    if self.max_concurrent_steps < 2:
+    if self.max_concurrent_steps is not None and self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2")
     if self.combine not in COMBINES:
       raise ValueError(f"combine={self.combine!r} is not one of {COMBINES}")
@@ -93,6 +93,33 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
   if rows > MAX_ROWS:
     return f"{rows} query rows per kv head exceed the Mosaic GPU decode kernel's {MAX_ROWS}"
   return None
+
+
+def smem_bytes(*, RN: int, H: int, mcs: int, page_dtype, flat: bool = False) -> int:
+  """Shared memory of one CTA of `_decode_call`: the query terms, the K/V ring of mcs slots, the widened V ring
+  (e4m3 pages), P^T, the out^T tile and the lse row (barriers not counted: a few hundred bytes)."""
+  quantized = jnp.dtype(page_dtype) == fp8_ops.E4M3
+  page = jnp.dtype(page_dtype).itemsize
+  q = (2 * RN * H) if quantized else (RN * H * 2)              # two e4m3 terms, or the bf16 rows
+  ring = 2 * mcs * BLOCK * H * page
+  v16 = V16_SLOTS * BLOCK * H * 2 if quantized else 0
+  return q + ring + v16 + RN * BLOCK * 2 + H * RN * 4 + (0 if flat else RN * 4)
+
+
+RINGS = (4, 3, 2)            # ring depths `ring_depth` tries, deepest first
+
+
+def ring_depth(tuning: DecodeTuning, *, RN: int, H: int, page_dtype) -> int:
+  """The K/V ring depth of a call: tuning.max_concurrent_steps, else the deepest of RINGS with which two CTAs share
+  an SM (a verify step's 17-56 rows a kv head: two CTAs of a shallower ring beat one of 4 slots: 0.170 against
+  0.195 ms at 128K and 0.452 against 0.608 at 512K, 20 rows, H100), else the deepest (one CTA an SM anyway)."""
+  if tuning.max_concurrent_steps is not None:
+    return tuning.max_concurrent_steps
+  flat = tuning.combine == "mosaic-flat"
+  for mcs in RINGS:
+    if 2 * (smem_bytes(RN=RN, H=H, mcs=mcs, page_dtype=page_dtype, flat=flat) + SMEM_RESERVED) <= SM_SMEM_BYTES:
+      return mcs
+  return RINGS[0]
 
 
 def num_splits_for(tuning: DecodeTuning, B, K, M):
@@ -154,7 +181,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   Zb = BLOCK
   bpp = Z // Zb                                   # blocks per page
   pps = -(-M // splits)                           # pages per split
-  mcs = tuning.max_concurrent_steps
+  mcs = ring_depth(tuning, RN=RN, H=H, page_dtype=k_pages.dtype)
   S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
   flat = tuning.combine == "mosaic-flat"          # the lse stored broadcast over the head dim
   c = _LOG2E / math.sqrt(H)

@@ -132,21 +132,50 @@ def test_split_heuristic_is_a_power_of_two_near_two_ctas_per_sm():
   assert mgpu_paged.num_splits_for(T(), 32, 8, 8192) == 1
 
 
+def _requested_smem(monkeypatch, T, G, mcs, page_dtype):
+  """The scoped shared memory Pallas's Mosaic GPU lowering asks for one CTA of the decode kernel (cross-lowered for
+  CUDA; read where the lowering hands it to Mosaic GPU)."""
+  from jax._src.pallas.mosaic_gpu import lowering
+  if not hasattr(lowering.mgpu_core, "_lower_as_gpu_kernel"):
+    pytest.skip("this JAX's Pallas Mosaic GPU lowering has no _lower_as_gpu_kernel to read the request from")
+  asked = []
+  real = lowering.mgpu_core._lower_as_gpu_kernel
+  monkeypatch.setattr(lowering.mgpu_core, "_lower_as_gpu_kernel",
+                      lambda *a, **kw: (asked.append(kw["smem_scratch_shape"][0].shape[0]), real(*a, **kw))[1])
+  sd = jax.ShapeDtypeStruct
+  B, K, M, P, H, Z = 1, 2, 8, 40, 128, 64
+  tuning = mgpu_paged.DecodeTuning(max_concurrent_steps=mcs, combine="mosaic")
+  q, pages, rows = sd((B, T, K * G, H), jnp.bfloat16), sd((P, Z, K, H), page_dtype), dict(
+      q_pos=sd((B, T), jnp.int32), kv_len=sd((B,), jnp.int32))
+  if page_dtype == jnp.float8_e4m3fn:
+    f, rows = mgpu_paged.paged_decode_fp8, rows | dict(k_scale=sd((P, K), jnp.float32), v_scale=sd((P, K), jnp.float32))
+  else:
+    f = mgpu_paged.paged_decode_bf16
+  jax.jit(functools.partial(f, tuning=tuning)).trace(q, pages, pages, sd((B, M), jnp.int32), **rows).lower(
+      lowering_platforms=("cuda",))
+  return asked[0]
+
+
+@pytest.mark.parametrize("T,G,mcs,page_dtype", [(1, 4, 4, jnp.float8_e4m3fn), (5, 4, 3, jnp.float8_e4m3fn),
+                                                (5, 8, 2, jnp.float8_e4m3fn), (16, 4, 4, jnp.float8_e4m3fn),
+                                                (1, 4, 2, jnp.bfloat16)])
+def test_smem_bytes_is_what_the_lowering_asks_for(T, G, mcs, page_dtype, monkeypatch):
+  RN = -(-T * G // 8) * 8
+  want = _requested_smem(monkeypatch, T, G, mcs, page_dtype)
+  assert mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=page_dtype) == want
+
+
 def test_ring_depth_is_the_deepest_that_two_ctas_an_sm_hold():
-  """`smem_bytes` against the allocations the compiler reported for the 4-slot ring over e4m3 pages (103-110 KiB up
-  to 16 rows a kv head, 117 KiB at 24, 152 KiB at 64); `ring_depth` the deepest ring two CTAs share an SM with."""
   e4, bf = jnp.float8_e4m3fn, jnp.bfloat16
-  kib = lambda RN, mcs=4: mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=e4) // 1024
-  assert (kib(8), kib(16), kib(24), kib(64)) == (103, 110, 117, 152)
   depth = lambda RN, page=e4, **kw: mgpu_paged.ring_depth(mgpu_paged.DecodeTuning(**kw), RN=RN, H=128, page_dtype=page)
-  assert [depth(RN) for RN in (8, 16, 24, 32, 40, 48, 56, 64)] == [4, 4, 3, 3, 2, 2, 4, 4]
+  assert [depth(RN) for RN in (8, 16, 24, 32, 40, 48, 56, 64)] == [4, 3, 3, 3, 2, 2, 4, 4]
   assert depth(24, max_concurrent_steps=4) == 4 and depth(8, max_concurrent_steps=2) == 2   # asked for: taken
   assert depth(8, bf) == 3                             # bf16 pages: 16 KiB a slot, no widened V
+  fits = lambda RN, mcs: 2 * (mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=e4)
+                              + mgpu_paged.SMEM_RESERVED) <= 228 * 1024
   for RN in (8, 16, 24, 32, 40, 48):
     mcs = depth(RN)
-    assert 2 * (mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs, page_dtype=e4) + mgpu_paged.SMEM_RESERVED) <= 228 * 1024
-    if mcs < 4:                                        # one slot more and the second CTA would not fit
-      assert 2 * (mgpu_paged.smem_bytes(RN=RN, H=128, mcs=mcs + 1, page_dtype=e4) + mgpu_paged.SMEM_RESERVED) > 228 * 1024
+    assert fits(RN, mcs) and (mcs == 4 or not fits(RN, mcs + 1))   # one slot more and the second CTA would not fit
 
 
 def test_why_not_names_the_values():

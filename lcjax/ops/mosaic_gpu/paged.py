@@ -57,7 +57,9 @@ BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the 
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
 COMBINES = ("triton", "mosaic", "mosaic-flat")
-SMEM_RESERVED = 2 * 1024     # per CTA: the 1 KiB the hardware keeps, barriers and alignment (`ring_depth`)
+SMEM_ALIGN = 1024            # Pallas Mosaic GPU aligns each scoped shared-memory buffer to this
+SMEM_LOWERING = 2 * 1024     # shared memory the lowering adds to a kernel's scoped buffers (jax 0.10.2 and 0.11.2)
+SMEM_RESERVED = 2 * 1024     # per CTA besides `smem_bytes`: the 1 KiB the hardware keeps, and the barriers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +98,17 @@ def why_not(*, head_dim: int, page_size: int, rows: int, page_dtype=fp8_ops.E4M3
 
 
 def smem_bytes(*, RN: int, H: int, mcs: int, page_dtype, flat: bool = False) -> int:
-  """Shared memory of one CTA of `_decode_call`: the query terms, the K/V ring of mcs slots, the widened V ring
-  (e4m3 pages), P^T, the out^T tile and the lse row (barriers not counted: a few hundred bytes)."""
+  """Shared memory Pallas asks for one CTA of `_decode_call`: the query terms, the K/V ring of mcs slots, the
+  widened V ring (e4m3 pages), P^T, the out^T tile and the lse row, each rounded up to SMEM_ALIGN bytes, and the
+  lowering's own SMEM_LOWERING bytes (barriers not counted: tests/test_fp8_decode.py checks this against the
+  lowering's request)."""
   quantized = jnp.dtype(page_dtype) == fp8_ops.E4M3
   page = jnp.dtype(page_dtype).itemsize
-  q = (2 * RN * H) if quantized else (RN * H * 2)              # two e4m3 terms, or the bf16 rows
-  ring = 2 * mcs * BLOCK * H * page
-  v16 = V16_SLOTS * BLOCK * H * 2 if quantized else 0
-  return q + ring + v16 + RN * BLOCK * 2 + H * RN * 4 + (0 if flat else RN * 4)
+  buffers = [2 * RN * H if quantized else RN * H * 2,          # two e4m3 terms, or the bf16 rows
+             mcs * BLOCK * H * page, mcs * BLOCK * H * page,   # the K and V rings
+             V16_SLOTS * BLOCK * H * 2 if quantized else 0,    # V widened to float16
+             RN * BLOCK * 2, H * RN * 4, 0 if flat else RN * 4]
+  return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers) + SMEM_LOWERING
 
 
 RINGS = (4, 3, 2)            # ring depths `ring_depth` tries, deepest first
@@ -111,7 +116,7 @@ RINGS = (4, 3, 2)            # ring depths `ring_depth` tries, deepest first
 
 def ring_depth(tuning: DecodeTuning, *, RN: int, H: int, page_dtype) -> int:
   """The K/V ring depth of a call: tuning.max_concurrent_steps, else the deepest of RINGS with which two CTAs share
-  an SM (a verify step's 17-56 rows a kv head: two CTAs of a shallower ring beat one of 4 slots: 0.170 against
+  an SM (a verify step's 9-48 rows a kv head: two CTAs of a shallower ring beat one of 4 slots: 0.170 against
   0.195 ms at 128K and 0.452 against 0.608 at 512K, 20 rows, H100), else the deepest (one CTA an SM anyway)."""
   if tuning.max_concurrent_steps is not None:
     return tuning.max_concurrent_steps

@@ -218,7 +218,7 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
   cfg = preset("tiny")
   run = RunConfig(weight_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32")
   prompts = [[5, 6, 7, 8, 9] * 5, [3, 4, 5]]
-  with caplog.at_level(logging.INFO, logger="lcjax.engine.engine"):
+  with caplog.at_level(logging.INFO, logger="lcjax.engine.serving"):
     xla = lcjax.Engine.random(cfg, run=run, seed=0)
   assert "the fp8 GEMV kernel needs a CUDA GPU" in caplog.text            # auto on a CPU, and the log says why
   kern = lcjax.Engine.random(cfg, run=run.replace(linear_kernel="pallas-interpret"), seed=0)

@@ -170,7 +170,7 @@ def test_engine_decodes_through_the_kernel(caplog, monkeypatch):
   """Two prompts decoded together through the kernel (interpreted): the greedy tokens and every page XLA's write
   gives; the stats and the log name the write."""
   run = RunConfig(cache_dtype="float8_e4m3fn", max_context=256, max_batch=2, dtype="float32", page_size=16)
-  with caplog.at_level(logging.INFO, logger="lcjax.engine.engine"):
+  with caplog.at_level(logging.INFO, logger="lcjax.engine.serving"):
     xla, kern = _engines(run, "auto", "pallas-interpret")
   assert ("decode steps write fp8 pages in XLA (nine small kernels a layer): page_write='auto'; not mosaic: the "
           "Mosaic GPU fp8 page writer needs a CUDA GPU, not 'cpu'; not pallas: the fp8 page-write kernel needs a "

@@ -239,3 +239,10 @@ def test_test_modules_import_without_optional_packages():
         bad.extend(f"tools/{tool.name}:{line} imports {top} at module level (imported by tests/{path.name})"
                    for line, top in _top_level_imports(tool) if top not in allowed)
   assert not bad, "optional packages need pytest.importorskip(..., reason=...):\n" + "\n".join(bad)
+
+
+def test_the_engine_module_stays_a_facade():
+  """lcjax/engine/engine.py holds the Engine's public calls; the work lives in the modules it delegates to
+  (serving, placement, scheduler, context, prompts, results): at most 400 lines."""
+  lines = len((ROOT / "engine" / "engine.py").read_text().splitlines())
+  assert lines <= 400, f"lcjax/engine/engine.py has {lines} lines: move work out of the facade"

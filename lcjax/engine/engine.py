@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
 from typing import Iterator
 
@@ -35,8 +34,6 @@ from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
 from lcjax.engine.serving import Serving, resolve
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
-
-_log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
 
@@ -68,17 +65,8 @@ class Engine:
     # Engine.load and Engine.random hand them over converted already, a layer at a time.
     self.weights = serving.weights
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
-    self.decode_linear, why = serving.linear.name, serving.linear.why
-    if self.weights.fp8 and serving.linear.kernel is None:
-      # On a GPU that is the slow path (a widened copy of each layer's weights a step); elsewhere the only one.
-      _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
-               "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype, why)
-    elif self.weights.fp8 and self.decode_linear == "pallas" and self.run.linear_kernel == "auto":
-      _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.triton.gemv): %s", why)
-    self.page_write, why = serving.page_write.name, serving.page_write.why
-    if self.fp8_cache and serving.page_write.kernel is None:
-      _log.log(logging.WARNING if jax.default_backend() == "gpu" else logging.INFO,
-               "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", why)
+    self.decode_linear, self.page_write = serving.linear.name, serving.page_write.name
+    serving.log_slow_paths()
     self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
                                                                       self.attention, self.weights,
                                                                       gemv_kernel=serving.linear.kernel,

@@ -11,6 +11,7 @@ again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -21,6 +22,8 @@ from lcjax.engine.requests import Limits, check_context_length
 from lcjax.ops import kernels
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,18 @@ class Serving:
   def require_fit(self) -> None:
     """Refuse (ConfigError, one line) a memory plan the mesh's devices cannot hold."""
     planlib.require_fit(self.plan, self.model, self.run, *placement.device_memory(self.mesh))
+
+  def log_slow_paths(self) -> None:
+    """Log each decode-time product or page write that runs in XLA where a kernel could not (a warning on a GPU,
+    where it is the slow path; elsewhere it is the only one), and the Triton GEMV where `auto` took it."""
+    level = logging.WARNING if jax.default_backend() == "gpu" else logging.INFO
+    if self.weights.fp8 and self.linear.kernel is None:
+      _log.log(level, "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype,
+               self.linear.why)
+    elif self.weights.fp8 and self.linear.name == "pallas" and self.run.linear_kernel == "auto":
+      _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.triton.gemv): %s", self.linear.why)
+    if self.cache_dtype == "float8_e4m3fn" and self.page_write.kernel is None:
+      _log.log(level, "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", self.page_write.why)
 
   def table(self) -> str:
     """What runs and why, one row each."""

@@ -300,6 +300,24 @@ def test_a_mismatched_restore_is_refused(tmp_path, change, names):
   _idle(other)
 
 
+def test_an_fp8_context_saved_with_unrotated_keys_is_refused():
+  """fp8 pages hold the keys rotated (lcjax.model.llama); a context saved before then holds them as computed, and
+  its fingerprint lacks `key_layout`: refused, naming both layouts. A cache dtype that differs says it alone."""
+  from lcjax.config import WeightFormat
+  from lcjax.engine import context_file
+  fp8 = RUN.replace(cache_dtype="float8_e4m3fn")
+  mine = context_file.fingerprint(TINY, fp8, WeightFormat(), "digest")
+  older = {k: v for k, v in mine.items() if k != "key_layout"}
+  with pytest.raises(ContextError, match=r"saved by another model or run config: key_layout: saved 'unrotated', "
+                                         r"this engine 'rotated'$"):
+    context_file.check_fingerprint("doc.ctx", dict(fingerprint=older), mine)
+  context_file.check_fingerprint("doc.ctx", dict(fingerprint=dict(mine)), mine)
+  f32 = context_file.fingerprint(TINY, RUN, WeightFormat(), "digest")
+  assert "key_layout" not in f32
+  assert context_file.mismatches(f32, mine) == ["cache_dtype: saved 'float32', this engine 'float8_e4m3fn'"]
+  assert context_file.mismatches(mine, f32) == ["cache_dtype: saved 'float8_e4m3fn', this engine 'float32'"]
+
+
 @pytest.mark.parametrize("save_at, load_at", [((2, 1), (1, 1)), ((1, 4), (2, 2))],
                          ids=["seq2-to-1", "tensor4-to-seq2-tensor2"])
 def test_restore_across_meshes(tmp_path, save_at, load_at):

@@ -210,7 +210,8 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   scale holds them: layer 0's fp8 pages (the same float K/V in every engine) dequantize within e4m3's rounding,
   and the chunked-prefill logits equal a float32 engine's whose writes round each page to e4m3 at its page's
   scale (chunks are whole pages). Their error against the float32 cache is e4m3's alone: a float32 engine
-  writing with clipped per-layer scales errs far more."""
+  writing with clipped per-layer scales errs far more. fp8 pages hold the keys rotated (kvc.fp8_basis), so K is
+  compared, and rounded in the float32 engines, in that basis."""
   from lcjax.cache import kv as kvc
   from tests.patch_kv import scale_kv_by_position
   real_write = kvc.write_kv
@@ -222,7 +223,7 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   # first one attends to its own chunk's keys in float.
   ref, out = _prefill_logits(f32, prompt), _prefill_logits(fp8, prompt)
   with f32.prefill(prompt) as ref_ctx, fp8.prefill(prompt) as ctx:
-    want = [np.asarray(x)[:, ref_ctx.pages()] for x in (f32.cache.k, f32.cache.v)]            # [L, n, Z, K, H]
+    want = [np.asarray(x)[:, ref_ctx.pages()] for x in (kvc.fp8_basis(f32.cache.k), f32.cache.v)]  # [L, n, Z, K, H]
     scales = [np.asarray(s)[:, ctx.pages()][:, :, None, :, None] for s in (fp8.cache.k_scale, fp8.cache.v_scale)]
     got = [np.asarray(x)[:, ctx.pages()].astype(np.float32) * s for x, s in zip((fp8.cache.k, fp8.cache.v), scales)]
   for w, g, s in zip(want, got, scales):
@@ -235,7 +236,9 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
       return (jnp.clip(new / s, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s).astype(new.dtype)
 
     def write(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, **kw):
-      k, v = (round_e4m3(x, scale_of(x, layer, is_v)) for is_v, x in enumerate((k, v)))
+      k_rot = kvc.fp8_basis(k)                                    # rounded where fp8 pages round it, rotated back
+      k = round_e4m3(k_rot, scale_of(k_rot, layer, 0)) @ kvc.fp8_ops.rotation(k.shape[-1]).T
+      v = round_e4m3(v, scale_of(v, layer, 1))
       return real_write(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, **kw)
     monkeypatch.setattr(kvc, "write_kv", write)
     try:

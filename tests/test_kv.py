@@ -80,9 +80,13 @@ def _oracle_scale(x):
 
 
 def _check_against_oracle(cache, seqs, sign=1.0, pool="k"):
+  """Each page of `pool` holds its tokens (K: as fp8 pools hold keys, rotated by kvc.fp8_basis) at the oracle's
+  scale, within e4m3's rounding."""
   arr, scales = (np.asarray(getattr(cache, pool)), np.asarray(getattr(cache, pool + "_scale")))
   for table, vals in seqs:
     vals = sign * vals
+    if pool == "k":
+      vals = np.asarray(kvc.fp8_basis(jnp.asarray(vals, jnp.float32)))
     for j, page in enumerate(table):
       tok = vals[j * Z:(j + 1) * Z]
       want = _oracle_scale(tok)
@@ -234,6 +238,8 @@ def test_padded_tokens_write_nothing(dtype, shard):
     assert not np.any(np.asarray(part[:, 0], np.float32)), "a padded token was written into the null page"
   got = np.asarray(k, np.float32)
   scale = np.ones((L, Pl, K), np.float32) if ks is None else np.asarray(ks)
+  if ks is not None:                                   # fp8 pools hold the keys rotated (kvc.fp8_basis)
+    x = np.asarray(kvc.fp8_basis(jnp.asarray(x, jnp.bfloat16)), np.float32)
   for t in range(real):
     page, off = divmod(int(slots[0, t]), Z)
     if first <= page < first + Pl:

@@ -115,12 +115,27 @@ def test_a_step_without_drafts_samples_what_plain_sampling_samples():
 
 
 # -- the engine -----------------------------------------------------------------------------------------------------
+NEAR_TIE = 0.01              # fp8 caches: a top-2 logit gap under this may go either way (tiny's logits span ~6)
+
+
+def same_greedy_tokens(eng, prompt, want, got, cache_dtype):
+  """got == want; with an fp8 cache they may part at a near tie of `eng`'s logits (a verify step reads its own
+  rows as computed, a plain step its token from its fp8 page), and agree before it."""
+  if got == want or cache_dtype != "float8_e4m3fn":
+    assert got == want
+    return
+  i = next(i for i, (a, b) in enumerate(zip(want + [None], got + [None])) if a != b)
+  eng.prefix_cache.clear()
+  top2 = np.sort(np.asarray(eng.prompt_logits(prompt + want[:i]), np.float64))[-2:]
+  assert top2[1] - top2[0] < NEAR_TIE, (i, top2)
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
 def test_greedy_tokens_equal_plain_decoding(cache_dtype):
   plain = engine(cache_dtype=cache_dtype).generate(PROMPTS, max_new_tokens=70)
   spec = engine(cache_dtype=cache_dtype, **SPEC).generate(PROMPTS, max_new_tokens=70)
-  for a, b in zip(plain, spec):
-    assert b.token_ids == a.token_ids
+  for prompt, a, b in zip(PROMPTS, plain, spec):
+    same_greedy_tokens(engine(cache_dtype=cache_dtype), prompt, a.token_ids, b.token_ids, cache_dtype)
     assert b.stats["draft"] == "prompt" and a.stats["draft"] == "off"
   accepted = [r.stats["drafts_accepted"] for r in spec]
   assert sum(accepted) > 40 and max(r.stats["tokens_per_decode_call"] for r in spec) > 2.0, accepted
@@ -284,7 +299,8 @@ def test_a_mesh_speculates_as_one_device_decodes(tensor, seq, cache_dtype):
   mesh = Engine(TINY, one.params, run=RUN.replace(tensor=tensor, seq=seq, cache_dtype=cache_dtype, **SPEC))
   want = one.generate(PROMPTS, max_new_tokens=40)
   got = mesh.generate(PROMPTS, max_new_tokens=40)
-  assert [r.token_ids for r in got] == [r.token_ids for r in want]
+  for prompt, a, b in zip(PROMPTS, want, got):
+    same_greedy_tokens(one, prompt, a.token_ids, b.token_ids, cache_dtype)
   assert sum(r.stats["drafts_accepted"] for r in got) > 20
 
 

@@ -47,6 +47,7 @@ from lcjax.checkpoint.atomic import AtomicDirectory, recover
 from lcjax.checkpoint.sources import make_private_dir, unsafe_dir, user_cache_dir
 
 FORMAT = "lcjax-context-v3"
+KEY_LAYOUT = "rotated"       # how fp8 pages hold the keys: rotated by lcjax.ops.fp8.rotate (lcjax.model.llama)
 UNCHECKED_FORMATS = ("lcjax-context-v1", "lcjax-context-v2")     # earlier formats, without checksums: refused
 META_FILE = "context.json"
 TOKENS_FILE = "tokens.npy"
@@ -219,11 +220,15 @@ def fingerprint(model_cfg, run, weights, weights_digest: str | None) -> dict:
             dtype=run.dtype, cache_dtype=run.resolved_cache_dtype, page_size=run.page_size)
   if run.attention_dtype != "auto":
     fp["attention_dtype"] = run.attention_dtype
+  if run.resolved_cache_dtype == "float8_e4m3fn":
+    fp["key_layout"] = KEY_LAYOUT          # fp8 pages hold rotated keys; contexts saved without it hold them as is
   return fp
 
 
 # Fingerprint fields that contexts saved by earlier versions lack (their weights digest covers them).
 _LATER_FIELDS = ("weight_dtype",)
+# Fingerprint fields that contexts saved by earlier versions lack, with what their pages hold instead.
+_BEFORE = {"key_layout": "unrotated"}
 
 
 def mismatches(saved: dict, mine: dict, where: str = "") -> list[str]:
@@ -231,9 +236,11 @@ def mismatches(saved: dict, mine: dict, where: str = "") -> list[str]:
   field `mine` holds as None (the weights digest before the weights are read) is not compared."""
   out = []
   for key in sorted(set(saved) | set(mine), key=lambda k: (k == "weights", k)):
-    a, b = saved.get(key), mine.get(key)
+    a, b = saved.get(key, None if where else _BEFORE.get(key)), mine.get(key)
     if b is None and key in mine or (not where and key in _LATER_FIELDS and key not in saved):
       continue
+    if not where and key == "key_layout" and saved.get("cache_dtype") != mine.get("cache_dtype"):
+      continue                             # the layout of fp8 pages: the cache dtypes' difference says it
     if isinstance(a, dict) and isinstance(b, dict):
       out += mismatches(a, b, f"{where}{key}.")
     elif a != b:

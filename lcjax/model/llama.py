@@ -460,8 +460,11 @@ class Llama(nnx.Module):
     (fp8 scales [L, P, K] or None), read as `pool_reads` says. "view": the pools as L * P pages (a free reshape)
     where layer `layer`'s page p is page layer * P + p; slicing pool[layer] instead makes XLA copy the layer's
     pool (GiBs at long context) for every kernel call. "layer": the pools as they are, with the layer index.
-    q_len [B]: the call's real rows (the rest padding; lcjax.ops.backends)."""
+    q_len [B]: the call's real rows (the rest padding; lcjax.ops.backends). fp8 pages hold the keys rotated
+    (lcjax.cache.kv.fp8_basis), so the queries are rotated alike."""
     be = self.attention
+    if k_scale is not None:
+      q = kvc.fp8_basis(q)
     if self.pool_reads == "layer":
       return be.paged(q, k_all, v_all, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale,
                       layer=layer, q_len=q_len)

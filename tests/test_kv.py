@@ -249,3 +249,25 @@ def test_padded_tokens_write_nothing(dtype, shard):
   mine = {p - first for p in (3, 6) if first <= p < first + Pl}
   others = [p for p in range(Pl) if p not in mine]
   assert not np.any(got[:, others]) and not np.any(got[1 - LAYER])
+
+
+def test_fp8_basis_rotates_power_of_two_head_dims_only():
+  """Keys of a power-of-two head dim go into fp8 pools rotated (an orthogonal matrix: norms and dot products
+  kept); other head dims (80, 96, 100: LLaMA-architecture models have them) as computed, and such an engine
+  writes and reads its fp8 pages."""
+  x = jax.random.normal(jax.random.key(0), (3, 16), jnp.float32)
+  y = kvc.fp8_basis(x)
+  np.testing.assert_allclose(np.asarray(y @ y.T), np.asarray(x @ x.T), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(y), np.asarray(x))
+  x12 = x[:, :12]
+  assert kvc.fp8_basis(x12) is x12 and not kvc.rotates_keys(12) and kvc.rotates_keys(128)
+  import dataclasses
+  from lcjax import Engine, RunConfig
+  from lcjax.config import WeightFormat, preset
+  from lcjax.engine import context_file
+  cfg = dataclasses.replace(preset("tiny"), head_dim=12)
+  run = RunConfig(dtype="float32", cache_dtype="float8_e4m3fn", page_size=8, prefill_chunk=16, max_context=64,
+                  max_batch=1)
+  out = Engine.random(cfg, run=run, seed=0).generate([[5, 6, 7] * 7], max_new_tokens=4)[0]
+  assert len(out.token_ids) == 4
+  assert "key_layout" not in context_file.fingerprint(cfg, run, WeightFormat(), "digest")

@@ -192,12 +192,18 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
+def rotates_keys(head_dim: int) -> bool:
+  """Whether fp8 pools hold keys of this head dim rotated (`fp8_basis`): the rotation is a Hadamard matrix, made
+  for powers of two; other head dims are held as computed."""
+  return head_dim & (head_dim - 1) == 0
+
+
 def fp8_basis(x):
   """Keys x [..., H] as fp8 pools hold them, or queries as they read those keys: rotated by
-  lcjax.ops.fp8.rotate, which spreads an outlier channel over every channel before a page's e4m3 rounding (on
-  SmolLM2's keys it cuts the pages' attention error by about a third). The rotation is orthogonal, so queries
-  rotated alike keep every score: (q R)(k R)^T = q k^T."""
-  return fp8_ops.rotate(x)
+  lcjax.ops.fp8.rotate where `rotates_keys(H)`, which spreads an outlier channel over every channel before a
+  page's e4m3 rounding (on SmolLM2's keys it cuts the pages' attention error by about a third); x itself for other
+  head dims. The rotation is orthogonal, so queries rotated alike keep every score: (q R)(k R)^T = q k^T."""
+  return fp8_ops.rotate(x) if rotates_keys(x.shape[-1]) else x
 
 
 def write_tokens(cache: PagedKV, k, v, slots) -> PagedKV:

@@ -43,6 +43,7 @@ import threading
 
 import numpy as np
 
+from lcjax.cache import kv as kvc
 from lcjax.checkpoint.atomic import AtomicDirectory, recover
 from lcjax.checkpoint.sources import make_private_dir, unsafe_dir, user_cache_dir
 
@@ -220,7 +221,7 @@ def fingerprint(model_cfg, run, weights, weights_digest: str | None) -> dict:
             dtype=run.dtype, cache_dtype=run.resolved_cache_dtype, page_size=run.page_size)
   if run.attention_dtype != "auto":
     fp["attention_dtype"] = run.attention_dtype
-  if run.resolved_cache_dtype == "float8_e4m3fn":
+  if run.resolved_cache_dtype == "float8_e4m3fn" and kvc.rotates_keys(model_cfg.head_dim):
     fp["key_layout"] = KEY_LAYOUT          # fp8 pages hold rotated keys; contexts saved without it hold them as is
   return fp
 

@@ -193,9 +193,9 @@ def _write_one_token(pool, scale, x, page, offset, layer):
 
 
 def rotates_keys(head_dim: int) -> bool:
-  """Whether fp8 pools hold keys of this head dim rotated (`fp8_basis`): the rotation is a Hadamard matrix, made
-  for powers of two; other head dims are held as computed."""
-  return head_dim & (head_dim - 1) == 0
+  """Whether fp8 pools hold keys of this head dim rotated (`fp8_basis`): where lcjax.ops.fp8's rotation exists
+  (powers of two); other head dims are held as computed."""
+  return fp8_ops.has_rotation(head_dim)
 
 
 def fp8_basis(x):

@@ -100,9 +100,14 @@ def quantize_v(v):
   return jnp.clip(vf / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 
+def has_rotation(head_dim: int) -> bool:
+  """Whether `rotation` exists for this head dim: a Sylvester Hadamard matrix, made for powers of two."""
+  return head_dim & (head_dim - 1) == 0
+
+
 @functools.lru_cache(maxsize=None)
 def _signed_hadamard(head_dim: int, seed: int) -> np.ndarray:
-  if head_dim & (head_dim - 1):
+  if not has_rotation(head_dim):
     raise ValueError(f"the incoherence rotation needs a power-of-two head_dim, got {head_dim}")
   h = np.ones((1, 1))
   while h.shape[0] < head_dim:

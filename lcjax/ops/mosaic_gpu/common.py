@@ -14,6 +14,12 @@ import jax.numpy as jnp
 from jax import lax
 
 SM_SMEM_BYTES = 228 * 1024   # shared memory of a Hopper SM, shared by its resident CTAs (1 KiB of each reserved)
+CTA_RESERVED_BYTES = 1024    # the shared memory the hardware keeps for each resident CTA
+
+
+def resident_ctas(smem_bytes: int, reserved: int = CTA_RESERVED_BYTES) -> int:
+  """CTAs of `smem_bytes` of shared memory each (plus `reserved`) that one Hopper SM holds at once."""
+  return SM_SMEM_BYTES // (smem_bytes + reserved)
 
 
 def smem_transforms(dtype, cols: int):

@@ -38,7 +38,7 @@ inverse: nothing but a transpose and a pad before the kernel, and no range limit
 slows the stream (call 32: the GEMVs took 2.84 against 2.07 ms a token, +37%): it is not the default.
 
 The CTAs of a call are meant to be resident together: G is at most as many CTAs as fit an SM's shared memory
-(SM_SMEM_BYTES) times the SMs, so that many rows (a larger RN) lower ctas_per_sm rather than start a second wave.
+(common.resident_ctas) times the SMs, so that many rows (a larger RN) lower ctas_per_sm rather than start a second wave.
 
 Legend: L layers, R rows of x, P parts (1 or 2), RN = P * R rounded up to a multiple of 8 (16, 32 or 64 when
 scaled in the kernel), N output channels, Nb = N / 64 row blocks, Kd the contracted length, bk columns per
@@ -57,7 +57,7 @@ from jax import lax
 
 from lcjax.ops import precision
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
-from lcjax.ops.mosaic_gpu.common import SM_SMEM_BYTES, load, smem_transforms
+from lcjax.ops.mosaic_gpu.common import load, resident_ctas, smem_transforms
 from lcjax.ops.hardware import sm90_fp8_reason, sm_count
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
@@ -149,7 +149,7 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
   while smem_bytes(RN, bk, M, scale_in_kernel) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
     M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
-  fit = max(1, SM_SMEM_BYTES // (smem_bytes(RN, bk, M, scale_in_kernel) + 1024))   # CTAs an SM holds at once
+  fit = max(1, resident_ctas(smem_bytes(RN, bk, M, scale_in_kernel)))                # CTAs an SM holds at once
   G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")

@@ -47,7 +47,7 @@ from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.splits import heads_from_rows, rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
-from lcjax.ops.mosaic_gpu.common import SM_SMEM_BYTES, fill_ring, prime_ring, smem_transforms
+from lcjax.ops.mosaic_gpu.common import CTA_RESERVED_BYTES, fill_ring, prime_ring, resident_ctas, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -59,7 +59,7 @@ V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead o
 COMBINES = ("triton", "mosaic", "mosaic-flat")
 SMEM_ALIGN = 1024            # Pallas Mosaic GPU aligns each scoped shared-memory buffer to this
 SMEM_LOWERING = 2 * 1024     # shared memory the lowering adds to a kernel's scoped buffers (jax 0.10.2 and 0.11.2)
-SMEM_RESERVED = 2 * 1024     # per CTA besides `smem_bytes`: the 1 KiB the hardware keeps, and the barriers
+SMEM_RESERVED = CTA_RESERVED_BYTES + 1024   # per CTA besides `smem_bytes`: what the hardware keeps, the barriers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,7 @@ def ring_depth(tuning: DecodeTuning, *, RN: int, H: int, page_dtype) -> int:
     return tuning.max_concurrent_steps
   flat = tuning.combine == "mosaic-flat"
   for mcs in RINGS:
-    if 2 * (smem_bytes(RN=RN, H=H, mcs=mcs, page_dtype=page_dtype, flat=flat) + SMEM_RESERVED) <= SM_SMEM_BYTES:
+    if resident_ctas(smem_bytes(RN=RN, H=H, mcs=mcs, page_dtype=page_dtype, flat=flat), SMEM_RESERVED) >= 2:
       return mcs
   return RINGS[0]
 

@@ -285,14 +285,15 @@ def _poison_references(monkeypatch):
   monkeypatch.setattr(ref, "paged_attention_reference", nan)
 
 
-@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
-def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order):
-  """A chunk against its cached prefix through the FP8 backend's paged path: fp8 pages with per-page scales, a
-  layer offset into the pool, lengths shorter than the table, three table blocks (one past every length,
-  skipped), rows in zigzag order as a seq mesh gathers them; against the float64 oracle of the dequantized pages,
-  never through a jnp reference."""
+@pytest.mark.parametrize("order,Z,how", [("contiguous", 16, "gather"), ("zigzag", 16, "gather"),
+                                         ("contiguous", 64, "in-place"), ("zigzag", 64, "in-place")])
+def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
+  """A chunk against its cached prefix through the FP8 backend's paged path, its pages gathered (pages of 16
+  tokens) or read in place (64): fp8 pages with per-page scales, a layer offset into the pool, lengths shorter
+  than the table, table blocks past every length (skipped), rows in zigzag order as a seq mesh gathers them;
+  against the float64 oracle of the dequantized pages, never through a jnp reference."""
   from tests.test_kernels import oracle, rand_pages, visibility
-  B, T, N, K, H, Z, M, P = 2, 96, 4, 2, 128, 16, 24, 60
+  B, T, N, K, H, M, P = 2, 96, 4, 2, 128, 384 // Z, 60
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(30, B, T, N, K, H, Z, M, P, fp8=True, dtype=jnp.float32)
   kv_len = jnp.array([200, 77], jnp.int32)
   rows = np.arange(T) if order == "contiguous" else np.concatenate([np.arange(T // 2), np.arange(T // 2)[::-1]])
@@ -300,8 +301,13 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order):
   off = 7                                                  # the pool holds other pages below this layer's
   pad = lambda x: jnp.concatenate([jnp.zeros((off, *x.shape[1:]), x.dtype), x])
   _poison_references(monkeypatch)
-  monkeypatch.setattr(pallas_backend, "PREFIX_BLOCK_TOKENS", 128)               # 8 pages per block: 3 blocks
+  monkeypatch.setattr(pallas_backend, "PREFIX_BLOCK_TOKENS", 128)               # 3 blocks
+  in_place = []
+  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
+  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: in_place.append(1) or
+                      paged_fp8(*a, **kw))
   be = pallas_backend.PallasFp8Backend(interpret=True)
+  assert be.prefix_kernel(head_dim=H, page_size=Z, page_dtype=kp.dtype) == how
   got = be.paged(q, pad(kp), pad(vp), table, q_pos=q_pos, kv_len=kv_len, k_scale=pad(ks), v_scale=pad(vs),
                  page_offset=off)
   want_o, want_l = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
@@ -309,6 +315,53 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order):
   assert np.isfinite(out).all()
   assert np.linalg.norm(out - want_o) / np.linalg.norm(want_o) < 0.06
   assert np.abs(lse - want_l).max() < 0.1
+  assert bool(in_place) == (how == "in-place")
+
+
+def fp8_pages(seed, B, T, N, K, H, Z, M, P, kv_len, offset=0):
+  """q [B, T, N, H] float32 and fp8 pools [offset + P, Z, K, H] as lcjax's pages hold them: power-of-two scales
+  [offset + P, K] spread over 2^6 (K) and 2^10 (V), and in the slots past each sequence's kv_len pages of
+  another owner (values 16x larger, scales 2^20: they must weigh nothing). Returns (q, kp, vp, ks, vs, table,
+  kd, vd): kd, vd [B, M * Z, K, H] float32 the keys the table reads, dequantized."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  table = rng.permutation(P)[:B * M].reshape(B, M) + offset
+  ks = 2.0 ** rng.integers(-8, -2, size=(offset + P, K))
+  vs = 2.0 ** rng.integers(-10, 0, size=(offset + P, K))
+  stored = lambda: np.clip(rng.normal(size=(offset + P, Z, K, H)) * 60, -448, 448)
+  kp, vp = stored(), stored()
+  for b in range(B):
+    dead = table[b, -(-int(kv_len[b]) // Z):]
+    ks[dead], vs[dead] = 2.0 ** 20, 2.0 ** 20
+  kp, vp = (jnp.asarray(x, jnp.float32).astype(fp8.E4M3) for x in (kp, vp))
+  ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
+  deq = lambda x, sc: (x.astype(jnp.float32) * sc[:, None, :, None])[jnp.asarray(table)].reshape(B, M * Z, K, H)
+  return q, kp, vp, ks, vs, jnp.asarray(table - offset, jnp.int32), deq(kp, ks), deq(vp, vs)
+
+
+@pytest.mark.parametrize("Z", [64, 128])
+def test_paged_scales_model_is_attention_over_the_dequantized_pages(Z):
+  """fp8.attention_fp8_model over pages read in place (PageScales: per-group K scales, V scales folded into P and
+  the accumulator's units) == float64 attention of the e4m3 queries over the dequantized pages, but for P's e4m3
+  rounding; the lse, which P's rounding does not touch, to float32 rounding. Pages of another owner past kv_len
+  (scales 2^20) weigh nothing, a sequence with no prefix gets out 0 and lse -inf."""
+  from tests.test_kernels import oracle, visibility
+  B, T, N, K, H, M, P = 4, 64, 4, 2, 128, 1280 // Z, 96
+  kv_len = np.array([191, 700, 1024, 0])
+  q, kp, vp, ks, vs, table, kd, vd = fp8_pages(40, B, T, N, K, H, Z, M, P, kv_len, offset=5)
+  q8, qs = fp8.quantize_rows(q, 64)
+  sc = fp8.page_scales(ks, vs, table + 5, jnp.asarray(kv_len, jnp.int32), page_size=Z, block_kv=128)
+  assert sc.k.shape == (B, K, 10, 128 // min(Z, 128)) and sc.v_max.shape == (B, K, 10)
+  keys = lambda x: x[table + 5].reshape(B, M * Z, K, H)
+  out, lse = fp8.attention_fp8_model(q8, qs, keys(kp), sc, keys(vp), None, jnp.zeros(B, jnp.int32),
+                                     jnp.asarray(kv_len, jnp.int32), causal=False, block_q=64, block_kv=128)
+  qd = q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None]
+  want_o, want_l = oracle(qd, kd, vd, visibility(np.zeros((B, T), int), np.zeros(B, int), kv_len, M * Z, False))
+  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  assert np.all(out[3] == 0) and np.all(np.isneginf(lse[3]))
+  np.testing.assert_allclose(lse[:3], want_l[:3], rtol=1e-5, atol=1e-5)
+  err = [np.linalg.norm(out[b] - want_o[b]) / np.linalg.norm(want_o[b]) for b in range(3)]
+  assert max(err) < 0.03, err
 
 
 # ---------------------------------------------------------------- engine
@@ -488,6 +541,48 @@ def test_fp8_kernel_gpu(T, S, N, K, H, causal, d, kv_len, qk_dtype, kv_splits):
                                     q_pos=q_pos, kv_len=kvl, causal=causal)
   rel = float(jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want))
   assert rel < 0.06, rel
+
+
+PAGED_GPU_CASES = [  # T, N, K, H, Z, kv_len, kv_splits
+    (100, 8, 2, 128, 64, (191, 1300, 1024, 0), None),
+    (256, 4, 1, 128, 128, (1500, 128), 3),
+    (128, 8, 2, 64, 256, (2000, 513), None),
+    (1024, 32, 8, 128, 64, (4096, 3001), None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("T,N,K,H,Z,kv_len,kv_splits", PAGED_GPU_CASES)
+def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
+  """The FP8 kernel reading fp8 pages in place (scrambled tables, a layer offset, power-of-two page scales spread
+  over 2^10, another owner's pages past kv_len, prefixes ending inside a page, on a page or block boundary, and
+  none; unaligned chunks) against its jnp model (as test_fp8_kernel_gpu bounds it) and float64 attention over the
+  dequantized pages (the queries' and P's e4m3 error)."""
+  from tests.test_kernels import oracle, visibility
+  B, off = len(kv_len), 3
+  M = -(-max(kv_len) // Z) + 2
+  P = B * M + 4
+  q, kp, vp, ks, vs, table, kd, vd = fp8_pages(50 + Z, B, T, N, K, H, Z, M, P, np.array(kv_len), offset=off)
+  q = q.astype(jnp.bfloat16)
+  kvl = jnp.asarray(kv_len, jnp.int32)
+  tuning = dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits)
+  run = functools.partial(mgpu_flash.flash_attention_fp8_paged, q, kp, vp, ks, vs, table, kvl, off, tuning=tuning)
+  out, lse = run()
+  m_out, m_lse = run(interpret=True)
+  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  seen = np.isfinite(np.asarray(m_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+  assert np.all(np.asarray(out, np.float32)[~seen] == 0)
+  diff = np.abs(np.asarray(out, np.float32) - np.asarray(m_out, np.float32))
+  flipped = float((diff > 0.01).mean())
+  assert diff.max() < 0.1 and diff.mean() < 2e-3 and flipped < 1e-3, (diff.max(), diff.mean(), flipped)
+  np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], atol=2e-3)
+  want_o, _ = oracle(q.astype(jnp.float32), kd, vd,
+                     visibility(np.zeros((B, T), int), np.zeros(B, int), np.array(kv_len), M * Z, False))
+  for b in np.flatnonzero(np.array(kv_len) > 0):
+    rel = np.linalg.norm(np.asarray(out[b], np.float64) - want_o[b]) / np.linalg.norm(want_o[b])
+    assert rel < 0.06, (b, rel)
 
 
 @pytest.mark.gpu

@@ -118,6 +118,19 @@ def test_paged_flash_prefill_lowers(T, Z):
     assert calls == [MOSAIC_CALL], calls
 
 
+@pytest.mark.parametrize("T,Z", [(1024, 64), (100, 128), (256, 256)])
+def test_fp8_paged_prefix_lowers(T, Z):
+  """The FP8 kernel over fp8 pages read in place (flash_attention_fp8_paged): Llama-3-8B heads, a chunk of T rows
+  over a 128-slot table, pages of Z tokens (two key groups a block at 64, one at 128 and 256), with q_len."""
+  B, N, K, H, M = 2, 32, 8, 128, 128
+  pages, scales = S((B * M + 3, Z, K, H), jnp.float8_e4m3fn), S((B * M + 3, K), jnp.float32)
+  args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B,), jnp.int32),
+          S((B,), jnp.int32))
+  calls = _lowered_calls(lambda q, kp, vp, ks, vs, t, kl, ql: mgpu_flash.flash_attention_fp8_paged(
+      q, kp, vp, ks, vs, t, kl, 3, ql), *args)
+  assert calls == [MOSAIC_CALL], calls
+
+
 @pytest.mark.parametrize("T,combine", [pytest.param(1, "triton", marks=TRITON_CROSS_LOWERS),
                                        pytest.param(4, "triton", marks=TRITON_CROSS_LOWERS), (1, "mosaic"),
                                        (5, "mosaic"), (1, "mosaic-flat"), (5, "mosaic-flat")])

@@ -5,6 +5,8 @@ presence (a CPU jaxlib has none)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+
 import jax
 import pytest
 
@@ -136,6 +138,21 @@ def test_decode_kernel_asked_for_by_name(monkeypatch):
     RunConfig(decode_kernel="fast")
 
 
+def test_a_gathered_fp8_prefix_is_logged(monkeypatch, caplog):
+  """FP8 attention over fp8 pages it cannot read in place (pages of 32 tokens): the log says the prefix is gathered
+  and why, as a warning on a GPU; over pages it reads in place, nothing."""
+  _gpu(monkeypatch, (9, 0))
+  for page_size, logged in [(32, True), (64, False)]:
+    caplog.clear()
+    s = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn", page_size=page_size), check_fit=False)
+    with caplog.at_level(logging.INFO, logger="lcjax.engine.serving"):
+      s.log_slow_paths()
+    line = [r for r in caplog.records if "prefill chunks gather their cached prefix" in r.getMessage()]
+    assert bool(line) == logged, caplog.text
+    if logged:
+      assert line[0].levelno == logging.WARNING and "page_size=32 must be" in line[0].getMessage()
+
+
 def test_prefill_kernel(monkeypatch):
   """RunConfig.prefill_kernel: "auto" takes the Mosaic GPU paged flash kernel on Hopper over bf16 pages and keeps
   cuDNN's paged kernel where it cannot read the pages, saying why (and says what reads the prefix under each
@@ -158,7 +175,12 @@ def test_prefill_kernel(monkeypatch):
   f16 = resolve(CFG, RUN.replace(dtype="float16", cache_dtype="auto"), check_fit=False).prefill
   assert f16.name == "cudnn" and "over bfloat16 pages, which it was timed on, not float16" in f16.why
   fp8_attn = resolve(CFG, RUN.replace(attention_dtype="float8_e4m3fn"), check_fit=False).prefill
-  assert fp8_attn.name == "pallas-fp8" and "gathered" in fp8_attn.why
+  assert fp8_attn.name == "pallas-fp8-in-place" and "fp8 K pages where they lie" in fp8_attn.why
+  for run, why in [(RUN.replace(attention_dtype="float8_e4m3fn", page_size=32), "page_size=32 must be"),
+                   (RUN.replace(attention_dtype="int8_fp8"), "qk_dtype='int8' multiplies int8 keys"),
+                   (bf16.replace(attention_dtype="float8_e4m3fn"), "the pages hold bfloat16")]:
+    gathered = resolve(CFG, run, check_fit=False).prefill
+    assert gathered.name.endswith("-gather") and "gathered" in gathered.why and why in gathered.why, gathered
   cudnn_s = resolve(CFG, bf16.replace(prefill_kernel="cudnn"), check_fit=False)
   assert (cudnn_s.prefill.name, cudnn_s.attention.prefill_route) == ("cudnn", "cudnn")
   assert "not the Mosaic GPU" not in cudnn_s.prefill.why

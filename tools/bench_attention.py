@@ -596,64 +596,94 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
 
 
 def chunk_impls():
-  """name -> (lcjax?, fn(q, kp, vp, table, q_pos, kv_len) -> (out, lse)): what reads a prefill chunk's cached
-  prefix from the pages. cuDNN's paged kernel (CudnnBackend's padding-only call, the pallas backend's
-  prefill_kernel="cudnn") is the peer."""
+  """name -> (lcjax?, fp8 pages?, fn(q, kp, vp, table, q_pos, kv_len, k_scale, v_scale) -> (out, lse)): what reads
+  a prefill chunk's cached prefix from the pages (bf16 pages, or fp8 pages with page scales). cuDNN's paged kernel
+  (CudnnBackend's padding-only call, the pallas backend's prefill_kernel="cudnn"; over fp8 pages dequantized in
+  blocks) is the peer."""
   def paged_flash(kv_splits=None):
     be = pallas_backend.PallasBackend(prefill_route="mosaic", flash=mgpu_flash.FlashTuning(kv_splits=kv_splits))
     return lambda q, kp, vp, t, qp, kl: be._paged_flash(q, kp, vp, t, q_pos=qp, kv_len=kl, page_offset=0)
 
-  def fp8_prefix(kv_splits=None):
-    be = pallas_backend.PallasFp8Backend(flash=dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits))
-    return lambda q, kp, vp, t, qp, kl: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl)
+  def fp8_prefix(kv_splits=None, route="auto"):
+    be = pallas_backend.PallasFp8Backend(flash=dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits),
+                                         prefix_route=route)
+    return lambda q, kp, vp, t, qp, kl, ks, vs: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs)
+
+  def cudnn_paged(q, kp, vp, t, qp, kl, ks, vs):
+    return cudnn.CudnnBackend().paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs)
 
   # "-split1": each tile's keys in one CTA, beside the key splits chosen per call (FlashTuning.kv_splits).
   return {
-      "lcjax-mosaic-paged": (True, paged_flash()),
-      "lcjax-mosaic-paged-split1": (True, paged_flash(1)),
-      # The FP8 kernel over the prefix gathered from the pages and quantized (PallasFp8Backend's chunk path).
-      "lcjax-fp8-prefix": (True, fp8_prefix()),
-      "lcjax-fp8-prefix-split1": (True, fp8_prefix(1)),
-      "cudnn-paged": (False, lambda q, kp, vp, t, qp, kl: cudnn.CudnnBackend().paged(q, kp, vp, t, q_pos=qp,
-                                                                                    kv_len=kl)),
+      "lcjax-mosaic-paged": (True, False, lambda *a: paged_flash()(*a[:6])),
+      "lcjax-mosaic-paged-split1": (True, False, lambda *a: paged_flash(1)(*a[:6])),
+      # The FP8 kernel over bf16 pages gathered and quantized (PallasFp8Backend's chunk path over bf16 pages).
+      "lcjax-fp8-prefix": (True, False, fp8_prefix()),
+      "lcjax-fp8-prefix-split1": (True, False, fp8_prefix(1)),
+      # Over fp8 pages: read in place (K where it lies, V's bytes transposed), or gathered, dequantized and
+      # quantized again (prefix_route="gather").
+      "lcjax-fp8-pages-in-place": (True, True, fp8_prefix(route="in-place")),
+      "lcjax-fp8-pages-gather": (True, True, fp8_prefix(route="gather")),
+      "cudnn-paged": (False, False, cudnn_paged),
+      "cudnn-paged-fp8pages": (False, True, cudnn_paged),
   }
 
 
-def chunk_pages(key, T, S, Z):
-  """q [1, T, N, H] and one sequence's S keys in pages of Z shuffled in a pool; rows at S .. S + T - 1."""
+def fp8_chunk_pages(kp, vp):
+  """bf16 pages -> (fp8 pages, k_scale, v_scale [P, K]) as lcjax.cache.kv holds them: one power-of-two scale per
+  (page, kv head), the smallest that keeps the page's values within e4m3's range."""
+  def one(x):
+    amax = jnp.abs(x.astype(jnp.float32)).max(axis=(1, 3))
+    scale = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / fp8_ops.E4M3_MAX))
+    return (x.astype(jnp.float32) / scale[:, None, :, None]).astype(fp8_ops.E4M3), scale
+  (kp8, ks), (vp8, vs) = one(kp), one(vp)
+  return kp8, vp8, ks, vs
+
+
+def chunk_pages(key, T, S, Z, fp8=False):
+  """q [1, T, N, H] and one sequence's S keys in pages of Z shuffled in a pool (fp8: as fp8_chunk_pages makes them,
+  else bf16 and scales None); rows at S .. S + T - 1: (q, kp, vp, table, q_pos, kv_len, k_scale, v_scale)."""
   q, kp, vp, table, _, _ = pages(key, S, Z, False, B=1)
   q = jax.random.normal(jax.random.fold_in(key, 1), (1, T, N, H), DT)
   kv_len = jnp.full((1,), S, jnp.int32)
-  return q, kp, vp, table, (S + jnp.arange(T, dtype=jnp.int32))[None], kv_len
+  ks = vs = None
+  if fp8:
+    kp, vp, ks, vs = fp8_chunk_pages(kp, vp)
+  return q, kp, vp, table, (S + jnp.arange(T, dtype=jnp.int32))[None], kv_len, ks, vs
 
 
 def bench_chunk(res, dog, pairs, Z, reps):
   """Prefill chunks over a paged prefix: each impl checked against the jnp reference on a 1,000-row chunk over a
   4,000-key prefix, then timed on each T:S pair (TFLOP/s of T * S visible pairs at 4 N H flops each)."""
   impls = {n: v for n, v in chunk_impls().items() if selected(n)}
-  q, kp, vp, table, q_pos, _ = chunk_pages(jax.random.key(11 + Z), 1000, 4096, Z)
+  q, kp, vp, table, q_pos, _, _, _ = chunk_pages(jax.random.key(11 + Z), 1000, 4096, Z)
   kv_len = jnp.full((1,), 4000, jnp.int32)
-  want_o, want_l = jax.jit(lambda *a: ref.paged_attention_reference(*a[:4], q_pos=a[4], kv_len=a[5]))(
-      q, kp, vp, table, q_pos, kv_len)
+  want = {}
   checks = {}
-  for name, (_, fn) in impls.items():
+  for name, (_, fp8, fn) in impls.items():
     try:
       dog.arm(f"check chunk {name} Z={Z}")
-      o, l = _sync(jax.jit(fn)(q, kp, vp, table, q_pos, kv_len))
-      checks[name] = (rel_err(o, want_o), lse_err(l, want_l))
+      # fp8 impls are checked against the reference over the same fp8 pages dequantized
+      args = (q, *fp8_chunk_pages(kp, vp)[:2], table, q_pos, kv_len, *fp8_chunk_pages(kp, vp)[2:]) if fp8 else \
+          (q, kp, vp, table, q_pos, kv_len, None, None)
+      if fp8 not in want:
+        want[fp8] = _sync(jax.jit(lambda *a: ref.paged_attention_reference(
+            *a[:4], q_pos=a[4], kv_len=a[5], k_scale=a[6], v_scale=a[7]))(*args))
+      o, l = _sync(jax.jit(fn)(*args))
+      checks[name] = (rel_err(o, want[fp8][0]), lse_err(l, want[fp8][1]))
     except Exception as e:  # noqa: BLE001
       res.error(f"chunk check {name} Z={Z}", e)
     dog.disarm()
   for T, S in pairs:
-    data = chunk_pages(jax.random.key(T + S + Z), T, S, Z)
+    data = {fp8: chunk_pages(jax.random.key(T + S + Z), T, S, Z, fp8) for fp8 in {v[1] for v in impls.values()}}
     flops = 4.0 * N * H * T * S
-    for name, (mine, fn) in impls.items():
+    for name, (mine, fp8, fn) in impls.items():
       if name not in checks:
         continue
       try:
         dog.arm(f"chunk {name} T={T} S={S} Z={Z}")
-        t = time_jax(jax.jit(fn), [data], reps)
-        res.add(op=f"chunk-{T}", impl=name, lcjax=mine, S=S, batch=1, page=Z, dtype="bfloat16", ms=t * 1e3,
+        t = time_jax(jax.jit(fn), [data[fp8]], reps)
+        res.add(op=f"chunk-{T}", impl=name, lcjax=mine, S=S, batch=1, page=Z,
+                dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3,
                 tflops=flops / t / 1e12, metric=flops / t / 1e12, rel_err=checks[name][0], lse_err=checks[name][1])
       except Exception as e:  # noqa: BLE001
         res.error(f"chunk {name} T={T} S={S} Z={Z}", e)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat, preset
+from lcjax.config import ATTENTION_DTYPES, ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.ops.cudnn.backend import FP8_BLOCK_TOKENS
-from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS
+from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS, PallasFp8Backend
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -228,13 +228,16 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     if local > FP8_BLOCK_TOKENS:
       dequant += C * N_l * (H + 1) * 4
   if run.attention_dtype != "auto":
-    # 8-bit attention reads the prefix itself (lcjax.ops.pallas_backend.PallasFp8Backend): a block of up to
-    # PREFIX_BLOCK_TOKENS table slots gathered as K and V in the activation dtype, K smoothed and rotated, both
-    # quantized to one byte an element (e4m3, or int8 for K); the chunk's queries rotated and quantized; a longer
-    # prefix adds the blocks' float32 merge.
+    # 8-bit attention reads the prefix itself (lcjax.ops.pallas_backend.PallasFp8Backend), a block of up to
+    # PREFIX_BLOCK_TOKENS table slots at a time: over fp8 pages it reads in place, V's bytes gathered and
+    # transposed (two bytes an element); else K and V gathered in the activation dtype, K smoothed and rotated,
+    # both quantized to one byte an element (e4m3, or int8 for K). The chunk's queries padded and quantized; a
+    # longer prefix adds the blocks' float32 merge.
     local = -(-run.context_for(model) // S)
     W = min(local, PREFIX_BLOCK_TOKENS)
-    dequant = W * K_l * H * (3 * w_item + 2) + C * N_l * H * (w_item + 1)
+    be = PallasFp8Backend(qk_dtype=ATTENTION_DTYPES[run.attention_dtype])
+    in_place = be.prefix_reason(head_dim=H, page_size=run.page_size, page_dtype=run.resolved_cache_dtype) is None
+    dequant = W * K_l * H * (2 if in_place else 3 * w_item + 2) + C * N_l * H * (w_item + 1)
     if local > W:
       dequant += C * N_l * (H + 1) * 4
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4

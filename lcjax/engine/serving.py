@@ -64,14 +64,17 @@ class Serving:
     planlib.require_fit(self.plan, self.model, self.run, *placement.device_memory(self.mesh))
 
   def log_slow_paths(self) -> None:
-    """Log each decode-time product or page write that runs in XLA where a kernel could not (a warning on a GPU,
-    where it is the slow path; elsewhere it is the only one), and the Triton GEMV where `auto` took it."""
+    """Log each decode-time product or page write that runs in XLA where a kernel could not, and a cached prefix
+    in fp8 pages that is gathered instead of read in place (a warning on a GPU, where it is the slow path;
+    elsewhere it is the only one), and the Triton GEMV where `auto` took it."""
     level = logging.WARNING if jax.default_backend() == "gpu" else logging.INFO
     if self.weights.fp8 and self.linear.kernel is None:
       _log.log(level, "decode-sized fp8 products run in XLA (fp8 widened to %s): %s", self.run.dtype,
                self.linear.why)
     elif self.weights.fp8 and self.linear.name == "pallas" and self.run.linear_kernel == "auto":
       _log.info("decode-sized fp8 products run the Triton GEMV kernel (lcjax.ops.triton.gemv): %s", self.linear.why)
+    if self.cache_dtype == "float8_e4m3fn" and self.prefill.name.endswith("-gather"):
+      _log.log(level, "prefill chunks gather their cached prefix: %s", self.prefill.why)
     if self.cache_dtype == "float8_e4m3fn" and self.page_write.kernel is None:
       _log.log(level, "decode steps write fp8 pages in XLA (nine small kernels a layer): %s", self.page_write.why)
 
@@ -233,9 +236,17 @@ def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choi
         "prefill_kernel='auto' on Hopper over bf16 pages of 64 tokens or more"
     return Choice("mosaic", "the Mosaic GPU flash kernel reading K and V where they lie "
                             f"(lcjax.ops.mosaic_gpu.flash.flash_attention_paged), {asked}")
-  if attention.name.startswith("pallas-"):
-    return Choice(attention.name, "the FP8 flash kernel over the cached prefix gathered, dequantized and requantized "
-                                  "in blocks (PREFIX_BLOCK_TOKENS keys)")
+  if hasattr(attention, "prefix_kernel"):
+    how = attention.prefix_kernel(head_dim=serving_cfg.head_dim, page_size=run.page_size,
+                                  page_dtype=run.resolved_cache_dtype)
+    if how == "in-place":
+      return Choice(f"{attention.name}-in-place", "the FP8 flash kernel reading the fp8 K pages where they lie, with "
+                                                  "their page scales (V's bytes transposed per call; "
+                                                  "lcjax.ops.mosaic_gpu.flash.flash_attention_fp8_paged)")
+    reason = attention.prefix_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
+                                     page_dtype=run.resolved_cache_dtype)
+    return Choice(f"{attention.name}-gather", "the FP8 flash kernel over the cached prefix gathered, dequantized and "
+                                              f"quantized again in blocks of PREFIX_BLOCK_TOKENS keys ({reason})")
   if attention.name in ("pallas", "cudnn"):
     over = " over the pages dequantized to bf16 in blocks" if fp8_pages else ""
     why = ""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,45 +175,111 @@ def quantize_operands(q, k, v, *, block_q: int, block_kv: int, incoherent: bool,
   return (q8, qs), (k8, ks), quantize_v(v)
 
 
+class PageScales(NamedTuple):
+  """The scales of fp8 pages the FP8 kernel reads where they lie (`page_scales`): each key block of block_kv keys is
+  n groups of block_kv / n keys, a group within one page. [B, K, NB, n] but v_max [B, K, NB].
+
+  A group's scores take its page's K scale. V's page scales differ within a block and between blocks, and the
+  kernel's P @ V is one fp8 product a block: the block's P is quantized against its largest V scale v_max, each
+  group's P scaled by 2^v_log2 = its V scale / v_max (a power of two for lcjax's pages: exact), and its row sums
+  by v_inv = 2^-v_log2 back. The running accumulator is kept in units of the current block's v_max: it is rescaled
+  by the ratio of consecutive blocks' v_max with the softmax's own per-row correction."""
+  k: jax.Array
+  v_log2: jax.Array
+  v_inv: jax.Array
+  v_max: jax.Array
+
+
+# The smallest V scale of a group against its block's v_max that `page_scales` keeps: a smaller one (a page whose
+# values are all zero) is raised to it, so its P underflows e4m3 (its V contributes nothing, as its values are ~0)
+# while its row sums stay finite.
+V_RATIO_FLOOR = 2.0 ** -64
+
+
+def page_groups(page_size: int, block_kv: int) -> int:
+  """Groups of keys of one page in a key block of `block_kv` keys: block_kv / page_size for smaller pages, else 1."""
+  return max(1, block_kv // page_size)
+
+
+def page_scales(k_scale, v_scale, table, kv_len, *, page_size: int, block_kv: int) -> PageScales:
+  """The PageScales of pages read through table [B, M] (pool page ids, offset applied) with scales k_scale,
+  v_scale [P, K] float32, over the first kv_len[b] keys of sequence b (M * Z keys in NB = ceil(M * Z / block_kv)
+  blocks; page_size and block_kv divide one another). Groups from kv_len on weigh nothing: K scale 1, v_log2 0,
+  v_inv 1, and they do not count in v_max (1 where a block has none before kv_len)."""
+  B, M = table.shape
+  Z = page_size
+  if Z % block_kv and block_kv % Z:
+    raise ValueError(f"page_size={Z} and block_kv={block_kv}: one must divide the other")
+  n = page_groups(Z, block_kv)
+  size = block_kv // n
+  NB = -(-M * Z // block_kv)
+  first = jnp.arange(NB * n, dtype=jnp.int32) * size                      # each group's first key
+  pages = table[:, jnp.minimum(first // Z, M - 1)]                         # [B, NB * n]
+  live = (first[None, :] < jnp.reshape(kv_len, (-1, 1)))[..., None]       # [B, NB * n, 1]
+  grouped = lambda x: jnp.moveaxis(x.reshape(B, NB, n, -1), 3, 1)          # [B, NB * n, K] -> [B, K, NB, n]
+  ks = grouped(jnp.where(live, k_scale[pages].astype(jnp.float32), 1.0))
+  vs = grouped(jnp.where(live, v_scale[pages].astype(jnp.float32), 0.0))
+  live = grouped(jnp.broadcast_to(live, vs.shape[:1] + (NB * n, vs.shape[1])))
+  v_max = vs.max(axis=-1)
+  v_max = jnp.where(v_max > 0, v_max, 1.0)
+  vc = jnp.where(live, jnp.maximum(vs, v_max[..., None] * V_RATIO_FLOOR), v_max[..., None])
+  return PageScales(ks, jnp.log2(vc / v_max[..., None]), v_max[..., None] / vc, v_max)
+
+
+def block_scales(ks, vs) -> PageScales:
+  """The PageScales of operands quantized by `quantize_operands`: ks [B, K, NB] per key block, vs [B, K] per head."""
+  ones = jnp.ones_like(ks)[..., None]
+  return PageScales(ks[..., None], jnp.zeros_like(ones), ones, jnp.broadcast_to(vs[..., None], ks.shape))
+
+
 def attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool, block_q: int, block_kv: int):
   """The FP8 kernel's arithmetic in jnp (see the module docstring): (out [B, T, N, H] float32, lse [B, T, N]).
 
-  Same masking as the bf16 flash kernel: key j is visible to row i iff j < kv_len[b] and (not causal or
-  j <= i + d[b]). Rows that see no key give out 0 and lse -inf."""
+  ks, vs: the scales `quantize_operands` makes (ks [B, K, S / block_kv], vs [B, K]), or ks a PageScales and vs
+  None (pages read in place: k8, v8 the pages' bytes in key order). Same masking as the bf16 flash kernel: key j is
+  visible to row i iff j < kv_len[b] and (not causal or j <= i + d[b]). Rows that see no key give out 0 and lse
+  -inf."""
   B, T, N, H = q8.shape
   S, K = v8.shape[1], v8.shape[2]
   G = N // K
+  sc = ks if isinstance(ks, PageScales) else block_scales(ks, vs)
+  n = sc.k.shape[-1]
   nq, nk = T // block_q, S // block_kv
   c = _LOG2E / math.sqrt(H)
   qf = q8.astype(jnp.float32).reshape(B, nq, block_q, K, G, H)
   cq = (c * qs).reshape(B, K, G, nq)
   rows = jnp.arange(T, dtype=jnp.int32).reshape(nq, block_q)
+  at = lambda x, i: lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False)                  # [B, K, (n)]
+  grouped = lambda x: x[:, :, None, None, None, :, None]                                    # [B, K, n] -> s's
 
   def step(carry, i):
-    m, l, acc = carry                                                    # [B, K, G, nq, bq](, H)
+    m, l, acc, ref_v = carry                                             # [B, K, G, nq, bq](, H); ref_v [B, K]
     kb = lax.dynamic_slice_in_dim(k8, i * block_kv, block_kv, axis=1).astype(jnp.float32)    # [B, bkv, K, H]
     vb = lax.dynamic_slice_in_dim(v8, i * block_kv, block_kv, axis=1).astype(jnp.float32)    # [B, bkv, K, H]
     s = jnp.einsum("bqrkgh,bjkh->bkgqrj", qf, kb, precision=lax.Precision.HIGHEST)
-    ci = cq * lax.dynamic_index_in_dim(ks, i, axis=2, keepdims=False)[:, :, None, None]      # [B, K, G, nq]
-    cols = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-    vis = cols[None, None, None, :] < kv_len[:, None, None, None]                           # [B, 1, 1, bkv]
+    s = s.reshape(*s.shape[:-1], n, block_kv // n)                      # [B, K, G, nq, bq, n, bkv / n]
+    ci = cq[..., None, None, None] * grouped(at(sc.k, i))
+    cols = (i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)).reshape(n, -1)
+    vis = cols < kv_len[:, None, None, None, None, None, None]                              # [B, 1, .., n, g]
     if causal:
-      vis = vis & (cols[None, None, None, :] <= rows[None, :, :, None] + d[:, None, None, None])
-    x = jnp.where(vis[:, None, None], s * ci[..., None, None], -jnp.inf)
-    m_new = jnp.maximum(m, x.max(axis=-1))
+      vis = vis & (cols <= rows[:, :, None, None] + d[:, None, None, None, None, None, None])
+    x = jnp.where(vis, s * ci, -jnp.inf)
+    m_new = jnp.maximum(m, x.max(axis=(-2, -1)))
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(x - (m_new - P_SHIFT)[..., None])
-    l = l * alpha + p.sum(axis=-1)
-    pv = jnp.einsum("bkgqrj,bjkh->bkgqrh", p.astype(E4M3).astype(jnp.float32), vb,
+    p = jnp.exp2(x - (m_new[..., None, None] - P_SHIFT - grouped(at(sc.v_log2, i))))
+    l = l * alpha + (p.sum(axis=-1) * grouped(at(sc.v_inv, i))[..., 0]).sum(axis=-1)
+    v_max = at(sc.v_max, i)                                              # [B, K]
+    pv = jnp.einsum("bkgqrj,bjkh->bkgqrh", p.astype(E4M3).astype(jnp.float32).reshape(*s.shape[:5], block_kv), vb,
                     precision=lax.Precision.HIGHEST)
-    return (m_new, l, acc * alpha[..., None] + pv), None
+    rescale = alpha * (ref_v / v_max)[:, :, None, None, None]
+    return (m_new, l, acc * rescale[..., None] + pv, v_max), None
 
   init = (jnp.full((B, K, G, nq, block_q), _M_FLOOR, jnp.float32), jnp.zeros((B, K, G, nq, block_q), jnp.float32),
-          jnp.zeros((B, K, G, nq, block_q, H), jnp.float32))
-  (m, l, acc), _ = lax.scan(step, init, jnp.arange(nk))
+          jnp.zeros((B, K, G, nq, block_q, H), jnp.float32), jnp.ones((B, K), jnp.float32))
+  (m, l, acc, ref_v), _ = lax.scan(step, init, jnp.arange(nk))
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  out = acc / l_safe[..., None] * vs[:, :, None, None, None, None]
+  out = acc / l_safe[..., None] * ref_v[:, :, None, None, None, None]
   lse = jnp.where(seen, (m + jnp.log2(l_safe) - P_SHIFT) * _LN2, -jnp.inf)
   out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(B, T, N, H)
   lse = jnp.transpose(lse, (0, 3, 4, 1, 2)).reshape(B, T, N)

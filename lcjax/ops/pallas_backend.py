@@ -6,7 +6,7 @@ GPU over bf16 pages, in Triton over fp8 pages) where they can serve them, else t
 (lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the paged cache by its
 prefill_route to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged) or to
 cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for prefill chunks
-over their cached prefix. Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot
+over their cached prefix (over fp8 pages read in place where it can, `prefix_reason`). Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot
 serve a shape here; lcjax.ops.backends picks a backend by name.
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
@@ -33,8 +33,10 @@ from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_e
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
 MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
 
-# Keys of a cached prefix gathered at once for an FP8 chunk's read (lcjax.engine.plan counts this transient).
+# Keys of a cached prefix an FP8 chunk reads in one kernel call: gathered at once (K and V in the query dtype), or
+# their V bytes transposed where the pages are read in place (lcjax.engine.plan counts this transient).
 PREFIX_BLOCK_TOKENS = 131072
+PREFIX_ROUTES = ("auto", "in-place", "gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,15 +225,44 @@ class PallasBackend:
 class PallasFp8Backend(PallasBackend):
   """FP8 attention: `attend` runs the FP8 flash kernel (e4m3 or int8 Q and K, e4m3 V and P; float32 softmax,
   accumulators and lse; lcjax.ops.fp8) on operands it quantizes per call; `paged` runs it too for prefill chunks
-  (over the gathered pages) and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys'
+  over their cached prefix, and PallasBackend's decode kernels for decode rows. `smooth_k` subtracts the keys'
   mean before quantization (lcjax.ops.fp8.smooth_keys), `incoherent` rotates Q and K, `qk_dtype` picks e4m3 or
   int8 for Q and K.
+
+  A chunk's cached prefix over fp8 pages is read in place (mgpu_flash.flash_attention_fp8_paged: the pages' e4m3
+  keys as stored, in the basis lcjax.cache.kv rotates them into, with their page scales; neither smoothed nor
+  rotated again) where `prefix_reason` allows; else its pages are gathered, dequantized to the query dtype and
+  quantized again as fresh operands (logged once). `prefix_route` "in-place" or "gather" asks for one of the two
+  (benchmarks time both); "auto" chooses as above.
   interpret=True runs the kernel's jnp model instead of the kernel (CPUs)."""
   name: str = "pallas-fp8"
   flash: mgpu_flash.FlashTuning = mgpu_flash.FP8_TUNING
   incoherent: bool = True
   smooth_k: bool = True
   qk_dtype: str = "float8_e4m3fn"                # or "int8": an int32 Q K^T
+  prefix_route: str = "auto"                     # "auto", "in-place" or "gather": how a chunk reads its prefix
+
+  def __post_init__(self):
+    if self.prefix_route not in PREFIX_ROUTES:
+      raise ValueError(f"prefix_route={self.prefix_route!r} must be one of {', '.join(PREFIX_ROUTES)}")
+
+  def prefix_reason(self, *, head_dim: int, page_size: int, page_dtype) -> str | None:
+    """Why a prefill chunk's cached prefix in pages of this shape cannot be read in place (None: it can)."""
+    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
+      return f"the pages hold {jnp.dtype(page_dtype).name}; the FP8 kernel reads float8_e4m3fn pages in place"
+    if self.qk_dtype != "float8_e4m3fn":
+      return f"qk_dtype={self.qk_dtype!r} multiplies int8 keys, and the pages hold e4m3 keys"
+    return mgpu_flash.why_not_fp8_paged(head_dim=head_dim, page_size=page_size, tuning=self.flash)
+
+  def prefix_kernel(self, *, head_dim: int, page_size: int, page_dtype) -> str:
+    """How a prefill chunk reads its cached prefix from pages of this shape: "in-place" or "gather" (prefix_route
+    "auto": in place where `prefix_reason` allows). prefix_route "in-place" where it cannot: a ValueError."""
+    reason = self.prefix_reason(head_dim=head_dim, page_size=page_size, page_dtype=page_dtype)
+    if self.prefix_route == "in-place" and reason:
+      raise ValueError(f"prefix_route='in-place' cannot read these pages: {reason}")
+    if self.prefix_route == "auto":
+      return "gather" if reason else "in-place"
+    return self.prefix_route
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = mgpu_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
@@ -268,14 +299,21 @@ class PallasFp8Backend(PallasBackend):
                     lambda: bf16_path())
 
   def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale, q_len=None):
-    """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse). The table's pages are
-    gathered (in the query dtype) PREFIX_BLOCK_TOKENS keys at a time, each block one non-causal FP8 kernel call,
-    merged by their LSE in float32; blocks past every sequence's length are skipped. Rows at or past q_len
-    (padding) are left out where the kernel can skip them."""
+    """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse), PREFIX_BLOCK_TOKENS keys
+    at a time, each block one non-causal FP8 kernel call over the pages read in place or gathered
+    (`prefix_kernel`), merged by their LSE in float32; blocks past every sequence's length are skipped. Rows at or
+    past q_len (padding) are left out where the kernel can skip them."""
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1], k_pages.shape[2]
+    how = self.prefix_kernel(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)
+    if how == "gather" and self.prefix_route == "auto" and k_pages.dtype == fp8_ops.E4M3:
+      ref.warn_once(f"attention backend {self.name}: a chunk's cached prefix is gathered, dequantized and "
+                    f"quantized again: {self.prefix_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)}")
 
     def block(ids, n):
+      if how == "in-place":
+        return mgpu_flash.flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, ids, n, q_len=q_len,
+                                                    tuning=self.flash, interpret=self.interpret)
       k = ref.gather_pages(k_pages, k_scale, ids, q.dtype).reshape(B, -1, K, H)
       v = ref.gather_pages(v_pages, v_scale, ids, q.dtype).reshape(B, -1, K, H)
       return self._kernel(q, k, v, n, q_len)(causal=False)

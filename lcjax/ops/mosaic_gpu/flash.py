@@ -167,6 +167,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   FP8 (`scales` given, see lcjax.ops.fp8): q/k float8_e4m3fn, v float8_e4m3fn transposed [B, K, H, S] with the keys
   of every 16-key group in KEY_PERM order (v_operand),
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
+  FP8 and paged: k is the fp8 K pool read in place, v the pages' V bytes transposed as above [B, K, H, M * Z
+  rounded up to block_kv], scales = (qs, the PageScales packed by `pack_page_scales` [B, K, NB, 3 n + 1]); each key
+  block is n groups of block_kv / n keys (one page's), a QK^T and a P V product each.
   q_len [B] int32 (None: every row is real): rows at or past q_len[b] are padding the caller drops. A compute
   warpgroup whose block_q rows are all padding skips its key blocks (out 0, lse -inf there); a CTA loads the
   blocks of its last warpgroup with real rows, none if it has none.
@@ -174,7 +177,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   stores it for their merge). With key splits (`FlashTuning.kv_splits`, or chosen by `kv_splits_for`) the
   kernel writes [splits * B, ...] partials, merged here.
 
-  Paged (`pages` = (table [B, M] int32, offset [1] int32); bf16 only): k/v are pools [P, Z, K, H] and key j of
+  Paged (`pages` = (table [B, M] int32, offset [1] int32)): k/v are pools [P, Z, K, H] (FP8: k only) and key j of
   sequence b is row j % Z of pool page table[b, j // Z] + offset; S = M * Z. Z a multiple of block_kv, or block_kv
   a multiple of Z (a block then loads block_kv / Z pages, each its own TMA copy into the slot, all counted by the
   slot's barrier).
@@ -187,11 +190,13 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   if pages is None:
     S, K = k.shape[1], k.shape[2]
   else:
-    if fp8:
-      raise ValueError("the paged flash kernel reads bf16 / float16 pages")
     Z, K = k.shape[1], k.shape[2]
     M = pages[0].shape[1]
     S = M * Z
+  paged_fp8 = fp8 and pages is not None
+  # Key groups of a block (one page each) that paged FP8 computes apart, of gk keys
+  n_groups = fp8_ops.page_groups(Z, tuning.block_kv) if paged_fp8 else 1
+  gk = tuning.block_kv // n_groups
   # TMA copies a block of keys takes (the slot's load barriers count each); block_copies refuses page sizes that
   # neither divide nor are divided by block_kv (flash_attention_paged checks the rest with why_not_paged)
   copies = 1 if pages is None else len(block_copies(0, tuning.block_kv, k.shape[1], M))
@@ -242,8 +247,11 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
       q_base = tile_base + wg * bq
       full, total = warpgroup_blocks(q_base, db, kb, ql, lo, hi, bq=bq, bkv=bkv, causal=causal)
-      if fp8:
+      if paged_fp8:
+        qs_ref, bsc_ref = scale_refs
+      elif fp8:
         qs_ref, ks_ref, vs_ref = scale_refs
+      if fp8:
         c_q = c * qs_ref[b, head, lax.div(q_base, jnp.array(bq, q_base.dtype))]
 
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), head], q_smem, q_bar.at[wg])
@@ -334,16 +342,75 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
+      def step_paged(i, carry, masked: bool):
+        # FP8 over pages read in place: the block's n key groups (one page each) have their own K scale and V
+        # scale (lcjax.ops.fp8.PageScales): a QK^T, a P and a P V product a group, the V scales folded into P's
+        # exponent and the accumulator kept in units of the block's largest V scale (ref_v: the last block's).
+        acc, m, l, ref_v = carry
+        slot = ring(i)
+        scale = lambda j: bsc_ref[b, kv_head, i, j]
+        c_g = [c_q * scale(g) for g in range(n_groups)]
+        v_max = scale(3 * n_groups)
+
+        def qk_scope(*acc_refs):
+          for g, acc_ref in enumerate(acc_refs):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, g].transpose((1, 0)))
+          with jax.named_scope("turn"):
+            sched_sync()
+          return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        with jax.named_scope("qk"):
+          ss = pl.run_scoped(qk_scope, *[plgpu.ACC((bq, gk), jnp.float32)] * n_groups)
+        plgpu.barrier_arrive(k_free.at[slot])
+        with jax.named_scope("softmax"):
+          if masked:
+            ss = [visible(s, i * bkv + g * gk, gk) for g, s in enumerate(ss)]
+          m_new = m
+          for g, s in enumerate(ss):
+            m_new = jnp.maximum(m_new, s.max(axis=1) * c_g[g])
+          alpha = jnp.exp2(m - m_new)
+          ps = [jnp.exp2(s * c_g[g] - lax.broadcast_in_dim(m_new - (p_shift + scale(n_groups + g)), s.shape, [0]))
+                for g, s in enumerate(ss)]
+        plgpu.barrier_arrive(sched)
+        with jax.named_scope("p_cast"):
+          p_mma = [_p_as_a_operand(p.astype(fp8_ops.E4M3)) for p in ps]
+          l = l * alpha
+          for g, p in enumerate(ps):
+            l = l + p.sum(axis=1) * scale(2 * n_groups + g)
+        with jax.named_scope("wait_v"):
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_wait(sched)
+
+        def pv_fresh(acc_ref):
+          for g in range(n_groups):
+            plgpu.wgmma(acc_ref, p_mma[g], v_smem.at[slot, g].transpose((1, 0)))
+          nxt = i + 1
+
+          @pl.when(nxt < total)
+          def _():
+            plgpu.barrier_wait(k_bar.at[ring(nxt)])
+          return acc_ref[...]
+
+        with jax.named_scope("pv"):
+          pv = pl.run_scoped(pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+          acc = acc * lax.broadcast_in_dim(alpha * (ref_v / v_max), acc.shape, [0]) + pv
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l, v_max
+
+      def visible(s, col0, cols: int):
+        """s [bq, cols] (keys col0 ..) with the keys row r does not see at -inf."""
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq, cols), 0, layout=plgpu.Layout.WGMMA) + q_base
+        cols = plgpu.broadcasted_iota(jnp.int32, (bq, cols), 1, layout=plgpu.Layout.WGMMA) + col0
+        vis = cols < kb
+        if causal:
+          vis = vis & (cols <= rows + db)
+        return jnp.where(vis, s, -jnp.inf)
+
       def softmax(s, m, l, acc, c_i, i, masked: bool):
         """A block's scores -> (the new row max, its correction alpha, P in float32, l rescaled, acc rescaled (bf16
         path; the fp8 path rescales when it adds the block's product))."""
         if masked:
-          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + q_base
-          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + i * bkv
-          vis = cols < kb
-          if causal:
-            vis = vis & (cols <= rows + db)
-          s = jnp.where(vis, s, -jnp.inf)
+          s = visible(s, i * bkv, bkv)
         m_new = jnp.maximum(m, s.max(axis=1) * c_i)
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * c_i - lax.broadcast_in_dim(m_new - p_shift, s.shape, [0]))
@@ -360,15 +427,21 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         sched_sync()
         sched_sync()
 
-      carry = lax.fori_loop(lo, full, functools.partial(step, masked=False), (acc, m, l))
-      acc, m, l = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
+      if paged_fp8:
+        carry = lax.fori_loop(lo, full, functools.partial(step_paged, masked=False), (acc, m, l, jnp.float32(1.0)))
+        acc, m, l, ref_v = lax.fori_loop(full, total, functools.partial(step_paged, masked=True), carry)
+      else:
+        carry = lax.fori_loop(lo, full, functools.partial(step, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
       lax.fori_loop(total, hi, drain, None)
       pl.when(wg == 0)(sched_sync)
 
       seen = l > 0
       l_safe = jnp.where(seen, l, 1.0)
       norm = 1.0 / l_safe
-      if fp8:
+      if paged_fp8:
+        norm = norm * ref_v
+      elif fp8:
         norm = norm * vs_ref[b, kv_head]
       acc = acc * lax.broadcast_in_dim(norm, (bq, H), [0])
       o_smem[...] = acc.astype(out_dtype)
@@ -402,10 +475,21 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           dst = v_smem.at[slot] if whole else v_smem.at[slot, pl.ds(at, rows)]
           plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
-      load = issue if page_refs is None else issue_paged
+      def issue_paged_fp8(i, slot):
+        # K group g of the block from its page; V^T group g from the transposed operand
+        table_ref, off_ref = page_refs
+        i = jnp.asarray(i, jnp.int32)
+        for g, (m, first, rows, _) in enumerate(block_copies(i, bkv, k_ref.shape[1], M)):
+          page = table_ref[b, m] + off_ref[0]
+          plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(first, rows), kv_head], k_smem.at[slot, g], k_bar.at[slot])
+        for g in range(n_groups):
+          plgpu.copy_gmem_to_smem(v_ref.at[b, kv_head, pl.ds(0, H), pl.ds(i * bkv + g * gk, gk)], v_smem.at[slot, g],
+                                  v_bar.at[slot])
+
+      load = issue if page_refs is None else issue_paged_fp8 if paged_fp8 else issue_paged
       fill_ring(lambda j, slot: load(lo + j, slot), hi - lo, mcs, k_free, v_free)
 
-  n_scales = 3 if fp8 else 0
+  n_scales = len(scales) if fp8 else 0
   n_pages = 0 if pages is None else 2
   n_in = n_scales + n_pages + (q_len is not None)
 
@@ -414,10 +498,11 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     q_len_ref = refs[n_in - 1] if q_len is not None else None
     out_ref, *lse = refs[n_in:]
     lse_ref = lse[0] if lse else None
-    v_tile = (mcs, H, bkv) if fp8 else (mcs, bkv, H)
+    v_tile = (mcs, n_groups, H, gk) if paged_fp8 else (mcs, H, bkv) if fp8 else (mcs, bkv, H)
+    k_tile = (mcs, n_groups, gk, H) if paged_fp8 else (mcs, bkv, H)
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
     smem = (tiled((_COMPUTE_WGS, bq, H), dtype),
-            tiled((mcs, bkv, H), dtype),
+            tiled(k_tile, dtype),
             tiled(v_tile, v_dtype),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
             tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None)
@@ -666,6 +751,70 @@ def flash_fp8_kernel(q8, qs, k8, ks, vt, vs, d, kv_len, q_len=None, *, causal: b
   out, lse = _flash_call(q8, k8, vt, d, kv_len, causal=causal, tuning=tuning, save_lse=save_lse,
                          scales=(qs, ks, vs), out_dtype=out_dtype, q_len=q_len)
   return out, (None if lse is None else jnp.transpose(lse, (0, 2, 1)))
+
+
+# Pages smaller than this are not read in place by the FP8 kernel: a block of 128 keys would be more than two groups.
+FP8_PAGED_MIN_PAGE = 64
+
+
+def why_not_fp8_paged(*, head_dim: int, page_size: int, tuning: FlashTuning = FP8_TUNING) -> str | None:
+  """Why `flash_attention_fp8_paged` cannot read fp8 pages of this shape (None: it can)."""
+  reason = why_not_fp8(head_dim=head_dim, tuning=tuning)
+  if reason:
+    return reason
+  if page_size % tuning.block_kv and (tuning.block_kv % page_size or page_size < FP8_PAGED_MIN_PAGE):
+    return (f"the FP8 kernel reads pages in place in blocks of {tuning.block_kv} keys: page_size={page_size} must be "
+            f"a multiple of it, or divide it and be at least {FP8_PAGED_MIN_PAGE}")
+  return None
+
+
+def pack_page_scales(sc: fp8_ops.PageScales):
+  """A PageScales as the kernel reads it: [B, K, NB, 3 n + 1] float32, (k, v_log2, v_inv) of each group, v_max."""
+  return jnp.concatenate([sc.k, sc.v_log2, sc.v_inv, sc.v_max[..., None]], axis=-1).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "save_lse", "interpret"))
+def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table, kv_len, page_offset=0, q_len=None,
+                              *, tuning: FlashTuning = FP8_TUNING, save_lse: bool = True, interpret: bool = False):
+  """Every row of q over the first kv_len[b] keys held in fp8 pages, all of them visible to all rows (a prefill
+  chunk against its cached prefix): the FP8 kernel with K read where it lies, page by page, and no key
+  dequantized or requantized. Key j of sequence b is row j % Z of pool page page_table[b, j // Z] + page_offset.
+
+  q [B, T, N, H] (bf16 / float32) in the basis the pages hold the keys in (lcjax.cache.kv rotates both); k_pages,
+  v_pages [P, Z, K, H] float8_e4m3fn with k_scale, v_scale [P, K] float32 (x = stored * scale); page_table [B, M]
+  int32; kv_len [B] (clipped to M * Z). The queries are quantized per block_q rows (fp8.quantize_rows); each key
+  group of a block (one page) keeps its page's scales (fp8.page_scales). V is the one operand copied: its pages'
+  bytes are gathered into the transposed layout fp8 P @ V reads (v_operand), without a change of value. q_len:
+  as `flash_attention_paged` takes it. interpret=True computes `fp8.attention_fp8_model` on the gathered bytes
+  instead of running the kernel. Returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32)."""
+  B, T, N, H = q.shape
+  Z, K = k_pages.shape[1], k_pages.shape[2]
+  M = page_table.shape[1]
+  reason = why_not_fp8_paged(head_dim=H, page_size=Z, tuning=tuning)
+  if reason:
+    raise ValueError(reason)
+  if k_pages.dtype != fp8_ops.E4M3 or v_pages.dtype != fp8_ops.E4M3:
+    raise ValueError(f"pages {k_pages.dtype} / {v_pages.dtype} must be float8_e4m3fn")
+  rows = _COMPUTE_WGS * tuning.block_q
+  Tp = -(-T // rows) * rows
+  if Tp != T:
+    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  table = page_table.astype(jnp.int32)
+  offset = jnp.reshape(page_offset, (1,)).astype(jnp.int32)
+  kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)
+  q8, qs = fp8_ops.quantize_rows(q, tuning.block_q)
+  sc = fp8_ops.page_scales(k_scale, v_scale, table + offset, kvl, page_size=Z, block_kv=tuning.block_kv)
+  S = sc.v_max.shape[2] * tuning.block_kv
+  keys = lambda pages: jnp.pad(pages[table + offset].reshape(B, M * Z, K, H), ((0, 0), (0, S - M * Z), (0, 0), (0, 0)))
+  d = jnp.zeros((B,), jnp.int32)
+  if interpret:
+    out, lse = fp8_ops.attention_fp8_model(q8, qs, keys(k_pages), sc, keys(v_pages), None, d, kvl, causal=False,
+                                           block_q=tuning.block_q, block_kv=tuning.block_kv)
+    return out[:, :T].astype(q.dtype), lse[:, :T]
+  out, lse = _flash_call(q8, k_pages, v_operand(keys(v_pages)), d, kvl, causal=False, tuning=tuning,
+                         save_lse=save_lse, scales=(qs, pack_page_scales(sc)), out_dtype=q.dtype,
+                         pages=(table, offset), q_len=_rows(q_len, B))
+  return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
 
 
 def flash_attention_reference(q, k, v, d=None, kv_len=None, *, causal: bool = True):

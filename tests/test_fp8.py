@@ -392,14 +392,18 @@ def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch, attention_dt
   assert eng.fingerprint != Engine.random(TINY128, run=run.replace(attention_dtype=other), seed=5).fingerprint
 
 
-def test_engine_fp8_attention_over_an_fp8_cache():
-  """FP8 attention reading a prefix from fp8 pages (per-page scales, dequantized per block): logits of a chunked
-  prefill within FP8's error of float32 attention over a float32 cache, the same top-1."""
-  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
+@pytest.mark.parametrize("page_size,prefix", [(16, "pallas-fp8-model-gather"), (64, "pallas-fp8-model-in-place")])
+def test_engine_fp8_attention_over_an_fp8_cache(page_size, prefix):
+  """FP8 attention reading a prefix from fp8 pages, gathered (pages of 16 tokens: per-page scales, dequantized per
+  block) or in place (64): logits of a chunked prefill within FP8's error of float32 attention over a float32
+  cache, the same top-1; the stats name the path."""
+  run = RunConfig(dtype="float32", page_size=page_size, prefill_chunk=128, max_context=512, max_batch=1,
+                  decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 300)]
   exact = Engine.random(TINY128, run=run, seed=6).prompt_logits(prompt)
-  got = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"),
-                      seed=6).prompt_logits(prompt)
+  eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"), seed=6)
+  assert eng.kernels["prefill_kernel"] == prefix
+  got = eng.prompt_logits(prompt)
   assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.04
   assert int(np.argmax(got)) == int(np.argmax(exact))
 
@@ -583,6 +587,28 @@ def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   for b in np.flatnonzero(np.array(kv_len) > 0):
     rel = np.linalg.norm(np.asarray(out[b], np.float64) - want_o[b]) / np.linalg.norm(want_o[b])
     assert rel < 0.06, (b, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+def test_fp8_engine_reads_fp8_pages_in_place_gpu(monkeypatch):
+  """The GPU engine with FP8 attention over an fp8 cache of 64-token pages reads each chunk's prefix in place (the
+  stats say so and the in-place kernel is traced) and its prompt logits are within FP8's error of bf16 attention
+  over a bf16 cache, the same top-1."""
+  run = RunConfig(page_size=64, prefill_chunk=1024, max_context=4096, max_batch=1, decode_steps=8)
+  prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 3000)]
+  cfg = dataclasses.replace(TINY128, max_position=4096)
+  exact = Engine.random(cfg, run=run, seed=5).prompt_logits(prompt)
+  calls = []
+  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
+  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: calls.append(1) or
+                      paged_fp8(*a, **kw))
+  eng = Engine.random(cfg, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"), seed=5)
+  assert eng.kernels["prefill_kernel"] == "pallas-fp8-in-place"
+  got = eng.prompt_logits(prompt)
+  assert calls
+  assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.06
+  assert int(np.argmax(got)) == int(np.argmax(exact))
 
 
 @pytest.mark.gpu

@@ -659,12 +659,12 @@ def bench_chunk(res, dog, pairs, Z, reps):
   kv_len = jnp.full((1,), 4000, jnp.int32)
   want = {}
   checks = {}
+  kp8, vp8, ks, vs = fp8_chunk_pages(kp, vp)
   for name, (_, fp8, fn) in impls.items():
     try:
       dog.arm(f"check chunk {name} Z={Z}")
       # fp8 impls are checked against the reference over the same fp8 pages dequantized
-      args = (q, *fp8_chunk_pages(kp, vp)[:2], table, q_pos, kv_len, *fp8_chunk_pages(kp, vp)[2:]) if fp8 else \
-          (q, kp, vp, table, q_pos, kv_len, None, None)
+      args = (q, kp8, vp8, table, q_pos, kv_len, ks, vs) if fp8 else (q, kp, vp, table, q_pos, kv_len, None, None)
       if fp8 not in want:
         want[fp8] = _sync(jax.jit(lambda *a: ref.paged_attention_reference(
             *a[:4], q_pos=a[4], kv_len=a[5], k_scale=a[6], v_scale=a[7]))(*args))

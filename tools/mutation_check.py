@@ -196,6 +196,20 @@ MUTANTS = (
            "  merged = jnp.sum(out.astype(jnp.float32) * jnp.exp(lse - safe)[..., None], axis=0)",
            "  merged = jnp.sum(out.astype(jnp.float32) * jnp.exp(lse - jnp.max(lse, axis=0))[..., None], axis=0)",
            ("tests/test_kernels.py::test_merge_splits_is_attention_over_every_key[2]",)),
+    Mutant("fp8-page-scales-count-pages-past-kv-len",
+           "the largest V scale of a key block read in place counts the pages past kv_len (another owner's), so "
+           "the block's live P underflows e4m3",
+           "lcjax/ops/fp8.py",
+           "  vs = grouped(jnp.where(live, v_scale[pages].astype(jnp.float32), 0.0))",
+           "  vs = grouped(v_scale[pages].astype(jnp.float32))",
+           ("tests/test_fp8.py::test_paged_scales_model_is_attention_over_the_dequantized_pages[64]",)),
+    Mutant("fp8-paged-accumulator-keeps-its-units",
+           "the FP8 model over pages read in place does not rescale its accumulator when the block's largest V "
+           "scale changes",
+           "lcjax/ops/fp8.py",
+           "    rescale = alpha * (ref_v / v_max)[:, :, None, None, None]",
+           "    rescale = alpha",
+           ("tests/test_fp8.py::test_paged_scales_model_is_attention_over_the_dequantized_pages[128]",)),
 )
 
 

@@ -237,7 +237,8 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     W = min(local, PREFIX_BLOCK_TOKENS)
     be = PallasFp8Backend(qk_dtype=ATTENTION_DTYPES[run.attention_dtype])
     in_place = be.prefix_reason(head_dim=H, page_size=run.page_size, page_dtype=run.resolved_cache_dtype) is None
-    dequant = W * K_l * H * (2 if in_place else 3 * w_item + 2) + C * N_l * H * (w_item + 1)
+    # The backend's other branch (PallasBackend's paged path) is compiled beside it: the larger of the two
+    dequant = max(dequant, W * K_l * H * (2 if in_place else 3 * w_item + 2) + C * N_l * H * (w_item + 1))
     if local > W:
       dequant += C * N_l * (H + 1) * 4
   act = c * per_token + gathered + dequant + batch * model.vocab_size * 4

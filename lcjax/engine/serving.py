@@ -243,8 +243,8 @@ def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choi
       return Choice(f"{attention.name}-in-place", "the FP8 flash kernel reading the fp8 K pages where they lie, with "
                                                   "their page scales (V's bytes transposed per call; "
                                                   "lcjax.ops.mosaic_gpu.flash.flash_attention_fp8_paged)")
-    reason = attention.prefix_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
-                                     page_dtype=run.resolved_cache_dtype)
+    reason = attention.prefix_gather_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
+                                            page_dtype=run.resolved_cache_dtype)
     return Choice(f"{attention.name}-gather", "the FP8 flash kernel over the cached prefix gathered, dequantized and "
                                               f"quantized again in blocks of PREFIX_BLOCK_TOKENS keys ({reason})")
   if attention.name in ("pallas", "cudnn"):

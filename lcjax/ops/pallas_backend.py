@@ -264,6 +264,11 @@ class PallasFp8Backend(PallasBackend):
       return "gather" if reason else "in-place"
     return self.prefix_route
 
+  def prefix_gather_reason(self, *, head_dim: int, page_size: int, page_dtype) -> str:
+    """Why a chunk's cached prefix in pages of this shape is gathered (`prefix_kernel` says "gather")."""
+    return (self.prefix_reason(head_dim=head_dim, page_size=page_size, page_dtype=page_dtype)
+            or f"prefix_route={self.prefix_route!r}")
+
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = mgpu_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
     if reason or self.interpret:
@@ -308,7 +313,7 @@ class PallasFp8Backend(PallasBackend):
     how = self.prefix_kernel(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)
     if how == "gather" and self.prefix_route == "auto" and k_pages.dtype == fp8_ops.E4M3:
       ref.warn_once(f"attention backend {self.name}: a chunk's cached prefix is gathered, dequantized and "
-                    f"quantized again: {self.prefix_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)}")
+                    f"quantized again: {self.prefix_gather_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)}")
 
     def block(ids, n):
       if how == "in-place":

@@ -561,8 +561,10 @@ PAGED_GPU_CASES = [  # T, N, K, H, Z, kv_len, kv_splits
 def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   """The FP8 kernel reading fp8 pages in place (scrambled tables, a layer offset, power-of-two page scales spread
   over 2^10, another owner's pages past kv_len, prefixes ending inside a page, on a page or block boundary, and
-  none; unaligned chunks) against its jnp model (as test_fp8_kernel_gpu bounds it) and float64 attention over the
-  dequantized pages (the queries' and P's e4m3 error)."""
+  none; unaligned chunks) against its jnp model and float64 attention over the dequantized pages (the queries'
+  and P's e4m3 error). The values reach |v| ~ 200, so the bounds are relative: against the model, bf16 output
+  rounding plus rare one-step e4m3 flips of P (exp2 approximations differ), each moving an output by up to 1/8 of
+  a key's |v| over the row's sum."""
   from tests.test_kernels import oracle, visibility
   B, off = len(kv_len), 3
   M = -(-max(kv_len) // Z) + 2
@@ -578,9 +580,10 @@ def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   seen = np.isfinite(np.asarray(m_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
   assert np.all(np.asarray(out, np.float32)[~seen] == 0)
-  diff = np.abs(np.asarray(out, np.float32) - np.asarray(m_out, np.float32))
-  flipped = float((diff > 0.01).mean())
-  assert diff.max() < 0.1 and diff.mean() < 2e-3 and flipped < 1e-3, (diff.max(), diff.mean(), flipped)
+  out32, m32 = np.asarray(out, np.float32), np.asarray(m_out, np.float32)
+  for b in np.flatnonzero(np.array(kv_len) > 0):
+    rel = np.linalg.norm(out32[b] - m32[b]) / np.linalg.norm(m32[b])
+    assert rel < 2e-2 and np.abs(out32[b] - m32[b]).max() < 0.05 * np.abs(m32[b]).max(), (b, rel)
   np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], atol=2e-3)
   want_o, _ = oracle(q.astype(jnp.float32), kd, vd,
                      visibility(np.zeros((B, T), int), np.zeros(B, int), np.array(kv_len), M * Z, False))

@@ -628,6 +628,22 @@ def chunk_impls():
   }
 
 
+# The FP8 kernel alone on the same keys made contiguous and quantized before the timing (no pages, no
+# quantization in the row): what the in-place read is measured against.
+CONTIGUOUS_FP8 = "lcjax-fp8-kernel-contiguous"
+
+
+def contiguous_fp8_operands(q, kp, vp, table, q_pos, kv_len, ks, vs):
+  """flash_fp8_kernel's operands for a chunk's rows over its fp8 pages' keys made contiguous: the pages
+  dequantized, then quantized as fresh operands (per 128-key block, no smoothing or rotation)."""
+  T = q.shape[1]
+  Tp = -(-T // 128) * 128
+  k, v = (ref.gather_pages(p, sc, table, DT).reshape(1, -1, K, H) for p, sc in ((kp, ks), (vp, vs)))
+  (q8, qs), (k8, ks8), (v8, vs8) = fp8_ops.quantize_operands(
+      jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), k, v, block_q=64, block_kv=128, incoherent=False)
+  return q8, qs, k8, ks8, mgpu_flash.v_operand(v8), vs8, jnp.zeros((1,), jnp.int32), kv_len
+
+
 def fp8_chunk_pages(kp, vp):
   """bf16 pages -> (fp8 pages, k_scale, v_scale [P, K]) as lcjax.cache.kv holds them: one power-of-two scale per
   (page, kv head), the smallest that keeps the page's values within e4m3's range."""
@@ -673,9 +689,21 @@ def bench_chunk(res, dog, pairs, Z, reps):
     except Exception as e:  # noqa: BLE001
       res.error(f"chunk check {name} Z={Z}", e)
     dog.disarm()
+  contiguous = selected(CONTIGUOUS_FP8)
   for T, S in pairs:
     data = {fp8: chunk_pages(jax.random.key(T + S + Z), T, S, Z, fp8) for fp8 in {v[1] for v in impls.values()}}
     flops = 4.0 * N * H * T * S
+    if contiguous:
+      try:
+        dog.arm(f"chunk {CONTIGUOUS_FP8} T={T} S={S} Z={Z}")
+        ops = contiguous_fp8_operands(*chunk_pages(jax.random.key(T + S + Z), T, S, Z, True))
+        t = time_jax(jax.jit(functools.partial(mgpu_flash.flash_fp8_kernel, causal=False)), [ops], reps)
+        res.add(op=f"chunk-{T}", impl=CONTIGUOUS_FP8, lcjax=True, S=S, batch=1, page=Z, dtype="float8_e4m3fn",
+                ms=t * 1e3, tflops=flops / t / 1e12, metric=flops / t / 1e12)
+        del ops
+      except Exception as e:  # noqa: BLE001
+        res.error(f"chunk {CONTIGUOUS_FP8} T={T} S={S} Z={Z}", e)
+      dog.disarm()
     for name, (mine, fp8, fn) in impls.items():
       if name not in checks:
         continue

@@ -16,7 +16,8 @@
 #                 attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows over a 128K / 512K /
 #                 1M-key prefix in 64-token pages, and questions of 128 to 1,280 rows over 128K, the flash kernel
 #                 reading it in place and the FP8 path over the gathered prefix, each with its key splits chosen per
-#                 call and with one split, beside cuDNN's paged kernel)
+#                 call and with one split, beside cuDNN's paged kernel; over fp8 pages the FP8 kernel reading them
+#                 in place and over them gathered, the FP8 kernel alone on the same keys made contiguous, and cuDNN)
 #                                                               ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05;
 #                                                               the chunk part with fewer rows)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense

@@ -7,7 +7,9 @@ Prefill: causal, B=1, 32 query heads, 8 kv heads (--heads), head dim 128, bf16, 
 flops 2 * S^2 * H * N). Chunk (--chunk=T:S,...): a prefill chunk of T rows over the S keys of its cached prefix in
 pages (the engine's call: the chunk's own keys are a separate causal block), what reads them in place and the FP8
 path over the gathered prefix, each with the flash kernel's key splits chosen per call and with one split
-(`-split1`), against cuDNN's paged kernel. Decode: batch --batch (8), one query token (--decode_tokens: as many as
+(`-split1`), against cuDNN's paged kernel; over fp8 pages (power-of-two page scales) the FP8 kernel reading them in
+place and over them gathered, cuDNN over them dequantized, and the FP8 kernel alone on the same keys made
+contiguous and quantized before the timing (`lcjax-fp8-kernel-contiguous`). Decode: batch --batch (8), one query token (--decode_tokens: as many as
 a speculative verify step feeds), same heads, pages of --pages tokens shuffled in a pool, S in --decode (TB/s of
 K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
 inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a

@@ -607,6 +607,14 @@ def _rows(q_len, B):
   return None if q_len is None else jnp.broadcast_to(q_len, (B,)).astype(jnp.int32)
 
 
+def _pad_to_tiles(q, tuning: FlashTuning):
+  """q [B, T, N, H] with T padded by zero rows to a multiple of a CTA's 2 * block_q rows."""
+  rows = _COMPUTE_WGS * tuning.block_q
+  T = q.shape[1]
+  Tp = -(-T // rows) * rows
+  return q if Tp == T else jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+
+
 def _padded(q, k, v, d, kv_len, tuning: FlashTuning):
   """(q, k, v padded to the tile sizes, d [B], kv_len [B]) with the defaults d = S - T, kv_len = S."""
   B, T, N, H = q.shape
@@ -615,11 +623,8 @@ def _padded(q, k, v, d, kv_len, tuning: FlashTuning):
     raise ValueError(f"query heads {N=} are not divisible by kv heads {K=}")
   d = jnp.full((B,), S - T, jnp.int32) if d is None else jnp.broadcast_to(d, (B,)).astype(jnp.int32)
   kvl = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, S)
-  rows = _COMPUTE_WGS * tuning.block_q
-  Tp = -(-T // rows) * rows
+  q = _pad_to_tiles(q, tuning)
   Sp = -(-max(S, 1) // tuning.block_kv) * tuning.block_kv
-  if Tp != T:
-    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
   if Sp != S:
     k = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
@@ -674,10 +679,7 @@ def flash_attention_paged(q, k_pages, v_pages, page_table, d, kv_len, page_offse
     raise ValueError(reason)
   if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
     raise ValueError(f"pages {k_pages.dtype} / {v_pages.dtype} must be in the queries' dtype {q.dtype}")
-  rows = _COMPUTE_WGS * tuning.block_q
-  Tp = -(-T // rows) * rows
-  if Tp != T:
-    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  q = _pad_to_tiles(q, tuning)
   d = jnp.broadcast_to(d, (B,)).astype(jnp.int32)
   kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)
   pages = (page_table.astype(jnp.int32), jnp.reshape(page_offset, (1,)).astype(jnp.int32))
@@ -795,10 +797,7 @@ def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table,
     raise ValueError(reason)
   if k_pages.dtype != fp8_ops.E4M3 or v_pages.dtype != fp8_ops.E4M3:
     raise ValueError(f"pages {k_pages.dtype} / {v_pages.dtype} must be float8_e4m3fn")
-  rows = _COMPUTE_WGS * tuning.block_q
-  Tp = -(-T // rows) * rows
-  if Tp != T:
-    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  q = _pad_to_tiles(q, tuning)
   table = page_table.astype(jnp.int32)
   offset = jnp.reshape(page_offset, (1,)).astype(jnp.int32)
   kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)

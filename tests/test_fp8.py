@@ -561,8 +561,8 @@ PAGED_GPU_CASES = [  # T, N, K, H, Z, kv_len, kv_splits
 def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   """The FP8 kernel reading fp8 pages in place (scrambled tables, a layer offset, power-of-two page scales spread
   over 2^10, another owner's pages past kv_len, prefixes ending inside a page, on a page or block boundary, and
-  none; unaligned chunks) against its jnp model and float64 attention over the dequantized pages (the queries'
-  and P's e4m3 error). The values reach |v| ~ 200, so the bounds are relative: against the model, bf16 output
+  none; unaligned chunks) against its jnp model and float64 attention of its e4m3 queries over the dequantized
+  pages (P's e4m3 error). The values reach |v| ~ 200, so the bounds are relative: against the model, bf16 output
   rounding plus rare one-step e4m3 flips of P (exp2 approximations differ), each moving an output by up to 1/8 of
   a key's |v| over the row's sum."""
   from tests.test_kernels import oracle, visibility
@@ -584,12 +584,16 @@ def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   for b in np.flatnonzero(np.array(kv_len) > 0):
     rel = np.linalg.norm(out32[b] - m32[b]) / np.linalg.norm(m32[b])
     assert rel < 2e-2 and np.abs(out32[b] - m32[b]).max() < 0.05 * np.abs(m32[b]).max(), (b, rel)
-  np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], atol=2e-3)
-  want_o, _ = oracle(q.astype(jnp.float32), kd, vd,
-                     visibility(np.zeros((B, T), int), np.zeros(B, int), np.array(kv_len), M * Z, False))
+  # Scores of ~30 carry the tensor cores' fp8 sums (fewer bits than float32) into the lse: relative bound
+  np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], rtol=1e-3, atol=2e-3)
+  # The oracle gets the kernel's e4m3 queries: the queries' own rounding costs ~7% on these scores of ~30 (the
+  # model's error against bf16 queries, measured on the CPU), which would hide an error in reading the pages.
+  q8, qs = fp8.quantize_rows(jnp.pad(q.astype(jnp.float32), ((0, 0), (0, -T % 128), (0, 0), (0, 0))), 64)
+  qd = (q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
+  want_o, _ = oracle(qd, kd, vd, visibility(np.zeros((B, T), int), np.zeros(B, int), np.array(kv_len), M * Z, False))
   for b in np.flatnonzero(np.array(kv_len) > 0):
     rel = np.linalg.norm(np.asarray(out[b], np.float64) - want_o[b]) / np.linalg.norm(want_o[b])
-    assert rel < 0.06, (b, rel)
+    assert rel < 0.05, (b, rel)
 
 
 @pytest.mark.gpu

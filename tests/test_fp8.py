@@ -285,6 +285,24 @@ def _poison_references(monkeypatch):
   monkeypatch.setattr(ref, "paged_attention_reference", nan)
 
 
+def test_fp8_paged_read_refuses_what_it_cannot_read():
+  """The in-place FP8 prefix read refuses, in one line naming the values, pages it cannot read (too small, not
+  fp8) and a route it was asked for that cannot serve; an unknown route is refused when the backend is made."""
+  q = jnp.zeros((1, 64, 4, 128), jnp.bfloat16)
+  table, n, sc = jnp.zeros((1, 4), jnp.int32), jnp.array([10], jnp.int32), jnp.ones((4, 2), jnp.float32)
+  small = jnp.zeros((4, 32, 2, 128), fp8.E4M3)
+  with pytest.raises(ValueError, match="page_size=32 must be a multiple of it, or divide it and be at least 64"):
+    mgpu_flash.flash_attention_fp8_paged(q, small, small, sc, sc, table, n, interpret=True)
+  bf16 = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="pages bfloat16 / bfloat16 must be float8_e4m3fn"):
+    mgpu_flash.flash_attention_fp8_paged(q, bf16, bf16, sc, sc, table, n, interpret=True)
+  be = pallas_backend.PallasFp8Backend(interpret=True, prefix_route="in-place", qk_dtype="int8")
+  with pytest.raises(ValueError, match="prefix_route='in-place' cannot read these pages: qk_dtype='int8'"):
+    be.prefix_kernel(head_dim=128, page_size=64, page_dtype=fp8.E4M3)
+  with pytest.raises(ValueError, match="prefix_route='fast' must be one of auto, in-place, gather"):
+    pallas_backend.PallasFp8Backend(prefix_route="fast")
+
+
 @pytest.mark.parametrize("order,Z,how", [("contiguous", 16, "gather"), ("zigzag", 16, "gather"),
                                          ("contiguous", 64, "in-place"), ("zigzag", 64, "in-place")])
 def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
@@ -320,8 +338,8 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
 
 def fp8_pages(seed, B, T, N, K, H, Z, M, P, kv_len, offset=0):
   """q [B, T, N, H] float32 and fp8 pools [offset + P, Z, K, H] as lcjax's pages hold them: power-of-two scales
-  [offset + P, K] spread over 2^6 (K) and 2^10 (V), and in the slots past each sequence's kv_len pages of
-  another owner (values 16x larger, scales 2^20: they must weigh nothing). Returns (q, kp, vp, ks, vs, table,
+  [offset + P, K] spread over 2^5 (K) and 2^9 (V), and in the slots past each sequence's kv_len pages of
+  another owner (scales 2^20: they must weigh nothing). Returns (q, kp, vp, ks, vs, table,
   kd, vd): kd, vd [B, M * Z, K, H] float32 the keys the table reads, dequantized."""
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
@@ -393,17 +411,22 @@ def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch, attention_dt
 
 
 @pytest.mark.parametrize("page_size,prefix", [(16, "pallas-fp8-model-gather"), (64, "pallas-fp8-model-in-place")])
-def test_engine_fp8_attention_over_an_fp8_cache(page_size, prefix):
+def test_engine_fp8_attention_over_an_fp8_cache(monkeypatch, page_size, prefix):
   """FP8 attention reading a prefix from fp8 pages, gathered (pages of 16 tokens: per-page scales, dequantized per
   block) or in place (64): logits of a chunked prefill within FP8's error of float32 attention over a float32
-  cache, the same top-1; the stats name the path."""
+  cache, the same top-1; the stats name the path, and the in-place read is traced exactly where they say so."""
   run = RunConfig(dtype="float32", page_size=page_size, prefill_chunk=128, max_context=512, max_batch=1,
                   decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 300)]
   exact = Engine.random(TINY128, run=run, seed=6).prompt_logits(prompt)
   eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"), seed=6)
   assert eng.kernels["prefill_kernel"] == prefix
+  calls = []
+  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
+  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: calls.append(1) or
+                      paged_fp8(*a, **kw))
   got = eng.prompt_logits(prompt)
+  assert bool(calls) == prefix.endswith("in-place")
   assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.04
   assert int(np.argmax(got)) == int(np.argmax(exact))
 
@@ -560,7 +583,7 @@ PAGED_GPU_CASES = [  # T, N, K, H, Z, kv_len, kv_splits
 @pytest.mark.parametrize("T,N,K,H,Z,kv_len,kv_splits", PAGED_GPU_CASES)
 def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   """The FP8 kernel reading fp8 pages in place (scrambled tables, a layer offset, power-of-two page scales spread
-  over 2^10, another owner's pages past kv_len, prefixes ending inside a page, on a page or block boundary, and
+  over 2^9, another owner's pages past kv_len, prefixes ending inside a page, on a page or block boundary, and
   none; unaligned chunks) against its jnp model and float64 attention of its e4m3 queries over the dequantized
   pages (P's e4m3 error). The values reach |v| ~ 200, so the bounds are relative: against the model, bf16 output
   rounding plus rare one-step e4m3 flips of P (exp2 approximations differ), each moving an output by up to 1/8 of

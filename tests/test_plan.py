@@ -113,6 +113,21 @@ def test_plan_of_fp8_70b_equals_eval_shape(tensor, seq):
   assert p.tokens_capacity >= 524288
 
 
+def test_plan_counts_the_fp8_prefix_read_it_compiles():
+  """8-bit attention over an fp8 cache: a prefix read in place (V's bytes transposed) needs less than one gathered
+  and quantized again, which `int8_fp8` and pages under 64 tokens take; the plan counts each as its run reads it
+  (and never less than the bf16 pages' branch compiled beside it)."""
+  cfg = preset("llama3.1-8b")
+  run = RunConfig(dtype="bfloat16", cache_dtype="float8_e4m3fn", max_context=262144, max_batch=1,
+                  prefill_chunk=16384)
+  act = lambda **kw: planlib.plan(cfg, run.replace(**kw)).activations
+  in_place, gathered = act(attention_dtype="float8_e4m3fn"), act(attention_dtype="int8_fp8")
+  assert in_place < gathered
+  assert act(attention_dtype="float8_e4m3fn", page_size=32) == act(attention_dtype="int8_fp8", page_size=32)
+  assert act(attention_dtype="float8_e4m3fn", page_size=32) > act(attention_dtype="float8_e4m3fn", page_size=64)
+  assert in_place >= act(attention_dtype="auto")
+
+
 def test_plan_kv_replication_and_comm_model():
   cfg = preset("llama3.1-70b")
   # 8 KV heads on 16 tensor devices: each repeated twice, one per device; the weights count the repeats.

@@ -9,9 +9,10 @@ pages (the engine's call: the chunk's own keys are a separate causal block), wha
 path over the gathered prefix, each with the flash kernel's key splits chosen per call and with one split
 (`-split1`), against cuDNN's paged kernel; over fp8 pages (power-of-two page scales) the FP8 kernel reading them in
 place and over them gathered, cuDNN over them dequantized, and the FP8 kernel alone on the same keys made
-contiguous and quantized before the timing (`lcjax-fp8-kernel-contiguous`). Decode: batch --batch (8), one query token (--decode_tokens: as many as
-a speculative verify step feeds), same heads, pages of --pages tokens shuffled in a pool, S in --decode (TB/s of
-K+V bytes read, the cache's own dtype). Every impl is first checked on fresh random
+contiguous and quantized before the timing (`lcjax-fp8-kernel-contiguous`: the kernel the tests check, timed
+only). Decode: batch --batch (8), one query token (--decode_tokens: as many as a speculative verify step feeds),
+same heads, pages of --pages tokens shuffled in a pool, S in --decode (TB/s of K+V bytes read, the cache's own
+dtype). Every other impl is first checked on fresh random
 inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max |lse - ref| / max(1, |ref|)) at a
 small size, then timed: median of --reps samples after a warm-up, a sample some back-to-back calls and one
 synchronisation (decode: 4 dispatched calls, or with --chain=N N calls chained in one compiled program, the row's

@@ -8,7 +8,8 @@ tests compare them with the shards of the real arrays and with `jax.eval_shape` 
                over `tensor`: kv_heads * rep / tensor heads per device, rep = the minimal KV-head replication.
   activations  an estimate of the largest transient: one prefill chunk of one layer (the scan keeps one layer
                live), its gathered K/V and queries for the sequence-sharded cache, the block of prefix pages
-               an fp8 cache dequantizes at a time for one layer, and the last logits.
+               an fp8 cache dequantizes at a time for one layer (or, under 8-bit attention, the block it
+               gathers and quantizes or whose V it transposes to read the pages in place), and the last logits.
 The communication model counts, per layer of one prefill chunk, the bytes each device sends: the K/V block of
 every ring step (`lax.ppermute`), against the attention FLOPs of that step; the ring hides its transfers when a
 step computes longer than it sends, i.e. when a device's block is longer than about

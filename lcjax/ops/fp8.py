@@ -180,10 +180,11 @@ class PageScales(NamedTuple):
   n groups of block_kv / n keys, a group within one page. [B, K, NB, n] but v_max [B, K, NB].
 
   A group's scores take its page's K scale. V's page scales differ within a block and between blocks, and the
-  kernel's P @ V is one fp8 product a block: the block's P is quantized against its largest V scale v_max, each
-  group's P scaled by 2^v_log2 = its V scale / v_max (a power of two for lcjax's pages: exact), and its row sums
-  by v_inv = 2^-v_log2 back. The running accumulator is kept in units of the current block's v_max: it is rescaled
-  by the ratio of consecutive blocks' v_max with the softmax's own per-row correction."""
+  kernel's P @ V products of a block add into one accumulator: the block's P is quantized against its largest V
+  scale v_max, each group's P scaled by 2^v_log2 = its V scale / v_max (a power of two for lcjax's pages:
+  exact), and its row sums by v_inv = 2^-v_log2 back. The running accumulator is kept in units of the current
+  block's v_max: it is rescaled by the ratio of consecutive blocks' v_max with the softmax's own per-row
+  correction."""
   k: jax.Array
   v_log2: jax.Array
   v_inv: jax.Array

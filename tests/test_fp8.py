@@ -320,10 +320,7 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
   pad = lambda x: jnp.concatenate([jnp.zeros((off, *x.shape[1:]), x.dtype), x])
   _poison_references(monkeypatch)
   monkeypatch.setattr(pallas_backend, "PREFIX_BLOCK_TOKENS", 128)               # 3 blocks
-  in_place = []
-  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
-  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: in_place.append(1) or
-                      paged_fp8(*a, **kw))
+  in_place = spy_in_place_reads(monkeypatch)
   be = pallas_backend.PallasFp8Backend(interpret=True)
   assert be.prefix_kernel(head_dim=H, page_size=Z, page_dtype=kp.dtype) == how
   got = be.paged(q, pad(kp), pad(vp), table, q_pos=q_pos, kv_len=kv_len, k_scale=pad(ks), v_scale=pad(vs),
@@ -334,6 +331,21 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
   assert np.linalg.norm(out - want_o) / np.linalg.norm(want_o) < 0.06
   assert np.abs(lse - want_l).max() < 0.1
   assert bool(in_place) == (how == "in-place")
+
+
+def spy_in_place_reads(monkeypatch) -> list:
+  """A list that gets an entry each time mgpu_flash.flash_attention_fp8_paged (the in-place prefix read) is
+  called (traced, under jit), which still runs."""
+  calls = []
+  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
+  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: calls.append(1) or
+                      paged_fp8(*a, **kw))
+  return calls
+
+
+def dequantized_rows(q8, qs, T):
+  """fp8.quantize_rows' output (block 64) back in float32, its first T rows: the queries the FP8 kernel multiplies."""
+  return (q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
 
 
 def fp8_pages(seed, B, T, N, K, H, Z, M, P, kv_len, offset=0):
@@ -373,7 +385,7 @@ def test_paged_scales_model_is_attention_over_the_dequantized_pages(Z):
   keys = lambda x: x[table + 5].reshape(B, M * Z, K, H)
   out, lse = fp8.attention_fp8_model(q8, qs, keys(kp), sc, keys(vp), None, jnp.zeros(B, jnp.int32),
                                      jnp.asarray(kv_len, jnp.int32), causal=False, block_q=64, block_kv=128)
-  qd = q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None]
+  qd = dequantized_rows(q8, qs, T)
   want_o, want_l = oracle(qd, kd, vd, visibility(np.zeros((B, T), int), np.zeros(B, int), kv_len, M * Z, False))
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
   assert np.all(out[3] == 0) and np.all(np.isneginf(lse[3]))
@@ -421,10 +433,7 @@ def test_engine_fp8_attention_over_an_fp8_cache(monkeypatch, page_size, prefix):
   exact = Engine.random(TINY128, run=run, seed=6).prompt_logits(prompt)
   eng = Engine.random(TINY128, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"), seed=6)
   assert eng.kernels["prefill_kernel"] == prefix
-  calls = []
-  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
-  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: calls.append(1) or
-                      paged_fp8(*a, **kw))
+  calls = spy_in_place_reads(monkeypatch)
   got = eng.prompt_logits(prompt)
   assert bool(calls) == prefix.endswith("in-place")
   assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.04
@@ -611,8 +620,8 @@ def test_fp8_paged_kernel_gpu(T, N, K, H, Z, kv_len, kv_splits):
   np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(m_lse)[seen], rtol=1e-3, atol=2e-3)
   # The oracle gets the kernel's e4m3 queries: the queries' own rounding costs ~7% on these scores of ~30 (the
   # model's error against bf16 queries, measured on the CPU), which would hide an error in reading the pages.
-  q8, qs = fp8.quantize_rows(jnp.pad(q.astype(jnp.float32), ((0, 0), (0, -T % 128), (0, 0), (0, 0))), 64)
-  qd = (q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
+  qd = dequantized_rows(*fp8.quantize_rows(jnp.pad(q.astype(jnp.float32), ((0, 0), (0, -T % 128), (0, 0), (0, 0))),
+                                           64), T)
   want_o, _ = oracle(qd, kd, vd, visibility(np.zeros((B, T), int), np.zeros(B, int), np.array(kv_len), M * Z, False))
   for b in np.flatnonzero(np.array(kv_len) > 0):
     rel = np.linalg.norm(np.asarray(out[b], np.float64) - want_o[b]) / np.linalg.norm(want_o[b])
@@ -629,10 +638,7 @@ def test_fp8_engine_reads_fp8_pages_in_place_gpu(monkeypatch):
   prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 3000)]
   cfg = dataclasses.replace(TINY128, max_position=4096)
   exact = Engine.random(cfg, run=run, seed=5).prompt_logits(prompt)
-  calls = []
-  paged_fp8 = mgpu_flash.flash_attention_fp8_paged
-  monkeypatch.setattr(mgpu_flash, "flash_attention_fp8_paged", lambda *a, **kw: calls.append(1) or
-                      paged_fp8(*a, **kw))
+  calls = spy_in_place_reads(monkeypatch)
   eng = Engine.random(cfg, run=run.replace(attention_dtype="float8_e4m3fn", cache_dtype="float8_e4m3fn"), seed=5)
   assert eng.kernels["prefill_kernel"] == "pallas-fp8-in-place"
   got = eng.prompt_logits(prompt)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lcjax.cache import kv as kvc  # noqa: E402
 from lcjax.ops import attention as ref  # noqa: E402
 from lcjax.ops.cudnn import backend as cudnn  # noqa: E402
 from lcjax.ops.cudnn import calls as cudnn_calls  # noqa: E402
@@ -649,10 +650,9 @@ def contiguous_fp8_operands(q, kp, vp, table, q_pos, kv_len, ks, vs):
 
 def fp8_chunk_pages(kp, vp):
   """bf16 pages -> (fp8 pages, k_scale, v_scale [P, K]) as lcjax.cache.kv holds them: one power-of-two scale per
-  (page, kv head), the smallest that keeps the page's values within e4m3's range."""
+  (page, kv head), the smallest that keeps the page's values within e4m3's range (kv.scale_for)."""
   def one(x):
-    amax = jnp.abs(x.astype(jnp.float32)).max(axis=(1, 3))
-    scale = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / fp8_ops.E4M3_MAX))
+    scale = kvc.scale_for(jnp.abs(x.astype(jnp.float32)).max(axis=(1, 3)))
     return (x.astype(jnp.float32) / scale[:, None, :, None]).astype(fp8_ops.E4M3), scale
   (kp8, ks), (vp8, vs) = one(kp), one(vp)
   return kp8, vp8, ks, vs

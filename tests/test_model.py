@@ -139,6 +139,51 @@ class _PaddingIsGarbage(ReferenceBackend):
     return jnp.where(pad[..., None, None], 1e3, out), jnp.where(pad[..., None], 1e3, lse)
 
 
+def _primitives(jaxpr) -> list[str]:
+  """The names of the primitives of a jaxpr and of every jaxpr nested in its equations' parameters."""
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          names += _primitives(sub)
+  return names
+
+
+@pytest.mark.parametrize("backend, cache_dtype", [("cudnn", jnp.bfloat16), ("cudnn", jnp.float8_e4m3fn),
+                                                  ("pallas-fp8", jnp.float8_e4m3fn)])
+def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(backend, cache_dtype):
+  """A prefill chunk over a cached prefix at the positions the model builds from prefix_len (as the engine's chunks
+  are) traces no lax.cond: the backends run their kernels without checking the positions on the device (a GPU
+  copies such a check's predicate to the host and waits for every kernel queued before it, twice a layer). Its
+  logits equal those of the same chunk with the same positions passed in, which the backends check (the positive
+  control: those calls trace the conds)."""
+  from lcjax.ops.cudnn.backend import CudnnBackend
+  from lcjax.ops.pallas_backend import PallasFp8Backend
+  be = CudnnBackend(emulate=True) if backend == "cudnn" else PallasFp8Backend(interpret=True)
+  # The FP8 kernel's head dim, 64-token pages; 48 rows of 2 heads a kv head: past the decode kernels' 64 rows.
+  cfg = _cfg(dim=128, n_heads=2, n_kv_heads=1, head_dim=64)
+  L, K, H, Z = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 64
+  model = Llama(cfg, dtype=jnp.bfloat16, attention=be, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 120)), jnp.int32)
+  table = jnp.asarray([[3, 1]], jnp.int32)
+  slots = lambda c0, n: jnp.asarray([[table[0, j // Z] * Z + j % Z for j in range(c0, c0 + n)]], jnp.int32)
+  _, cache = model(tokens[:, :72], cache=kvc.init_cache(L, 4, Z, K, H, cache_dtype), slots=slots(0, 72),
+                   page_table=table, prefix_len=jnp.zeros(1, jnp.int32))
+
+  def chunk(positions):
+    return lambda cache: model(tokens[:, 72:], positions, cache=cache, slots=slots(72, 48), page_table=table,
+                               prefix_len=jnp.asarray([72], jnp.int32))[0]
+
+  given = jnp.arange(72, 120, dtype=jnp.int32)[None]
+  assert _primitives(jax.make_jaxpr(chunk(None))(cache).jaxpr).count("cond") == 0
+  assert _primitives(jax.make_jaxpr(chunk(given))(cache).jaxpr).count("cond") >= 2
+  np.testing.assert_allclose(np.asarray(chunk(None)(cache), np.float32), np.asarray(chunk(given)(cache), np.float32),
+                             rtol=1e-6, atol=1e-6)
+
+
 def test_a_padded_chunk_tells_the_prefix_read_its_real_rows():
   """A chunk of 8 rows of which 5 and 3 are real (two sequences), over a cached prefix of 8 tokens: the model tells
   the backend's prefix read the real rows (q_len = lengths), and the real rows' logits do not depend on what the

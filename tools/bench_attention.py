@@ -601,20 +601,22 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
 
 def chunk_impls():
   """name -> (lcjax?, fp8 pages?, fn(q, kp, vp, table, q_pos, kv_len, k_scale, v_scale) -> (out, lse)): what reads
-  a prefill chunk's cached prefix from the pages (bf16 pages, or fp8 pages with page scales). cuDNN's paged kernel
-  (CudnnBackend's padding-only call, the pallas backend's prefill_kernel="cudnn"; over fp8 pages dequantized in
-  blocks) is the peer."""
+  a prefill chunk's cached prefix from the pages (bf16 pages, or fp8 pages with page scales), each called as the
+  model calls it (`past=True`: no check of the positions on the device). cuDNN's paged kernel (CudnnBackend's
+  padding-only call, the pallas backend's prefill_kernel="cudnn"; over fp8 pages dequantized in blocks) is the
+  peer."""
   def paged_flash(kv_splits=None):
     be = pallas_backend.PallasBackend(prefill_route="mosaic", flash=mgpu_flash.FlashTuning(kv_splits=kv_splits))
-    return lambda q, kp, vp, t, qp, kl: be._paged_flash(q, kp, vp, t, q_pos=qp, kv_len=kl, page_offset=0)
+    return lambda q, kp, vp, t, qp, kl: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl, past=True)
 
   def fp8_prefix(kv_splits=None, route="auto"):
     be = pallas_backend.PallasFp8Backend(flash=dataclasses.replace(mgpu_flash.FP8_TUNING, kv_splits=kv_splits),
                                          prefix_route=route)
-    return lambda q, kp, vp, t, qp, kl, ks, vs: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs)
+    return lambda q, kp, vp, t, qp, kl, ks, vs: be.paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs,
+                                                         past=True)
 
   def cudnn_paged(q, kp, vp, t, qp, kl, ks, vs):
-    return cudnn.CudnnBackend().paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs)
+    return cudnn.CudnnBackend().paged(q, kp, vp, t, q_pos=qp, kv_len=kl, k_scale=ks, v_scale=vs, past=True)
 
   # "-split1": each tile's keys in one CTA, beside the key splits chosen per call (FlashTuning.kv_splits).
   return {

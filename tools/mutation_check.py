@@ -179,8 +179,8 @@ MUTANTS = (
            "a padded chunk tells its prefix read one real row fewer than it has: a kernel that leaves padding out "
            "leaves out the last real row's attention to the cached prefix",
            "lcjax/model/llama.py",
-           "kv_len=step.prefix_len, q_len=step.lengths)",
-           "kv_len=step.prefix_len, q_len=step.lengths - 1)",
+           "kv_len=step.prefix_len, q_len=step.lengths, past=True)",
+           "kv_len=step.prefix_len, q_len=step.lengths - 1, past=True)",
            ("tests/test_model.py::test_a_padded_chunk_tells_the_prefix_read_its_real_rows",)),
     Mutant("flash-cta-loads-a-padding-warpgroups-blocks",
            "a flash CTA whose second warpgroup is all padding still loads that warpgroup's (longer causal) range: "
@@ -210,6 +210,14 @@ MUTANTS = (
            "    rescale = alpha * (ref_v / v_max)[:, :, None, None, None]",
            "    rescale = alpha",
            ("tests/test_fp8.py::test_paged_scales_model_is_attention_over_the_dequantized_pages[128]",)),
+    Mutant("chunk-prefix-read-checks-positions-on-the-device",
+           "the model's prefill chunk reads its cached prefix without promising that the prefix precedes its rows, "
+           "so the backends choose their path by a lax.cond (a GPU waits for its queue at each)",
+           "lcjax/model/llama.py",
+           "kv_len=step.prefix_len, q_len=step.lengths, past=True)",
+           "kv_len=step.prefix_len, q_len=step.lengths)",
+           ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
+            "[pallas-fp8-float8_e4m3fn]",)),
 )
 
 

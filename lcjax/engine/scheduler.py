@@ -429,13 +429,13 @@ class Scheduler:
     logits = None
     for Tb in sorted(set(buckets)):
       z = i32(1, Tb)
-      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, z, i32(1, W), i32(1), i32(1)).compile()
+      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, i32(1, W), i32(1), i32(1)).compile()
       logits = compiled.out_info[0]
       n += 1
     if first_token:
       if logits is None:
-        logits = self.steps.prefill.lower(self.params, self.cache, i32(1, 16), i32(1, 16), i32(1, 16), i32(1, W),
-                                          i32(1), i32(1)).out_info[0]
+        logits = self.steps.prefill.lower(self.params, self.cache, i32(1, 16), i32(1, 16), i32(1, W), i32(1),
+                                          i32(1)).out_info[0]
       self.steps.first_token.lower(logits, stack_sampling([SamplingParams()]), i32(1)).compile()
       n += 1
     for steps, greedy in sorted(set(decode)):
@@ -476,10 +476,9 @@ class Scheduler:
       tokens[0, :len(piece)] = piece
       slots = np.zeros((1, Tb), np.int32)
       slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
-      positions = (c0 + np.arange(Tb, dtype=np.int32))[None]
       logits, self.cache = self.steps.prefill(
-          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots),
-          table, jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
+          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(slots), table, jnp.asarray([c0], jnp.int32),
+          jnp.asarray([len(piece)], jnp.int32))
       r.written = c0 + len(piece)
       if r.on_progress is not None:
         jax.block_until_ready(logits)

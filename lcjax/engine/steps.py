@@ -123,9 +123,10 @@ class Steps:
     logits, _ = self._model(params)(tokens)
     return logits
 
-  def _prefill(self, params, cache, tokens, positions, slots, page_table, prefix_len, lengths):
-    """One chunk [B, C] of one or more prompts. Returns the logits of each row's last real token [B, V]."""
-    logits, cache = self._model(params)(tokens, positions, cache=cache, slots=slots, page_table=page_table,
+  def _prefill(self, params, cache, tokens, slots, page_table, prefix_len, lengths):
+    """One chunk [B, C] of one or more prompts, row t of sequence b at position prefix_len[b] + t. Returns the
+    logits of each row's last real token [B, V]."""
+    logits, cache = self._model(params)(tokens, cache=cache, slots=slots, page_table=page_table,
                                         prefix_len=prefix_len, lengths=lengths, logits_at=lengths - 1)
     return logits[:, 0], cache
 

@@ -18,7 +18,11 @@ Call forms (B batch, T tokens in this call):
       tokens before positions[:, 0] and to the call's rows up to its own; the cache comes back as it came in.
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
 logits of one position per sequence (prefill needs just the last one). An fp8 cache's pages get their scales
-from the tokens written into them (lcjax.cache.kv).
+from the tokens written into them (lcjax.cache.kv). A prefill chunk's rows follow its cached prefix (positions
+>= prefix_len), so its prefix read is the backends' `past=True` call. positions=None: the model builds them,
+row t at (prefix_len[b] or 0) + t, and the backends then take their kernels for the chunk's own causal block
+without checking the positions on the device (the engine's chunks are called so); positions given are checked
+(each check a lax.cond, which on a GPU waits for the queued kernels).
 
 On a mesh (`mesh=`, axes "seq" x "tensor"; lcjax.sharding) the same call forms hold, inputs and outputs in
 natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP,
@@ -218,6 +222,8 @@ class CallContext:
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a call the page-write kernel writes, unsharded
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
+  contiguous: bool = False        # positions[b] = (prefix_len[b] or 0) + arange(T): built by the model, so the
+                                  # backends need no check of them on the device
 
 
 def rows_block(q, k, v, positions, lengths):
@@ -420,10 +426,12 @@ class Llama(nnx.Module):
   def _attend(self, q, k, v, step: CallContext, cache_l):
     """q [B,T,N,H], k/v [B,T,K,H] -> o [B,T,N,H]; writes k/v into this layer's pages when caching."""
     be = self.attention
-    start = step.positions[:, 0]
+    # The call's rows against the call's own keys, causal: row t sees keys j <= t. Positions the model built are
+    # that diagonal by construction; others are handed to the backend, which checks them.
+    rows = {} if step.contiguous else dict(q_pos=step.positions, k_start=step.positions[:, 0])
     if cache_l is None:
       if self.mesh is None:
-        o, _ = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths, causal=True)
+        o, _ = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
       else:
         o = self._attend_mesh(q, k, v, step, None)
       return o, None
@@ -438,41 +446,42 @@ class Llama(nnx.Module):
                                                     layer, page_writer=self.page_writer, token_at=step.token_at)
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
-      # the cached prefix (every prefix key precedes every query, so kv_len alone masks it).
-      o_self, lse_self = be.attend(q, k, v, q_pos=step.positions, k_start=start, kv_len=step.lengths,
-                                   causal=True)
+      # the cached prefix (every prefix key precedes every query, so kv_len alone masks it: past=True).
+      o_self, lse_self = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
-                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths)
+                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths, past=True)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     elif q.shape[1] > 1 or read_only:
       # Decode rows of several tokens, or of a call that writes nothing: the cache's keys before the call's first
-      # token, merged with the call's own keys as a causal block (whether or not the call wrote them).
+      # token (which precede all its rows: past=True), merged with the call's own keys as a causal block (whether
+      # or not the call wrote them).
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
-                                   q_pos=step.positions, kv_len=step.positions[:, 0])
+                                   q_pos=step.positions, kv_len=step.positions[:, 0], past=True)
       o, _ = merge(*rows_block(q, k, v, step.positions, step.lengths), o_pre, lse_pre)
     else:
       o, _ = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer, q_pos=step.positions,
                          kv_len=step.kv_len)
     return o, None if read_only else (k_all, v_all, k_scale, v_scale)
 
-  def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len, q_len=None):
+  def _paged(self, q, k_all, v_all, k_scale, v_scale, page_table, layer, *, q_pos, kv_len, q_len=None, past=False):
     """The backend's `paged` over layer `layer`'s pages of the pools of every layer k_all, v_all [L, P, Z, K, H]
     (fp8 scales [L, P, K] or None), read as `pool_reads` says. "view": the pools as L * P pages (a free reshape)
     where layer `layer`'s page p is page layer * P + p; slicing pool[layer] instead makes XLA copy the layer's
     pool (GiBs at long context) for every kernel call. "layer": the pools as they are, with the layer index.
-    q_len [B]: the call's real rows (the rest padding; lcjax.ops.backends). fp8 pages hold the keys rotated
+    q_len [B]: the call's real rows (the rest padding; lcjax.ops.backends); past: every key below kv_len[b]
+    precedes b's rows (the backend's promise of lcjax.ops.backends). fp8 pages hold the keys rotated
     (lcjax.cache.kv.fp8_basis), so the queries are rotated alike."""
     be = self.attention
     if k_scale is not None:
       q = kvc.fp8_basis(q)
     if self.pool_reads == "layer":
       return be.paged(q, k_all, v_all, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=k_scale, v_scale=v_scale,
-                      layer=layer, q_len=q_len)
+                      layer=layer, q_len=q_len, past=past)
     L, P = k_all.shape[:2]
     k_pool, v_pool = (a.reshape(L * P, *a.shape[2:]) for a in (k_all, v_all))
     ks, vs = (None if s is None else s.reshape(L * P, s.shape[-1]) for s in (k_scale, v_scale))
     return be.paged(q, k_pool, v_pool, page_table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
-                    page_offset=layer * P, q_len=q_len)
+                    page_offset=layer * P, q_len=q_len, past=past)
 
   def _attend_mesh(self, q, k, v, step: CallContext, cache_l):
     """The sharded attention of one layer, in one shard_map over ("seq", "tensor"); see the module docstring."""
@@ -525,7 +534,8 @@ class Llama(nnx.Module):
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
-      o, lse = self._paged(gather(q), k_all, v_all, ks, vs, table_l, layer, q_pos=gather(pos), kv_len=lens)
+      o, lse = self._paged(gather(q), k_all, v_all, ks, vs, table_l, layer, q_pos=gather(pos), kv_len=lens,
+                           past=True)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if several:
@@ -623,8 +633,10 @@ class Llama(nnx.Module):
     """-> (logits, cache); with kv_out=True (a call with a cache, outside a split layout) (logits, cache, (k, v)):
     every layer's K and V of the call's tokens, [L, B, T, K, H] each, as the cache write received them."""
     B, T = tokens.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    contiguous = positions is None
+    if contiguous:
+      start = jnp.zeros((B, 1), jnp.int32) if prefix_len is None else jnp.reshape(prefix_len, (B, 1))
+      positions = start.astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)
     positions = positions.astype(jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
     seq = 1 if self.mesh is None else self.mesh.shape[SEQ]
@@ -654,7 +666,8 @@ class Llama(nnx.Module):
                 if cache is not None and slots is not None and self.mesh is None
                 and kvc.writes_token_by_kernel(self.page_writer, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
-                       rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at)
+                       rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at,
+                       contiguous=contiguous and not split)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

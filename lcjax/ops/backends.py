@@ -5,7 +5,10 @@ A backend is a frozen (hashable) dataclass so it can sit in a jitted model as st
 `(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
 the pools (the model passes one layer's pages as an offset into the pools of every layer); `paged(..., q_len=n)`
 ([B] int32) says that rows at or past n[b] are padding whose output the caller drops (a backend may leave them
-uncomputed; these compute them). Backends whose
+uncomputed; these compute them). `paged(..., past=True)` is the caller's promise that every key below kv_len[b]
+precedes all of sequence b's rows (a prefill chunk over its cached prefix): a backend that would otherwise choose
+its path from the positions on the device (a lax.cond, whose predicate a GPU copies to the host, waiting for every
+kernel before it) takes its prefix path directly; these two are exact for any rows and need no promise. Backends whose
 `reads_layer_pools` is true also take `paged(..., layer=l)`: k_pages and v_pages are then the pools of every layer
 [L, P, Z, K, H] (scales [L, P, K]) and page `page_table[b, m]` of layer l is read (Llama's `pool_reads`). `why_not(...)`
 returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
@@ -39,7 +42,7 @@ class ReferenceBackend:
                                    block_k=self.block_k)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
-            layer=None, q_len=None):
+            layer=None, q_len=None, past=False):
     return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kv_len,
                                          pages_per_block=self.pages_per_block, k_scale=k_scale,
                                          v_scale=v_scale, layer=layer)
@@ -63,7 +66,7 @@ class DenseBackend:
     return ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len, causal=causal)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
-            layer=None, q_len=None):
+            layer=None, q_len=None, past=False):
     B, M = page_table.shape
     Z = k_pages.shape[-3]
     page_table = page_table + page_offset

@@ -154,7 +154,7 @@ class PallasBackend:
     return "triton-interpret" if name == "triton" and self.interpret else name
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
-            q_len=None):
+            q_len=None, past=False):
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1:3]
     tuning = self._decode_tuning()
@@ -190,36 +190,42 @@ class PallasBackend:
       if reason:
         raise ValueError(f"prefill_kernel='mosaic' cannot read these pages: {reason}")
       return self._paged_flash(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len, page_offset=page_offset,
-                               q_len=q_len)
+                               q_len=q_len, past=past)
     # Chunked prefill against the cache is tensor-core work, not a decode: cuDNN's paged flash kernel does it
     # (over fp8 pages dequantized to the query dtype, which it reads and fp8 it cannot).
     return CudnnBackend(emulate=self.interpret).paged(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                                      k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
+                                                      k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
+                                                      past=past)
 
-  def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset, q_len=None):
+  def _paged_flash(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, page_offset, q_len=None, past=False):
     """A chunk's rows over keys in the pages through the flash kernel that reads them in place, masked by the
     diagonal offset d = q_pos[b, 0], sequence by sequence: rows in any order that every valid key precedes (the
     engine's chunk against its cached prefix, a seq mesh's zigzag rows too: kv_len <= min(q_pos) + 1 <= d + 1)
     see every key below kv_len; contiguous rows from position 0 on see j <= q_pos. A batch with a sequence of
-    neither kind takes the jnp reference, which logs why. Rows at or past q_len (padding) are left out where the
-    kernel can skip them."""
+    neither kind takes the jnp reference, which logs why; past=True (the caller's promise of the first kind) runs
+    the kernel without that check. Rows at or past q_len (padding) are left out where the kernel can skip them."""
     B, T = q.shape[:2]
     M, Z = page_table.shape[1], k_pages.shape[1]
     q_pos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
     kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, M * Z)
     d = q_pos[:, 0]
-    past = past_each(q_pos, kvl)
+
+    def kernel():
+      return mgpu_flash.flash_attention_paged(q, k_pages, v_pages, page_table, d, kvl, page_offset, q_len,
+                                              tuning=self.flash)
+
+    if past:
+      return kernel()
+    rows_past = past_each(q_pos, kvl)
     contiguous = ref.contiguous_each(q_pos) & (d >= 0)
 
     def reference():
-      other = ~(past | contiguous)                              # the sequences the kernel could not mask
+      other = ~(rows_past | contiguous)                         # the sequences the kernel could not mask
       ref.reference_branch_ran(self.name, {ref.NONCONTIGUOUS_ROWS: other & (d >= 0),
                                            ref.NEGATIVE_POSITIONS: other & (d < 0)})
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table + page_offset, q_pos=q_pos, kv_len=kvl)
 
-    return lax.cond(~jnp.all(past | contiguous), reference,
-                    lambda: mgpu_flash.flash_attention_paged(q, k_pages, v_pages, page_table, d, kvl, page_offset,
-                                                             q_len, tuning=self.flash))
+    return lax.cond(~jnp.all(rows_past | contiguous), reference, kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +289,7 @@ class PallasFp8Backend(PallasBackend):
                              interpret=self.interpret)
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
-            q_len=None):
+            q_len=None, past=False):
     B, T, N, H = q.shape
     K = k_pages.shape[2]
     M, Z = page_table.shape[1], k_pages.shape[1]
@@ -300,9 +306,11 @@ class PallasFp8Backend(PallasBackend):
     # A prefill chunk against its cached prefix (every valid key precedes every row, in any row order: a seq mesh
     # gathers its rows in zigzag order) runs the FP8 kernel over the table read in blocks; other paged calls of
     # many rows (rows that see part of the pages causally) take PallasBackend's path.
-    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST,
-                    lambda: self._prefix(q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale, q_len),
-                    lambda: bf16_path())
+    prefix = functools.partial(self._prefix, q, k_pages, v_pages, page_table + page_offset, kvl, k_scale, v_scale,
+                               q_len)
+    if past:
+      return prefix()
+    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST, prefix, lambda: bf16_path())
 
   def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale, q_len=None):
     """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse), PREFIX_BLOCK_TOKENS keys

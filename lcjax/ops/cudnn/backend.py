@@ -239,7 +239,7 @@ class CudnnBackend:
     return lax.switch(case, (reference, diagonal, past, split))
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
-            q_len=None):
+            q_len=None, past=False):
     B, T, N, H = q.shape
     Z = k_pages.shape[1]
     M = page_table.shape[1]
@@ -264,7 +264,7 @@ class CudnnBackend:
 
     p0 = q_pos[:, 0]
 
-    def past():
+    def prefix():
       # Every valid key precedes every row (chunk against its cached prefix): no causal part.
       return self._prefix(q, k_pages, v_pages, page_table, kvl, scale, k_scale, v_scale)
 
@@ -284,4 +284,6 @@ class CudnnBackend:
       return ref.paged_attention_reference(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kvl,
                                            k_scale=k_scale, v_scale=v_scale)
 
-    return lax.switch(paged_case(q_pos, kvl), (reference, past, split))
+    if past:
+      return prefix()
+    return lax.switch(paged_case(q_pos, kvl), (reference, prefix, split))

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -510,6 +511,20 @@ def test_p_register_relabel_is_key_perm():
   vt = np.transpose(v, (0, 2, 3, 1))
   want = np.stack([vt[..., 16 * (c // 16) + perm[c % 16]] for c in range(32)], -1)
   np.testing.assert_array_equal(np.asarray(mgpu_flash.v_operand(jnp.asarray(v))), want)
+
+
+@pytest.mark.parametrize("Z", [16, 64])
+def test_v_operand_of_pages_is_v_operand_of_the_gathered_keys(Z):
+  """v_operand_paged (the in-place FP8 read's V: 32-bit words gathered from the pages, bytes picked into words,
+  one word transpose) gives bit for bit v_operand of the keys gathered from a scrambled table and padded with zero
+  bytes, every byte value included."""
+  rng = np.random.default_rng(Z)
+  P, K, H, B, M, S = 12, 2, 64, 2, 4, 4 * Z + 32
+  pages = lax.bitcast_convert_type(jnp.asarray(rng.integers(0, 256, (P, Z, K, H), dtype=np.uint8)), jnp.float8_e4m3fn)
+  table = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+  keys = jnp.pad(pages[table].reshape(B, M * Z, K, H), ((0, 0), (0, S - M * Z), (0, 0), (0, 0)))
+  bits = lambda x: np.asarray(lax.bitcast_convert_type(x, jnp.uint8))
+  np.testing.assert_array_equal(bits(mgpu_flash.v_operand_paged(pages, table, S)), bits(mgpu_flash.v_operand(keys)))
 
 
 @pytest.mark.parametrize("H,qk_dtype", [(128, "float8_e4m3fn"), (64, "float8_e4m3fn"), (128, "int8")])

@@ -591,6 +591,32 @@ def v_operand(v8):
   return lax.bitcast_convert_type(jnp.swapaxes(vt, -3, -2).reshape(B, K, H, S), v8.dtype)
 
 
+def v_operand_paged(v_pages, page_table, S: int):
+  """v_operand of the keys held in pages: v_pages [P, Z, K, H] float8_e4m3fn (Z % 16 == 0, H % 4 == 0) through
+  page_table [B, M] (sequence b's key j is row j % Z of page page_table[b, j // Z]) -> [B, K, H, S] (S >= M * Z;
+  keys past M * Z are zero bytes), bit for bit v_operand of the gathered keys padded to S.
+
+  The bytes move as 32-bit words: the gather reads each (key, kv head)'s head dim as H / 4 words, four elementwise
+  byte selections build each output word (4 keys of one head-dim row, in KEY_PERM order), and one transpose of
+  32-bit elements puts the head dim before the keys."""
+  P, Z, K, H = v_pages.shape
+  B, M = page_table.shape
+  words = lax.bitcast_convert_type(lax.bitcast_convert_type(v_pages, jnp.uint8).reshape(P, Z, K, H // 4, 4),
+                                   jnp.uint32)
+  x = words[page_table].reshape(B, M, Z // 16, 2, 4, 2, K, H // 4)     # key = 16 g + 8 half + 2 t + pair
+
+  def row(hr):
+    """[B, M, G, 4 (t), K, H / 4]: the word of head-dim row 4 hw + hr over keys (t, half, pair) of each group."""
+    byte = lambda half, pair: (x[:, :, :, half, :, pair] >> jnp.uint32(8 * hr)) & jnp.uint32(0xFF)
+    return (byte(0, 0) | (byte(0, 1) << jnp.uint32(8)) | (byte(1, 0) << jnp.uint32(16))
+            | (byte(1, 1) << jnp.uint32(24)))
+
+  out = jnp.stack([row(hr) for hr in range(4)], axis=-1)               # [B, M, G, t, K, H / 4, hr]
+  out = jnp.transpose(out, (0, 4, 5, 6, 1, 2, 3)).reshape(B, K, H, M * Z // 4)
+  out = lax.bitcast_convert_type(out, jnp.uint8).reshape(B, K, H, M * Z)
+  return lax.bitcast_convert_type(jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, S - M * Z))), v_pages.dtype)
+
+
 PROFILE_MAX_KEYS = 8192
 
 
@@ -786,7 +812,7 @@ def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table,
   v_pages [P, Z, K, H] float8_e4m3fn with k_scale, v_scale [P, K] float32 (x = stored * scale); page_table [B, M]
   int32; kv_len [B] (clipped to M * Z). The queries are quantized per block_q rows (fp8.quantize_rows); each key
   group of a block (one page) keeps its page's scales (fp8.page_scales). V is the one operand copied: its pages'
-  bytes are gathered into the transposed layout fp8 P @ V reads (v_operand), without a change of value. q_len:
+  bytes are gathered into the transposed layout fp8 P @ V reads (v_operand_paged), without a change of value. q_len:
   as `flash_attention_paged` takes it. interpret=True computes `fp8.attention_fp8_model` on the gathered bytes
   instead of running the kernel. Returns (out [B, T, N, H] in q's dtype, lse [B, T, N] float32)."""
   B, T, N, H = q.shape
@@ -810,9 +836,10 @@ def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table,
     out, lse = fp8_ops.attention_fp8_model(q8, qs, keys(k_pages), sc, keys(v_pages), None, d, kvl, causal=False,
                                            block_q=tuning.block_q, block_kv=tuning.block_kv)
     return out[:, :T].astype(q.dtype), lse[:, :T]
-  out, lse = _flash_call(q8, k_pages, v_operand(keys(v_pages)), d, kvl, causal=False, tuning=tuning,
-                         save_lse=save_lse, scales=(qs, pack_page_scales(sc)), out_dtype=q.dtype,
-                         pages=(table, offset), q_len=_rows(q_len, B))
+  v_t = v_operand_paged(v_pages, table + offset, S)
+  out, lse = _flash_call(q8, k_pages, v_t, d, kvl, causal=False, tuning=tuning, save_lse=save_lse,
+                         scales=(qs, pack_page_scales(sc)), out_dtype=q.dtype, pages=(table, offset),
+                         q_len=_rows(q_len, B))
   return out[:, :T], (None if lse is None else jnp.transpose(lse, (0, 2, 1))[:, :T])
 
 

@@ -156,13 +156,24 @@ def _primitives(jaxpr) -> list[str]:
                                                   ("pallas-fp8", jnp.float8_e4m3fn)])
 def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(backend, cache_dtype):
   """A prefill chunk over a cached prefix at the positions the model builds from prefix_len (as the engine's chunks
-  are) traces no lax.cond: the backends run their kernels without checking the positions on the device (a GPU
-  copies such a check's predicate to the host and waits for every kernel queued before it, twice a layer). Its
-  logits equal those of the same chunk with the same positions passed in, which the backends check (the positive
-  control: those calls trace the conds)."""
+  are) traces no lax.cond: its prefix read promises the backend that the prefix precedes its rows (past=True) and
+  its own causal block comes without positions, so the backends check nothing on the device (a GPU copies such a
+  check's predicate to the host and waits for every kernel queued before it). Its logits equal those of the same
+  chunk with the same positions passed in, which promises nothing (the positive control: past=False in every
+  layer, and the checks traced)."""
   from lcjax.ops.cudnn.backend import CudnnBackend
   from lcjax.ops.pallas_backend import PallasFp8Backend
-  be = CudnnBackend(emulate=True) if backend == "cudnn" else PallasFp8Backend(interpret=True)
+  told = []
+
+  def spy(cls):
+    @dataclasses.dataclass(frozen=True)
+    class Told(cls):
+      def paged(self, *args, past=False, **kw):
+        told.append(past)
+        return super().paged(*args, past=past, **kw)
+    return Told
+
+  be = spy(CudnnBackend)(emulate=True) if backend == "cudnn" else spy(PallasFp8Backend)(interpret=True)
   # The FP8 kernel's head dim, 64-token pages; 48 rows of 2 heads a kv head: past the decode kernels' 64 rows.
   cfg = _cfg(dim=128, n_heads=2, n_kv_heads=1, head_dim=64)
   L, K, H, Z = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 64
@@ -178,8 +189,12 @@ def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(bac
                                prefix_len=jnp.asarray([72], jnp.int32))[0]
 
   given = jnp.arange(72, 120, dtype=jnp.int32)[None]
+  told.clear()
   assert _primitives(jax.make_jaxpr(chunk(None))(cache).jaxpr).count("cond") == 0
+  assert told == [True]
+  told.clear()
   assert _primitives(jax.make_jaxpr(chunk(given))(cache).jaxpr).count("cond") >= 2
+  assert told == [False]
   np.testing.assert_allclose(np.asarray(chunk(None)(cache), np.float32), np.asarray(chunk(given)(cache), np.float32),
                              rtol=1e-6, atol=1e-6)
 

@@ -179,8 +179,8 @@ MUTANTS = (
            "a padded chunk tells its prefix read one real row fewer than it has: a kernel that leaves padding out "
            "leaves out the last real row's attention to the cached prefix",
            "lcjax/model/llama.py",
-           "kv_len=step.prefix_len, q_len=step.lengths, past=True)",
-           "kv_len=step.prefix_len, q_len=step.lengths - 1, past=True)",
+           "kv_len=step.prefix_len, q_len=step.lengths,\n",
+           "kv_len=step.prefix_len, q_len=step.lengths - 1,\n",
            ("tests/test_model.py::test_a_padded_chunk_tells_the_prefix_read_its_real_rows",)),
     Mutant("flash-cta-loads-a-padding-warpgroups-blocks",
            "a flash CTA whose second warpgroup is all padding still loads that warpgroup's (longer causal) range: "
@@ -210,12 +210,19 @@ MUTANTS = (
            "    rescale = alpha * (ref_v / v_max)[:, :, None, None, None]",
            "    rescale = alpha",
            ("tests/test_fp8.py::test_paged_scales_model_is_attention_over_the_dequantized_pages[128]",)),
+    Mutant("v-words-swap-two-byte-picks",
+           "the in-place FP8 read's V copy puts a 16-key group's keys 1 and 8 of each output word in each other's "
+           "byte, so P V pairs those probabilities with the wrong values",
+           "lcjax/ops/mosaic_gpu/flash.py",
+           "    return (byte(0, 0) | (byte(0, 1) << jnp.uint32(8)) | (byte(1, 0) << jnp.uint32(16))",
+           "    return (byte(0, 0) | (byte(1, 0) << jnp.uint32(8)) | (byte(0, 1) << jnp.uint32(16))",
+           ("tests/test_fp8.py::test_v_operand_of_pages_is_v_operand_of_the_gathered_keys[64]",)),
     Mutant("chunk-prefix-read-checks-positions-on-the-device",
-           "the model's prefill chunk reads its cached prefix without promising that the prefix precedes its rows, "
-           "so the backends choose their path by a lax.cond (a GPU waits for its queue at each)",
+           "the model's prefill chunk at positions it built reads its cached prefix without promising that the "
+           "prefix precedes its rows, so the backends choose their path by a lax.cond (a GPU waits for its queue)",
            "lcjax/model/llama.py",
-           "kv_len=step.prefix_len, q_len=step.lengths, past=True)",
-           "kv_len=step.prefix_len, q_len=step.lengths)",
+           "q_len=step.lengths,\n                                   past=step.built)",
+           "q_len=step.lengths,\n                                   past=False)",
            ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
             "[pallas-fp8-float8_e4m3fn]",)),
 )

@@ -18,11 +18,11 @@ Call forms (B batch, T tokens in this call):
       tokens before positions[:, 0] and to the call's rows up to its own; the cache comes back as it came in.
 `lengths [B]` marks how many of the T tokens are real (the rest is padding); `logits_at [B]` keeps only the
 logits of one position per sequence (prefill needs just the last one). An fp8 cache's pages get their scales
-from the tokens written into them (lcjax.cache.kv). A prefill chunk's rows follow its cached prefix (positions
->= prefix_len), so its prefix read is the backends' `past=True` call. positions=None: the model builds them,
-row t at (prefix_len[b] or 0) + t, and the backends then take their kernels for the chunk's own causal block
-without checking the positions on the device (the engine's chunks are called so); positions given are checked
-(each check a lax.cond, which on a GPU waits for the queued kernels).
+from the tokens written into them (lcjax.cache.kv). positions=None: the model builds them, row t at
+(prefix_len[b] or 0) + t (the engine's chunks are called so); the backends are then told that the cached prefix
+precedes the rows (`paged(..., past=True)`) and, on one device, get the chunk's own causal block without
+positions, so neither is checked on the device (each check a lax.cond, which on a GPU waits for the queued
+kernels). Positions given are checked as the backends check them.
 
 On a mesh (`mesh=`, axes "seq" x "tensor"; lcjax.sharding) the same call forms hold, inputs and outputs in
 natural token order. Weights shard on `tensor` through their logical axes (GSPMD does the projections and MLP,
@@ -222,8 +222,8 @@ class CallContext:
   pages: jax.Array | None = None  # [B, J] global pages the call writes (kv.written_pages; fp8 caches)
   token_at: tuple | None = None   # ([B], [B]) kv.token_page_offset of a call the page-write kernel writes, unsharded
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
-  contiguous: bool = False        # positions[b] = (prefix_len[b] or 0) + arange(T): built by the model, so the
-                                  # backends need no check of them on the device
+  built: bool = False             # positions[b] = (prefix_len[b] or 0) + arange(T), built by the model: every
+                                  # cached key precedes every row, and (unsplit) the rows are in order
 
 
 def rows_block(q, k, v, positions, lengths):
@@ -428,7 +428,7 @@ class Llama(nnx.Module):
     be = self.attention
     # The call's rows against the call's own keys, causal: row t sees keys j <= t. Positions the model built are
     # that diagonal by construction; others are handed to the backend, which checks them.
-    rows = {} if step.contiguous else dict(q_pos=step.positions, k_start=step.positions[:, 0])
+    rows = {} if step.built else dict(q_pos=step.positions, k_start=step.positions[:, 0])
     if cache_l is None:
       if self.mesh is None:
         o, _ = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
@@ -446,10 +446,12 @@ class Llama(nnx.Module):
                                                     layer, page_writer=self.page_writer, token_at=step.token_at)
     if step.prefix_len is not None:
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
-      # the cached prefix (every prefix key precedes every query, so kv_len alone masks it: past=True).
+      # the cached prefix (every prefix key precedes every query, so kv_len alone masks it; the backends are
+      # told so where the model built the positions, and check positions given to it).
       o_self, lse_self = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
       o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
-                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths, past=True)
+                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths,
+                                   past=step.built)
       o, _ = merge(o_self, lse_self, o_pre, lse_pre)
     elif q.shape[1] > 1 or read_only:
       # Decode rows of several tokens, or of a call that writes nothing: the cache's keys before the call's first
@@ -535,7 +537,7 @@ class Llama(nnx.Module):
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
       o, lse = self._paged(gather(q), k_all, v_all, ks, vs, table_l, layer, q_pos=gather(pos), kv_len=lens,
-                           past=True)
+                           past=step.built or several)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)
       if several:
@@ -633,10 +635,10 @@ class Llama(nnx.Module):
     """-> (logits, cache); with kv_out=True (a call with a cache, outside a split layout) (logits, cache, (k, v)):
     every layer's K and V of the call's tokens, [L, B, T, K, H] each, as the cache write received them."""
     B, T = tokens.shape
-    contiguous = positions is None
-    if contiguous:
-      start = jnp.zeros((B, 1), jnp.int32) if prefix_len is None else jnp.reshape(prefix_len, (B, 1))
-      positions = start.astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+    built = positions is None
+    if built:
+      start = jnp.zeros((B, 1), jnp.int32) if prefix_len is None else jnp.reshape(prefix_len, (-1, 1))
+      positions = jnp.broadcast_to(start.astype(jnp.int32), (B, 1)) + jnp.arange(T, dtype=jnp.int32)
     positions = positions.astype(jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
     seq = 1 if self.mesh is None else self.mesh.shape[SEQ]
@@ -667,7 +669,7 @@ class Llama(nnx.Module):
                 and kvc.writes_token_by_kernel(self.page_writer, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
                        rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at,
-                       contiguous=contiguous and not split)
+                       built=built)
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

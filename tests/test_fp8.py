@@ -323,7 +323,7 @@ def test_fp8_paged_prefix_reads_pages_in_blocks(monkeypatch, order, Z, how):
   monkeypatch.setattr(pallas_backend, "PREFIX_BLOCK_TOKENS", 128)               # 3 blocks
   in_place = spy_in_place_reads(monkeypatch)
   be = pallas_backend.PallasFp8Backend(interpret=True)
-  assert be.prefix_kernel(head_dim=H, page_size=Z, page_dtype=kp.dtype) == how
+  assert be.prefix_kernel(head_dim=H, page_size=Z, page_dtype=kp.dtype)[0] == how
   got = be.paged(q, pad(kp), pad(vp), table, q_pos=q_pos, kv_len=kv_len, k_scale=pad(ks), v_scale=pad(vs),
                  page_offset=off)
   want_o, want_l = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))

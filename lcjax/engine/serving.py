@@ -237,14 +237,12 @@ def _prefill_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choi
     return Choice("mosaic", "the Mosaic GPU flash kernel reading K and V where they lie "
                             f"(lcjax.ops.mosaic_gpu.flash.flash_attention_paged), {asked}")
   if hasattr(attention, "prefix_kernel"):
-    how = attention.prefix_kernel(head_dim=serving_cfg.head_dim, page_size=run.page_size,
-                                  page_dtype=run.resolved_cache_dtype)
+    how, reason = attention.prefix_kernel(head_dim=serving_cfg.head_dim, page_size=run.page_size,
+                                          page_dtype=run.resolved_cache_dtype)
     if how == "in-place":
       return Choice(f"{attention.name}-in-place", "the FP8 flash kernel reading the fp8 K pages where they lie, with "
-                                                  "their page scales (V's bytes transposed per call; "
+                                                  "their page scales (V's bytes copied transposed per call; "
                                                   "lcjax.ops.mosaic_gpu.flash.flash_attention_fp8_paged)")
-    reason = attention.prefix_gather_reason(head_dim=serving_cfg.head_dim, page_size=run.page_size,
-                                            page_dtype=run.resolved_cache_dtype)
     return Choice(f"{attention.name}-gather", "the FP8 flash kernel over the cached prefix gathered, dequantized and "
                                               f"quantized again in blocks of PREFIX_BLOCK_TOKENS keys ({reason})")
   if attention.name in ("pallas", "cudnn"):

@@ -261,20 +261,16 @@ class PallasFp8Backend(PallasBackend):
       return f"qk_dtype={self.qk_dtype!r} multiplies int8 keys, and the pages hold e4m3 keys"
     return mgpu_flash.why_not_fp8_paged(head_dim=head_dim, page_size=page_size, tuning=self.flash)
 
-  def prefix_kernel(self, *, head_dim: int, page_size: int, page_dtype) -> str:
-    """How a prefill chunk reads its cached prefix from pages of this shape: "in-place" or "gather" (prefix_route
-    "auto": in place where `prefix_reason` allows). prefix_route "in-place" where it cannot: a ValueError."""
+  def prefix_kernel(self, *, head_dim: int, page_size: int, page_dtype) -> tuple[str, str | None]:
+    """How a prefill chunk reads its cached prefix from pages of this shape, and why it gathers them: ("in-place",
+    None) or ("gather", the reason). prefix_route "auto" reads in place where `prefix_reason` allows;
+    prefix_route "in-place" where it cannot: a ValueError."""
     reason = self.prefix_reason(head_dim=head_dim, page_size=page_size, page_dtype=page_dtype)
     if self.prefix_route == "in-place" and reason:
       raise ValueError(f"prefix_route='in-place' cannot read these pages: {reason}")
-    if self.prefix_route == "auto":
-      return "gather" if reason else "in-place"
-    return self.prefix_route
-
-  def prefix_gather_reason(self, *, head_dim: int, page_size: int, page_dtype) -> str:
-    """Why a chunk's cached prefix in pages of this shape is gathered (`prefix_kernel` says "gather")."""
-    return (self.prefix_reason(head_dim=head_dim, page_size=page_size, page_dtype=page_dtype)
-            or f"prefix_route={self.prefix_route!r}")
+    if self.prefix_route == "in-place" or (self.prefix_route == "auto" and not reason):
+      return "in-place", None
+    return "gather", reason or f"prefix_route={self.prefix_route!r}"
 
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     reason = mgpu_flash.why_not_fp8(head_dim=head_dim, tuning=self.flash)
@@ -319,10 +315,10 @@ class PallasFp8Backend(PallasBackend):
     past q_len (padding) are left out where the kernel can skip them."""
     B, T, N, H = q.shape
     Z, K = k_pages.shape[1], k_pages.shape[2]
-    how = self.prefix_kernel(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)
+    how, why = self.prefix_kernel(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)
     if how == "gather" and self.prefix_route == "auto" and k_pages.dtype == fp8_ops.E4M3:
       ref.warn_once(f"attention backend {self.name}: a chunk's cached prefix is gathered, dequantized and "
-                    f"quantized again: {self.prefix_gather_reason(head_dim=H, page_size=Z, page_dtype=k_pages.dtype)}")
+                    f"quantized again: {why}")
 
     def block(ids, n):
       if how == "in-place":

@@ -465,9 +465,10 @@ def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
 def test_fp8_pages_read_in_place_on_a_seq_mesh_match_one_device(monkeypatch, seq=2):
   """Over fp8 pages of 64 tokens each `seq` shard reads its own pages of a chunk's cached prefix in place (the
-  chunk's rows gathered in zigzag order, promised to follow the prefix): a chunked prefill's logits match one
-  device reading the same pages in place, both close to float32 attention over a bf16 cache, no jnp reference
-  runs, and the in-place read is what ran on the mesh."""
+  chunk's rows gathered in zigzag order): a chunked prefill's logits match one device reading the same pages in
+  place, both close to float32 attention over a bf16 cache, and no jnp reference runs. Every prefix read on the
+  mesh is promised that the prefix precedes its rows (past=True: the backend then calls the in-place read
+  directly, without a device-side choice), and the in-place read is called."""
   run = RunConfig(dtype="float32", page_size=64, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8)
   prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 300)]
   exact = Engine.random(TINY128, run=run, seed=5).prompt_logits(prompt)
@@ -475,8 +476,16 @@ def test_fp8_pages_read_in_place_on_a_seq_mesh_match_one_device(monkeypatch, seq
   _poison_references(monkeypatch)
   one = Engine.random(TINY128, run=fp8, seed=5).prompt_logits(prompt)
   calls = spy_in_place_reads(monkeypatch)
+  promised = []
+  paged = pallas_backend.PallasFp8Backend.paged
+
+  def told(self, q, *args, past=False, **kw):
+    promised.append(past)
+    return paged(self, q, *args, past=past, **kw)
+
+  monkeypatch.setattr(pallas_backend.PallasFp8Backend, "paged", told)
   got = Engine.random(TINY128, run=fp8.replace(seq=seq), seed=5).prompt_logits(prompt)
-  assert calls
+  assert calls and promised and all(promised), promised
   rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
   assert np.isfinite(got).all() and np.isfinite(one).all()
   assert rel(one, exact) < 0.02 and rel(got, exact) < 0.02, (rel(one, exact), rel(got, exact))

@@ -211,12 +211,20 @@ MUTANTS = (
            "    rescale = alpha",
            ("tests/test_fp8.py::test_paged_scales_model_is_attention_over_the_dequantized_pages[128]",)),
     Mutant("v-words-swap-two-byte-picks",
-           "the in-place FP8 read's V copy puts a 16-key group's keys 1 and 8 of each output word in each other's "
-           "byte, so P V pairs those probabilities with the wrong values",
+           "the in-place FP8 read's V copy swaps bytes 1 and 2 of each output word t (keys 2t + 1 and 8 + 2t of "
+           "a 16-key group), so P V pairs those probabilities with the wrong values",
            "lcjax/ops/mosaic_gpu/flash.py",
            "    return (byte(0, 0) | (byte(0, 1) << jnp.uint32(8)) | (byte(1, 0) << jnp.uint32(16))",
            "    return (byte(0, 0) | (byte(1, 0) << jnp.uint32(8)) | (byte(0, 1) << jnp.uint32(16))",
            ("tests/test_fp8.py::test_v_operand_of_pages_is_v_operand_of_the_gathered_keys[64]",)),
+    Mutant("chunk-prefix-read-promised-for-positions-given",
+           "the model promises the backends that a chunk's cached prefix precedes its rows even when the caller "
+           "passed the positions, so rows placed before the prefix's end see keys after them",
+           "lcjax/model/llama.py",
+           "q_len=step.lengths,\n                                   past=step.built)",
+           "q_len=step.lengths,\n                                   past=True)",
+           ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
+            "[cudnn-bfloat16]",)),
     Mutant("chunk-prefix-read-checks-positions-on-the-device",
            "the model's prefill chunk at positions it built reads its cached prefix without promising that the "
            "prefix precedes its rows, so the backends choose their path by a lax.cond (a GPU waits for its queue)",

@@ -344,6 +344,19 @@ def spy_in_place_reads(monkeypatch) -> list:
   return calls
 
 
+def spy_promises(monkeypatch, cls) -> list:
+  """A list that gets the `past` promise (lcjax.ops.backends) of each call of cls.paged, as traced; the call runs."""
+  promised = []
+  paged = cls.paged
+
+  def told(self, *args, past=False, **kw):
+    promised.append(past)
+    return paged(self, *args, past=past, **kw)
+
+  monkeypatch.setattr(cls, "paged", told)
+  return promised
+
+
 def dequantized_rows(q8, qs, T):
   """fp8.quantize_rows' output (block 64) back in float32, its first T rows: the queries the FP8 kernel multiplies."""
   return (q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
@@ -476,14 +489,7 @@ def test_fp8_pages_read_in_place_on_a_seq_mesh_match_one_device(monkeypatch, seq
   _poison_references(monkeypatch)
   one = Engine.random(TINY128, run=fp8, seed=5).prompt_logits(prompt)
   calls = spy_in_place_reads(monkeypatch)
-  promised = []
-  paged = pallas_backend.PallasFp8Backend.paged
-
-  def told(self, q, *args, past=False, **kw):
-    promised.append(past)
-    return paged(self, q, *args, past=past, **kw)
-
-  monkeypatch.setattr(pallas_backend.PallasFp8Backend, "paged", told)
+  promised = spy_promises(monkeypatch, pallas_backend.PallasFp8Backend)
   got = Engine.random(TINY128, run=fp8.replace(seq=seq), seed=5).prompt_logits(prompt)
   assert calls and promised and all(promised), promised
   rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))

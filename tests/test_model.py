@@ -154,7 +154,7 @@ def _primitives(jaxpr) -> list[str]:
 
 @pytest.mark.parametrize("backend, cache_dtype", [("cudnn", jnp.bfloat16), ("cudnn", jnp.float8_e4m3fn),
                                                   ("pallas-fp8", jnp.float8_e4m3fn)])
-def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(backend, cache_dtype):
+def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(monkeypatch, backend, cache_dtype):
   """A prefill chunk over a cached prefix at the positions the model builds from prefix_len (as the engine's chunks
   are) traces no lax.cond: its prefix read promises the backend that the prefix precedes its rows (past=True) and
   its own causal block comes without positions, so the backends check nothing on the device (a GPU copies such a
@@ -163,17 +163,9 @@ def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(bac
   layer, and the checks traced)."""
   from lcjax.ops.cudnn.backend import CudnnBackend
   from lcjax.ops.pallas_backend import PallasFp8Backend
-  told = []
-
-  def spy(cls):
-    @dataclasses.dataclass(frozen=True)
-    class Told(cls):
-      def paged(self, *args, past=False, **kw):
-        told.append(past)
-        return super().paged(*args, past=past, **kw)
-    return Told
-
-  be = spy(CudnnBackend)(emulate=True) if backend == "cudnn" else spy(PallasFp8Backend)(interpret=True)
+  from tests.test_fp8 import spy_promises
+  be = CudnnBackend(emulate=True) if backend == "cudnn" else PallasFp8Backend(interpret=True)
+  told = spy_promises(monkeypatch, type(be))
   # The FP8 kernel's head dim, 64-token pages; 48 rows of 2 heads a kv head: past the decode kernels' 64 rows.
   cfg = _cfg(dim=128, n_heads=2, n_kv_heads=1, head_dim=64)
   L, K, H, Z = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 64

@@ -306,7 +306,7 @@ class PallasFp8Backend(PallasBackend):
                                q_len)
     if past:
       return prefix()
-    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST, prefix, lambda: bf16_path())
+    return lax.cond(paged_case(q_pos, kvl) == PAGED_PAST, prefix, bf16_path)
 
   def _prefix(self, q, k_pages, v_pages, table, lengths, k_scale, v_scale, q_len=None):
     """Every row of sequence b over the first lengths[b] keys of its pages: (out, lse), PREFIX_BLOCK_TOKENS keys

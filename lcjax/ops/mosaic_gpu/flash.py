@@ -169,7 +169,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
   scales = (qs [B, N, T / block_q], ks [B, K, S / block_kv], vs [B, K]) float32; the output is `out_dtype`.
   FP8 and paged: k is the fp8 K pool read in place, v the pages' V bytes transposed as above [B, K, H, M * Z
   rounded up to block_kv], scales = (qs, the PageScales packed by `pack_page_scales` [B, K, NB, 3 n + 1]); each key
-  block is n groups of block_kv / n keys (one page's), a QK^T and a P V product each.
+  block is n groups of block_kv / n keys (one page's): one QK^T over the block, a P and a P V product a group.
   q_len [B] int32 (None: every row is real): rows at or past q_len[b] are padding the caller drops. A compute
   warpgroup whose block_q rows are all padding skips its key blocks (out 0, lse -inf there); a CTA loads the
   blocks of its last warpgroup with real rows, none if it has none.
@@ -249,6 +249,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       full, total = warpgroup_blocks(q_base, db, kb, ql, lo, hi, bq=bq, bkv=bkv, causal=causal)
       if paged_fp8:
         qs_ref, bsc_ref = scale_refs
+        # Block i's packed PageScales (3 n + 1 scalars); past the last block, the last block's (never used)
+        block_scales = lambda i: tuple(bsc_ref[b, kv_head, jnp.minimum(i, bsc_ref.shape[2] - 1), j]
+                                       for j in range(bsc_ref.shape[3]))
       elif fp8:
         qs_ref, ks_ref, vs_ref = scale_refs
       if fp8:
@@ -267,6 +270,13 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
       pl.when(wg == 1)(sched_sync)
 
+      def qk_scope(acc_ref, *, slot):
+        # Q K^T of the block in ring slot `slot`, then the tensor cores' turn passes to the other warpgroup.
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        with jax.named_scope("turn"):
+          sched_sync()
+        return acc_ref[...]
+
       def step(i, carry, masked: bool):
         # The named scopes are the step's phases in Mosaic GPU's on-device profiler (FlashTuning.profile_dir,
         # tools/profile_prefill.py); without the profiler they emit nothing.
@@ -274,14 +284,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         slot = ring(i)
         c_i = c_q * ks_ref[b, kv_head, i] if fp8 else c
 
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          with jax.named_scope("turn"):
-            sched_sync()
-          return acc_ref[...]
-
         with jax.named_scope("qk"):
-          s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.int32 if int_qk else jnp.float32))
+          s = pl.run_scoped(functools.partial(qk_scope, slot=slot),
+                            plgpu.ACC((bq, bkv), jnp.int32 if int_qk else jnp.float32))
           if int_qk:
             s = s.astype(jnp.float32)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -344,23 +349,20 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
 
       def step_paged(i, carry, masked: bool):
         # FP8 over pages read in place: the block's n key groups (one page each) have their own K scale and V
-        # scale (lcjax.ops.fp8.PageScales): a QK^T, a P and a P V product a group, the V scales folded into P's
-        # exponent and the accumulator kept in units of the block's largest V scale (ref_v: the last block's).
-        acc, m, l, ref_v = carry
+        # scale (lcjax.ops.fp8.PageScales): one QK^T over the block, whose scores are cut into the groups, then a
+        # P and a P V product a group, the V scales folded into P's exponent and the accumulator kept in units of
+        # the block's largest V scale (ref_v: the last block's). The block's scales come in the carry, loaded one
+        # step ahead, so that their memory latency overlaps the step before.
+        acc, m, l, ref_v, sc = carry
+        sc_next = block_scales(i + 1)
         slot = ring(i)
-        scale = lambda j: bsc_ref[b, kv_head, i, j]
+        scale = lambda j: sc[j]
         c_g = [c_q * scale(g) for g in range(n_groups)]
         v_max = scale(3 * n_groups)
 
-        def qk_scope(*acc_refs):
-          for g, acc_ref in enumerate(acc_refs):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, g].transpose((1, 0)))
-          with jax.named_scope("turn"):
-            sched_sync()
-          return tuple(acc_ref[...] for acc_ref in acc_refs)
-
         with jax.named_scope("qk"):
-          ss = pl.run_scoped(qk_scope, *[plgpu.ACC((bq, gk), jnp.float32)] * n_groups)
+          s = pl.run_scoped(functools.partial(qk_scope, slot=slot), plgpu.ACC((bq, bkv), jnp.float32))
+          ss = [s[:, g * gk:(g + 1) * gk] for g in range(n_groups)]
         plgpu.barrier_arrive(k_free.at[slot])
         with jax.named_scope("softmax"):
           if masked:
@@ -395,7 +397,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           pv = pl.run_scoped(pv_fresh, plgpu.ACC((bq, H), jnp.float32))
           acc = acc * lax.broadcast_in_dim(alpha * (ref_v / v_max), acc.shape, [0]) + pv
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l, v_max
+        return acc, m_new, l, v_max, sc_next
 
       def visible(s, col0, cols: int):
         """s [bq, cols] (keys col0 ..) with the keys row r does not see at -inf."""
@@ -428,8 +430,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         sched_sync()
 
       if paged_fp8:
-        carry = lax.fori_loop(lo, full, functools.partial(step_paged, masked=False), (acc, m, l, jnp.float32(1.0)))
-        acc, m, l, ref_v = lax.fori_loop(full, total, functools.partial(step_paged, masked=True), carry)
+        carry = (acc, m, l, jnp.float32(1.0), block_scales(lo))
+        carry = lax.fori_loop(lo, full, functools.partial(step_paged, masked=False), carry)
+        acc, m, l, ref_v, _ = lax.fori_loop(full, total, functools.partial(step_paged, masked=True), carry)
       else:
         carry = lax.fori_loop(lo, full, functools.partial(step, masked=False), (acc, m, l))
         acc, m, l = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
@@ -476,12 +479,14 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
       def issue_paged_fp8(i, slot):
-        # K group g of the block from its page; V^T group g from the transposed operand
+        # K group g of the block from its page into rows g * gk .. of the slot; V^T group g from the transposed
+        # operand
         table_ref, off_ref = page_refs
         i = jnp.asarray(i, jnp.int32)
-        for g, (m, first, rows, _) in enumerate(block_copies(i, bkv, k_ref.shape[1], M)):
+        for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):
           page = table_ref[b, m] + off_ref[0]
-          plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(first, rows), kv_head], k_smem.at[slot, g], k_bar.at[slot])
+          dst = k_smem.at[slot] if rows == bkv else k_smem.at[slot, pl.ds(at, rows)]
+          plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(first, rows), kv_head], dst, k_bar.at[slot])
         for g in range(n_groups):
           plgpu.copy_gmem_to_smem(v_ref.at[b, kv_head, pl.ds(0, H), pl.ds(i * bkv + g * gk, gk)], v_smem.at[slot, g],
                                   v_bar.at[slot])
@@ -499,10 +504,9 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
     out_ref, *lse = refs[n_in:]
     lse_ref = lse[0] if lse else None
     v_tile = (mcs, n_groups, H, gk) if paged_fp8 else (mcs, H, bkv) if fp8 else (mcs, bkv, H)
-    k_tile = (mcs, n_groups, gk, H) if paged_fp8 else (mcs, bkv, H)
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
     smem = (tiled((_COMPUTE_WGS, bq, H), dtype),
-            tiled(k_tile, dtype),
+            tiled((mcs, bkv, H), dtype),
             tiled(v_tile, v_dtype),
             plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32) if save_lse else None,
             tiled((_COMPUTE_WGS, bq, H), out_dtype) if fp8 else None)

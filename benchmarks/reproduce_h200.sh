@@ -20,9 +20,9 @@
 #                 in place and over them gathered, the FP8 kernel alone on the same keys made contiguous, and cuDNN)
 #                 The committed attention-chunk-fp8pages-h100 (an H100: no H200 was lent) is this step's chunk
 #                 command at --chunk=1000:131072,1024:131072,4096:131072,16384:131072,1024:524288 --reps=5
-#                 --stall_s=60 --only=fp8-pages,cudnn-paged-fp8pages,fp8-kernel-contiguous, its rows timed one call a
-#                 sample (the bench times four since); the step's attention-chunk-paged-h200
-#                 carries the same rows and replaces it.
+#                 --stall_s=60 --only=fp8-pages,cudnn-paged-fp8pages,fp8-kernel-contiguous, its rows timed one call
+#                 a sample (this tree's bench times four); the step's attention-chunk-paged-h200 carries the same
+#                 rows and replaces it.
 #                                                               ~8 + 0.5 + 2 + 3 min, then ~2 + 1 + 2 (H200, 2026-12-05;
 #                                                               the chunk part with fewer rows)
 #   longctx       longctx.{json,md}, longctx-memory.png, longctx-prefill.png: lcjax beside HF and the dense

@@ -118,11 +118,12 @@ def test_paged_flash_prefill_lowers(T, Z):
     assert calls == [MOSAIC_CALL], calls
 
 
-@pytest.mark.parametrize("T,Z", [(1024, 64), (100, 128), (256, 256)])
-def test_fp8_paged_prefix_lowers(T, Z):
-  """The FP8 kernel over fp8 pages read in place (flash_attention_fp8_paged): Llama-3-8B heads, a chunk of T rows
-  over a 128-slot table, pages of Z tokens (two key groups a block at 64, one at 128 and 256), with q_len."""
-  B, N, K, H, M = 2, 32, 8, 128, 128
+@pytest.mark.parametrize("T,Z,H", [(1024, 64, 128), (100, 128, 128), (256, 256, 128), (256, 64, 64)])
+def test_fp8_paged_prefix_lowers(T, Z, H):
+  """The FP8 kernel over fp8 pages read in place (flash_attention_fp8_paged): Llama-3-8B heads (and head dim 64),
+  a chunk of T rows over a 128-slot table, pages of Z tokens (two key groups a block at 64, one at 128 and 256),
+  with q_len."""
+  B, N, K, M = 2, 32, 8, 128
   pages, scales = S((B * M + 3, Z, K, H), jnp.float8_e4m3fn), S((B * M + 3, K), jnp.float32)
   args = (S((B, T, N, H), jnp.bfloat16), pages, pages, scales, scales, S((B, M), jnp.int32), S((B,), jnp.int32),
           S((B,), jnp.int32))

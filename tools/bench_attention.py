@@ -188,7 +188,8 @@ def _sync(x):
 
 def time_jax(fn, arg_sets, reps, inner=1):
   """Median seconds per call: each of `reps` samples times `inner` back-to-back calls (rotating over arg_sets)
-  and one synchronisation, so host dispatch (~tens of us) is amortised for the ~1 ms calls, as in a model."""
+  and one synchronisation, so host dispatch and the synchronisation (tens to hundreds of us) are amortised for
+  the ~1 ms calls, as in a model."""
   for args in arg_sets:
     _sync(fn(*args))
   ts = []

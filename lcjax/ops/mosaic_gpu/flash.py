@@ -351,8 +351,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         # FP8 over pages read in place: the block's n key groups (one page each) have their own K scale and V
         # scale (lcjax.ops.fp8.PageScales): one QK^T over the block, whose scores are cut into the groups, then a
         # P and a P V product a group, the V scales folded into P's exponent and the accumulator kept in units of
-        # the block's largest V scale (ref_v: the last block's). The block's scales come in the carry, loaded one
-        # step ahead, so that their memory latency overlaps the step before.
+        # the block's largest V scale (ref_v: the last block's). The block's scales come in the carry, loaded
+        # during the step before.
         acc, m, l, ref_v, sc = carry
         sc_next = block_scales(i + 1)
         slot = ring(i)
@@ -479,8 +479,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
 
       def issue_paged_fp8(i, slot):
-        # K group g of the block from its page into rows g * gk .. of the slot; V^T group g from the transposed
-        # operand
+        # K group g of the block from its page into rows g * gk .. of the slot; V^T group g from the operand
         table_ref, off_ref = page_refs
         i = jnp.asarray(i, jnp.int32)
         for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):

@@ -24,7 +24,7 @@ import math
 
 from lcjax.config import ATTENTION_DTYPES, ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.ops.cudnn.backend import FP8_BLOCK_TOKENS
-from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS, PallasFp8Backend
+from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS, prefix_reason
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 GiB = 1024 ** 3
@@ -236,8 +236,8 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
     # longer prefix adds the blocks' float32 merge.
     local = -(-run.context_for(model) // S)
     W = min(local, PREFIX_BLOCK_TOKENS)
-    be = PallasFp8Backend(qk_dtype=ATTENTION_DTYPES[run.attention_dtype])
-    in_place = be.prefix_reason(head_dim=H, page_size=run.page_size, page_dtype=run.resolved_cache_dtype) is None
+    in_place = prefix_reason(qk_dtype=ATTENTION_DTYPES[run.attention_dtype], head_dim=H, page_size=run.page_size,
+                             page_dtype=run.resolved_cache_dtype) is None
     # The backend's other branch (PallasBackend's paged path) is compiled beside it: the larger of the two
     dequant = max(dequant, W * K_l * H * (2 if in_place else 3 * w_item + 2) + C * N_l * H * (w_item + 1))
     if local > W:

@@ -40,6 +40,17 @@ PREFIX_BLOCK_TOKENS = 131072
 PREFIX_ROUTES = ("auto", "in-place", "gather")
 
 
+def prefix_reason(*, qk_dtype: str, head_dim: int, page_size: int, page_dtype,
+                  tuning: mgpu_flash.FlashTuning = mgpu_flash.FP8_TUNING) -> str | None:
+  """Why the FP8 kernel multiplying `qk_dtype` queries and keys cannot read a prefill chunk's cached prefix in place
+  from pages of this shape (None: it can)."""
+  if jnp.dtype(page_dtype) != fp8_ops.E4M3:
+    return f"the pages hold {jnp.dtype(page_dtype).name}; the FP8 kernel reads float8_e4m3fn pages in place"
+  if qk_dtype != "float8_e4m3fn":
+    return f"qk_dtype={qk_dtype!r} multiplies int8 keys, and the pages hold e4m3 keys"
+  return mgpu_flash.why_not_fp8_paged(head_dim=head_dim, page_size=page_size, tuning=tuning)
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
@@ -255,11 +266,8 @@ class PallasFp8Backend(PallasBackend):
 
   def prefix_reason(self, *, head_dim: int, page_size: int, page_dtype) -> str | None:
     """Why a prefill chunk's cached prefix in pages of this shape cannot be read in place (None: it can)."""
-    if jnp.dtype(page_dtype) != fp8_ops.E4M3:
-      return f"the pages hold {jnp.dtype(page_dtype).name}; the FP8 kernel reads float8_e4m3fn pages in place"
-    if self.qk_dtype != "float8_e4m3fn":
-      return f"qk_dtype={self.qk_dtype!r} multiplies int8 keys, and the pages hold e4m3 keys"
-    return mgpu_flash.why_not_fp8_paged(head_dim=head_dim, page_size=page_size, tuning=self.flash)
+    return prefix_reason(qk_dtype=self.qk_dtype, head_dim=head_dim, page_size=page_size, page_dtype=page_dtype,
+                         tuning=self.flash)
 
   def prefix_kernel(self, *, head_dim: int, page_size: int, page_dtype) -> tuple[str, str | None]:
     """How a prefill chunk reads its cached prefix from pages of this shape, and why it gathers them: ("in-place",

@@ -356,9 +356,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         acc, m, l, ref_v, sc = carry
         sc_next = block_scales(i + 1)
         slot = ring(i)
-        scale = lambda j: sc[j]
-        c_g = [c_q * scale(g) for g in range(n_groups)]
-        v_max = scale(3 * n_groups)
+        c_g = [c_q * sc[g] for g in range(n_groups)]
+        v_max = sc[3 * n_groups]
 
         with jax.named_scope("qk"):
           s = pl.run_scoped(functools.partial(qk_scope, slot=slot), plgpu.ACC((bq, bkv), jnp.float32))
@@ -371,14 +370,14 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
           for g, s in enumerate(ss):
             m_new = jnp.maximum(m_new, s.max(axis=1) * c_g[g])
           alpha = jnp.exp2(m - m_new)
-          ps = [jnp.exp2(s * c_g[g] - lax.broadcast_in_dim(m_new - (p_shift + scale(n_groups + g)), s.shape, [0]))
+          ps = [jnp.exp2(s * c_g[g] - lax.broadcast_in_dim(m_new - (p_shift + sc[n_groups + g]), s.shape, [0]))
                 for g, s in enumerate(ss)]
         plgpu.barrier_arrive(sched)
         with jax.named_scope("p_cast"):
           p_mma = [_p_as_a_operand(p.astype(fp8_ops.E4M3)) for p in ps]
           l = l * alpha
           for g, p in enumerate(ps):
-            l = l + p.sum(axis=1) * scale(2 * n_groups + g)
+            l = l + p.sum(axis=1) * sc[2 * n_groups + g]
         with jax.named_scope("wait_v"):
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_wait(sched)
@@ -467,30 +466,23 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
       def issue_paged(i, slot):
+        # K of the block from its pages, a TMA copy a page into rows `at` .. of the slot, bf16 V alike; FP8: V^T
+        # group g (one page's keys) from the transposed operand
         table_ref, off_ref = page_refs
         i = jnp.asarray(i, jnp.int32)                    # prime_ring passes Python ints
+        into = lambda smem, rows, at: smem.at[slot] if rows == bkv else smem.at[slot, pl.ds(at, rows)]
         for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):
           page = table_ref[b, m] + off_ref[0]
           src = pl.ds(first, rows)
-          whole = rows == bkv                          # then at == 0: the one copy fills the slot
-          dst = k_smem.at[slot] if whole else k_smem.at[slot, pl.ds(at, rows)]
-          plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], dst, k_bar.at[slot])
-          dst = v_smem.at[slot] if whole else v_smem.at[slot, pl.ds(at, rows)]
-          plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], dst, v_bar.at[slot])
+          plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], into(k_smem, rows, at), k_bar.at[slot])
+          if not paged_fp8:
+            plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], into(v_smem, rows, at), v_bar.at[slot])
+        if paged_fp8:
+          for g in range(n_groups):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, kv_head, pl.ds(0, H), pl.ds(i * bkv + g * gk, gk)],
+                                    v_smem.at[slot, g], v_bar.at[slot])
 
-      def issue_paged_fp8(i, slot):
-        # K group g of the block from its page into rows g * gk .. of the slot; V^T group g from the operand
-        table_ref, off_ref = page_refs
-        i = jnp.asarray(i, jnp.int32)
-        for m, first, rows, at in block_copies(i, bkv, k_ref.shape[1], M):
-          page = table_ref[b, m] + off_ref[0]
-          dst = k_smem.at[slot] if rows == bkv else k_smem.at[slot, pl.ds(at, rows)]
-          plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(first, rows), kv_head], dst, k_bar.at[slot])
-        for g in range(n_groups):
-          plgpu.copy_gmem_to_smem(v_ref.at[b, kv_head, pl.ds(0, H), pl.ds(i * bkv + g * gk, gk)], v_smem.at[slot, g],
-                                  v_bar.at[slot])
-
-      load = issue if page_refs is None else issue_paged_fp8 if paged_fp8 else issue_paged
+      load = issue if page_refs is None else issue_paged
       fill_ring(lambda j, slot: load(lo + j, slot), hi - lo, mcs, k_free, v_free)
 
   n_scales = len(scales) if fp8 else 0

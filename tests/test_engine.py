@@ -17,7 +17,7 @@ import pytest
 from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.engine.sampling import SamplingParams
-from lcjax.engine.scheduler import ROW_TILE, chunk_bucket, chunk_buckets
+from lcjax.engine.scheduler import ROW_TILE, chunk_bucket, chunk_buckets, chunk_programs
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
@@ -71,6 +71,32 @@ def test_prefill_logits_match_full_forward(eng):
   finally:
     eng.scheduler.release(r)
   assert r.out[0] == int(np.argmax(full))
+
+
+def test_a_first_chunk_reads_no_prefix(monkeypatch):
+  """A prompt's first chunk runs with a page table of no pages, and its program holds no prefix read (whose work
+  is sized by the table, however short the prefix); every later chunk gets the whole table. Both kinds give the
+  uncached forward's logits (test above)."""
+  eng = _engine()
+  W = eng.scheduler.table_width
+  widths, reads = [], []
+  real_prefill, real_paged = eng.steps.prefill, type(eng.attention).paged
+
+  def prefill(*a):
+    widths.append((int(a[5][0]), a[4].shape[1]))           # (prefix_len, table width)
+    return real_prefill(*a)
+
+  def paged(self, q, *a, **kw):
+    reads.append(q.shape[1])                               # traced once a program: rows of each paged read
+    return real_paged(self, q, *a, **kw)
+  monkeypatch.setattr(eng.steps, "prefill", prefill)
+  monkeypatch.setattr(type(eng.attention), "paged", paged)
+  try:
+    eng.generate(list(np.random.default_rng(2).integers(3, TINY.vocab_size, 77)), max_new_tokens=1)
+    assert widths == [(0, 0), (32, W), (64, W)]
+    assert reads == [32, 16]                 # the chunk of 32 with a prefix and the last one; none without
+  finally:
+    eng.close()
 
 
 def test_batch_equals_alone(eng):
@@ -359,13 +385,15 @@ def test_warm_up_compiles_what_generate_then_uses(sampling):
   count = _Compiles()
   try:
     cache_before = np.asarray(eng.cache.k).copy()
-    assert eng.warm_up(len(prompt), sampling=sampling) == 3            # chunks of 32 (both), first token, decode
+    # chunks of 32 (the first, then one with a prefix), first token, decode
+    assert eng.warm_up(len(prompt), sampling=sampling) == 4
     assert count.seen and np.array_equal(np.asarray(eng.cache.k), cache_before) and eng.pool.pages_used == 0
     count.seen.clear()
     eng.generate(prompt, max_new_tokens=6, sampling=sampling)
     assert count.seen == []
     n = eng.warm_up(len(q), context_tokens=len(doc), sampling=sampling, decode_steps=2)
-    assert n == 2 + 1 + 1 + 1     # chunks of 32 and 16 (context 32 + 13, question 20), first token, decode, copy
+    # chunks: the context's 32 (first) and 16, the question's 32 (both with a prefix); first token, decode, copy
+    assert n == 3 + 1 + 1 + 1
     count.seen.clear()
     with eng.prefill(doc) as ctx:
       eng.generate(q, context=ctx, max_new_tokens=6, sampling=sampling, decode_steps=2)
@@ -427,3 +455,7 @@ def test_chunk_buckets_pad_little_and_few(chunk):
   assert [chunk_bucket(n, 16384) for n in (520, 1100, 3000, 12288, 15360)] == [640, 1280, 3072, 12288, 16384]
   assert len(set(got)) <= {16384: 27, 4096: 19, 1000: 12}[chunk]
   assert chunk_buckets(2 * chunk + 300, chunk) == {chunk, chunk_bucket(300, chunk)}
+  # A prompt's first chunk is a program of its own (no prefix read); after a context every chunk reads one.
+  assert chunk_programs(2 * chunk + 300, chunk) == {(chunk, False), (chunk, True), (chunk_bucket(300, chunk), True)}
+  assert chunk_programs(300, chunk) == {(chunk_bucket(300, chunk), False)}
+  assert chunk_programs(300, chunk, cached=5) == {(chunk_bucket(300, chunk), True)}

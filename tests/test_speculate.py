@@ -339,7 +339,7 @@ def test_warm_up_compiles_the_speculative_loop_generate_then_uses():
   eng = Engine.random(TINY, run=RUN.replace(decode_steps=4, **SPEC), seed=3)
   count = _Compiles()
   try:
-    assert eng.warm_up(len(PROMPTS[1])) == 3                # chunks of 32 (both), first token, decode
+    assert eng.warm_up(len(PROMPTS[1])) == 4      # chunks of 32 (first, then with a prefix), first token, decode
     count.seen.clear()
     out = eng.generate(PROMPTS[1], max_new_tokens=40)
     assert count.seen == [] and out.stats["drafts_accepted"] > 0

@@ -44,6 +44,9 @@ flags.DEFINE_list("questions", ["16", "100", "520", "1000", "1024", "1100", "115
                   "question lengths (1,152: the rows a 1,100-token question computes once its padding is left out)")
 flags.DEFINE_integer("context", 131072, "tokens of the pinned context the questions are asked on")
 flags.DEFINE_integer("reps", 3, "questions timed per length (the median is reported)")
+flags.DEFINE_integer("document_reps", 1, "documents timed per length, each a fresh one (the median is reported)")
+flags.DEFINE_integer("max_context", 0, "the engine's max_context at least this many tokens (0: sized to the longest "
+                     "document, or the context and the longest question); its page table is this long")
 flags.DEFINE_float("tolerance", 1.05, "monotone: time(n) <= tolerance * time(m) for every n < m of a sweep")
 flags.DEFINE_integer("prefill_chunk", 16384, "prefill chunk")
 flags.DEFINE_integer("page_size", 64, "page size")
@@ -59,7 +62,7 @@ def _stage(msg: str) -> None:
 def _engine(variant: str, documents: list[int], questions: list[int]):
   from lcjax.config import RunConfig
   from lcjax.engine.engine import Engine
-  need = max(max(documents, default=0), FLAGS.context + max(questions) if questions else 0) + 1
+  need = max(max(documents, default=0), FLAGS.context + max(questions) if questions else 0, FLAGS.max_context) + 1
   ctx = -(-need // FLAGS.page_size) * FLAGS.page_size
   cfg = benchlib.random_model_cfg(FLAGS.preset, ctx, FLAGS.layers)
   # One pinned document at a time; the prefix cache off, so no length reuses another's pages.
@@ -84,12 +87,14 @@ def sweep(variant: str) -> list[dict]:
     t0 = time.perf_counter()
     eng.warm_up(None, context_tokens=n)
     compile_s = time.perf_counter() - t0
-    doc = rng.integers(3, V, n).tolist()
-    t0 = time.perf_counter()
-    with eng.prefill(doc):
-      seconds = time.perf_counter() - t0
-    rows.append(dict(common, kind="document", tokens=n, seconds=seconds, compile_s=compile_s,
-                     chunks=sorted(chunk_buckets(n, C))))
+    times = []
+    for _ in range(FLAGS.document_reps):
+      doc = rng.integers(3, V, n).tolist()
+      t0 = time.perf_counter()
+      with eng.prefill(doc):
+        times.append(time.perf_counter() - t0)
+    rows.append(dict(common, kind="document", tokens=n, seconds=statistics.median(times), all_s=times,
+                     compile_s=compile_s, max_context=eng.run.max_context, chunks=sorted(chunk_buckets(n, C))))
     print(json.dumps(rows[-1]), flush=True)
   if questions:
     _stage(f"{variant}: a pinned context of {FLAGS.context:,} tokens")
@@ -128,7 +133,8 @@ def markdown(rows: list[dict], checked: list[dict]) -> str:
   for c in checked:
     sel = sorted((r for r in rows if (r["variant"], r["kind"]) == (c["variant"], c["kind"])),
                  key=lambda r: r["tokens"])
-    what = (f"{c['kind']}s" if c["kind"] == "document" else
+    what = (f"{c['kind']}s (median of {len(sel[0]['all_s'])}, max_context {sel[0]['max_context']:,})"
+            if c["kind"] == "document" else
             f"questions on a pinned {sel[0]['context']:,}-token context (median of {FLAGS.reps})")
     lines += [f"**{c['variant']}** ({sel[0]['attention']}, attention {sel[0]['attention_dtype']}), {what}: "
               f"{'monotone' if c['monotone'] else 'NOT MONOTONE'} within {c['tolerance']}x", "",

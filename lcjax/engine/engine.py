@@ -30,7 +30,7 @@ from lcjax.engine.prompts import check_callback as _check_callback, token_ids as
 from lcjax.engine.requests import RequestError
 from lcjax.engine.results import GenerationResult, linear_kernels, result
 from lcjax.engine.sampling import SamplingParams
-from lcjax.engine.scheduler import Request, Scheduler, chunk_buckets
+from lcjax.engine.scheduler import Request, Scheduler, chunk_programs
 from lcjax.engine.serving import Serving, resolve
 from lcjax.engine.steps import Steps
 from lcjax.model.llama import Llama, convert_weights, weight_format
@@ -329,9 +329,10 @@ class Engine:
     question becomes); after a pinned context (`context`, or one of `context_tokens` tokens whose prefill's chunks
     are compiled too unless prefill_context=False): its prefill chunks, the first token, the decode loop of its
     sampling and decode_steps (default run.decode_steps), the copy of a context's partly filled last page, and
-    prefill chunks of the padded lengths `more_buckets` (questions to come). With a warm persistent compilation
-    cache this is tracing and lowering only. Assumes no prefix cache hit for the prompt (a hit starts its chunks
-    elsewhere). Returns the number of programs compiled."""
+    prefill chunks of the padded lengths `more_buckets` (questions to come: after the context, or without one the
+    first chunks of prompts). With a warm persistent compilation cache this is tracing and lowering only. Assumes
+    no prefix cache hit for the prompt (a hit starts its chunks elsewhere). Returns the number of programs
+    compiled."""
     try:
       sp = SamplingParams.make(sampling)
     except (TypeError, ValueError) as e:
@@ -346,16 +347,16 @@ class Engine:
       prompt_tokens = len(r.prompt) - r.prefix_len
     C, Z = self.run.prefill_chunk, self.run.page_size
     self.limits.check_warm_up(prompt_tokens, context_tokens, more_buckets, C)
-    buckets = set(more_buckets)
+    chunks = {(b, context_tokens > 0) for b in more_buckets}
     if context_tokens and prefill_context:
-      buckets |= chunk_buckets(context_tokens, C)
+      chunks |= chunk_programs(context_tokens, C)
     if prompt_tokens:
-      buckets |= chunk_buckets(prompt_tokens, C)
+      chunks |= chunk_programs(prompt_tokens, C, cached=context_tokens)
     asks = bool(prompt_tokens or more_buckets)
     decode = ((self._decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
     with self.scheduler.lock:
       self.scheduler.check_open()
-      return self.scheduler.compile_programs(buckets, decode, first_token=asks,
+      return self.scheduler.compile_programs(chunks, decode, first_token=asks,
                                              copies=(1,) if context_tokens % Z and asks else ())
 
   # -- contexts -----------------------------------------------------------------------------------------------

@@ -96,9 +96,14 @@ def chunk_bucket(n: int, chunk: int) -> int:
 def chunk_buckets(n: int, chunk: int) -> set[int]:
   """The padded lengths of the chunks `Scheduler.prefill` runs for n tokens: whole chunks, then the rest's
   bucket."""
-  if n <= 0:
-    return set()
-  return ({chunk} if n > chunk else set()) | {chunk_bucket(n % chunk or chunk, chunk)}
+  return {length for length, _ in chunk_programs(n, chunk)}
+
+
+def chunk_programs(n: int, chunk: int, cached: int = 0) -> set[tuple[int, bool]]:
+  """The prefill programs `Scheduler.prefill` runs for n tokens after `cached` ones: (padded length, whether the
+  chunk reads a cached prefix) of each chunk. A prompt's first chunk (nothing cached) reads none: it runs with a
+  page table of no pages, which costs nothing however long the engine's table is."""
+  return {(chunk_bucket(min(chunk, n - c0), chunk), cached + c0 > 0) for c0 in range(0, n, chunk)}
 
 
 class Scheduler:
@@ -417,19 +422,20 @@ class Scheduler:
           live[b] = None
 
   # -- ahead-of-time compilation ---------------------------------------------------------------------------------
-  def compile_programs(self, buckets=(), decode: tuple[tuple[int, bool], ...] = (), first_token: bool = False,
+  def compile_programs(self, chunks=(), decode: tuple[tuple[int, bool], ...] = (), first_token: bool = False,
                        copies: tuple[int, ...] = ()) -> int:
-    """Compile, without running them, the programs serving calls will use: the prefill chunk of each padded length
-    in `buckets`, the first-token sampler, the decode loop of each (steps, greedy) in `decode`, and the page copy
-    of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
+    """Compile, without running them, the programs serving calls will use: the prefill chunk of each (padded
+    length, reads a cached prefix) in `chunks` (`chunk_programs`), the first-token sampler, the decode loop of each
+    (steps, greedy) in `decode`, and the page copy of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
     the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
     then neither trace nor compile. Returns the number of programs."""
     i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
     W, n = self.table_width, 0
     logits = None
-    for Tb in sorted(set(buckets)):
+    for Tb, reads_prefix in sorted(set(chunks)):
       z = i32(1, Tb)
-      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, i32(1, W), i32(1), i32(1)).compile()
+      compiled = self.steps.prefill.lower(self.params, self.cache, z, z, i32(1, W if reads_prefix else 0), i32(1),
+                                          i32(1)).compile()
       logits = compiled.out_info[0]
       n += 1
     if first_token:
@@ -468,7 +474,9 @@ class Scheduler:
     C = self.run.prefill_chunk
     n = len(r.prompt)
     logits = None
-    table = jnp.asarray(self.pool.page_table_array([r.seq], self.table_width))   # pages are reserved up front
+    table = self.pool.page_table_array([r.seq], self.table_width)   # pages are reserved up front
+    # A chunk with nothing cached before it gets a table of no pages (`chunk_programs`).
+    tables = {False: jnp.asarray(table[:, :0]), True: jnp.asarray(table)}
     for c0 in range(r.cached, n, C):
       piece = r.prompt[c0:c0 + C]
       Tb = chunk_bucket(len(piece), C)
@@ -477,8 +485,8 @@ class Scheduler:
       slots = np.zeros((1, Tb), np.int32)
       slots[0, :len(piece)] = self.pool.slot_mapping(r.seq, c0, len(piece))
       logits, self.cache = self.steps.prefill(
-          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(slots), table, jnp.asarray([c0], jnp.int32),
-          jnp.asarray([len(piece)], jnp.int32))
+          self.params, self.cache, jnp.asarray(tokens), jnp.asarray(slots), tables[c0 > 0],
+          jnp.asarray([c0], jnp.int32), jnp.asarray([len(piece)], jnp.int32))
       r.written = c0 + len(piece)
       if r.on_progress is not None:
         jax.block_until_ready(logits)

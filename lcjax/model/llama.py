@@ -11,6 +11,8 @@ Call forms (B batch, T tokens in this call):
   logits, cache = model(tokens, positions, cache=..., slots=..., page_table=..., prefix_len=...)
       chunked prefill: the chunk's K/V are written to the paged cache at `slots`, the chunk attends to the
       cached prefix (`prefix_len` tokens, through the page table) and to itself, merged through (out, lse).
+      A page table of no pages ([B, 0]) says nothing is cached before the chunk (prefix_len 0): the chunk
+      attends to itself alone. (A prefix read's work is sized by the table's width, not by prefix_len.)
   logits, cache = model(tokens, positions, cache=..., slots=..., page_table=..., kv_len=...)
       decode: K/V written first, then the queries attend to `kv_len` cached tokens through the page table.
   logits, cache, (k, v) = model(tokens, positions, cache=..., page_table=..., kv_len=..., kv_out=True)
@@ -224,6 +226,11 @@ class CallContext:
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
   built: bool = False             # positions[b] = (prefix_len[b] or 0) + arange(T), built by the model: every
                                   # cached key precedes every row, and (unsplit) the rows are in order
+
+  @property
+  def reads_prefix(self) -> bool:
+    """Whether a prefill chunk reads a cached prefix: a page table of no pages says nothing is cached before it."""
+    return self.prefix_len is not None and self.page_table.shape[1] > 0
 
 
 def rows_block(q, k, v, positions, lengths):
@@ -448,11 +455,12 @@ class Llama(nnx.Module):
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it; the backends are
       # told so where the model built the positions, and check positions given to it).
-      o_self, lse_self = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
-      o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
-                                   q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths,
-                                   past=step.built)
-      o, _ = merge(o_self, lse_self, o_pre, lse_pre)
+      o, lse = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
+      if step.reads_prefix:
+        o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
+                                     q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths,
+                                     past=step.built)
+        o, _ = merge(o, lse, o_pre, lse_pre)
     elif q.shape[1] > 1 or read_only:
       # Decode rows of several tokens, or of a call that writes nothing: the cache's keys before the call's first
       # token (which precede all its rows: past=True), merged with the call's own keys as a causal block (whether
@@ -532,6 +540,9 @@ class Llama(nnx.Module):
       if not read_only:
         k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), gather(slots), pages,
                                             layer, shard=d, page_writer=self.page_writer)
+      if not decode and not step.reads_prefix:
+        o, _ = own(q, k, v, pos, start, lengths)
+        return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local

@@ -66,8 +66,11 @@
 #                 fp8 weights + fp8 KV + FP8 attention, on 8x1, 4x2 and 2x4                  predicted ~27 min
 #   lengths       lengths.{json,md}: unaligned document and question lengths beside aligned ones, each sweep
 #                 checked to grow with length: lengths-8b-h200 (8B shape, fp8 weights + fp8 KV + FP8 attention),
-#                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072)
-#                                                                                         ~2.5 + 2 + 2 min
+#                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072),
+#                 lengths-short-8b-h200 (8B, documents of 1,000 to 20,000 tokens in an engine of max_context 128K)
+#                 The committed lengths-short-8b-h100 (an H100: no H200 was lent) is that last command; its H200
+#                 part replaces it (benchmarks/tables.py LENGTHS_SHORT names the part).
+#                                                                                   ~2.5 + 2 + 2 + 3 min
 #   speculation   speculation.{json,md}: prompt-lookup speculative decoding: tokens per model call on real answers
 #                 with the bundled SmolLM2 (speculation-smollm2-h200, and speculation-smollm2-cpu on the CPU), and
 #                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200,
@@ -234,7 +237,10 @@ for step in "${steps[@]}"; do
       python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --out="$P" --name=lengths-8b-h200
       python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8w --out="$P" --name=lengths-8b-bf16attn-h200
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_lengths.py --preset=llama3.1-70b \
-        --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200 ;;
+        --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200
+      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w,float8_e4m3fn+fp8w \
+        --documents=1000,1024,2048,4096,16384,20000 --questions= --max_context=131072 --document_reps=5 \
+        --out="$P" --name=lengths-short-8b-h200 ;;
     speculation)
       python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-h200
       JAX_PLATFORMS=cpu python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-cpu

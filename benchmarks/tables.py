@@ -197,6 +197,26 @@ def lengths(kind: str) -> list[str]:
   return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
 
 
+# Short documents in an engine of 128K tokens (max_context): a sweep part whose rows hold several variants.
+LENGTHS_SHORT = "lengths-short-8b-h100"
+VARIANT_LABELS = {"float8_e4m3fn+fp8attn+fp8w": "Llama-3.1-8B shape, fp8 weights + fp8 KV, FP8 attention",
+                  "float8_e4m3fn+fp8w": "Llama-3.1-8B shape, fp8 weights + fp8 KV, bf16 attention"}
+
+
+def lengths_short() -> list[str]:
+  """Prefill seconds of short documents in an engine whose page table is 128K tokens, a row per variant."""
+  rows = [r for r in _rows("lengths", LENGTHS_SHORT) if r["kind"] == "document"]
+  tokens = sorted({r["tokens"] for r in rows})
+  checks = {c["variant"]: c for p in json.loads((RESULTS / "lengths.json").read_text())["parts"]
+            if p["name"] == LENGTHS_SHORT for c in p["checks"] if c["kind"] == "document"}
+  out = []
+  for variant in dict.fromkeys(r["variant"] for r in rows):
+    by = {r["tokens"]: r for r in rows if r["variant"] == variant}
+    out.append([VARIANT_LABELS[variant], *(f"{by[n]['seconds']:.3f}" if n in by else "-" for n in tokens),
+                "yes" if checks[variant]["monotone"] else "**no**", _file("lengths", LENGTHS_SHORT)])
+  return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
+
+
 # Speculation: the parts of speculation.json that measured tokens per model call on real answers
 # (tools/bench_speculation.py --task=answers), and the device each ran on.
 SPECULATION_ANSWERS = [("speculation-smollm2-cpu", "CPU")]
@@ -246,6 +266,7 @@ def without_commit() -> list[str]:
 TABLES = {"longctx-8b": longctx_8b, "longctx-8b-headline": longctx_8b_headline, "fp8w": fp8w,
           "fp8w-70b-headline": fp8w_70b_headline, "context-cache": context_cache,
           "lengths-documents": lambda: lengths("document"), "lengths-questions": lambda: lengths("question"),
+          "lengths-short": lengths_short,
           "speculation-answers": speculation_answers, "without-commit": without_commit}
 
 

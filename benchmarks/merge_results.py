@@ -53,7 +53,6 @@ _V2 = "; measured the v2 context format (no checksums, no fsync), which the curr
 WITHOUT_COMMIT = {
   "attention-h200": _BEFORE,
   "context-h200-512k-fp8": _BEFORE + _V2,
-  "exact-fp8-llama3-8b-h200": _BEFORE,
   "exact-fp8-smollm2-h200": _BEFORE,
   "exact-int8-smollm2-h200": _BEFORE,
   "exact-llama3-8b-h200": _BEFORE,
@@ -68,7 +67,6 @@ WITHOUT_COMMIT = {
   "needle-fp8-smollm2-h200": _BEFORE,
   "needle-fp8decode-smollm2-h200": _BEFORE,
   "needle-int8-smollm2-h200": _BEFORE,
-  "fp8-quality": _BEFORE,
   "startup-h200": _BEFORE + "; predates the ahead-of-time warm-up (Engine.warm_up)",
   "stream-h200": _BEFORE,
 }

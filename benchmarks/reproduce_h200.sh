@@ -40,7 +40,7 @@
 #                                                                  ~6 + 2.5 + 5 + 4.5 + 4.5 + 2 + 1.5 min, CPU ~17 min
 #   needle        needle.{json,md}: the real SmolLM2's needle answers: needle-smollm2 (CPU, float32),
 #                 needle-fp8-smollm2-h200, needle-int8-smollm2-h200, needle-fp8decode-smollm2-h200  ~2 + 2 + 2.5 min
-#   quality       quality.{json,md}: fp8-quality (FA3's outlier test), fp8-quality-model-cpu (the same through the
+#   quality       quality.{json,md}: fp8-quality-h200 (FA3's outlier test), fp8-quality-model-cpu (the same through the
 #                 kernel's jnp model, CPU), fp8-weights-quality (fp8 weights against transformers, CPU; needs
 #                 LLMCOMPRESSOR_PYTHON, a Python with llm-compressor: tools/eval_fp8_weights.py)
 #                                                                                 ~1 min, CPU ~10 + 30 min
@@ -67,10 +67,9 @@
 #   lengths       lengths.{json,md}: unaligned document and question lengths beside aligned ones, each sweep
 #                 checked to grow with length: lengths-8b-h200 (8B shape, fp8 weights + fp8 KV + FP8 attention),
 #                 lengths-8b-bf16attn-h200 (bf16 attention), lengths-70b-h200 (70B shape at 129,024 and 131,072),
-#                 lengths-short-8b-h200 (8B, documents of 1,000 to 20,000 tokens in an engine of max_context 128K)
-#                 The committed lengths-short-8b-h100 (an H100: no H200 was lent) is that last command; its H200
-#                 part replaces it (benchmarks/tables.py LENGTHS_SHORT names the part).
-#                                                                                   ~2.5 + 2 + 2 + 3 min
+#                 lengths-short-8b-h200 (8B, documents of 1,000 to 20,000 tokens in an engine of max_context 128K),
+#                 lengths-8b-512k-h200 (8B, questions of 1,024 and 1,100 tokens on a pinned 512K context)
+#                                                                             ~2 + 2 + 2 + 1.5 + 2 min
 #   speculation   speculation.{json,md}: prompt-lookup speculative decoding: tokens per model call on real answers
 #                 with the bundled SmolLM2 (speculation-smollm2-h200, and speculation-smollm2-cpu on the CPU), and
 #                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200,
@@ -181,7 +180,7 @@ for step in "${steps[@]}"; do
         --name=needle-fp8decode-smollm2-h200 --cache_dtypes=bfloat16,float8_e4m3fn,float8_e4m3fn+int8attn ;;
     quality)
       : "${LLMCOMPRESSOR_PYTHON:?set LLMCOMPRESSOR_PYTHON to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
-      python3 tools/check_fp8.py --contexts=8192,32768 --out="$P"
+      python3 tools/check_fp8.py --contexts=8192,32768 --out="$P" --name=fp8-quality-h200
       # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: the command above).
       JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$P" --name=fp8-quality-model-cpu
       JAX_PLATFORMS=cpu python3 tools/eval_fp8_weights.py --llmcompressor_python="$LLMCOMPRESSOR_PYTHON" \
@@ -240,7 +239,9 @@ for step in "${steps[@]}"; do
         --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200
       python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w,float8_e4m3fn+fp8w \
         --documents=1000,1024,2048,4096,16384,20000 --questions= --max_context=131072 --document_reps=5 \
-        --out="$P" --name=lengths-short-8b-h200 ;;
+        --out="$P" --name=lengths-short-8b-h200
+      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --documents= --questions=1024,1100 \
+        --context=524288 --out="$P" --name=lengths-8b-512k-h200 ;;
     speculation)
       python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-h200
       JAX_PLATFORMS=cpu python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-cpu

@@ -198,7 +198,7 @@ def lengths(kind: str) -> list[str]:
 
 
 # Short documents in an engine of 128K tokens (max_context): a sweep part whose rows hold several variants.
-LENGTHS_SHORT = "lengths-short-8b-h100"
+LENGTHS_SHORT = "lengths-short-8b-h200"
 VARIANT_LABELS = {"float8_e4m3fn+fp8attn+fp8w": "Llama-3.1-8B shape, fp8 weights + fp8 KV, FP8 attention",
                   "float8_e4m3fn+fp8w": "Llama-3.1-8B shape, fp8 weights + fp8 KV, bf16 attention"}
 

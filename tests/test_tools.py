@@ -307,11 +307,13 @@ def test_bench_lengths_rows_and_check(tmp_path):
   """The length sweep end to end on the CPU: a row per document and question length with its padded chunks, one
   check per sweep (CPU timings are noise, so the tolerance is wide here); and the check itself on planted times."""
   _run("bench_lengths.py", "--preset=tiny", "--variants=bfloat16", "--documents=100,128", "--questions=16,40",
-       "--context=64", "--reps=1", "--prefill_chunk=64", "--page_size=16", "--tolerance=1000", f"--out={tmp_path}",
-       "--name=bl")
+       "--context=64", "--reps=1", "--document_reps=2", "--max_context=256", "--prefill_chunk=64", "--page_size=16",
+       "--tolerance=1000", f"--out={tmp_path}", "--name=bl")
   res = json.load(open(tmp_path / "bl.json"))
   got = [(r["kind"], r["tokens"], r["chunks"]) for r in res["rows"]]
   assert got == [("document", 100, [64]), ("document", 128, [64]), ("question", 16, [16]), ("question", 40, [64])]
+  # The engine is as long as --max_context says (its page table's width sets what a prefix read costs).
+  assert [(r["max_context"], len(r["all_s"])) for r in res["rows"] if r["kind"] == "document"] == [(256, 2)] * 2
   assert all(r["seconds"] > 0 and KERNEL_KEYS <= set(r) for r in res["rows"])
   assert [(c["kind"], c["monotone"]) for c in res["checks"]] == [("document", True), ("question", True)]
   from tools.benchlib import monotone_violations

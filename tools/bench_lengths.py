@@ -45,8 +45,8 @@ flags.DEFINE_list("questions", ["16", "100", "520", "1000", "1024", "1100", "115
 flags.DEFINE_integer("context", 131072, "tokens of the pinned context the questions are asked on")
 flags.DEFINE_integer("reps", 3, "questions timed per length (the median is reported)")
 flags.DEFINE_integer("document_reps", 1, "documents timed per length, each a fresh one (the median is reported)")
-flags.DEFINE_integer("max_context", 0, "the engine's max_context at least this many tokens (0: sized to the longest "
-                     "document, or the context and the longest question); its page table is this long")
+flags.DEFINE_integer("max_context", 0, "the engine's max_context at least this many tokens (rounded up to whole "
+                     "pages; 0: sized to the longest document, or the context and the longest question, plus one)")
 flags.DEFINE_float("tolerance", 1.05, "monotone: time(n) <= tolerance * time(m) for every n < m of a sweep")
 flags.DEFINE_integer("prefill_chunk", 16384, "prefill chunk")
 flags.DEFINE_integer("page_size", 64, "page size")
@@ -62,7 +62,8 @@ def _stage(msg: str) -> None:
 def _engine(variant: str, documents: list[int], questions: list[int]):
   from lcjax.config import RunConfig
   from lcjax.engine.engine import Engine
-  need = max(max(documents, default=0), FLAGS.context + max(questions) if questions else 0, FLAGS.max_context) + 1
+  # A document or question needs room for one token after it; --max_context is the engine's size as given.
+  need = max(max(documents, default=0) + 1, FLAGS.context + max(questions) + 1 if questions else 0, FLAGS.max_context)
   ctx = -(-need // FLAGS.page_size) * FLAGS.page_size
   cfg = benchlib.random_model_cfg(FLAGS.preset, ctx, FLAGS.layers)
   # One pinned document at a time; the prefix cache off, so no length reuses another's pages.

@@ -230,7 +230,7 @@ class CallContext:
   @property
   def reads_prefix(self) -> bool:
     """Whether a prefill chunk reads a cached prefix: a page table of no pages says nothing is cached before it."""
-    return self.prefix_len is not None and self.page_table.shape[1] > 0
+    return self.prefix_len is not None and self.page_table is not None and self.page_table.shape[1] > 0
 
 
 def rows_block(q, k, v, positions, lengths):
@@ -542,7 +542,7 @@ class Llama(nnx.Module):
                                             layer, shard=d, page_writer=self.page_writer)
       if not decode and not step.reads_prefix:
         o, _ = own(q, k, v, pos, start, lengths)
-        return (o, k_all, v_all) + ((ks, vs) if fp8 else ())
+        return (o,) if read_only else (o, k_all, v_all) + ((ks, vs) if fp8 else ())
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local

@@ -71,9 +71,10 @@ def test_gemv_on_a_mesh_matches_one_device(monkeypatch, one, tensor, seq):
   assert rel(got["logits"], want["logits"]) <= 1e-5
   assert rel(got["prompt"], want["prompt"]) <= 1e-5
   assert got["greedy"] == want["greedy"] and all(len(t) == NEW for t in got["greedy"])
-  # Each device ran the kernel on its own slices of all four weights, in every program (forward, prefill, decode).
+  # Each device ran the kernel on its own slices of all four weights, in every program (forward, a prompt's first
+  # prefill chunk, a chunk after a cached prefix, decode).
   assert {(spec, shape) for spec, shape, _ in calls} == set(local_shapes(tensor).items())
-  assert len(calls) == 3 * len(LINEAR)
+  assert len(calls) == 4 * len(LINEAR)
   # Split calls, each device its rows: of the forward's 20 tokens padded to whole zigzag chunks (2 * seq), of a
   # prefill chunk's 16; decode steps, both sequences' one token on every device.
   assert {rows for _, _, rows in calls} == {(1, -(-20 // (2 * seq)) * 2), (1, 16 // seq), (2, 1)}

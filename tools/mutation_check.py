@@ -93,13 +93,20 @@ MUTANTS = (
            'dense_reference(x, w, s, spec, path="fp8")',
            ("tests/test_fp8_gemv.py::test_reference_is_the_widened_product",)),
     Mutant("warm-up-compiles-the-whole-length-bucket",
-           "warm-up compiles the padded length of a prompt's whole length, not of its last chunk: a prompt longer "
-           "than a chunk then compiles its last chunk's program in the call",
+           "warm-up compiles every chunk of a prompt at the padded length of its first, not each at its own: a "
+           "prompt longer than a chunk then compiles its last chunk's program in the call",
            "lcjax/engine/scheduler.py",
-           "{chunk_bucket(n % chunk or chunk, chunk)}",
-           "{chunk_bucket(n, chunk)}",
+           "{(chunk_bucket(min(chunk, n - c0), chunk),",
+           "{(chunk_bucket(min(chunk, n), chunk),",
            ("tests/test_engine.py::test_warm_up_compiles_what_generate_then_uses[greedy]",
             "tests/test_cli.py::test_warm_up_leaves_nothing_to_compile[context]")),
+    Mutant("first-chunk-reads-the-whole-table",
+           "a prompt's first chunk gets the whole page table, so its program reads a prefix over the table's keys "
+           "(sized by max_context) where nothing is cached",
+           "lcjax/engine/scheduler.py",
+           "tables[c0 > 0]",
+           "tables[True]",
+           ("tests/test_engine.py::test_a_first_chunk_reads_no_prefix",)),
     Mutant("chat-context-separator-one-newline",
            "a question continues a chat context after one newline, not the blank line of the cold chat of "
            "document + \"\\n\\n\" + question",
@@ -221,16 +228,16 @@ MUTANTS = (
            "the model promises the backends that a chunk's cached prefix precedes its rows even when the caller "
            "passed the positions, so rows placed before the prefix's end see keys after them",
            "lcjax/model/llama.py",
-           "q_len=step.lengths,\n                                   past=step.built)",
-           "q_len=step.lengths,\n                                   past=True)",
+           "q_len=step.lengths,\n                                     past=step.built)",
+           "q_len=step.lengths,\n                                     past=True)",
            ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
             "[cudnn-bfloat16]",)),
     Mutant("chunk-prefix-read-checks-positions-on-the-device",
            "the model's prefill chunk at positions it built reads its cached prefix without promising that the "
            "prefix precedes its rows, so the backends choose their path by a lax.cond (a GPU waits for its queue)",
            "lcjax/model/llama.py",
-           "q_len=step.lengths,\n                                   past=step.built)",
-           "q_len=step.lengths,\n                                   past=False)",
+           "q_len=step.lengths,\n                                     past=step.built)",
+           "q_len=step.lengths,\n                                     past=False)",
            ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
             "[pallas-fp8-float8_e4m3fn]",)),
 )

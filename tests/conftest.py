@@ -30,7 +30,7 @@ import tempfile
 import jax
 import pytest
 
-from tests.run_cache import CACHE_ENV, RUN_XLA_FLAGS, with_run_xla_flags
+from tests.run_cache import CACHE_ENV, RUN_XLA_FLAGS, optimized_xla, with_run_xla_flags
 _RUN_CACHE = "LCJAX_TEST_RUN_XLA_CACHE"      # set by the run's first process (xdist's controller), which removes it
 _RUN_HOME = "LCJAX_TEST_RUN_LCJAX_CACHE"     # the run's LCJAX_CACHE_DIR, made and removed the same way
 _OWN_CACHE = _RUN_CACHE not in os.environ
@@ -146,11 +146,8 @@ def _optimized_xla(request):
   if request.node.get_closest_marker("optimized_xla") is None:
     yield
     return
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
+  with optimized_xla():
     yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
 
 
 def pytest_unconfigure(config):

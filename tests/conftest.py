@@ -22,6 +22,7 @@ or CLI process it starts, reads that one conversion instead of converting the GG
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ import tempfile
 import jax
 import pytest
 
-from tests.run_cache import CACHE_ENV, RUN_XLA_FLAGS, with_run_xla_flags
+from tests.run_cache import CACHE_ENV, RUN_XLA_FLAGS, optimized_xla, with_run_xla_flags
 _RUN_CACHE = "LCJAX_TEST_RUN_XLA_CACHE"      # set by the run's first process (xdist's controller), which removes it
 _RUN_HOME = "LCJAX_TEST_RUN_LCJAX_CACHE"     # the run's LCJAX_CACHE_DIR, made and removed the same way
 _OWN_CACHE = _RUN_CACHE not in os.environ
@@ -71,6 +72,18 @@ _no_eviction()
 # CLI, the notebook kernel), except test_multihost's, which compile as their oracle here does, test_tools' runs
 # of the tools on the tiny preset and test_compile_cache's processes (tests.run_cache.with_test_xla_optimizations).
 jax.config.update("jax_disable_most_optimizations", True)
+# The MLIR location of each operation a test process lowers is its source line, not the whole Python traceback
+# (JAX's default, up to 100 frames an operation): tracebacks go into every program's debug metadata, which XLA
+# carries through its passes, and lowering and compiling a test's programs took about 5% longer with them. The
+# programs' operations are the same either way, and so are the compilation cache's keys (which leave the debug
+# metadata out). The processes tests start keep JAX's default.
+jax.config.update("jax_include_full_tracebacks_in_locations", False)
+# Python's cyclic garbage collector runs a generation-0 pass every 10,000 net allocations instead of 700: tracing
+# and lowering allocate millions of short-lived objects, and with the default thresholds the full collections
+# (about 0.3 s each once JAX's caches hold millions of objects) took about 5% of a test process's time. The peak
+# memory of a process barely moves (tests/test_context.py alone: 1.58 GB with the default thresholds, 1.60 GB with
+# these); gc.collect() where a test needs a collection is unaffected.
+gc.set_threshold(10_000, 10, 10)
 # And XLA generates their CPU code with its classic emitters (the newer fusion emitters compile the suite's
 # programs slower) in one LLVM module, not split for parallel compilation, under its default HLO scheduler rather
 # than the concurrency-optimized one: the whole suite took 602 s instead of 883 s with `-n 2` on a 2-core machine
@@ -133,11 +146,8 @@ def _optimized_xla(request):
   if request.node.get_closest_marker("optimized_xla") is None:
     yield
     return
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
+  with optimized_xla():
     yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
 
 
 def pytest_unconfigure(config):

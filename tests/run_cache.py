@@ -1,8 +1,9 @@
 """The environment of the processes tests start: this checkout's lcjax on the CPU; the test run's JAX compilation
 cache (set up in tests/conftest.py), and its removal for the processes that must not use it; the test processes'
-XLA optimization setting, for the processes that share it."""
+XLA optimization setting, for the processes that share it, and XLA's optimizations on for a block of a test."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,3 +43,15 @@ def with_test_xla_optimizations(env: dict) -> dict:
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if jax.config.read("jax_disable_most_optimizations") else "0"
   with_run_xla_flags(env)
   return env
+
+
+@contextlib.contextmanager
+def optimized_xla():
+  """XLA's optimizations on in this process for what the block compiles (tests/conftest.py turns most of them off
+  in the test processes; a test marked `optimized_xla` runs whole inside this block)."""
+  import jax
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)

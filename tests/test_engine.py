@@ -18,6 +18,7 @@ from lcjax.config import RunConfig, preset
 from lcjax.engine.engine import Engine, RequestError
 from lcjax.engine.sampling import SamplingParams
 from lcjax.engine.scheduler import ROW_TILE, chunk_bucket, chunk_buckets, chunk_programs
+from tests.run_cache import optimized_xla
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())   # random weights: lengths must not hinge on an EOS
 
@@ -425,19 +426,22 @@ def pool_copies_in_decode_loop(eng) -> list[str]:
   return _copies_of_at_least(hlo, layer_pool)
 
 
-@pytest.mark.optimized_xla
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program (Llama.pool_reads)")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_loop_copies_no_pool_on_cpu(batch):
-  """The decode loop XLA:CPU compiles (as serving runs it: Scheduler.lower_decode, the arguments of warm-up)
-  copies no array as large as one layer's KV pool: the layer scan writes the pools and attention reads them in
-  place, so a step costs the tokens cached, not the pools (Llama's pool_reads: with attention reading them as the
-  reshaped [L * P] view, pool_reads="view", XLA:CPU copies K and V 4 times each in every layer of every step).
-  The pools are made larger than any weight, so a copy that size is a copy of a pool. Batch 1 (XLA turns the
-  write of one row into a dynamic-update-slice) and 3 (a scatter)."""
+  """The decode loop XLA:CPU compiles (as serving runs it: Scheduler.lower_decode, the arguments of warm-up, XLA's
+  optimizations on) copies no array as large as one layer's KV pool: the layer scan writes the pools and attention
+  reads them in place, so a step costs the tokens cached, not the pools (Llama's pool_reads: with attention reading
+  them as the reshaped [L * P] view, pool_reads="view", XLA:CPU copies K and V 4 times each in every layer of every
+  step). The pools are made larger than any weight, so a copy that size is a copy of a pool. Batch 1 (XLA turns
+  the write of one row into a dynamic-update-slice) and 3 (a scatter)."""
+  # Weights and pools made as every test makes them: their values play no part in the loop's program, and the
+  # weights' initializer compiled with XLA's optimizations took about 5 s of the first case.
   eng = _engine(page_size=16, max_context=2048, max_batch=batch)
   try:
-    assert pool_copies_in_decode_loop(eng) == []
+    with optimized_xla():
+      copies = pool_copies_in_decode_loop(eng)
+    assert copies == [], copies
   finally:
     eng.close()
 

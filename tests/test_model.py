@@ -95,18 +95,25 @@ def test_pool_reads_layer_and_view_compute_the_same(cache_dtype):
     pos = np.arange(start, start + n)
     return jnp.asarray(np.asarray(table)[0, pos // Z] * Z + pos % Z, jnp.int32)[None]
 
+  # Each kind of call is one compiled program, as the engine's steps are: run eagerly, each of the 9 calls of both
+  # models would dispatch its operations one by one, compiling a small program for each new shape.
+  chunk_call = nnx.jit(lambda model, x, pos, cache, slots, prefix_len: model(
+      x, pos, cache=cache, slots=slots, page_table=table, prefix_len=prefix_len))
+  step_call = nnx.jit(lambda model, x, pos, cache, slots, kv_len: model(
+      x, pos, cache=cache, slots=slots, page_table=table, kv_len=kv_len))
+
   def run(pool_reads):
     model = Llama(cfg, dtype=jnp.float32, pool_reads=pool_reads, rngs=nnx.Rngs(0))
     cache = kvc.init_cache(L, 2 * M, Z, K, H, cache_dtype)
     out = []
     for c0 in (0, 8, 16):            # prefill: 24 tokens in 3 chunks of 8
       chunk = jnp.asarray(tokens[None, c0:c0 + 8], jnp.int32)
-      logits, cache = model(chunk, jnp.arange(c0, c0 + 8, dtype=jnp.int32)[None], cache=cache, slots=slots(c0, 8),
-                            page_table=table, prefix_len=jnp.asarray([c0], jnp.int32))
+      logits, cache = chunk_call(model, chunk, jnp.arange(c0, c0 + 8, dtype=jnp.int32)[None], cache, slots(c0, 8),
+                                 jnp.asarray([c0], jnp.int32))
       out.append(logits)
     for n in range(24, 30):          # decode: one token a step
-      logits, cache = model(jnp.asarray(tokens[None, n:n + 1], jnp.int32), jnp.asarray([[n]], jnp.int32),
-                            cache=cache, slots=slots(n, 1), page_table=table, kv_len=jnp.asarray([n + 1], jnp.int32))
+      logits, cache = step_call(model, jnp.asarray(tokens[None, n:n + 1], jnp.int32), jnp.asarray([[n]], jnp.int32),
+                                cache, slots(n, 1), jnp.asarray([n + 1], jnp.int32))
       out.append(logits)
     return model, np.concatenate([np.asarray(x) for x in out], axis=1), cache
 

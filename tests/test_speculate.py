@@ -19,6 +19,7 @@ from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine import speculate
 from lcjax.engine.engine import Engine
 from lcjax.engine.sampling import SamplingParams, filtered_logits, stack
+from tests.run_cache import optimized_xla
 
 TINY = dataclasses.replace(preset("tiny"), eos_ids=())
 RUN = RunConfig(dtype="float32", page_size=8, prefill_chunk=32, max_context=256, max_batch=3, decode_steps=16)
@@ -348,18 +349,20 @@ def test_warm_up_compiles_the_speculative_loop_generate_then_uses():
     eng.close()
 
 
-@pytest.mark.optimized_xla
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program")
 @pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
 def test_the_speculative_loop_copies_no_pool(cache_dtype):
-  """The speculative decode loop, compiled as serving runs it (Scheduler.lower_decode), copies no array as large as
-  one layer's KV pool: nothing in a step costs the pools' size (a lax.cond holding the cache, or a gather of the
-  pages a step writes before the step, each made XLA copy the pools every step)."""
+  """The speculative decode loop, compiled as serving runs it (Scheduler.lower_decode, XLA's optimizations on),
+  copies no array as large as one layer's KV pool: nothing in a step costs the pools' size (a lax.cond holding the
+  cache, or a gather of the pages a step writes before the step, each made XLA copy the pools every step)."""
   from tests.test_engine import pool_copies_in_decode_loop
+  # Weights and pools made as every test makes them: their values play no part in the loop's program, and the
+  # weights' initializer compiled with XLA's optimizations took about 5 s of the test.
   eng = Engine.random(TINY, run=RUN.replace(page_size=16, max_context=2048, max_batch=1, cache_dtype=cache_dtype,
                                             **SPEC), seed=3)
   try:
-    copies = pool_copies_in_decode_loop(eng)
+    with optimized_xla():
+      copies = pool_copies_in_decode_loop(eng)
     assert copies == [], copies
   finally:
     eng.close()

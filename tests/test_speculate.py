@@ -62,14 +62,19 @@ def test_drafts_are_what_followed_the_last_ngram_most_recently(ngram, k):
 
 
 # -- acceptance -----------------------------------------------------------------------------------------------------
+# accept and sample compiled whole, as the engine's decode steps call them (eagerly, each of their operations is
+# dispatched alone, and compiled for each new shape).
+_accept = jax.jit(speculate.accept, static_argnames="greedy")
+
+
 def test_greedy_accepts_the_drafts_the_argmax_agrees_with():
   V = 8
   target = np.array([[3, 1, 4, 1], [3, 1, 4, 1], [2, 2, 2, 2]])
   logits = jax.nn.one_hot(target, V) * 5.0
   drafts = jnp.asarray([[3, 1, 5], [3, 1, 4], [2, 2, 2]], jnp.int32)
   count = jnp.asarray([3, 2, 0], jnp.int32)
-  tokens, n, accepted = speculate.accept(logits, drafts, count, stack([SamplingParams()] * 3),
-                                         jnp.zeros(3, jnp.int32), greedy=True)
+  tokens, n, accepted = _accept(logits, drafts, count, stack([SamplingParams()] * 3), jnp.zeros(3, jnp.int32),
+                                greedy=True)
   assert np.asarray(accepted).tolist() == [2, 2, 0]
   assert np.asarray(n).tolist() == [3, 3, 1]
   assert np.asarray(tokens)[:, 0].tolist() == [3, 3, 2]
@@ -91,8 +96,7 @@ def test_sampled_tokens_keep_the_model_distribution(sampling):
   d0 = int(np.argsort(np.asarray(row_logits[0]))[-2])                       # a likely draft, not the argmax
   drafts = jnp.broadcast_to(jnp.asarray([d0, 2], jnp.int32), (N, 2))
   sp = stack([SamplingParams(seed=s, **sampling) for s in range(N)])
-  tokens, n, _ = speculate.accept(logits, drafts, jnp.full(N, 2, jnp.int32), sp, jnp.zeros(N, jnp.int32),
-                                  greedy=False)
+  tokens, n, _ = _accept(logits, drafts, jnp.full(N, 2, jnp.int32), sp, jnp.zeros(N, jnp.int32), greedy=False)
   tokens, n = np.asarray(tokens), np.asarray(n)
   p = _probs(row_logits, stack([SamplingParams(**sampling)] * 3))
   first = np.bincount(tokens[:, 0], minlength=V) / N
@@ -111,9 +115,9 @@ def test_a_step_without_drafts_samples_what_plain_sampling_samples():
   pos = jnp.arange(N, dtype=jnp.int32)
   from lcjax.engine.sampling import sample
   drafts = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, k)), jnp.int32)     # proposed, none counted
-  tokens, n, accepted = speculate.accept(logits, drafts, jnp.zeros(N, jnp.int32), sp, pos, greedy=False)
+  tokens, n, accepted = _accept(logits, drafts, jnp.zeros(N, jnp.int32), sp, pos, greedy=False)
   assert np.asarray(n).tolist() == [1] * N and not np.asarray(accepted).any()
-  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], np.asarray(sample(logits[:, 0], sp, pos + 1)))
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], np.asarray(jax.jit(sample)(logits[:, 0], sp, pos + 1)))
 
 
 # -- the engine -----------------------------------------------------------------------------------------------------

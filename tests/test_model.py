@@ -194,7 +194,10 @@ def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(mon
   told.clear()
   assert _primitives(jax.make_jaxpr(chunk(given))(cache).jaxpr).count("cond") >= 2
   assert told == [False]
-  np.testing.assert_allclose(np.asarray(chunk(None)(cache), np.float32), np.asarray(chunk(given)(cache), np.float32),
+  # Each compiled whole without XLA's excess precision: where a fusion keeps a bf16 chain in float32, the chunk whose
+  # prefix read sits in a cond branch (fused apart) rounds otherwise than the inline one, by a bf16 unit.
+  exact = lambda f: jax.jit(f).lower(cache).compile({"xla_allow_excess_precision": False})(cache)
+  np.testing.assert_allclose(np.asarray(exact(chunk(None)), np.float32), np.asarray(exact(chunk(given)), np.float32),
                              rtol=1e-6, atol=1e-6)
 
 

@@ -312,8 +312,13 @@ def _end(code) -> None:
 
 def _serve(preload: list[str]) -> None:
   import importlib
+  import gc
   for name in preload:
     importlib.import_module(name)
+  # The imports' objects go to the collector's permanent generation: a job's collections never traverse them (a
+  # gc.collect() in a job with jax, torch and transformers imported took 0.15 s, and each collection's writes to
+  # their headers copied the pages the fork shares).
+  gc.freeze()
   if "jax" in sys.modules:
     from jax._src import xla_bridge
     if xla_bridge._backends:

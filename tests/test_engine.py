@@ -45,6 +45,24 @@ def test_cached_decode_equals_uncached_forward(eng):
   assert got == [int(np.argmax(logits[len(prompt) - 1 + i])) for i in range(len(got))]
 
 
+def test_random_engines_of_one_seed_hold_the_same_weights_in_arrays_of_their_own(eng):
+  """Engine.random keeps its program for the next engine of the same model, dtype, weight format and seed: that
+  engine's weights equal the first's but are new arrays (closing one engine deletes none of the other's), and
+  another seed or dtype draws other weights."""
+  leaves = lambda e: jax.tree.leaves(e.params)
+  again = _engine(max_batch=1)
+  for a, b in zip(leaves(eng), leaves(again), strict=True):
+    assert a is not b and a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  again.close()
+  assert all(not a.is_deleted() for a in leaves(eng))
+  other_seed = Engine.random(TINY, run=eng.run, seed=4)
+  wqkv = lambda e: np.asarray(e.params["layers"]["attn"]["wqkv"].get_value())
+  assert not np.array_equal(wqkv(other_seed), wqkv(eng))
+  bf16 = _engine(dtype="bfloat16")
+  assert bf16.params["layers"]["attn"]["wqkv"].get_value().dtype == jnp.bfloat16
+
+
 def test_chunked_prefill_equals_one_shot():
   """One chunk of 100 tokens and 7 chunks of 16 (each after the first reading the ones before from the pages):
   the prompt's logits are the uncached forward's, and so are the greedy tokens."""

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from lcjax.config import ConfigError, ModelConfig, RunConfig
 from lcjax.engine.engine import Engine
 from lcjax.engine.placement import checkpoint_shardings
+from tests.run_cache import optimized_xla
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (fake CPU devices via conftest)")
 
@@ -315,18 +316,25 @@ SMOL_PROMPT = ("The quick brown fox jumps over the lazy dog. Once upon a time, i
                "small robot who loved to read books about the ocean and")
 
 
+def _generate_optimized(eng, ids):
+  """Greedy tokens of a 32-step decode loop compiled with XLA's optimizations on (its 32 steps over the real
+  49,152-token vocabulary run 3-6x longer unoptimized); the prefill chunks it runs first are the ones prefill()
+  compiled (JAX's jit cache does not key on the optimization flag)."""
+  with optimized_xla():
+    return eng.generate(ids, max_new_tokens=32).token_ids
+
+
 @pytest.mark.slow
-@pytest.mark.optimized_xla     # real layers, 49,152-token vocabulary: unoptimized code costs more than it saves
 def test_smollm2_on_meshes_matches_one_device(smollm2_ckpt):
   base = Engine.load(smollm2_ckpt, run=SMOL_RUN)
   assert base.cfg.n_layers == SMOL_LAYERS and (base.cfg.n_heads, base.cfg.n_kv_heads) == (9, 3)
   ids = base.encode(SMOL_PROMPT)
   assert len(ids) > 2 * SMOL_RUN.prefill_chunk       # three prefill chunks: the later ones read a cached prefix
   want_logits, want_prefill = base.logits([ids]), prefill(base, ids)[0]
-  want = base.generate(ids, max_new_tokens=32).token_ids
+  want = _generate_optimized(base, ids)
   for tensor, seq in [(3, 2), (1, 8)]:
     eng = Engine.load(smollm2_ckpt, run=SMOL_RUN, tensor=tensor, seq=seq)
     assert eng.kv_rep == 1 and eng.params["layers"]["attn"]["wqkv"].get_value().sharding.spec[2] == "tensor"
     assert rel(eng.logits([ids]), want_logits) <= 1e-4
     assert rel(prefill(eng, ids)[0], want_prefill) <= 1e-4
-    assert eng.generate(ids, max_new_tokens=32).token_ids == want, (tensor, seq)
+    assert _generate_optimized(eng, ids) == want, (tensor, seq)

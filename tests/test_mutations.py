@@ -7,7 +7,9 @@ seconds importing them on a 2-core machine. The plugins' modules (pytest11 entry
 anyio's, platformdirs') are imported by the server because pytest rewrites the asserts of every module of a
 plugin's package that it imports itself, about 100 modules (73 of them hypothesis's) compiled from source in each
 process: 1.5 to 2.5 s of each mutant's run. A module the server imported is not rewritten in the job (pytest warns
-that it cannot); rewriting changes the messages of those packages' own asserts only, never a test's."""
+that it cannot); rewriting changes the messages of those packages' own asserts only, never a test's. The server
+imports hypothesis itself too: its plugin imports it at the end of every session (pytest_terminal_summary), 1.5 s
+of a mutant's job with its modules rewritten."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -21,7 +23,7 @@ from tools.mutation_check import MUTANTS, REPO, check_text, run
 
 # pytest's plugins: the modules of the installed distributions' pytest11 entry points.
 _PLUGINS = tuple(sorted({ep.module for ep in importlib.metadata.entry_points(group="pytest11")}))
-_PRELOAD = ("jax", "numpy", "flax.nnx", "torch", "transformers", "pytest", *_PLUGINS)
+_PRELOAD = ("jax", "numpy", "flax.nnx", "torch", "transformers", "pytest", "hypothesis", *_PLUGINS)
 
 
 def _forked(argv, *, env, cwd, timeout):

@@ -38,6 +38,20 @@ from lcjax.model.llama import Llama, convert_weights, weight_format
 __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
 
 
+@functools.lru_cache(maxsize=8)
+def _random_params(model_cfg: ModelConfig, mesh, dtype: str, weights, seed: int):
+  """Engine.random's program: the parameters of (model, dtype, weight format, seed), each shard made on its device
+  of `mesh`. Kept for the next engine of the same arguments, which calls it without tracing, lowering or compiling
+  it again; each call returns new arrays."""
+  _, shardings = placement.checkpoint_shardings(model_cfg, mesh, dtype, weights)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def make():
+    return nnx.state(Llama(model_cfg, dtype=jnp.dtype(dtype), weights=weights, rngs=nnx.Rngs(seed)), nnx.Param)
+
+  return make
+
+
 class Engine:
   def __init__(self, model_cfg: ModelConfig, params, *, run: RunConfig | None = None, tokenizer=None,
                mesh: jax.sharding.Mesh | None = None, serving: Serving | None = None):
@@ -155,13 +169,7 @@ class Engine:
       raise ValueError("give serving= or run= and mesh=, not both: the serving holds its run and mesh")
     run, weights = serving.run, serving.weights
     compile_cache.enable(run.compile_cache)
-    _, shardings = placement.checkpoint_shardings(model_cfg, serving.mesh, run.dtype, weights)
-
-    @functools.partial(jax.jit, out_shardings=shardings)
-    def make():
-      return nnx.state(Llama(model_cfg, dtype=jnp.dtype(run.dtype), weights=weights, rngs=nnx.Rngs(seed)),
-                       nnx.Param)
-
+    make = _random_params(model_cfg, serving.mesh, run.dtype, weights, seed)
     return cls(model_cfg, make(), tokenizer=tokenizer, serving=serving)
 
   @classmethod

@@ -540,9 +540,9 @@ class Llama(nnx.Module):
       if not read_only:
         k_all, v_all, ks, vs = kvc.write_kv(k_all, v_all, ks, vs, gather(k), gather(v), gather(slots), pages,
                                             layer, shard=d, page_writer=self.page_writer)
+      out = lambda o: (o,) if read_only else (o, k_all, v_all) + ((ks, vs) if fp8 else ())
       if not decode and not step.reads_prefix:
-        o, _ = own(q, k, v, pos, start, lengths)
-        return (o,) if read_only else (o, k_all, v_all) + ((ks, vs) if fp8 else ())
+        return out(own(q, k, v, pos, start, lengths)[0])
       table_l = kvc.shard_table(table, d, S, Pl)
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
@@ -555,7 +555,7 @@ class Llama(nnx.Module):
         o, _ = merge(*rows_block(q, k, v, pos, lengths), o, lse)
       elif not decode:
         o, _ = merge(*own(q, k, v, pos, start, lengths), o, lse)
-      return (o,) if read_only else (o, k_all, v_all) + ((ks, vs) if fp8 else ())
+      return out(o)
 
     scale = P(None, SEQ, TENSOR)
     pools_out = () if read_only else (pool, pool) + ((scale, scale) if fp8 else ())

@@ -180,21 +180,34 @@ LENGTHS = [("lengths-8b-h200", "Llama-3.1-8B shape, fp8 weights + fp8 KV, FP8 at
            ("lengths-70b-h200", "Llama-3.1-70B shape, fp8 weights + fp8 KV, bf16 attention")]
 
 
-def lengths(kind: str) -> list[str]:
-  """Seconds at each length of the `kind` sweep ("document": prefill; "question": time to the first token on the
-  pinned context), one row per part that has the sweep, with whether it grew with length."""
-  sweeps = [(part, label, sorted((r for r in _rows("lengths", part) if r["kind"] == kind), key=lambda r: r["tokens"]))
-            for part, label in LENGTHS]
-  sweeps = [x for x in sweeps if x[2]]
-  tokens = sorted({r["tokens"] for _, _, rows in sweeps for r in rows})
-  checks = {p["name"]: p["checks"] for p in json.loads((RESULTS / "lengths.json").read_text())["parts"]}
+def _lengths_checks(part: str) -> list[dict]:
+  """The growth checks tools/bench_lengths.py recorded in part `part` of lengths.json (one per variant and kind)."""
+  return [c for p in json.loads((RESULTS / "lengths.json").read_text())["parts"] if p["name"] == part
+          for c in p["checks"]]
+
+
+def _lengths_table(sweeps: list[tuple[str, str, list[dict], dict]]) -> list[str]:
+  """A row per sweep (label, part, its rows, its growth check): seconds at each length any sweep has, and whether
+  it grew with length."""
+  tokens = sorted({r["tokens"] for _, _, rows, _ in sweeps for r in rows})
   out = []
-  for part, label, rows in sweeps:
+  for label, part, rows, check in sweeps:
     by = {r["tokens"]: r for r in rows}
-    (check,) = [c for c in checks[part] if c["kind"] == kind]
     out.append([label, *(f"{by[n]['seconds']:.3f}" if n in by else "-" for n in tokens),
                 "yes" if check["monotone"] else "**no**", _file("lengths", part)])
   return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
+
+
+def lengths(kind: str) -> list[str]:
+  """Seconds at each length of the `kind` sweep ("document": prefill; "question": time to the first token on the
+  pinned context), one row per part that has the sweep, with whether it grew with length."""
+  sweeps = []
+  for part, label in LENGTHS:
+    rows = [r for r in _rows("lengths", part) if r["kind"] == kind]
+    if rows:
+      (check,) = [c for c in _lengths_checks(part) if c["kind"] == kind]
+      sweeps.append((label, part, rows, check))
+  return _lengths_table(sweeps)
 
 
 # Short documents in an engine of 128K tokens (max_context): a sweep part whose rows hold several variants.
@@ -206,15 +219,9 @@ VARIANT_LABELS = {"float8_e4m3fn+fp8attn+fp8w": "Llama-3.1-8B shape, fp8 weights
 def lengths_short() -> list[str]:
   """Prefill seconds of short documents in an engine whose page table is 128K tokens, a row per variant."""
   rows = [r for r in _rows("lengths", LENGTHS_SHORT) if r["kind"] == "document"]
-  tokens = sorted({r["tokens"] for r in rows})
-  checks = {c["variant"]: c for p in json.loads((RESULTS / "lengths.json").read_text())["parts"]
-            if p["name"] == LENGTHS_SHORT for c in p["checks"] if c["kind"] == "document"}
-  out = []
-  for variant in dict.fromkeys(r["variant"] for r in rows):
-    by = {r["tokens"]: r for r in rows if r["variant"] == variant}
-    out.append([VARIANT_LABELS[variant], *(f"{by[n]['seconds']:.3f}" if n in by else "-" for n in tokens),
-                "yes" if checks[variant]["monotone"] else "**no**", _file("lengths", LENGTHS_SHORT)])
-  return _table(["tokens", *(f"{n:,}" for n in tokens), "grows with length", "file"], out)
+  checks = {c["variant"]: c for c in _lengths_checks(LENGTHS_SHORT) if c["kind"] == "document"}
+  return _lengths_table([(VARIANT_LABELS[v], LENGTHS_SHORT, [r for r in rows if r["variant"] == v], checks[v])
+                         for v in dict.fromkeys(r["variant"] for r in rows)])
 
 
 # Speculation: the parts of speculation.json that measured tokens per model call on real answers

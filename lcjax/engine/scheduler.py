@@ -426,9 +426,10 @@ class Scheduler:
                        copies: tuple[int, ...] = ()) -> int:
     """Compile, without running them, the programs serving calls will use: the prefill chunk of each (padded
     length, reads a cached prefix) in `chunks` (`chunk_programs`), the first-token sampler, the decode loop of each
-    (steps, greedy) in `decode`, and the page copy of each count in `copies`. Each is lowered (`.lower(...).compile()`) on arguments of the kinds and shapes
-    the serving calls pass, which leaves it in jit's caches (and the persistent compilation cache): those calls
-    then neither trace nor compile. Returns the number of programs."""
+    (steps, greedy) in `decode`, and the page copy of each count in `copies`. Each is lowered
+    (`.lower(...).compile()`) on arguments of the kinds and shapes the serving calls pass, which leaves it in jit's
+    caches (and the persistent compilation cache): those calls then neither trace nor compile. Returns the number
+    of programs."""
     i32 = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))
     W, n = self.table_width, 0
     logits = None

@@ -46,9 +46,10 @@ def test_cached_decode_equals_uncached_forward(eng):
 
 
 def test_random_engines_of_one_seed_hold_the_same_weights_in_arrays_of_their_own(eng):
-  """Engine.random keeps its program for the next engine of the same model, dtype, weight format and seed: that
-  engine's weights equal the first's but are new arrays (closing one engine deletes none of the other's), and
-  another seed or dtype draws other weights."""
+  """Engine.random keeps its program for the next engine of the same model, dtype and weight format, whatever its
+  seed: an engine of the same seed holds weights equal to the first's in new arrays (closing one engine deletes
+  none of the other's); another seed draws the weights the model's own initialisation draws for it (the eager
+  Llama with nnx.Rngs(seed)), and another dtype other weights."""
   leaves = lambda e: jax.tree.leaves(e.params)
   again = _engine(max_batch=1)
   for a, b in zip(leaves(eng), leaves(again), strict=True):
@@ -59,6 +60,11 @@ def test_random_engines_of_one_seed_hold_the_same_weights_in_arrays_of_their_own
   other_seed = Engine.random(TINY, run=eng.run, seed=4)
   wqkv = lambda e: np.asarray(e.params["layers"]["attn"]["wqkv"].get_value())
   assert not np.array_equal(wqkv(other_seed), wqkv(eng))
+  from flax import nnx
+  from lcjax.model.llama import Llama
+  eager = nnx.state(Llama(TINY, dtype=jnp.dtype(eng.run.dtype), weights=other_seed.weights, rngs=nnx.Rngs(4)),
+                    nnx.Param)
+  np.testing.assert_array_equal(wqkv(other_seed), np.asarray(eager["layers"]["attn"]["wqkv"].get_value()))
   bf16 = _engine(dtype="bfloat16")
   assert bf16.params["layers"]["attn"]["wqkv"].get_value().dtype == jnp.bfloat16
 

@@ -39,15 +39,15 @@ __all__ = ["Engine", "GenerationResult", "RequestError", "Context"]
 
 
 @functools.lru_cache(maxsize=8)
-def _random_params(model_cfg: ModelConfig, mesh, dtype: str, weights, seed: int):
-  """Engine.random's program: the parameters of (model, dtype, weight format, seed), each shard made on its device
-  of `mesh`. Kept for the next engine of the same arguments, which calls it without tracing, lowering or compiling
-  it again; each call returns new arrays."""
+def _random_params(model_cfg: ModelConfig, mesh, dtype: str, weights):
+  """Engine.random's program: make(jax.random.key(seed)) -> the parameters of (model, dtype, weight format, seed),
+  each shard made on its device of `mesh`. Kept for the next engine of the same model, mesh, dtype and weight format,
+  which calls it (any seed) without tracing, lowering or compiling it again; each call returns new arrays."""
   _, shardings = placement.checkpoint_shardings(model_cfg, mesh, dtype, weights)
 
   @functools.partial(jax.jit, out_shardings=shardings)
-  def make():
-    return nnx.state(Llama(model_cfg, dtype=jnp.dtype(dtype), weights=weights, rngs=nnx.Rngs(seed)), nnx.Param)
+  def make(key):
+    return nnx.state(Llama(model_cfg, dtype=jnp.dtype(dtype), weights=weights, rngs=nnx.Rngs(key)), nnx.Param)
 
   return make
 
@@ -169,8 +169,8 @@ class Engine:
       raise ValueError("give serving= or run= and mesh=, not both: the serving holds its run and mesh")
     run, weights = serving.run, serving.weights
     compile_cache.enable(run.compile_cache)
-    make = _random_params(model_cfg, serving.mesh, run.dtype, weights, seed)
-    return cls(model_cfg, make(), tokenizer=tokenizer, serving=serving)
+    make = _random_params(model_cfg, serving.mesh, run.dtype, weights)
+    return cls(model_cfg, make(jax.random.key(seed)), tokenizer=tokenizer, serving=serving)
 
   @classmethod
   def load(cls, ckpt_dir, *, tensor: int | None = None, seq: int | None = None, dtype: str | None = None,

@@ -18,15 +18,20 @@ RESULTS = REPO / "benchmarks" / "results"
 REGION = re.compile(r"^<!-- table: ([\w-]+) -->\n(.*?)^<!-- /table -->$", re.M | re.S)
 
 
-def _rows(topic: str, part: str | None = None) -> list[dict]:
-  """The rows of a topic file (`benchmarks/merge_results.py`): its combined rows, or those of its part `part`."""
+def _part(topic: str, part: str) -> dict:
+  """Part `part` of a topic file (`benchmarks/merge_results.py`): its JSON, rows and the tool's own fields."""
   d = json.loads((RESULTS / f"{topic}.json").read_text())
-  if part is None:
-    return d["rows"]
   hits = [p for p in d["parts"] if p["name"] == part]
   if not hits:
     raise ValueError(f"{topic}.json has no part {part!r}; parts: {[p['name'] for p in d['parts']]}")
-  return hits[0]["rows"]
+  return hits[0]
+
+
+def _rows(topic: str, part: str | None = None) -> list[dict]:
+  """The rows of a topic file: its combined rows, or those of its part `part`."""
+  if part is None:
+    return json.loads((RESULTS / f"{topic}.json").read_text())["rows"]
+  return _part(topic, part)["rows"]
 
 
 def _file(topic: str, part: str) -> str:
@@ -182,8 +187,7 @@ LENGTHS = [("lengths-8b-h200", "Llama-3.1-8B shape, fp8 weights + fp8 KV, FP8 at
 
 def _lengths_checks(part: str) -> list[dict]:
   """The growth checks tools/bench_lengths.py recorded in part `part` of lengths.json (one per variant and kind)."""
-  return [c for p in json.loads((RESULTS / "lengths.json").read_text())["parts"] if p["name"] == part
-          for c in p["checks"]]
+  return _part("lengths", part)["checks"]
 
 
 def _lengths_table(sweeps: list[tuple[str, str, list[dict], dict]]) -> list[str]:

@@ -414,3 +414,43 @@ def test_nonfinite_logits_stop_the_request_and_say_so(draft):
   finally:
     emb.value = saved
     eng.prefix_cache.clear()
+
+
+def _planted_step(eng, prompt, token, drafts, count):
+  """_one_step with the embedding row of `token` NaN (its K/V and the logits of a row that feeds it: NaN)."""
+  emb = eng.params["embed"]["embedding"]
+  saved = emb.value
+  try:
+    emb.value = saved.at[token].set(jnp.nan)
+    eng.prefix_cache.clear()
+    return _one_step(eng, prompt, drafts, count)
+  finally:
+    emb.value = saved
+    eng.prefix_cache.clear()
+
+
+def test_a_rejected_nonfinite_draft_leaves_the_step_as_it_was():
+  """A draft whose K/V are NaN (planted) and that the model rejects changes nothing: plain decoding never feeds it,
+  so the step keeps the fed token's one token, that of the step without drafts. The rows before it never see its
+  value (rows_block leaves hidden keys out instead of weighting them by 0: 0 * NaN = NaN)."""
+  eng = engine(**SPEC)
+  prompt, k = PROMPTS[0], SPEC["draft_tokens"]
+  eng.prefix_cache.clear()
+  tokens, n, _ = _one_step(eng, prompt, [0] * k, 0)
+  g = int(tokens[0])
+  bad = next(t for t in range(1, TINY.vocab_size) if t not in prompt and t != g)
+  got, m, _ = _planted_step(eng, prompt, bad, [bad] + [1] * (k - 1), 1)
+  assert (m, int(got[0])) == (1, g), (m, got, g)
+
+
+def test_tokens_before_a_nonfinite_row_are_kept():
+  """Plain decoding emits the token g sampled from finite logits and stops only when feeding g gives NaN logits
+  (planted). A verify step that accepted the draft g keeps g, as that decode step did, and stops after it."""
+  eng = engine(**SPEC)
+  prompt, k = PROMPTS[0], SPEC["draft_tokens"]
+  eng.prefix_cache.clear()
+  tokens, _, _ = _one_step(eng, prompt, [0] * k, 0)
+  g = int(tokens[0])
+  assert g not in prompt
+  got, m, _ = _planted_step(eng, prompt, g, [g] + [1] * (k - 1), 1)
+  assert (m, int(got[0])) == (1, g), (m, got, g)

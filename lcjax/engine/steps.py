@@ -177,8 +177,8 @@ class Steps:
     """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
     count [B] of drafts [B, k] as k + 1 rows (a slot without drafts gains one token, as from a plain step). room
     [B]: tokens the slot may still gain (0: none). Returns (tokens [B, k + 1], n [B] kept of them, whether the
-    n-th ends the sequence [B], drafts accepted [B], whether a kept row's logits were not finite [B] (then n = 0),
-    cache).
+    n-th ends the sequence [B], drafts accepted [B], whether a kept row's logits were not finite [B] (then n counts
+    the rows before the first such row), cache).
 
     The call writes nothing into the cache: its rows attend to the cache's keys before them and to each other
     (lcjax.model.llama.rows_block), and the kept rows' K/V (the fed token and the accepted drafts before the last
@@ -209,8 +209,11 @@ class Steps:
     is_eos = jnp.any(tokens[:, :, None] == eos_ids[None, None, :], axis=-1) & (rows < n[:, None])
     eos = jnp.any(is_eos, axis=1)
     n = jnp.where(eos, jnp.argmax(is_eos, axis=1) + 1, n)                  # nothing after an end-of-sequence token
-    bad = jnp.any(~finite(logits) & (rows < n[:, None]), axis=1)
-    n, eos = jnp.where(bad, 0, n), eos & ~bad                               # the slot keeps nothing and stops
+    # A kept row whose logits are not finite ends the slot there, as a decode step would: the tokens of the rows
+    # before it are kept, then the slot stops (NONFINITE after them).
+    nonfinite = ~finite(logits) & (rows < n[:, None])                       # [B, k + 1]
+    bad = jnp.any(nonfinite, axis=1)
+    n, eos = jnp.where(bad, jnp.argmax(nonfinite, axis=1), n), eos & ~bad
     kept = jnp.where(rows < n[:, None], page * Z + positions % Z, 0)        # the fed tokens of the n kept: rows < n
     return tokens, n, eos, accepted, bad, kvc.write_tokens(cache, k_new, v_new, kept)
 
@@ -245,7 +248,7 @@ class Steps:
                                                              eos_ids, greedy)
       keep = rows < n[:, None]
       out = out.at[jnp.arange(B)[:, None], jnp.where(keep, n_out[:, None] + rows, steps)].set(tokens, mode="drop")
-      out = out.at[jnp.arange(B), jnp.where(bad, n_out, steps)].set(NONFINITE, mode="drop")
+      out = out.at[jnp.arange(B), jnp.where(bad, n_out + n, steps)].set(NONFINITE, mode="drop")
       history = history.at[jnp.arange(B)[:, None], jnp.where(keep, st.pos[:, None] + 1 + rows, W)].set(
           tokens, mode="drop")
       last = jnp.take_along_axis(tokens, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]

@@ -249,7 +249,8 @@ def rows_block(q, k, v, positions, lengths):
   s = jnp.where(visible[..., None, None], s, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=2)                                               # [B, T, K, G]
   p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, :, None])
-  out = jnp.sum(p[..., None] * vf, axis=2)                                        # [B, T, K, G, H]
+  # A hidden key's value is left out, not weighted by 0: a later row's NaN value (0 * NaN = NaN) stays its own.
+  out = jnp.sum(jnp.where(visible[..., None, None, None], p[..., None] * vf, 0.0), axis=2)   # [B, T, K, G, H]
   return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, T, N)
 
 

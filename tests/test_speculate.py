@@ -18,6 +18,7 @@ import pytest
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine import speculate
 from lcjax.engine.engine import Engine
+from lcjax.engine.requests import RequestError
 from lcjax.engine.sampling import SamplingParams, filtered_logits, stack
 from tests.run_cache import optimized_xla
 
@@ -454,3 +455,35 @@ def test_tokens_before_a_nonfinite_row_are_kept():
   assert g not in prompt
   got, m, _ = _planted_step(eng, prompt, g, [g] + [1] * (k - 1), 1)
   assert (m, int(got[0])) == (1, g), (m, got, g)
+
+
+@pytest.mark.parametrize("draft,cache_dtype", [("off", "float32"), ("prompt", "float32"),
+                                               ("off", "float8_e4m3fn")])
+def test_a_nonfinite_request_leaves_nothing_for_the_next(draft, cache_dtype):
+  """A request stopped for NaN logits (planted: the embedding of the token it feeds next) may have written NaN K/V
+  into its pages (a decode step writes the fed token before its logits are read). The next request, handed the same
+  pages, generates what it generates on a fresh engine: the stopped request's own pages are zeroed when freed
+  (kernels weight a page's unwritten slots by 0, and 0 * NaN = NaN). A context whose prefill gives NaN logits is
+  refused in one line, and leaves nothing behind either."""
+  eng = engine(cache_dtype=cache_dtype, **(SPEC if draft == "prompt" else {}))
+  prompt, other = [11, 12, 13, 14, 15], [21, 22, 23]
+  eng.prefix_cache.clear()
+  want = eng.generate(other, max_new_tokens=12).token_ids
+  eng.prefix_cache.clear()
+  t1 = eng.generate(prompt, max_new_tokens=12).token_ids[0]
+  emb = eng.params["embed"]["embedding"]
+  saved = emb.value
+  try:
+    emb.value = saved.at[t1].set(jnp.nan)
+    eng.prefix_cache.clear()
+    assert eng.generate(prompt, max_new_tokens=12).finish_reason == "nonfinite"
+    got = eng.generate(other, max_new_tokens=12)
+    assert (got.token_ids, got.finish_reason) == (want, "length")
+    with pytest.raises(RequestError, match=r"^the context was not kept: the model's logits after its 6 tokens hold "
+                                           r"NaN or inf"):
+      eng.prefill(prompt + [t1])
+    got = eng.generate(other, max_new_tokens=12)
+    assert (got.token_ids, got.finish_reason) == (want, "length")
+  finally:
+    emb.value = saved
+    eng.prefix_cache.clear()

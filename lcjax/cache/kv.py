@@ -286,6 +286,13 @@ def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
   return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype), mode="drop") for x, y in zip(cache.parts(), parts)))
 
 
+def zero_pages(cache: PagedKV, pages) -> PagedKV:
+  """`pages` [n] of every layer set to zeros, fp8 scales too (what a new pool holds); entries naming the null page
+  (padding) write nothing."""
+  pages = drop_null(pages, cache.num_pages)
+  return PagedKV(*(x.at[:, pages].set(0, mode="drop") for x in cache.parts()))
+
+
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------
 
 def shard_table(page_table, shard, n_shards: int, pages_per_shard: int):

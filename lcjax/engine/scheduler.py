@@ -235,9 +235,23 @@ class Scheduler:
 
   def release(self, r: Request) -> None:
     if r.seq is not None:
-      self._keep_written(r)
+      if r.finish == "nonfinite":
+        self._scrub(r.seq)
+      else:
+        self._keep_written(r)
       self.pool.free(r.seq)
       r.seq = None
+
+  def _scrub(self, seq: int) -> None:
+    """Zero the pages only `seq` holds, before they go back to the free list. A request whose logits held NaN or
+    inf may have written non-finite K/V there, and a later owner of such a page reads its unwritten slots masked:
+    weighted by 0 in the kernels' products, and 0 * NaN is NaN. Pages shared with the prefix cache or a context
+    hold only what finite logits followed: none of them is zeroed or handed to the prefix cache from here."""
+    own = [p for p in self.pool.page_table(seq) if self.pool.refcount(p) == 1]
+    if own:
+      pages = np.zeros(_bucket(len(own), 1), np.int32)            # padding: the null page, written by no one
+      pages[:len(own)] = own
+      self.cache = self.steps.zero_pages(self.cache, jnp.asarray(pages))
 
   def recover_cache(self) -> None:
     """After an interruption inside a donated call the pools are gone: start afresh. Cached pages are forgotten
@@ -271,6 +285,9 @@ class Scheduler:
       try:
         if fill is None:
           self.prefill(r, sample=False)
+          if r.finish == "nonfinite":
+            raise RequestError(f"{what} was not kept: the model's logits after its {len(ids)} tokens hold NaN or "
+                               "inf (weights, a kernel or the cache produced them)")
         else:
           fill(self.pool.page_table(r.seq), r.cached // self.run.page_size)
           r.written = len(ids)
@@ -493,8 +510,8 @@ class Scheduler:
         jax.block_until_ready(logits)
         r.on_progress(r.index, r.written - r.cached, n - r.cached)
     if not sample:
-      if logits is not None:
-        jax.block_until_ready(logits)
+      if logits is not None and not np.isfinite(np.asarray(logits)).all():
+        r.finish = "nonfinite"                 # release() zeroes its pages rather than caching them
       r.prefill_s = time.perf_counter() - t0
       return logits
     tok = self.steps.first_token(logits, stack_sampling([r.sampling]), jnp.asarray([n], jnp.int32))

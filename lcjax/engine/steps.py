@@ -115,6 +115,8 @@ class Steps:
     self.gather_pages = jax.jit(kvc.gather_pages, **({} if mesh is None else dict(out_shardings=rep)))
     self.scatter_pages = jax.jit(kvc.scatter_pages, donate_argnums=0,
                                  **({} if mesh is None else dict(out_shardings=cache_shardings)))
+    self.zero_pages = jax.jit(kvc.zero_pages, donate_argnums=0,
+                              **({} if mesh is None else dict(out_shardings=cache_shardings)))
 
   def _model(self, params):
     return nnx.merge(self.graphdef, params)

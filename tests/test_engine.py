@@ -308,6 +308,19 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   assert 0 < rel(out) < 0.5 * rel(clipped), (rel(out), rel(clipped))
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
+def test_an_overflowed_value_stops_the_request_in_every_cache(monkeypatch, cache_dtype):
+  """V at one decode position overflows (planted in decode calls, whose positions are [B, 1]: times inf, and none of
+  its values is 0). A float32 cache holds the inf, the logits go NaN and the request stops 'nonfinite' with the
+  tokens sampled before. fp8 pages store a value that is not finite as NaN and stop it at the same token: clipped to
+  448, the inf would be a finite value the model never produced, and decoding would go on from it."""
+  from tests.patch_kv import scale_kv_by_position
+  at_7 = lambda p: jnp.where(p == 7, jnp.inf if p.shape[1] == 1 else 1.0, 1.0)      # noqa: E731
+  scale_kv_by_position(monkeypatch, lambda p: jnp.ones(p.shape), at_7)
+  got = _engine(cache_dtype=cache_dtype).generate(list(range(3, 8)), max_new_tokens=8)
+  assert (len(got.token_ids), got.finish_reason) == (3, "nonfinite")      # fed at positions 5 and 6, then 7
+
+
 def test_decode_groups_match_one_step_per_check():
   """decode_sync_every > 1 tests `done` once per group of steps (a host sync): slots that end mid-group (EOS, or
   their token budget) give the same tokens, finish reasons and pages back as with a check after every step."""

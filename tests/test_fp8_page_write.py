@@ -25,8 +25,9 @@ def _case(L, P, Z, K, H, B, seed=0):
   """fp8 pools with scales, and B decode tokens: row 0 opens page 1, row 1 brings a 1000x token into page 4 (its
   scale grows), row 2 writes nowhere (page P), the others small tokens (scales kept) into pages P-1, P-2, ...
   (skipping 1 and 4: rows write distinct pages); row 3 is all zeros, and row 4's absmax is exactly 448 x 2^-3 (the
-  edge of its scale rule) in every head. The last row writes the last offset of its page, and with pages of more
-  than 64 tokens and 6 rows or more the one before it writes past the first 64."""
+  edge of its scale rule) in every head, and row 5's head 0 holds inf, -inf and NaN (stored as NaN). The last row
+  writes the last offset of its page, and with pages of more than 64 tokens and 6 rows or more the one before it
+  writes past the first 64."""
   rng = np.random.default_rng(seed)
   pools = [jnp.asarray(rng.normal(size=(L, P, Z, K, H)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
            for _ in range(2)]
@@ -38,6 +39,8 @@ def _case(L, P, Z, K, H, B, seed=0):
     toks[:, 3] = 0.0
   if B > 4:
     toks[:, 4, :, 0] = 448.0 * 2.0 ** -3
+  if B > 5:
+    toks[:, 5, 0, :3] = [np.inf, -np.inf, np.nan]
   page = np.array([1, 4, P] + [p for p in range(P - 1, 0, -1) if p not in (1, 4)][:B - 3], np.int32)
   offset = np.array([0] + [(3 * i + 1) % Z for i in range(1, B)], np.int32)
   if B > 3:
@@ -88,6 +91,19 @@ def test_kernel_writes_what_xla_writes(pack):
   ks_before, ks_after = np.asarray(case[2]), np.asarray(want[2])
   assert np.all(ks_after[2, 4] > ks_before[2, 4])                       # row 1's page: its scale grew
   assert np.array_equal(ks_after[:2], ks_before[:2])                    # other layers untouched
+
+
+def test_kernel_stores_values_that_are_not_finite_as_nan():
+  """A token holding inf, -inf and NaN (row 5 of `_case`): the kernel == XLA's write bit for bit, and both store
+  NaN for each of the three (an inf clipped to 448 would be a finite value the model never produced), the token's
+  finite values as finite e4m3."""
+  case = _case(L=2, P=12, Z=8, K=2, H=16, B=7)
+  want = jax.jit(_reference)(*case, jnp.int32(1))
+  _assert_same(triton_page_write.write_token(*case, jnp.int32(1), interpret=True), want)
+  page, offset = int(case[6][5]), int(case[7][5])
+  for pool in want[:2]:
+    row = np.asarray(pool[1, page, offset, 0]).astype(np.float32)
+    assert np.isnan(row[:3]).all() and np.isfinite(row[3:]).all(), row
 
 
 def test_kernel_refuses_what_it_cannot_write():

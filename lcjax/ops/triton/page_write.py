@@ -11,9 +11,10 @@ program per (row b, kv head h, K or V): it reads the token and the old scale, co
 rewrites the head's [Z, H] page slice only when the scale grew (or the token opens the page). Pools and scales
 are the call's outputs aliased to its inputs, so nothing is copied.
 
-For finite tokens the result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power
-of two, divisions are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32
--> e4m3 convert rounds to nearest even, as XLA's does (values are clipped to +-448 first).
+The result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power of two, divisions
+are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32 -> e4m3 convert
+rounds to nearest even, as XLA's does (values are clipped to +-448 first, and non-finite ones made NaN:
+lcjax.ops.page_scale.stored_values).
 
 Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.triton.gemv.pack_for`): the
 Triton lowering addresses arrays of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31
@@ -33,7 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import page_scale
-from lcjax.ops.fp8 import E4M3_MAX
 from lcjax.ops.triton.gemv import as_pairs, pack_for, pair_value
 from lcjax.ops.hardware import fp8_convert_reason
 
@@ -78,7 +78,7 @@ def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, page
   out = None
   for j in range(pack):
     sj = stored if pack == 1 else pair_value(stored, j)
-    y = jnp.clip(xs[j] * inv, -E4M3_MAX, E4M3_MAX)                          # [H / pack]
+    y = page_scale.stored_values(xs[j], xs[j] * inv)                        # [H / pack]
     vj = jnp.where(here, jnp.broadcast_to(y[None, :], shape), sj.astype(jnp.float32) * ratio)
     vj = vj.astype(jnp.float8_e4m3fn)
     if pack == 1:

@@ -81,10 +81,12 @@ def test_weight_scales_are_per_output_channel():
   assert float(jnp.max(jnp.abs(back - w) / (jnp.abs(w) + scale))) <= 1 / 16 + 1e-6
 
 
-def test_static_input_scale_saturates():
-  x = jnp.asarray([[[1.0, -3.0, 1000.0]]])
+def test_static_input_scale_saturates_finite_values_only():
+  """A static input scale saturates large finite activations; an inf or NaN one becomes NaN (as with a per-row
+  scale), so the product and then the logits show it instead of a finite 448 x in_scale."""
+  x = jnp.asarray([[[1.0, -3.0, 1000.0, np.inf, -np.inf, np.nan]]])
   x8, s = linear.quantize_rows(x, "btd,df->btf", in_scale=jnp.asarray([0.5]))
-  np.testing.assert_array_equal(x8.astype(jnp.float32) * s, [[[1.0, -3.0, 224.0]]])
+  np.testing.assert_array_equal(x8.astype(jnp.float32) * s, [[[1.0, -3.0, 224.0, np.nan, np.nan, np.nan]]])
 
 
 # -- FP8 checkpoints (compressed-tensors and quant_method "fp8"), against transformers -------------------------

@@ -9,7 +9,7 @@ so writes happen in place.
 FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, page, kv head), `[L, P, K]`: values are stored as
 x / scale. A page's scale is set by the tokens written into it: the smallest power of two that keeps every one of
 them within e4m3's range (|x| / scale <= 448), so nothing is clipped; a value that is not finite is stored as NaN
-(lcjax.ops.page_scale.stored_values), so that it reaches the logits as it does from bf16 pages. A write that brings a larger token into a
+(lcjax.ops.fp8.clip_finite), so that it reaches the logits as it does from bf16 pages. A write that brings a larger token into a
 partly filled page raises its scale and requantizes the values already there. Scales are powers of two, so that
 requantization only shifts exponents: a page written token by token holds the same e4m3 values as one written in
 one call (a value that drops into e4m3's subnormal range is rounded again). A write that starts a page (a token at
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops import page_scale, precision
+from lcjax.ops import precision
 from lcjax.sharding import named_sharding
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -168,7 +168,7 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
   grew = jnp.any(ratio != 1.0, axis=-1)
   stored = (pool[layer, wpc].astype(jnp.float32) * ratio[:, None, :, None]).astype(pool.dtype)
   pool = pool.at[layer, jnp.where(grew, wp, Pl)].set(stored, mode="drop")
-  y = page_scale.stored_values(x, x / scale[layer, jnp.minimum(page, Pl - 1)][:, :, None]).astype(pool.dtype)
+  y = fp8_ops.clip_finite(x, x / scale[layer, jnp.minimum(page, Pl - 1)][:, :, None]).astype(pool.dtype)
   return pool.at[layer, page, s % Z].set(y, mode="drop"), scale
 
 
@@ -186,7 +186,7 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [(L,) B, K]
   new_scale = jnp.maximum(old, scale_for(jnp.abs(x).max(axis=-1)))
   stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[..., None, :, None]  # [(L,) B, Z, K, H]
-  y = page_scale.stored_values(x, x / new_scale[..., None])                             # [(L,) B, K, H]
+  y = fp8_ops.clip_finite(x, x / new_scale[..., None])                             # [(L,) B, K, H]
   here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
   contents = jnp.where(here, y[..., None, :, :], stored).astype(pool.dtype)           # [(L,) B, Z, K, H]
   return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")

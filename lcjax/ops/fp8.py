@@ -41,6 +41,7 @@ from jax import lax
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
+F32_MAX = float(np.finfo(np.float32).max)
 INT8_MAX = 127.0
 P_SHIFT = 8                  # P is quantized as p * 2^P_SHIFT
 _SCALE_FLOOR = 1e-12         # an all-zero block gets this absmax (its values quantize to 0 either way)
@@ -52,6 +53,14 @@ _M_FLOOR = -1e30
 def scale_for(absmax, top: float = E4M3_MAX):
   """The scale that maps `absmax` to `top` (the largest value of the 8-bit type); all-zero blocks get a floor."""
   return jnp.maximum(absmax, _SCALE_FLOOR) / top
+
+
+def clip_finite(x, y):
+  """y = x / a scale, clipped to e4m3's range, and NaN where x is not finite. Clipping an inf to 448 would make a
+  finite value of one the model never produced, and the request would go on from it; a NaN reaches the logits,
+  which stop it (finish 'nonfinite'), as a bf16 value would. A plain comparison, not isfinite, so that every
+  lowering (XLA, Triton, Mosaic GPU) keeps it."""
+  return jnp.where(jnp.abs(x) <= F32_MAX, jnp.clip(y, -E4M3_MAX, E4M3_MAX), jnp.nan)
 
 
 def absmax_scale(x, axes, top: float = E4M3_MAX):

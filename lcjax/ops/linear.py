@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import precision
-from lcjax.ops.fp8 import E4M3, E4M3_MAX, scale_for
+from lcjax.ops.fp8 import E4M3, clip_finite, scale_for
 
 # Rows (batch x tokens) up to which `dense` widens the weights instead of quantizing the activations.
 WIDEN_MAX_ROWS = 64
@@ -116,7 +116,8 @@ def _out_scale(scale, spec: str):
 
 def quantize_rows(x, spec: str, in_scale=None):
   """x (the first operand of `spec`) -> (x8 e4m3, scale [rows..., 1...]): per row (absmax over the contracted
-  axes) or the static per-tensor `in_scale` (values past +-448 x in_scale saturate)."""
+  axes) or the static per-tensor `in_scale` (finite values past +-448 x in_scale saturate; values that are not
+  finite become NaN, as with a per-row scale)."""
   xs, ws, out = contracted(spec)
   axes = tuple(i for i, c in enumerate(xs) if c in ws and c not in out)
   xf = x.astype(jnp.float32)
@@ -124,7 +125,7 @@ def quantize_rows(x, spec: str, in_scale=None):
     s = scale_for(jnp.max(jnp.abs(xf), axis=axes, keepdims=True))
   else:
     s = jnp.reshape(in_scale.astype(jnp.float32), (1,) * x.ndim)
-  return jnp.clip(xf / s, -E4M3_MAX, E4M3_MAX).astype(E4M3), s
+  return clip_finite(xf, xf / s).astype(E4M3), s
 
 
 def _row_scale(s, spec: str):

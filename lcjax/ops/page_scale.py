@@ -10,9 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lcjax.ops.fp8 import E4M3_MAX
-
-F32_MAX = 3.4028234663852886e38
 SCALE_FLOOR_EXP = 127 - 32    # biased float32 exponent of lcjax.cache.kv.SCALE_FLOOR, 2^-32
 MANTISSA = (1 << 23) - 1
 MANTISSA_1_75 = 3 << 21        # mantissa bits of 1.75
@@ -28,14 +25,6 @@ def token_scale(absmax):
   e = jnp.where((bits & MANTISSA) <= MANTISSA_1_75, (bits >> 23) - 8, (bits >> 23) - 7)
   e = jnp.where((bits >> 23) == 255, 127, jnp.maximum(e, SCALE_FLOOR_EXP))
   return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
-
-
-def stored_values(x, y):
-  """What a page stores of a token x [..., H] (float32) given y = x / its page's scale: y clipped to e4m3's range,
-  and NaN where x is not finite. Clipping an inf to 448 would store a finite value the model never produced, and
-  the request would decode on from it; a NaN reaches the logits, which stop the request (finish 'nonfinite'), as
-  with bf16 pages. A plain comparison, not isfinite, so every lowering keeps it."""
-  return jnp.where(jnp.abs(x) <= F32_MAX, jnp.clip(y, -E4M3_MAX, E4M3_MAX), jnp.nan)
 
 
 def reciprocal(s):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import page_scale, precision
+from lcjax.ops.fp8 import clip_finite
 from lcjax.ops.hardware import jax_at_least, sm90_fp8_reason
 
 
@@ -96,7 +97,7 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
         slot[...] = (slot[...].astype(jnp.float32) * ratio).astype(e4m3)
         _warpgroup_barrier()                    # row `off` of the slice lands before the token's row
 
-      pool[l, p, off, h] = page_scale.stored_values(x, x * inv).astype(e4m3)
+      pool[l, p, off, h] = clip_finite(x, x * inv).astype(e4m3)
       scale[l, p, h] = jnp.max(new)
 
     inside = (p >= 0) & (p < Pl)

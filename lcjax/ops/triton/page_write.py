@@ -14,7 +14,7 @@ are the call's outputs aliased to its inputs, so nothing is copied.
 The result is bit for bit `lcjax.cache.kv._write_one_token`'s: every scale and ratio is a power of two, divisions
 are multiplications by an exact reciprocal (2^-e built from the exponent bits), and the float32 -> e4m3 convert
 rounds to nearest even, as XLA's does (values are clipped to +-448 first, and non-finite ones made NaN:
-lcjax.ops.page_scale.stored_values).
+lcjax.ops.fp8.clip_finite).
 
 Pools of 2 to 4 GiB are read and written as uint16 pairs of e4m3 bytes (`lcjax.ops.triton.gemv.pack_for`): the
 Triton lowering addresses arrays of at most 4 GiB with 32-bit signed element offsets, which wrap past 2^31
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import page_scale
+from lcjax.ops.fp8 import clip_finite
 from lcjax.ops.triton.gemv import as_pairs, pack_for, pair_value
 from lcjax.ops.hardware import fp8_convert_reason
 
@@ -78,7 +79,7 @@ def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, page
   out = None
   for j in range(pack):
     sj = stored if pack == 1 else pair_value(stored, j)
-    y = page_scale.stored_values(xs[j], xs[j] * inv)                        # [H / pack]
+    y = clip_finite(xs[j], xs[j] * inv)                        # [H / pack]
     vj = jnp.where(here, jnp.broadcast_to(y[None, :], shape), sj.astype(jnp.float32) * ratio)
     vj = vj.astype(jnp.float8_e4m3fn)
     if pack == 1:

@@ -254,6 +254,17 @@ def write_fp8_checkpoint(dst: str, plant) -> str:
   return dst
 
 
+def test_fp8_weights_stored_in_another_fp8_format_are_refused(tmp_path):
+  """layers/attn/wo stored as float8_e5m2 in an fp8 checkpoint: refused in one line naming it and its dtype (read
+  as e4m3, its bytes would be converted by value: 1024 to NaN, 2^-14 to 0)."""
+  e5m2 = np.dtype(jnp.float8_e5m2)
+  ckpt = write_fp8_checkpoint(str(tmp_path / "ckpt"),
+                              lambda name, a: a.astype(np.float32).astype(e5m2) if name == "layers/attn/wo" else a)
+  with pytest.raises(CheckpointError, match=r"ckpt: fp8 weights must be stored as float8_e4m3fn; layers/attn/wo "
+                                            r"is float8_e5m2$"):
+    load_checkpoint(ckpt, dtype="float32")
+
+
 def _plant_last(target: str, value):
   """A `plant` that sets the last element of `target` to `value` (a byte of an e4m3 tensor)."""
   def plant(name, a):

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from lcjax.checkpoint import items
 from lcjax.checkpoint.values import SCALE_MAX, SCALE_MIN
-from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, CheckpointError, flatten, item_dir, load_config,
+from lcjax.checkpoint.layout import (FUSED, MANIFEST_FILE, QUANTIZED, CheckpointError, flatten, item_dir, load_config,
                                      path_name, read_manifest, stored_format, stored_shape, tensor_sources, unwrap)
 from lcjax.config import WeightFormat
 from lcjax.model.llama import LINEAR
@@ -222,6 +222,10 @@ def restore_params(ckpt_dir: str, abstract_state, shardings=None, dtype=None, *,
   stored, target = stored_format(tensors), _format_of(abstract)
   # fp8 weights (stored or served) go through _convert_linear: served K-major, quantized or dequantized.
   convert = stored.fp8 or target.fp8
+  not_e4m3 = [f"{n} is {tensors[n]['dtype']}" for n in sorted(QUANTIZED) if n in tensors and stored.fp8
+              and tensors[n]["dtype"] != "float8_e4m3fn"]
+  if not_e4m3:       # read as e4m3, another dtype's bytes would be converted by value: other weights, or NaN
+    raise CheckpointError(f"{ckpt_dir}: fp8 weights must be stored as float8_e4m3fn; {', '.join(not_e4m3)}")
   if target.static_inputs and not stored.static_inputs:
     raise CheckpointError(f"{ckpt_dir}: holds no static input scales to quantize activations with")
   names = _model_names(abstract, stored) if convert else set(abstract)

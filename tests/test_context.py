@@ -1296,3 +1296,48 @@ def test_a_signing_key_others_can_reach_signs_nothing(tmp_path, monkeypatch):
   with eng.load_context(tmp_path / "c") as c:
     assert not c.stats["verified"] and not c.stats["shared"]
   _idle(eng)
+
+
+def test_an_interrupt_before_host_pages_are_written_back_caches_none_of_them(monkeypatch):
+  """A request whose prefix comes back from the host tier, interrupted (SIGINT) before the pages are written back
+  into the pool (the device cache stays whole, so nothing is rebuilt): the prefix cache gains none of the unwritten
+  pages, and the prompt asked again gets the answer it got before."""
+  eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01)
+  a = DOC + QS[0]
+  want = eng.generate(a, max_new_tokens=6).token_ids
+  eng.generate(RNG.integers(3, TINY.vocab_size, 80).tolist(), max_new_tokens=10)    # a's pages go to the host
+  assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6
+
+  def interrupted(*args, **kw):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(eng.steps, "scatter_pages", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    eng.generate(a, max_new_tokens=6)
+  monkeypatch.undo()
+  assert not eng.cache.k.is_deleted()
+  assert eng.generate(a, max_new_tokens=6).token_ids == want
+
+
+def test_a_context_whose_pages_another_thread_lost_is_refused(monkeypatch):
+  """Another thread's step, interrupted inside its donated call between pin() and the Context taking its pages
+  (the cache rebuilt, the epoch advanced): the context is of the lost pool, so offload, save and questions refuse
+  it in one line instead of copying the new pool's zeros as its K/V."""
+  eng = _engine()
+  sched = eng.scheduler
+  real = sched.pin
+
+  def pin_then_another_thread_loses_the_cache(*args, **kw):
+    out = real(*args, **kw)
+    for x in (sched.cache.k, sched.cache.v):
+      x.delete()
+    sched.recover_cache()
+    return out
+  monkeypatch.setattr(sched, "pin", pin_then_another_thread_loses_the_cache)
+  ctx = eng.prefill(DOC)
+  monkeypatch.undo()
+  lost = "this context's pages were lost when a device step was interrupted: prefill it again"
+  with pytest.raises(RequestError, match=lost):
+    ctx.offload()
+  with pytest.raises(RequestError, match=lost):
+    eng.generate(QS[0], max_new_tokens=6, context=ctx)
+  ctx.close()

@@ -64,7 +64,8 @@ class Context:
 
   def _hold(self, seq: int) -> None:
     """Own pinned sequence `seq`; a Context dropped without close() hands it back to the scheduler."""
-    self.seq, self.epoch = seq, self.engine.scheduler.epoch
+    # The epoch its pages were written in (a step of another thread may have lost them since pin() returned).
+    self.seq, self.epoch = seq, self.engine.scheduler.pinned.get(seq)
     self._finalizer = weakref.finalize(self, self.engine.scheduler.orphans.append, seq)
 
   def _let_go(self) -> None:
@@ -118,9 +119,9 @@ class Context:
   def offload(self) -> float:
     """Copy the context's K/V to host memory and return its pages to the pool; returns the seconds taken."""
     with self._lock:
-      self._check_usable()
       t0 = time.perf_counter()
       with self.engine.scheduler.lock:
+        self._check_usable()                     # under the lock that an interrupted step's recovery takes
         self._host, self.stats["host_memory"] = blocks_to_host(self.engine, self.pages())
         self._let_go()
       return time.perf_counter() - t0
@@ -171,6 +172,7 @@ class Context:
     t0 = time.perf_counter()
 
     def contents():
+      self._check_usable()                       # again, under the scheduler's lock (context_file.write holds it)
       pages, cache = self.pages(), eng.scheduler.cache
       header = dict(fingerprint=eng.fingerprint, tokens=len(self), pages=len(pages), page_size=eng.run.page_size,
                     layers=eng.cfg.n_layers, kv_heads=eng.cfg.n_kv_heads, head_dim=eng.cfg.head_dim,

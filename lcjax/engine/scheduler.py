@@ -166,8 +166,9 @@ class Scheduler:
       host = self._host_hits(r.prompt, limit, len(pages))
       r.seq = self.pool.adopt(pages) if pages else self.pool.new_sequence()
       r.cached = (len(pages) + len(host)) * Z
-    r.written, r.epoch, r.from_host = r.cached, self.epoch, len(host) * Z
+    r.epoch, r.from_host = self.epoch, len(host) * Z
     in_table = r.cached - r.from_host                # tokens the sequence's table already holds
+    r.written = in_table                             # the host tier's pages count once _unspill has written them
     try:
       copies = self.pool.extend(r.seq, n - in_table + r.max_new)
     except PagePoolExhausted:
@@ -223,6 +224,7 @@ class Scheduler:
     if n > len(host):
       parts = [np.concatenate([x, np.zeros((x.shape[0], n - len(host), *x.shape[2:]), x.dtype)], 1) for x in parts]
     self.cache = self.steps.scatter_pages(self.cache, jnp.asarray(idx), *(jnp.asarray(x) for x in parts))
+    r.written = r.cached
     self._keep_written(r, cached_only=True)       # the prefix cache's own pages, back from the host: kept
 
   def _keep_written(self, r: Request, cached_only: bool = False) -> None:

@@ -383,6 +383,32 @@ def test_stats_add_up_to_the_prefill_work(eng, monkeypatch):
   assert again["prefill_tokens"] == 150 - 144 + 5 and again["cached_tokens"] == 144
 
 
+def test_a_request_that_stops_early_in_a_batch_is_charged_its_own_steps(eng, monkeypatch):
+  """Two prompts decoded together, 16 steps a device call: prompt 0 stops at EOS after one decoded token while
+  prompt 1 decodes 39 in calls of 16, 16 and 7 steps. On a clock where every call takes one second, each is
+  charged its calls' time in proportion to the steps it took part in: prompt 0 1/16 s (62.5 ms for its token;
+  charged the whole call it reported 1,000 ms), prompt 1 3 s for its 39."""
+  from lcjax.engine import scheduler
+
+  class Clock:                  # the scheduler's clock: each reading one second after the one before
+    t = 0.0
+
+    def perf_counter(self):
+      self.t += 1.0
+      return self.t
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (9, 30)]
+  free = [r.token_ids for r in eng.generate(prompts, max_new_tokens=40)]
+  eos = free[0][1]
+  assert eos not in free[1] and eos != free[0][0]
+  stops = _engine(dataclasses.replace(TINY, eos_ids=(eos,)))
+  monkeypatch.setattr(scheduler, "time", Clock())
+  a, b = stops.generate(prompts, max_new_tokens=40)
+  assert (a.finish_reason, a.stats["new_tokens"], b.finish_reason, b.stats["new_tokens"]) == ("eos", 2, "length", 40)
+  assert a.stats["decode_ms_per_token"] == 1000 / 16
+  assert b.stats["decode_ms_per_token"] == 3000 / 39
+
+
 def test_each_prompt_of_a_batch_samples_its_own_stream(eng):
   """Prompt i draws with seed + i: three copies of one prompt differ, a call repeats exactly, and prompt i equals
   the prompt alone with seed + i (the oracle: one request's stream depends only on its seed)."""

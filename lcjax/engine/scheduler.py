@@ -581,13 +581,17 @@ class Scheduler:
     out = np.asarray(out)
     dt = time.perf_counter() - t0
     final_done = np.asarray(state.done)
+    # Each slot is charged the call's time in proportion to the model steps it took part in: the loop runs on
+    # for the others after a slot stops.
+    took = counts["steps"] if counts is not None else (out != -1).sum(axis=1)
+    ran = max(int(np.max(took)), 1)
     for b, r in enumerate(live):
       if r is None:
         continue
       got = [int(t) for t in out[b] if t >= 0]
       r.out.extend(got)
       r.written = len(r.prompt) + len(r.out) - 1        # the last token is sampled, not yet fed
-      r.decode_s += dt
+      r.decode_s += dt * int(took[b]) / ran
       if counts is None:
         r.decode_calls += len(got)
       else:

@@ -41,6 +41,10 @@ def _token_str(t) -> str | None:
   return t if isinstance(t, str) else None
 
 
+# tokenizer_config.json's special tokens, the map transformers passes to every chat template it renders.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def infer_add_bos(path: str) -> bool | None:
   """Whether the model's own tokenizer prepends BOS, as its files say (None when they say nothing).
 
@@ -246,6 +250,10 @@ class Tokenizer:
     self.eos_ids: tuple[int, ...] = tuple(int(i) for i in (d_eos if eos_ids is None else eos_ids))
     self.add_bos: bool = bool(d_add if add_bos is None else add_bos) and self.bos_id is not None
     self.chat_template, self.template_path = _chat_template(path)
+    tc = os.path.join(path, "tokenizer_config.json")
+    conf = _read_json(tc) if os.path.exists(tc) else {}
+    # What transformers hands a chat template beside the messages: its special-tokens map (the ones set).
+    self.special_tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_str(conf.get(k)))}
 
   @property
   def vocab_size(self) -> int:
@@ -274,9 +282,13 @@ class Tokenizer:
       raise ValueError(f"{self.path}: the checkpoint has no chat template")
     eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
     bos = self.id_to_token(self.bos_id) if self.bos_id is not None else None
+    # As transformers renders it: tools and documents None unless given, tokenizer_config.json's special tokens
+    # (bos and eos from the model's ids where it names none).
+    variables = dict(tools=None, documents=None, bos_token=bos or "", eos_token=eos or "")
+    variables.update(self.special_tokens)
+    variables.update(kwargs)
     return chat_template.render(self.chat_template, self.template_path, messages=list(messages),
-                                add_generation_prompt=add_generation_prompt, bos_token=bos or "",
-                                eos_token=eos or "", **kwargs)
+                                add_generation_prompt=add_generation_prompt, **variables)
 
   def chat_context(self, document: str, system: str | None = None) -> tuple[str, str] | None:
     """Split the chat whose user turn is `document` followed by a question: (the text up to the document's end,

@@ -166,6 +166,29 @@ def test_chat_template_errors(sp_dir, tmp_path):
     Tokenizer(str(tmp_path))
 
 
+def test_chat_templates_see_what_transformers_hands_them(sp_dir, tmp_path):
+  """tools and documents None and tokenizer_config.json's special tokens, as transformers renders every template
+  (its render_jinja_template, the oracle): a template's `tools is not none` guard is false, `tools is defined`
+  true, and unk_token and pad_token are its strings; given tools reach the template."""
+  render_jinja_template = pytest.importorskip(
+      "transformers.utils.chat_template_utils", reason="transformers renders the oracle").render_jinja_template
+  template = ("{{ bos_token }}{% if tools is not none %}[TOOLS {{ tools | length }}]{% endif %}"
+              "{% if documents is defined %}[DOCS {{ documents }}]{% endif %}"
+              "{% for m in messages %}[INST] {{ m.content }}[/INST]{% endfor %}{{ unk_token }}|{{ pad_token }}|"
+              "{{ eos_token }}")
+  special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}
+  d = str(tmp_path / "t")
+  shutil.copytree(sp_dir, d)
+  with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+    json.dump({**special, "chat_template": template}, f)
+  tok = Tokenizer(d)
+  msgs = [{"role": "user", "content": "Hi"}]
+  for kw in ({}, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}):
+    want = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
+                                 **special, **kw)[0][0]
+    assert tok.apply_chat_template(msgs, **kw) == want, kw
+
+
 @pytest.mark.parametrize("fname, content, exc, names", [
     ("tokenizer_config.json", "[1, 2]", TokenizerError, "holds a JSON list, not an object"),
     ("tokenizer_config.json", "{", TokenizerError, "not a readable JSON file: JSONDecodeError"),

@@ -58,6 +58,15 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
   assert set(np.unique(_draw(LOGITS, SamplingParams(temperature=1.0, top_p=1e-6, seed=3), 200))) == {0}
 
 
+def test_top_p_one_keeps_every_token():
+  """top_p = 1 is off (transformers adds no top-p step for it): every token stays drawable, also a tail whose
+  probabilities (2e-9 each) float32's running sum no longer adds to 1.0."""
+  from lcjax.engine.sampling import filtered_logits
+  logits = jnp.asarray([[20.0, 0.0, 0.0, 0.0]], jnp.float32)
+  kept = np.isfinite(np.asarray(filtered_logits(logits, stack([SamplingParams(temperature=1.0, top_p=1.0)]))))
+  assert kept.all(), kept
+
+
 def test_top_k_and_top_p_combine():
   got = _draw(LOGITS, SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=4), 3000)
   assert set(np.unique(got)) == {0, 1}

@@ -89,7 +89,8 @@ def filtered_logits(logits, sp: dict):
   in_k = jnp.arange(V)[None, :] < k[:, None]
   probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs                                    # mass strictly above
-  keep = in_k & (before < sp["top_p"][:, None])
+  # top_p = 1 keeps every token: float32's running sum reaches 1.0 before the tail, which `before < 1` would drop.
+  keep = in_k & ((before < sp["top_p"][:, None]) | (sp["top_p"][:, None] >= 1.0))
   n_keep = jnp.maximum(keep.sum(-1), 1)
   pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
   thresh = jnp.maximum(kth, pth)

@@ -1299,23 +1299,24 @@ def test_a_signing_key_others_can_reach_signs_nothing(tmp_path, monkeypatch):
 
 
 def test_an_interrupt_before_host_pages_are_written_back_caches_none_of_them(monkeypatch):
-  """A request whose prefix comes back from the host tier, interrupted (SIGINT) before the pages are written back
-  into the pool (the device cache stays whole, so nothing is rebuilt): the prefix cache gains none of the unwritten
-  pages, and the prompt asked again gets the answer it got before."""
+  """A request, then a context, whose prefix comes back from the host tier, interrupted (SIGINT) before the pages
+  are written back into the pool (the device cache stays whole, so nothing is rebuilt): the prefix cache gains
+  none of the unwritten pages, no page stays held, and the prompt asked again gets the answer it got before."""
   eng = _engine(num_pages=13, max_batch=2, host_cache_gib=0.01)
-  a = DOC + QS[0]
+  a, other = DOC + QS[0], RNG.integers(3, TINY.vocab_size, 80).tolist()
   want = eng.generate(a, max_new_tokens=6).token_ids
-  eng.generate(RNG.integers(3, TINY.vocab_size, 80).tolist(), max_new_tokens=10)    # a's pages go to the host
-  assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6
 
   def interrupted(*args, **kw):
     raise KeyboardInterrupt
-  monkeypatch.setattr(eng.steps, "scatter_pages", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    eng.generate(a, max_new_tokens=6)
-  monkeypatch.undo()
-  assert not eng.cache.k.is_deleted()
-  assert eng.generate(a, max_new_tokens=6).token_ids == want
+  for call in (lambda: eng.generate(a, max_new_tokens=6), lambda: eng.prefill(a)):
+    eng.generate(other, max_new_tokens=10)                                  # a's pages go to the host tier
+    assert eng.prefix_cache.match(a) == [] and len(eng.scheduler.host_tier) >= 6
+    monkeypatch.setattr(eng.steps, "scatter_pages", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+      call()
+    monkeypatch.undo()
+    assert not eng.cache.k.is_deleted() and eng.pool.pages_used == 0
+    assert eng.generate(a, max_new_tokens=6).token_ids == want
 
 
 def test_a_context_whose_pages_another_thread_lost_is_refused(monkeypatch):

@@ -225,9 +225,9 @@ class Engine:
     sched = self.scheduler
     with sched.exclusive():
       sched.check_open()
-      if not sched.admit(r):
-        raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
       try:
+        if not sched.admit(r):
+          raise PagePoolExhausted(sched.blocked_message(r, "the prompt"))
         return np.asarray(sched.prefill(r, sample=False))[0]
       finally:
         sched.release(r)

@@ -250,7 +250,7 @@ class Scheduler:
     weighted by 0 in the kernels' products, and 0 * NaN is NaN. Pages shared with the prefix cache or a context
     hold only what finite logits followed: none of them is zeroed or handed to the prefix cache from here."""
     own = [p for p in self.pool.page_table(seq) if self.pool.refcount(p) == 1]
-    if own:
+    if own and not self.cache.k.is_deleted():     # a cache lost in an interrupted step is rebuilt as zeros
       pages = np.zeros(_bucket(len(own), 1), np.int32)            # padding: the null page, written by no one
       pages[:len(own)] = own
       self.cache = self.steps.zero_pages(self.cache, jnp.asarray(pages))
@@ -282,9 +282,9 @@ class Scheduler:
     with self.lock:
       self.check_open()
       r = Request(-1, list(ids), 0, SamplingParams(), on_progress=on_progress, private=not share)
-      if not self.admit(r, cached_limit=len(ids)):
-        raise PagePoolExhausted(self.blocked_message(r, what))
       try:
+        if not self.admit(r, cached_limit=len(ids)):      # inside: an interrupt in admit's writes frees r's pages
+          raise PagePoolExhausted(self.blocked_message(r, what))
         if fill is None:
           self.prefill(r, sample=False)
           if r.finish == "nonfinite":
@@ -295,7 +295,7 @@ class Scheduler:
           r.written = len(ids)
         self._keep_written(r)
       except BaseException:
-        r.written = r.cached
+        r.written = min(r.written, r.cached)      # no chunk of its own; host pages only once written back
         self.release(r)
         self.recover_cache()
         raise

@@ -10,11 +10,12 @@ FP8 pools (`float8_e4m3fn`) carry one float32 scale per (layer, page, kv head), 
 x / scale. A page's scale is set by the tokens written into it: the smallest power of two that keeps every one of
 them within e4m3's range (|x| / scale <= 448), so nothing is clipped; a value that is not finite is stored as NaN
 (lcjax.ops.fp8.clip_finite), so that it reaches the logits as it does from bf16 pages. A write that brings a
-larger token into a partly filled page raises its scale and requantizes the values already there. Scales are powers of two, so that
-requantization only shifts exponents: a page written token by token holds the same e4m3 values as one written in
-one call (a value that drops into e4m3's subnormal range is rounded again). A write that starts a page (a token at
-offset 0) drops the scale of the page's previous owner. FP8 pools hold the keys rotated (`fp8_basis`): every write
-rotates them here, and every read of fp8 pages takes the queries rotated alike (lcjax.model.llama).
+larger token into a partly filled page raises its scale and requantizes the values already there. Scales are
+powers of two, so that requantization only shifts exponents: a page written token by token holds the same e4m3
+values as one written in one call (a value that drops into e4m3's subnormal range is rounded again). A write that
+starts a page (a token at offset 0) drops the scale of the page's previous owner. FP8 pools hold the keys rotated
+(`fp8_basis`): every write rotates them here, and every read of fp8 pages takes the queries rotated alike
+(lcjax.model.llama).
 
 On a mesh the pools shard pages on `seq` and kv heads on `tensor` (`POOL_AXES`, scales `SCALE_AXES`). Shard d of
 S holds the global pages [d * P/S, (d+1) * P/S) as its local pages 0 .. P/S - 1, local page 0 being its null page,

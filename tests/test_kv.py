@@ -183,6 +183,24 @@ def test_the_kernel_writes_what_xla_writes_bit_for_bit():
     _write(_empty(), *_call(SEQS, [0, 0], [1, 1], 1), kernel="fast")
 
 
+@pytest.mark.parametrize("seq", [1, 2])
+def test_zero_pages_zeroes_those_pages_only(seq):
+  """zero_pages (a stopped request's own pages, Scheduler._scrub): the pages named lose values and scales in every
+  layer, the others and the null page keep theirs; on a pool sharded over a `seq` mesh axis as on one device."""
+  from lcjax.sharding import make_mesh
+  mesh = make_mesh(tensor=1, seq=seq) if seq > 1 else None
+  cache = _run(_empty(), SEQS, [11])
+  want = [np.array(x, np.float32) for x in cache.parts()]
+  if mesh is not None:
+    cache = jax.device_put(cache, kvc.cache_shardings(mesh, True))
+  idx = [3, 7, 0, 0]                                   # padded with the null page, which is not zeroed
+  got = jax.jit(kvc.zero_pages)(cache, jnp.asarray(idx, jnp.int32))
+  for g, w in zip(got.parts(), want):
+    w[:, [3, 7]] = 0
+    np.testing.assert_array_equal(np.asarray(g, np.float32), w)
+  assert np.asarray(cache.k_scale)[:, [3, 7]].any()    # the case writes those pages
+
+
 def test_pages_move_with_their_scales():
   """gather_pages / scatter_pages (the host tier) carry the scales; a float pool has none to carry."""
   cache = _run(_empty(), SEQS, [11])

@@ -393,6 +393,13 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   out, err = p.stdout, p.stderr
   assert p.returncode == 2
   assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err
+  for args, names in (([f"--src={hf_dirs[2]}"], "--dst"), ([f"--src={hf_dirs[2]}", f"--dst={dst}", "--dtype=int8"],
+                                                            "int8"), ([f"--src={hf_dirs[2]}", f"--dst={dst}", "x"], "x")):
+    p = _tool(args)                          # flag errors: the same one line and status as the converter's own
+    p.wait(timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert (p.returncode, len(lines)) == (2, 1) and lines[0].startswith("convert_hf: error:"), p.stderr
+    assert names in lines[0], lines
 
 
 # VmHWM, not getrusage: ru_maxrss survives exec, so a child of this (large) pytest process would report ours.

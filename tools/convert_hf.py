@@ -10,6 +10,7 @@ import sys
 from absl import app, flags, logging
 
 from lcjax.checkpoint import CheckpointError, convert_hf
+from lcjax.cli.usage import help_if_asked
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "HF model folder (config.json + *.safetensors).", required=True)
@@ -29,6 +30,21 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with its failures (a missing --src or --dst, an unknown --dtype or flag) refused as the
+  converter's other errors are: one line and status 2, not absl's usage text and status 1; help is no error."""
+  help_if_asked(argv)
+  try:
+    rest = FLAGS(argv)
+  except flags.Error as e:
+    print(f"convert_hf: error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)
+  if len(rest) > 1:
+    print(f"convert_hf: error: unexpected argument(s) {rest[1:]}: flags are written --name=value", file=sys.stderr)
+    sys.exit(2)
+  return rest
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every item it writes at INFO
@@ -44,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

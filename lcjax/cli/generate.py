@@ -25,6 +25,8 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lcjax.cli.usage import help_if_asked
+
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "an lcjax checkpoint directory, an HF model folder or a GGUF file (the last "
@@ -130,9 +132,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with its failures (unknown flag or config key, bad value, unreadable config file)
   refused like every other bad input instead of absl's usage text and status 1."""
   from lcjax.config import RunConfig          # layer L0: no jax yet
-  for a in argv[1:]:
-    if a in HELP_FLAGS:                       # absl prints the help and exits 1; asking for help is no error
-      app.usage(shorthelp=a != "--helpfull", writeto_stdout=True, exitcode=0)
+  help_if_asked(argv)
   known = sorted(f.name for f in dataclasses.fields(RunConfig))
   overrides = [a for a in argv[1:] if a.startswith("--config.")]
   for a in overrides:
@@ -159,9 +159,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
   if len(rest) > 1:
     _refuse(f"unexpected argument(s) {rest[1:]}: flags are written --name=value")
   return rest
-
-
-HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
 class UsageError(ValueError):

@@ -393,8 +393,9 @@ def test_killed_cli_leaves_no_checkpoint_and_rerun_succeeds(hf_dirs, tmp_path):
   out, err = p.stdout, p.stderr
   assert p.returncode == 2
   assert err.strip().splitlines()[-1].startswith("convert_hf: error:") and "already exists" in err
-  for args, names in (([f"--src={hf_dirs[2]}"], "--dst"), ([f"--src={hf_dirs[2]}", f"--dst={dst}", "--dtype=int8"],
-                                                            "int8"), ([f"--src={hf_dirs[2]}", f"--dst={dst}", "x"], "x")):
+  src = f"--src={hf_dirs[2]}"
+  bad = (([src], "--dst"), ([src, f"--dst={dst}", "--dtype=int8"], "int8"), ([src, f"--dst={dst}", "x"], "x"))
+  for args, names in bad:
     p = _tool(args)                          # flag errors: the same one line and status as the converter's own
     p.wait(timeout=120)
     lines = p.stderr.strip().splitlines()

@@ -77,6 +77,14 @@ def _bucket(n: int, lo: int, hi: int | None = None) -> int:
   return min(b, hi) if hi else b
 
 
+def _null_padded(pages) -> np.ndarray:
+  """Page ids as int32, padded to a power of two with the null page (which page moves skip): one compile of a
+  page move per power of two."""
+  idx = np.zeros(_bucket(len(pages), 1), np.int32)
+  idx[:len(pages)] = pages
+  return idx
+
+
 # Prefill chunk lengths: powers of two from CHUNK_MIN to POW2_UP_TO tokens, where a step costs about the same
 # at any of them (it reads every weight and the cached prefix); above, multiples of an eighth of the next power
 # of two (four lengths an octave) and of ROW_TILE (the flash kernels' query tile): fewer than max(n / 4, 128)
@@ -193,10 +201,8 @@ class Scheduler:
   def _spill(self, victims: list[tuple[bytes, int]]) -> None:
     """Copy pages about to be evicted to the host tier (PrefixCache.on_evict)."""
     keys, pages = zip(*victims)
-    idx = np.zeros(_bucket(len(pages), 1), np.int32)   # padded with the null page: one compile per power of two
-    idx[:len(pages)] = pages
     # K, V [L, n, Z, K, H] (and fp8 scales [L, n, K])
-    parts = [np.asarray(x) for x in self.steps.gather_pages(self.cache, jnp.asarray(idx))]
+    parts = [np.asarray(x) for x in self.steps.gather_pages(self.cache, jnp.asarray(_null_padded(pages)))]
     for i, key in enumerate(keys):
       value = tuple(np.ascontiguousarray(x[:, i]) for x in parts)
       self.host_tier.put(key, value, self._page_bytes(value))
@@ -216,9 +222,8 @@ class Scheduler:
     """Write pages back from the host tier into the request's table slots after its device-cached ones."""
     table = self.pool.page_table(r.seq)
     first = r.cached // self.run.page_size - len(host)
-    n = _bucket(len(host), 1)
-    idx = np.zeros(n, np.int32)
-    idx[:len(host)] = table[first:first + len(host)]
+    idx = _null_padded(table[first:first + len(host)])
+    n = len(idx)
     # K, V [L, h, Z, K, H] (and fp8 scales [L, h, K])
     parts = [np.stack([value[i] for _, value in host], 1) for i in range(len(host[0][1]))]
     if n > len(host):
@@ -251,9 +256,7 @@ class Scheduler:
     hold only what finite logits followed: none of them is zeroed or handed to the prefix cache from here."""
     own = [p for p in self.pool.page_table(seq) if self.pool.refcount(p) == 1]
     if own and not self.cache.k.is_deleted():     # a cache lost in an interrupted step is rebuilt as zeros
-      pages = np.zeros(_bucket(len(own), 1), np.int32)            # padding: the null page, written by no one
-      pages[:len(own)] = own
-      self.cache = self.steps.zero_pages(self.cache, jnp.asarray(pages))
+      self.cache = self.steps.zero_pages(self.cache, jnp.asarray(_null_padded(own)))
 
   def recover_cache(self) -> None:
     """After an interruption inside a donated call the pools are gone: start afresh. Cached pages are forgotten

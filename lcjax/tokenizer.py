@@ -231,6 +231,10 @@ class Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception, sentencepiece a RuntimeError
       msg = (str(e).strip().splitlines() or [""])[0][:300]
       raise TokenizerError(f"{f}: not a readable tokenizer file: {type(e).__name__}: {msg}") from None
+    tc = os.path.join(path, "tokenizer_config.json")
+    conf = _read_json(tc) if os.path.exists(tc) else {}
+    # What transformers hands a chat template beside the messages: its special-tokens map (the ones set).
+    self.special_tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_str(conf.get(k)))}
     cfg = os.path.join(path, "lcjax_config.json")
     if os.path.exists(cfg):
       c = _read_json(cfg)
@@ -240,9 +244,7 @@ class Tokenizer:
         raise TokenizerError(f"{cfg}: bos_id={str(d_bos)[:40]} and eos_ids={str(d_eos)[:60]} must be token ids "
                              "(integers >= 0)")
     else:
-      tc = os.path.join(path, "tokenizer_config.json")
-      c = _read_json(tc) if os.path.exists(tc) else {}
-      b, e = _token_str(c.get("bos_token")), _token_str(c.get("eos_token"))
+      b, e = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
       d_bos = self._b.token_to_id(b) if b else None
       d_eos = (self._b.token_to_id(e),) if e and self._b.token_to_id(e) is not None else ()
       d_add = infer_add_bos(path)
@@ -250,10 +252,6 @@ class Tokenizer:
     self.eos_ids: tuple[int, ...] = tuple(int(i) for i in (d_eos if eos_ids is None else eos_ids))
     self.add_bos: bool = bool(d_add if add_bos is None else add_bos) and self.bos_id is not None
     self.chat_template, self.template_path = _chat_template(path)
-    tc = os.path.join(path, "tokenizer_config.json")
-    conf = _read_json(tc) if os.path.exists(tc) else {}
-    # What transformers hands a chat template beside the messages: its special-tokens map (the ones set).
-    self.special_tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_str(conf.get(k)))}
 
   @property
   def vocab_size(self) -> int:

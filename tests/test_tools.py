@@ -203,6 +203,19 @@ def test_bench_longctx_rows_and_plots(tmp_path):
   assert (tmp_path / "lc-memory.png").stat().st_size > 0 and (tmp_path / "lc-prefill.png").stat().st_size > 0
 
 
+def test_bench_context_times_no_compilation(tmp_path):
+  """The context benchmark on the tiny preset, a document of three full chunks and a partial one (so its full
+  chunks that read a prefix run a program its short warm-up prompt does not): the timed prefill and question make
+  no program, and the answers after the host and disk round trips and a cold prefill equal the first."""
+  _run("bench_context.py", "--preset=tiny", "--contexts=400", "--prefill_chunk=128", "--page_size=16",
+       "--question=20", "--answer=4", "--dtype=float32", f"--tmp={tmp_path}", f"--out={tmp_path}", "--name=cx")
+  (row,) = json.load(open(tmp_path / "cx.json"))["rows"]
+  assert "error" not in row, row
+  assert row["prefill_compile_s"] == 0 and row["ttft_compile_s"] == 0, row
+  assert row["answers_match"] is True and row["prefill_s"] > 0 and row["ttft_s"] > 0
+  assert "compiling" not in (tmp_path / "cx.md").read_text()
+
+
 def test_bench_startup_cold_then_warm_cache(tmp_path):
   """Two fresh CLI starts on one cache directory: the first compiles every program and writes it, the second
   reads every one back (the CLI's own count, parsed from its stats table)."""

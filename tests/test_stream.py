@@ -74,6 +74,23 @@ def test_stream_in_bursts_gives_the_same_tokens(eng, monkeypatch, prompts):
   assert [r.text for r in eng.last_results] == [r.text for r in expected]
 
 
+def test_a_stream_left_unfinished_leaves_its_own_results(eng, prompts):
+  """A stream the caller breaks off after its first piece leaves in last_results its tokens so far (a prefix of
+  generate()'s), finish_reason "stopped", not the previous call's results; a call refused before it starts
+  leaves none."""
+  expected = eng.generate(prompts, max_new_tokens=N)
+  for _ in eng.generate_stream(prompts[0], max_new_tokens=N, decode_steps=4):
+    break
+  (res,) = eng.last_results
+  assert res.finish_reason == "stopped" and 0 < len(res.token_ids) < N
+  assert res.token_ids == expected[0].token_ids[:len(res.token_ids)]
+  with pytest.raises(RequestError):
+    eng.generate(prompts[0], max_new_tokens=N, decode_steps=0)
+  assert eng.last_results == []
+  list(eng.generate_stream(prompts[1], max_new_tokens=N))
+  assert [r.finish_reason for r in eng.last_results] == ["length"]
+
+
 def test_generate_takes_decode_steps_per_call(eng, prompts):
   assert (eng.generate(prompts, max_new_tokens=N, decode_steps=1)[1].token_ids
           == eng.generate(prompts, max_new_tokens=N)[1].token_ids)

@@ -81,10 +81,9 @@ class Engine:
     params = convert_weights(params, model_cfg, self.weights, self.run.dtype)
     self.decode_linear, self.page_write = serving.linear.name, serving.page_write.name
     serving.log_slow_paths()
-    self.graphdef, self.param_shardings = placement.serving_shardings(model_cfg, self.run, self.mesh,
-                                                                      self.attention, self.weights,
-                                                                      gemv_kernel=serving.linear.kernel,
-                                                                      page_writer=serving.page_write.kernel)
+    self.graphdef, self.param_shardings = placement.serving_shardings(
+        model_cfg, self.run, self.mesh, self.attention, self.weights, gemv_kernel=serving.linear.kernel,
+        page_writer=serving.page_write.kernel)
     self.fingerprint = context_fingerprint(model_cfg, self.run, self.weights, _weights_digest(params))
     self.params = placement.place_params(params, model_cfg, self.run, self.mesh, self.param_shardings,
                                          self.weights)
@@ -276,11 +275,11 @@ class Engine:
     stats["time_to_first_token_s"]: from the call to the prompt's first token. on_progress(prompt index,
     tokens prefilled, tokens to prefill) is called after each prefill chunk (index -1: the prefix).
     decode_steps: tokens per decode call of the device loop (default: run.decode_steps); it never changes the
-    tokens, only how often the host sees them.
-    """
+    tokens, only how often the host sees them."""
     t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
+    self.last_results = []
     _check_callback(on_progress)
-    steps = self._decode_steps(decode_steps, self.run.decode_steps)
+    steps = self.limits.decode_steps(decode_steps, self.run.decode_steps)
     reqs, single, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
       r.on_progress = on_progress
@@ -296,27 +295,30 @@ class Engine:
     """Yield (prompt index, text delta) as tokens come back from the device: one decode call, of up to
     `decode_steps` tokens (default: run.stream_decode_steps, else run.decode_steps), at a time; decode_steps=1
     yields every token as soon as it is sampled (at the cost of a device call and a host sync per token).
-    The other arguments are generate()'s."""
+    The other arguments are generate()'s. `last_results` then holds the results; a stream left unfinished (closed,
+    broken off, an error) leaves its tokens so far, finish_reason "stopped" where a request had not finished."""
     t0, c0 = time.perf_counter(), compile_cache.compile_seconds()
+    self.last_results = []
     _check_callback(on_progress)
-    steps = self._decode_steps(decode_steps, self.run.stream_steps)
+    steps = self.limits.decode_steps(decode_steps, self.run.stream_steps)
     reqs, _, prefix_ids = self._requests(prompts, max_new_tokens, sampling, prefix, context, chat)
     for r in reqs:
       r.on_progress = on_progress
     sent = {r.index: "" for r in reqs}
-    for r in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
-      text = self._text(r.out)
-      if text != sent[r.index]:
-        # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
-        stable = text.rstrip("\ufffd") if r.finish is None else text
-        if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
-          yield r.index, stable[len(sent[r.index]):]
-          sent[r.index] = stable
-    compile_s = compile_cache.compile_seconds() - c0
-    self.last_results = [self._result(r, t0, compile_s) for r in reqs]
-
-  def _decode_steps(self, given, default: int) -> int:
-    return self.limits.decode_steps(given, default)
+    try:
+      for r in self.scheduler.serve(reqs, prefix=prefix_ids, decode_steps=steps, on_progress=on_progress):
+        text = self._text(r.out)
+        if text != sent[r.index]:
+          # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
+          stable = text.rstrip("\ufffd") if r.finish is None else text
+          if stable.startswith(sent[r.index]) and len(stable) > len(sent[r.index]):
+            yield r.index, stable[len(sent[r.index]):]
+            sent[r.index] = stable
+    finally:
+      for r in reqs:
+        r.finish = r.finish or "stopped"
+      compile_s = compile_cache.compile_seconds() - c0
+      self.last_results = [self._result(r, t0, compile_s) for r in reqs]
 
   def _text(self, ids) -> str:
     if self.tokenizer is None:
@@ -361,7 +363,7 @@ class Engine:
     if prompt_tokens:
       chunks |= chunk_programs(prompt_tokens, C, cached=context_tokens)
     asks = bool(prompt_tokens or more_buckets)
-    decode = ((self._decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
+    decode = ((self.limits.decode_steps(decode_steps, self.run.decode_steps), sp.temperature == 0),) if asks else ()
     with self.scheduler.lock:
       self.scheduler.check_open()
       return self.scheduler.compile_programs(chunks, decode, first_token=asks,

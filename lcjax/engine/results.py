@@ -16,7 +16,8 @@ class GenerationResult:
   text: str
   token_ids: list[int]
   prompt_tokens: int
-  finish_reason: str           # "eos", "length", or "nonfinite" (stopped: the model's logits held NaN or inf)
+  finish_reason: str           # "eos", "length", "nonfinite" (stopped: the model's logits held NaN or inf), or
+                               # "stopped" (a generate_stream left unfinished)
   stats: dict
 
 

@@ -79,7 +79,8 @@ def all_greedy(params: list[SamplingParams]) -> bool:
 def filtered_logits(logits, sp: dict):
   """logits [B, V] float32 -> the distribution each row samples from, as logits [B, V]: scaled by the row's
   temperature, -inf outside its top-k and top-p sets (rows of temperature 0: scaled by 1). softmax of it is the
-  probability `sample` draws each token with."""
+  probability `sample` draws each token with. The cut is a logit threshold: tokens tied with the last one kept are
+  kept too, so a set may hold more than top_k tokens (as HF transformers' top-k keeps ties)."""
   B, V = logits.shape
   temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
   scaled = logits / temp[:, None]

@@ -10,7 +10,7 @@ import sys
 from absl import app, flags, logging
 
 from lcjax.checkpoint import CheckpointError, convert_hf
-from lcjax.cli.usage import help_if_asked
+from lcjax.cli.usage import help_if_asked, unexpected_arguments
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "HF model folder (config.json + *.safetensors).", required=True)
@@ -39,8 +39,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     print(f"convert_hf: error: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
-  if len(rest) > 1:
-    print(f"convert_hf: error: unexpected argument(s) {rest[1:]}: flags are written --name=value", file=sys.stderr)
+  if unexpected_arguments(rest):
+    print(f"convert_hf: error: {unexpected_arguments(rest)}", file=sys.stderr)
     sys.exit(2)
   return rest
 

@@ -25,7 +25,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lcjax.cli.usage import help_if_asked
+from lcjax.cli.usage import help_if_asked, unexpected_arguments
 
 
 FLAGS = flags.FLAGS
@@ -156,8 +156,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except Exception as e:  # noqa: BLE001 - whatever the user's config module raised, e.g. a SyntaxError
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     _refuse(f"--config: cannot load the config file: {lines[-1] if lines else type(e).__name__}")
-  if len(rest) > 1:
-    _refuse(f"unexpected argument(s) {rest[1:]}: flags are written --name=value")
+  if unexpected_arguments(rest):
+    _refuse(unexpected_arguments(rest))
   return rest
 
 

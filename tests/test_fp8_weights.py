@@ -316,6 +316,21 @@ def test_sharded_equals_unsharded(tensor, seq):
   assert a.token_ids == b.token_ids
 
 
+@pytest.mark.skipif(len(jax.devices()) < 3, reason="needs 3 devices (fake CPU devices via conftest)")
+def test_a_seq_mesh_that_pads_the_call_multiplies_its_real_rows_as_one_device():
+  """seq=3 pads a call's tokens to whole zigzag chunks (64 -> 66, 2 x 32 -> 2 x 36): the products take the path of
+  the call's real rows, 64 (widened, as on one device), not that of the padded rows (fp8 x fp8, quantized
+  activations: logits about 5% off). The uncached forward of 64 tokens and of 2 x 32, and a prefill chunk of 64."""
+  run = RunConfig(dtype="float32", max_context=256, weight_dtype="float8_e4m3fn", prefill_chunk=64,
+                  linear_kernel="xla")
+  one = lcjax.Engine.random(CFG, run=run, seed=3)
+  mesh = lcjax.Engine(CFG, one.params, run=run.replace(seq=3))
+  ids = np.random.default_rng(4).integers(2, 256, 64).tolist()
+  for rows in ([ids], [ids[:32], ids[32:]]):
+    np.testing.assert_allclose(mesh.logits(rows), one.logits(rows), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(mesh.prompt_logits(ids), one.prompt_logits(ids), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,fp8_gemm", [(256, True), (8, False)])
 def test_gpu_linear_runs_fp8_gemms(rows, fp8_gemm):

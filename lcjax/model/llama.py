@@ -62,7 +62,7 @@ from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
-                               quantize_axes, quantize_weight)
+                               path_for_rows, quantize_axes, quantize_weight)
 from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax import sharding as sh
@@ -120,10 +120,10 @@ def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights
     setattr(module, name + "_in_scale", nnx.Param(jnp.ones((*lead, 1), jnp.float32), axes=(*laxes[:len(lead)], None)))
 
 
-def _apply(module, name, x, spec, gemv=None):
+def _apply(module, name, x, spec, gemv=None, path=None):
   """einsum(spec, x, weight `name`) for a weight set by `_linear`. gemv: for fp8 weights held whole by the layer
   scan (stacked [L, ...]), the product of this layer's slice (`Llama._gemv`), handed the weight's and the scale's
-  logical axes."""
+  logical axes. path: the product `dense` runs for other fp8 weights (None: chosen by x's rows)."""
   w = getattr(module, name)[...]
   if not hasattr(module, name + "_scale"):
     return jnp.einsum(spec, x, w)
@@ -133,7 +133,7 @@ def _apply(module, name, x, spec, gemv=None):
     return gemv(x, w, scale[...], spec, axes)
   in_scale = getattr(module, name + "_in_scale", None)
   return dense(x, w, getattr(module, name + "_scale")[...], spec,
-               in_scale=None if in_scale is None else in_scale[...])
+               in_scale=None if in_scale is None else in_scale[...], path=path)
 
 
 def rms_norm(x, scale, eps):
@@ -170,16 +170,16 @@ class Attention(nnx.Module):
     _linear(self, "wo", rngs, shapes["layers/attn/wo"], LINEAR_AXES["layers/attn/wo"], dtype, (N * H) ** -0.5,
             n_layers, self.OUT, weights)
 
-  def qkv(self, x, rope, gemv=None):
+  def qkv(self, x, rope, gemv=None, path=None):
     """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
-    qkv = _apply(self, "wqkv", x, self.QKV, gemv)              # [B, T, K, G + 2, H]
+    qkv = _apply(self, "wqkv", x, self.QKV, gemv, path)        # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = einops.rearrange(qkv[:, :, :, :G], "b t k g h -> b t (k g) h")    # query head n = k * G + g
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
-  def out(self, o, gemv=None):
-    return _apply(self, "wo", o, self.OUT, gemv)
+  def out(self, o, gemv=None, path=None):
+    return _apply(self, "wo", o, self.OUT, gemv, path)
 
 
 class MLP(nnx.Module):
@@ -195,9 +195,9 @@ class MLP(nnx.Module):
     _linear(self, "w_down", rngs, shapes["layers/mlp/w_down"], LINEAR_AXES["layers/mlp/w_down"], dtype,
             F ** -0.5, n_layers, self.DOWN, weights)
 
-  def __call__(self, x, gemv=None):
-    gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv)      # [B, T, 2, F]
-    return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN, gemv)
+  def __call__(self, x, gemv=None, path=None):
+    gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv, path)  # [B, T, 2, F]
+    return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN, gemv, path)
 
 
 class Block(nnx.Module):
@@ -226,6 +226,8 @@ class CallContext:
   split: bool = False             # tokens split over `seq` (zigzag or plain layout; mesh prefill / full forward)
   built: bool = False             # positions[b] = (prefix_len[b] or 0) + arange(T), built by the model: every
                                   # cached key precedes every row, and (unsplit) the rows are in order
+  linear_path: str | None = None  # the product lcjax.ops.linear.dense runs for fp8 weights, chosen by the call's
+                                  # real rows (B x T before a split call's padding); None: by its operand's rows
 
   @property
   def reads_prefix(self) -> bool:
@@ -578,10 +580,11 @@ class Llama(nnx.Module):
   def _layer(self, block: Block, x, step: CallContext, cache_l, gemv=None):
     """-> (x, the layer's new cache part, the call's (k, v) [B, T, K, H] of this layer)."""
     h = block.attn_norm(x)
-    q, k, v = block.attn.qkv(h, step.rope, gemv)
+    path = step.linear_path
+    q, k, v = block.attn.qkv(h, step.rope, gemv, path)
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
-    x = self._constrain(x + block.attn.out(o, gemv), self._x_axes(step))
-    x = self._constrain(x + block.mlp(block.mlp_norm(x), gemv), self._x_axes(step))
+    x = self._constrain(x + block.attn.out(o, gemv, path), self._x_axes(step))
+    x = self._constrain(x + block.mlp(block.mlp_norm(x), gemv, path), self._x_axes(step))
     return x, new_cache_l, (k, v)
 
   def holds_weights(self, rows: int) -> bool:
@@ -681,7 +684,7 @@ class Llama(nnx.Module):
                 and kvc.writes_token_by_kernel(self.page_writer, cache.k_scale, slots) else None)
     step = CallContext(positions, lengths, slots, page_table, prefix_len, kv_len,
                        rope=rope_angles(positions, _inv_freq(self.cfg)), pages=pages, split=split, token_at=token_at,
-                       built=built)
+                       built=built, linear_path=path_for_rows(B * T))
     x = self.embed.embedding[...][tokens].astype(self.dtype)     # [B, T, D]
     x = self._constrain(x, self._x_axes(step))
 

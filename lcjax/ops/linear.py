@@ -144,9 +144,14 @@ def rows_of(x, spec: str) -> int:
   return math.prod(n for n, c in zip(x.shape, xs) if c in out)
 
 
+def path_for_rows(rows: int) -> str:
+  """Which product `dense` runs for a call of `rows` rows: "widened" or "fp8"."""
+  return "widened" if rows <= WIDEN_MAX_ROWS else "fp8"
+
+
 def path_for(x, spec: str) -> str:
   """Which product `dense` runs for x: "widened" or "fp8"."""
-  return "widened" if rows_of(x, spec) <= WIDEN_MAX_ROWS else "fp8"
+  return path_for_rows(rows_of(x, spec))
 
 
 def dense(x, w8, scale, spec: str, *, in_scale=None, path: str | None = None):

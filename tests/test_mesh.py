@@ -139,6 +139,22 @@ def test_prefix_sharing_on_a_mesh():
   assert eng.pool.pages_used == 0
 
 
+def test_peak_device_memory_is_the_largest_of_the_engines_devices(monkeypatch):
+  """stats["peak_device_bytes"] is the largest peak over the engine's own devices (the memory plan's per-device
+  figure), not the process's first device's: an engine on devices 4-7 reports device 6's peak (the CPU reports
+  none, so each device's memory_stats is faked here)."""
+  devices = jax.devices()[4:]
+  peaks = {d.id: 100 * (i + 1) for i, d in enumerate(jax.devices())}
+  peaks[6] = 10**6
+  eng = Engine(CFG, engine().params, run=RUN.replace(seq=2, tensor=2), mesh=jax.sharding.Mesh(
+      np.array(devices).reshape(2, 2), ("seq", "tensor")))
+  monkeypatch.setattr(type(devices[0]), "memory_stats", lambda d: {"peak_bytes_in_use": peaks[d.id]})
+  assert eng.generate(PROMPTS[1], max_new_tokens=2).stats["peak_device_bytes"] == 10**6
+  peaks[6] = 0
+  assert eng.generate(PROMPTS[1], max_new_tokens=2).stats["peak_device_bytes"] == 800
+  eng.close()
+
+
 def test_fp8_cache_on_a_mesh():
   """fp8 pages on (tensor, seq) = (4, 2), each page on its own seq shard: a context's pages carry the one-device
   pages' scales (each repeated with its KV head) and values, and the prefill logits match the one-device fp8

@@ -21,9 +21,12 @@ class GenerationResult:
   stats: dict
 
 
-def peak_device_bytes() -> int | None:
-  stats = jax.local_devices()[0].memory_stats()
-  return None if not stats else stats.get("peak_bytes_in_use")
+def peak_device_bytes(devices=None) -> int | None:
+  """The largest peak of bytes in use over `devices` (default: this process's first device), as the memory plan
+  counts a device; None where no device reports memory (the CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) if peaks else None
 
 
 def peak_host_bytes() -> int:
@@ -31,11 +34,11 @@ def peak_host_bytes() -> int:
 
 
 def result(r: Request, text: str, kernels: dict, draft, t_call: float | None = None,
-           compile_s: float = 0.0) -> GenerationResult:
+           compile_s: float = 0.0, devices=None) -> GenerationResult:
   """r's result (`text`: its output ids decoded); its prefill stats include the shared prefix's prefill when r
   paid it (Scheduler.serve). kernels: the engine's attention, dtypes and kernels, the stats' first fields; draft:
   the run's draft model. compile_s: the call's seconds of making programs (compile_cache.compile_seconds), in its
-  times."""
+  times. devices: the engine's, whose largest peak is stats["peak_device_bytes"]."""
   n_dec = max(len(r.out) - 1, 0)
   prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
   ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")
@@ -48,7 +51,7 @@ def result(r: Request, text: str, kernels: dict, draft, t_call: float | None = N
                draft=draft, decode_calls=r.decode_calls,
                tokens_per_decode_call=(n_dec / r.decode_calls) if r.decode_calls else float("nan"),
                drafts_proposed=r.drafts_proposed, drafts_accepted=r.drafts_accepted,
-               peak_device_bytes=peak_device_bytes(), peak_host_bytes=peak_host_bytes())
+               peak_device_bytes=peak_device_bytes(devices), peak_host_bytes=peak_host_bytes())
   return GenerationResult(text, list(r.out), len(r.prompt), r.finish or "length", stats)
 
 

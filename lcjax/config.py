@@ -56,6 +56,11 @@ class RopeScaling:
   original_max_position: int = 8192
 
 
+# What transformers' LlamaConfig and MistralConfig take for a key config.json leaves out (the file's value wins).
+HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "num_key_value_heads": None},
+               "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   name: str
@@ -130,10 +135,12 @@ class ModelConfig:
     """Build from an HF `config.json` dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x `rope_parameters`)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type", "")
-    if model_type not in ("llama", "mistral") and not any(a in ("LlamaForCausalLM", "MistralForCausalLM")
-                                                           for a in archs):
+    family = model_type if model_type in HF_DEFAULTS else next(
+        (t for t, a in (("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM")) if a in archs), None)
+    if family is None:
       raise ConfigError(f"unsupported architecture model_type={model_type!r} architectures={archs}: "
                         "lcjax converts LLaMA-family models only")
+    defaults = HF_DEFAULTS[family]
     rope_params = hf.get("rope_parameters") or {}
     rope_scaling = hf.get("rope_scaling") or None
     for key, v in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
@@ -171,11 +178,13 @@ class ModelConfig:
     return cls(
         name=name or hf.get("_name_or_path") or model_type,
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", defaults["num_key_value_heads"]) or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+        ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
+        rope_theta=float(theta),
         rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
+        max_position=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
+        bos_id=hf.get("bos_token_id"),
         eos_ids=eos_ids)
 
   def to_hf(self) -> dict:

@@ -1,0 +1,58 @@
+"""Reading an HF folder's config.json (lcjax.checkpoint.hf.hf_model_config) against transformers' own reading of it.
+
+Oracle: transformers.AutoConfig on the same config.json (a key the file leaves out takes its config class's
+default). Fields whose effect lcjax does not implement must be refused with one line naming the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lcjax.checkpoint import CheckpointError
+from lcjax.checkpoint.hf import hf_model_config
+
+MINIMAL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=16, intermediate_size=96)
+
+
+def _folder(tmp_path, **config) -> str:
+  src = str(tmp_path / "hf")
+  os.makedirs(src)
+  with open(os.path.join(src, "config.json"), "w") as f:
+    json.dump(config, f)
+  return src
+
+
+def _auto_config(src):
+  transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
+  return transformers.AutoConfig.from_pretrained(src)
+
+
+def _one_line_error(src, *match):
+  with pytest.raises(CheckpointError) as e:
+    hf_model_config(src)
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  for m in match:
+    assert m in msg, msg
+
+
+@pytest.mark.parametrize("arch", [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM")])
+def test_missing_keys_take_the_config_class_defaults(tmp_path, arch):
+  """A config.json with only the keys every LLaMA config needs: each field lcjax reads is what transformers builds
+  the model with (rms_norm_eps defaults to 1e-6 in LlamaConfig and MistralConfig, not 1e-5; MistralConfig's
+  num_key_value_heads to 8)."""
+  model_type, cls = arch
+  extra = {"sliding_window": None} if model_type == "mistral" else {}
+  src = _folder(tmp_path, model_type=model_type, architectures=[cls], **MINIMAL, **extra)
+  hf = _auto_config(src)
+  cfg = hf_model_config(src)
+  theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
+  head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+  assert cfg.norm_eps == hf.rms_norm_eps
+  assert cfg.max_position == hf.max_position_embeddings
+  assert cfg.rope_theta == theta
+  assert cfg.tie_embeddings == hf.tie_word_embeddings
+  assert (cfg.n_kv_heads, cfg.head_dim) == (hf.num_key_value_heads, head_dim)
+  assert cfg.eos_ids == (hf.eos_token_id,)

@@ -61,6 +61,26 @@ HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, 
                "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}}
 
 
+def _refuse_unimplemented(hf: Mapping[str, Any], family: str, rope_params: Mapping, rope_scaling: Mapping) -> None:
+  """Refuse (one line) HF config fields that make transformers compute something lcjax's model does not: another
+  MLP activation than SwiGLU's silu, rotary embeddings on part of each head, Mistral's sliding-window attention
+  over a window shorter than the trained context (MistralConfig's default window is 4096)."""
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ConfigError(f"hidden_act={act!r} is not supported; lcjax's MLP is SwiGLU (hidden_act 'silu')")
+  for where in (hf, rope_params, rope_scaling):
+    partial = where.get("partial_rotary_factor")
+    if partial is not None and partial != 1:
+      raise ConfigError(f"partial_rotary_factor={partial!r} (rotary embeddings on part of each head) is not "
+                        "supported; lcjax rotates the whole head")
+  if family == "mistral":
+    window = hf.get("sliding_window", 4096)
+    trained = hf.get("max_position_embeddings", HF_DEFAULTS[family]["max_position_embeddings"])
+    if window is not None and not (_is_int(window) and _is_int(trained) and window >= trained):
+      raise ConfigError(f"sliding_window={window!r} is shorter than max_position_embeddings={trained!r}: "
+                        "sliding-window attention is not supported (lcjax attends to every earlier token)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   name: str
@@ -163,6 +183,7 @@ class ModelConfig:
         raise ConfigError(f"rope_scaling of rope_type 'llama3' holds a value that is not a number ({e})") from None
     elif rope_type not in ("default", None):
       raise ConfigError(f"unsupported rope_type={rope_type!r}; lcjax supports 'default' and 'llama3'")
+    _refuse_unimplemented(hf, family, rope_params, rope_scaling or {})
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if hf.get(k) is None]
     if missing:

@@ -56,3 +56,29 @@ def test_missing_keys_take_the_config_class_defaults(tmp_path, arch):
   assert cfg.tie_embeddings == hf.tie_word_embeddings
   assert (cfg.n_kv_heads, cfg.head_dim) == (hf.num_key_value_heads, head_dim)
   assert cfg.eos_ids == (hf.eos_token_id,)
+
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], **MINIMAL)
+MISTRAL = dict(model_type="mistral", architectures=["MistralForCausalLM"], **MINIMAL)
+
+
+@pytest.mark.parametrize("config, field", [
+    (dict(LLAMA, hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(MISTRAL, sliding_window=64, max_position_embeddings=512), "sliding_window=64"),
+    (dict(MISTRAL, max_position_embeddings=32768), "sliding_window=4096"),     # MistralConfig's default window
+    (dict(LLAMA, partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
+], ids=["gelu", "mistral-window", "mistral-default-window", "partial-rotary", "partial-rotary-v5"])
+def test_refuses_what_lcjax_does_not_compute(tmp_path, config, field):
+  """Each of these makes transformers compute something else than lcjax's model (another activation, attention
+  limited to a window of keys, rotary on part of each head): refused with one line naming the field."""
+  _one_line_error(_folder(tmp_path, **config), "config.json", field)
+
+
+@pytest.mark.parametrize("config", [
+    dict(LLAMA, hidden_act="silu"), dict(LLAMA, hidden_act="swish"), dict(MISTRAL, sliding_window=None),
+    dict(MISTRAL, sliding_window=4096, max_position_embeddings=4096), dict(LLAMA, partial_rotary_factor=1.0)],
+    ids=["silu", "swish", "mistral-no-window", "window-covers-the-context", "full-rotary"])
+def test_accepts_what_lcjax_computes(tmp_path, config):
+  hf_model_config(_folder(tmp_path, **config))

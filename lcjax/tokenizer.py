@@ -72,6 +72,41 @@ def infer_add_bos(path: str) -> bool | None:
   return None
 
 
+def infer_bos_id(path: str) -> int | None:
+  """The id of the BOS token the model's own tokenizer prepends, as its files say (None when they name none): the
+  special token a `tokenizer.json` post-processor template starts with (what HF's fast tokenizers prepend), else
+  tokenizer_config.json's bos_token looked up in the vocabulary, else a lone sentencepiece model's BOS."""
+  tj, tm = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+  if os.path.exists(tj):
+    post = _read_json(tj).get("post_processor") or {}
+    post = post if isinstance(post, dict) else {}
+    procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for p in procs if isinstance(procs, list) else []:
+      single = p.get("single") if isinstance(p, dict) and p.get("type") == "TemplateProcessing" else None
+      first = single[0].get("SpecialToken") if isinstance(single, list) and single and isinstance(single[0],
+                                                                                                   dict) else None
+      if isinstance(first, dict):
+        ids = ((p.get("special_tokens") or {}).get(first.get("id")) or {}).get("ids")
+        if isinstance(ids, list) and len(ids) == 1 and _is_id(ids[0]):
+          return ids[0]
+  tc = os.path.join(path, "tokenizer_config.json")
+  bos = _token_str(_read_json(tc).get("bos_token")) if os.path.exists(tc) else None
+  if bos is not None and (os.path.exists(tj) or os.path.exists(tm)):
+    try:
+      b = _HFBackend(tj) if os.path.exists(tj) else _SPBackend(tm)
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer is refused with its own error when it is loaded
+      return None
+    return b.token_to_id(bos)
+  if os.path.exists(tm) and not os.path.exists(tj):
+    import sentencepiece as spm
+    try:
+      i = spm.SentencePieceProcessor(model_file=tm).bos_id()
+    except Exception:  # noqa: BLE001 - as above
+      return None
+    return i if i >= 0 else None
+  return None
+
+
 def _chat_template(path: str) -> tuple[str | None, str | None]:
   """(the checkpoint's chat template, the file it came from), compiled once (lcjax.chat_template.check)."""
   jinja = os.path.join(path, "chat_template.jinja")

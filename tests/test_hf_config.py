@@ -82,3 +82,23 @@ def test_refuses_what_lcjax_does_not_compute(tmp_path, config, field):
     ids=["silu", "swish", "mistral-no-window", "window-covers-the-context", "full-rotary"])
 def test_accepts_what_lcjax_computes(tmp_path, config):
   hf_model_config(_folder(tmp_path, **config))
+
+
+@pytest.mark.parametrize("config_bos", [None, 1], ids=["config-bos-null", "config-bos-another-token"])
+def test_prompts_start_with_the_tokenizers_bos(tmp_path, config_bos):
+  """HF's tokenizer prepends the BOS its own post-processor names (<s>, id 0), whatever config.json's
+  bos_token_id says (null, or here </s>): the converted checkpoint's prompts start with the same id."""
+  transformers = pytest.importorskip("transformers", reason="the oracle is HF transformers: pip install -e '.[test]'")
+  pytest.importorskip("torch", reason="the HF folder is saved by transformers on torch: pip install -e '.[test]'")
+  import dataclasses
+  from lcjax.checkpoint import convert_hf
+  from lcjax.tokenizer import Tokenizer
+  from tests import fixtures_ckpt as fx
+  from tests.test_convert_hf import CFG
+  src, dst = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+  fx.make_hf_folder(src, dataclasses.replace(CFG, n_layers=1, bos_id=config_bos))
+  assert json.load(open(os.path.join(src, "config.json")))["bos_token_id"] == config_bos
+  convert_hf(src, dst, progress=False)
+  hf_tok, tok = transformers.AutoTokenizer.from_pretrained(src), Tokenizer(dst)
+  for text in fx.TEXTS:
+    assert tok.encode(text) == hf_tok(text)["input_ids"], text

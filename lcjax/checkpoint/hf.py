@@ -299,9 +299,14 @@ def hf_model_config(src: str) -> ModelConfig:
         eos.append(e)
   add_bos = tok.infer_add_bos(src)
   try:
-    return dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
+    cfg = dataclasses.replace(cfg, eos_ids=tuple(eos), add_bos=cfg.add_bos if add_bos is None else add_bos)
   except ConfigError as e:
     raise CheckpointError(f"{gen}: {e}") from None
+  bos = tok.infer_bos_id(src)       # the tokenizer's own BOS is what HF prepends, whatever config.json says
+  try:
+    return cfg if bos is None else dataclasses.replace(cfg, bos_id=bos)
+  except ConfigError as e:
+    raise CheckpointError(f"{src}: the tokenizer's BOS token: {e}") from None
 
 
 # The lcjax input-scale tensor each HF projection's static input scale joins (the fused projections share their

@@ -338,3 +338,15 @@ def test_a_non_finite_value_is_refused(tmp_path, bad):
   with pytest.raises(CheckpointError, match=r"bad.gguf: tensor output_norm.weight \(F32\) holds 1 value\(s\) that "
                                             r"are NaN or infinite, the first at \(2, 5\)"):
     GGUFFile(path).read("output_norm.weight")
+
+
+def test_vocab_size_from_metadata_alone(tmp_path):
+  """llama.vocab_size is enough: the fallbacks (the token list, token_embd.weight's shape) are looked at only
+  without it, so a file with neither reads its config (and is refused later, naming the missing tensor)."""
+  from lcjax.checkpoint.gguf import GGUFFile, gguf_model_config
+  path = str(tmp_path / "bare.gguf")
+  fx.write_gguf(path, cfg=preset("tiny"))
+  assert gguf_model_config(GGUFFile(path)).vocab_size == preset("tiny").vocab_size
+  with pytest.raises(CheckpointError) as e:
+    convert_gguf(path, str(tmp_path / "out"), progress=False)
+  assert "\n" not in str(e.value) and "bare.gguf" in str(e.value), str(e.value)

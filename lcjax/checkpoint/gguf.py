@@ -181,7 +181,8 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
   if not tokens and g.get("llama.vocab_size") is None and "token_embd.weight" not in g.tensors:
     raise CheckpointError(f"{g.path}: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight to take "
                           "the vocabulary size from")
-  vocab = i("vocab_size", len(tokens) if tokens else int(g.tensors["token_embd.weight"].shape[-1]))
+  vocab = i("vocab_size", len(tokens) if tokens else int(g.tensors["token_embd.weight"].shape[-1])
+            if "token_embd.weight" in g.tensors else None)
   tt = g.get("tokenizer.ggml.model")
   # Without the key, llama.cpp adds BOS for SentencePiece vocabularies and for the Llama-3 BPE pre-tokenizer.
   add_bos = g.get("tokenizer.ggml.add_bos_token",

@@ -121,6 +121,8 @@ def write_gguf(path: str, *, arch: str = "llama", cfg=None, tensors: dict | None
       w.add_bool(key, value)
     elif isinstance(value, int):
       w.add_uint32(key, value)
+    elif isinstance(value, float):
+      w.add_float32(key, value)
     else:
       w.add_string(key, value)
   if tokenizer is not None:

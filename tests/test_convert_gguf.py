@@ -350,3 +350,27 @@ def test_vocab_size_from_metadata_alone(tmp_path):
   with pytest.raises(CheckpointError) as e:
     convert_gguf(path, str(tmp_path / "out"), progress=False)
   assert "\n" not in str(e.value) and "bare.gguf" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ({"llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.factor=4.0"),
+    ({"llama.rope.scale_linear": 2.0}, "llama.rope.scale_linear=2.0"),
+    ({"llama.rope.scaling.attn_factor": 1.5}, "llama.rope.scaling.attn_factor=1.5"),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.factor": 1.0}, None),
+    ({"llama.rope.scaling.factor": 0.0}, None),
+], ids=["factor", "old-key", "attn-factor", "type-none", "factor-1", "factor-0"])
+def test_rope_scaling_as_llama_cpp_reads_it(tmp_path, extra, refused):
+  """llama.cpp (llama_model::load_hparams) reads a missing llama.rope.scaling.type as "linear" and scales the
+  rotary frequencies by 1 / llama.rope.scaling.factor (or the older llama.rope.scale_linear) unless that is 0 or
+  the type is "none"; rope.scaling.attn_factor multiplies the rotations. lcjax rotates unscaled, so a file that
+  asks for either is refused with one line naming the key; one that asks for none converts."""
+  from lcjax.checkpoint.gguf import GGUFFile, gguf_model_config
+  path = str(tmp_path / "scaled.gguf")
+  fx.write_gguf(path, cfg=preset("tiny"), extra=extra)
+  if refused is None:
+    assert gguf_model_config(GGUFFile(path)).rope_scaling is None
+    return
+  with pytest.raises(CheckpointError) as e:
+    gguf_model_config(GGUFFile(path))
+  assert refused in str(e.value) and "scaled.gguf" in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -161,9 +161,19 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
   if k("expert_count", 0):
     raise CheckpointError(f"{g.path}: llama.expert_count={k('expert_count')} (mixture of experts) is not "
                           "supported")
-  scaling = k("rope.scaling.type", "none")
+  scaling = k("rope.scaling.type")
   if scaling not in ("none", None):
     raise CheckpointError(f"{g.path}: llama.rope.scaling.type={scaling!r} is not supported")
+  # llama.cpp reads a missing scaling type as "linear": frequencies divided by the factor (the older key's where
+  # the newer is absent) unless it is 0; "none" never scales. attn_factor multiplies every rotation.
+  factor_key = next((key for key in ("rope.scaling.factor", "rope.scale_linear") if k(key) is not None), None)
+  factor = k(factor_key) if factor_key else None
+  if scaling is None and factor is not None and factor not in (0, 1):
+    raise CheckpointError(f"{g.path}: llama.{factor_key}={factor!r} (linear rope scaling, llama.cpp's default "
+                          "type) is not supported")
+  if k("rope.scaling.attn_factor") not in (None, 1):
+    raise CheckpointError(f"{g.path}: llama.rope.scaling.attn_factor={k('rope.scaling.attn_factor')!r} is not "
+                          "supported (lcjax's rotations are unscaled)")
   if "rope_freqs.weight" in g.tensors:
     raise CheckpointError(f"{g.path}: tensor rope_freqs.weight (llama3 rope scaling baked into per-frequency "
                           "factors) is not supported; convert the HF folder instead")

@@ -529,3 +529,36 @@ def test_engine_load_takes_an_hf_folder_converted_once(hf_dirs, tmp_path, monkey
     assert len(os.listdir(tmp_path / "cache" / "converted")) == 2
   finally:
     os.utime(cfg_json, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("head", ["same", "different"])
+def test_tied_folder_with_its_own_lm_head(tmp_path, head):
+  """A folder whose config.json ties the embeddings but which also stores lm_head.weight: transformers ties them
+  when the values agree, and otherwise loads the stored head untied ("we will NOT tie them"). lcjax, which reads
+  the embedding for a tied head, converts the first (its logits are transformers') and refuses the second in one
+  line naming both tensors."""
+  import torch
+  import transformers
+  from safetensors.numpy import load_file, save_file
+  src = str(tmp_path / "src")
+  cfg = dataclasses.replace(CFG, tie_embeddings=True, n_layers=1)
+  fx.make_hf_folder(src, cfg, seed=6)
+  path = os.path.join(src, "model.safetensors")
+  sd = load_file(path)
+  embed = sd["model.embed_tokens.weight"]
+  sd["lm_head.weight"] = embed.copy() if head == "same" else embed[::-1].copy()
+  save_file(sd, path, metadata={"format": "pt"})
+  hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+  np.testing.assert_array_equal(hf.lm_head.weight.detach().numpy(), sd["lm_head.weight"])   # what HF computes with
+  dst = str(tmp_path / "out")
+  if head == "different":
+    _one_line_error(lambda: convert_hf(src, dst, progress=False), "lm_head.weight", "model.embed_tokens.weight",
+                    "tie_word_embeddings")
+    assert not os.path.exists(dst)
+    return
+  convert_hf(src, dst, progress=False)
+  lc, _ = fx.lcjax_model(dst)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16))
+  ref = hf_oracle.hf_logits(hf, tokens)
+  np.testing.assert_allclose(np.asarray(lc(jnp.asarray(tokens, jnp.int32))[0]), ref, atol=1e-4 * np.abs(ref).max(),
+                             rtol=0)

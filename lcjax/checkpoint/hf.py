@@ -156,6 +156,32 @@ class SafetensorsFile:
                             f"needs {count * t.dtype.itemsize}")
     return np.fromfile(self.path, dtype=t.dtype, count=count, offset=self.data_start + t.begin).reshape(t.shape)
 
+  def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of tensor `name` (axis 0), read alone (its bounds were checked by `read`'s rules)."""
+    t = self.tensors[name]
+    row = int(np.prod(t.shape[1:]))
+    stop = min(stop, t.shape[0])
+    return np.fromfile(self.path, dtype=t.dtype, count=(stop - start) * row,
+                       offset=self.data_start + t.begin + start * row * t.dtype.itemsize).reshape(-1, *t.shape[1:])
+
+
+def _same_values(a: SafetensorsFile, a_name: str, b: SafetensorsFile, b_name: str) -> bool:
+  """Whether two tensors hold the same values (compared as float32, as torch.equal does after loading both into the
+  model's dtype), read in slabs of about 64 MiB (as float32) so that neither is held whole."""
+  ta, tb = a.tensors[a_name], b.tensors[b_name]
+  if ta.shape != tb.shape:
+    return False
+  if not ta.shape:
+    return bool(np.array_equal(a.read(a_name).astype(np.float32), b.read(b_name).astype(np.float32)))
+  row_bytes = max(1, int(np.prod(ta.shape[1:]))) * 4
+  step = max(1, (64 << 20) // row_bytes)
+  for start in range(0, ta.shape[0], step):
+    x = a.read_rows(a_name, start, start + step).astype(np.float32)
+    y = b.read_rows(b_name, start, start + step).astype(np.float32)
+    if not np.array_equal(x, y):
+      return False
+  return True
+
 
 # -- validation: every field of a header, config or index is checked before it is used -----------------------------
 
@@ -413,7 +439,7 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
     for tensor, fname in weight_map.items():
       if tensor not in headers[fname].tensors:
         raise CheckpointError(f"{os.path.join(src, fname)}: tensor {tensor} is listed in the index but absent")
-  plan, seen = [], {}
+  plan, seen, tied_head = [], {}, None
   for fname, header in headers.items():
     for name, info in header.tensors.items():
       if _IGNORED.fullmatch(name) or (weights.fp8 and _KV_SCALES.fullmatch(name)):
@@ -429,6 +455,7 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
       key, layer = m
       dst, in_dims = HF_NAMES[key]
       if dst not in shapes:  # lm_head.weight saved beside tied embeddings: the model uses the embedding
+        tied_head = tied_head if suffix else (header, name)
         continue
       full, stacked = shapes[dst]
       if stacked and not 0 <= layer < cfg.n_layers:
@@ -459,6 +486,12 @@ def _plan(src: str, cfg: ModelConfig, weights: WeightFormat = WeightFormat()):
     if header.tensors[name].dtype == E4M3 and dst not in QUANTIZED and (dst + "_scale", layer) not in seen:
       raise CheckpointError(f"{header.path}: tensor {name} is float8_e4m3fn without a weight_scale to dequantize "
                             f"it with (lcjax keeps {dst} in the model's dtype)")
+  embed = next(((h, n) for h, n, d, *_ in plan if d == "embed/embedding"), None)
+  if tied_head is not None and embed is not None and not _same_values(*tied_head, *embed):
+    # transformers unties such a head ("both are present in the checkpoints with different values")
+    raise CheckpointError(f"{tied_head[0].path}: tensor {tied_head[1]} differs from {embed[1]} but config.json has "
+                          "tie_word_embeddings=true (transformers then uses the stored head): set "
+                          "tie_word_embeddings to false to convert it")
   # Each projection's input scale (written as its fused projection's) instead of the lcjax _in_scale tensors.
   required = {n: v for n, v in shapes.items() if not n.endswith("_in_scale")}
   required.update({w + "_in": shapes[w] for w in QUANTIZED if weights.static_inputs})

@@ -374,3 +374,21 @@ def test_rope_scaling_as_llama_cpp_reads_it(tmp_path, extra, refused):
   with pytest.raises(CheckpointError) as e:
     gguf_model_config(GGUFFile(path))
   assert refused in str(e.value) and "scaled.gguf" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_cast_that_overflows_is_refused(tmp_path):
+  """convert_gguf(dtype="float16") of a value past float16's largest (65504) would store inf: refused in one
+  line naming the tensor and the value."""
+  from tests.test_bos import _tensors
+  cfg = preset("tiny")
+  tensors = _tensors(cfg)
+  tensors["output_norm.weight"][3] = 1e5
+  path = str(tmp_path / "big.gguf")
+  fx.write_gguf(path, cfg=cfg, tensors=tensors, tokenizer={"model": "gpt2", "pre": "gpt2", "tokens": [
+      chr(0x100 + i) for i in range(cfg.vocab_size)], "token_type": [1] * cfg.vocab_size, "merges": [], "bos": 1,
+      "eos": 2})
+  with pytest.raises(CheckpointError) as e:
+    convert_gguf(path, str(tmp_path / "out"), dtype="float16", progress=False)
+  msg = str(e.value)
+  assert "\n" not in msg and "output_norm.weight" in msg and "100000" in msg and "float16" in msg, msg
+  convert_gguf(path, str(tmp_path / "out32"), progress=False)

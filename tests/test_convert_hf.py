@@ -562,3 +562,21 @@ def test_tied_folder_with_its_own_lm_head(tmp_path, head):
   ref = hf_oracle.hf_logits(hf, tokens)
   np.testing.assert_allclose(np.asarray(lc(jnp.asarray(tokens, jnp.int32))[0]), ref, atol=1e-4 * np.abs(ref).max(),
                              rtol=0)
+
+
+def test_a_cast_that_overflows_is_refused(tmp_path):
+  """--dtype=float16 of a float32 folder with a weight past float16's largest value (65504): the cast made it inf
+  (every logit NaN) without a word. It is refused in one line naming the tensor and the value; the same folder
+  converts at float32 and bfloat16, whose range holds it."""
+  from safetensors.numpy import load_file, save_file
+  src = str(tmp_path / "src")
+  fx.make_hf_folder(src, dataclasses.replace(CFG, n_layers=1), seed=7)
+  path = os.path.join(src, "model.safetensors")
+  sd = load_file(path)
+  sd["model.norm.weight"][5] = 1e5
+  save_file(sd, path, metadata={"format": "pt"})
+  _one_line_error(lambda: convert_hf(src, str(tmp_path / "f16"), dtype="float16", progress=False),
+                  "model.norm.weight", "100000", "float16")
+  assert not os.path.exists(tmp_path / "f16")
+  for dtype in ("float32", "bfloat16"):
+    convert_hf(src, str(tmp_path / dtype), dtype=dtype, progress=False)

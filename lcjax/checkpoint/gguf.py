@@ -24,6 +24,7 @@ from tqdm import tqdm
 from lcjax.checkpoint.gguf_header import read_gguf_header
 from lcjax.checkpoint.hf import hf_shape, to_lcjax
 from lcjax.checkpoint.layout import CheckpointError, param_shapes
+from lcjax.checkpoint.values import cast_finite
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ModelConfig
 
@@ -375,5 +376,7 @@ def convert_gguf(src: str, dst: str, *, dtype: str = "float32", overwrite: bool 
         x = unpermute_rotary(x, cfg.n_heads)
       elif dst_name == "layers/attn/wk":
         x = unpermute_rotary(x, cfg.n_kv_heads)
-      w.write(dst_name, to_lcjax(x, shape, in_dims).astype(cast), layer)
+      with np.errstate(over="ignore"):                    # an overflow is refused by cast_finite in one line
+        x = cast_finite(to_lcjax(x, shape, in_dims), cast, f"{src}: tensor {name}")
+      w.write(dst_name, x, layer)
   return {"tensors": len(plan), "seconds": time.time() - t0}

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from lcjax.checkpoint.layout import (QUANTIZED, CheckpointError, flatten, param_shapes, stored_shapes,
                                      stored_tensor, unwrap)
 from lcjax.checkpoint.patterns import MAX_VISITS, Pattern
-from lcjax.checkpoint.values import check_e4m3, check_scale
+from lcjax.checkpoint.values import cast_finite, check_e4m3, check_scale
 from lcjax.checkpoint.writer import CheckpointWriter
 from lcjax.config import ConfigError, ModelConfig, WeightFormat
 from lcjax import tokenizer as tok
@@ -579,7 +579,8 @@ def convert_hf(src: str, dst: str, *, dtype: str | None = None, overwrite: bool 
         x = to_lcjax(w_hf, full[1:] if stacked else full, in_dims)
         del w_hf
         if cast is not None and x.dtype != cast and x.dtype != E4M3:
-          x = x.astype(cast)
+          with np.errstate(over="ignore"):                # an overflow is refused by cast_finite in one line
+            x = cast_finite(x, cast, f"{header.path}: tensor {name}")
         w.write(dst_name, x, layer)
         del x
         bar.update(nb)

@@ -8,6 +8,7 @@ pass over the bytes in chunks of CHUNK (no copy of the tensor).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from lcjax.checkpoint.layout import CheckpointError
@@ -58,3 +59,22 @@ def check_e4m3(w: np.ndarray, where: str) -> None:
     byte = int(np.asarray(w).reshape(-1)[i:i + 1].view(np.uint8)[0])
     raise CheckpointError(f"{where}: element {at} of the float8_e4m3fn tensor is NaN (byte 0x{byte:02X}); the "
                           "checkpoint is corrupt")
+
+
+def cast_finite(x: np.ndarray, dtype, where: str) -> np.ndarray:
+  """`x` cast to `dtype`, refusing (one line naming `where`, the element and its value) a finite value the cast
+  turns infinite: past float16's largest (65504) or bfloat16's. Checked only where `dtype`'s range is narrower
+  than `x`'s."""
+  dtype = np.dtype(dtype)
+  y = x.astype(dtype)
+  if dtype == x.dtype or dtype.kind not in "fV" or ml_dtypes.finfo(dtype).max >= ml_dtypes.finfo(x.dtype).max:
+    return y
+  flat_x, flat_y = (x, y) if x.ndim else (x.reshape(1), y.reshape(1))
+  step = max(1, CHUNK // max(1, int(np.prod(flat_y.shape[1:]))))      # rows at a time: small temporaries
+  for start in range(0, flat_y.shape[0], step):
+    bad = np.argwhere(np.isinf(flat_y[start:start + step]) & np.isfinite(flat_x[start:start + step]))
+    if bad.size:
+      at = (start + int(bad[0][0]), *(int(j) for j in bad[0][1:]))
+      raise CheckpointError(f"{where}: element {at[:x.ndim]} = {float(flat_x[at])} is past {dtype}'s largest "
+                            f"value ({float(ml_dtypes.finfo(dtype).max)}): convert to a wider dtype")
+  return y

@@ -392,3 +392,31 @@ def test_a_cast_that_overflows_is_refused(tmp_path):
   msg = str(e.value)
   assert "\n" not in msg and "output_norm.weight" in msg and "100000" in msg and "float16" in msg, msg
   convert_gguf(path, str(tmp_path / "out32"), progress=False)
+
+
+@pytest.mark.parametrize("key", ["llama.attention.layer_norm_rms_epsilon", "llama.context_length"])
+def test_keys_llama_cpp_requires_are_required(tmp_path, key):
+  """llama.cpp (llama_model::load_hparams, LLM_ARCH_LLAMA) refuses a file without the RMS norm epsilon or the
+  trained context length; lcjax took 1e-5 and 4096 for them, a guess that normalizes with another epsilon than the
+  model was trained with. Refused in one line naming the key."""
+  import gguf
+  from lcjax.checkpoint.gguf import GGUFFile, gguf_model_config
+  cfg = preset("tiny")
+  path = str(tmp_path / "partial.gguf")
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(cfg.n_layers)
+  w.add_embedding_length(cfg.dim)
+  w.add_feed_forward_length(cfg.ffn_dim)
+  w.add_head_count(cfg.n_heads)
+  w.add_vocab_size(cfg.vocab_size)
+  if key != "llama.context_length":
+    w.add_context_length(cfg.max_position)
+  if key != "llama.attention.layer_norm_rms_epsilon":
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(CheckpointError) as e:
+    gguf_model_config(GGUFFile(path))
+  assert str(e.value) == f"{path}: metadata {key} is missing"

@@ -97,9 +97,11 @@ class GGUFFile:
       raise CheckpointError(f"{self.path}: {key}={repr(v)[:60]} must be an integer in [{lo}, {hi}]")
     return int(v)
 
-  def number(self, key: str, default: float) -> float:
-    """A finite positive number metadata value (`default` when absent)."""
+  def number(self, key: str, default: float | None = None) -> float:
+    """A finite positive number metadata value (`default` when absent; absent without one: refused)."""
     v = self.get(key, default)
+    if v is None:
+      raise CheckpointError(f"{self.path}: metadata {key} is missing")
     if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not 0 < float(v) < float("inf"):
       raise CheckpointError(f"{self.path}: {key}={repr(v)[:60]} must be a finite positive number")
     return float(v)
@@ -205,10 +207,10 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
       name=g.get("general.name") or os.path.basename(g.path), vocab_size=vocab, dim=dim,
       n_layers=i("block_count"), n_heads=n_heads, n_kv_heads=i("attention.head_count_kv", n_heads),
       head_dim=head_dim, ffn_dim=i("feed_forward_length"),
-      norm_eps=_f32(g.number("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      norm_eps=_f32(g.number("llama.attention.layer_norm_rms_epsilon")),         # required, as in llama.cpp
       rope_theta=_f32(g.number("llama.rope.freq_base", 1e4)),
       rope_scaling=None, tie_embeddings="output.weight" not in g.tensors,
-      max_position=i("context_length", 4096), bos_id=bos, eos_ids=eos_ids,
+      max_position=i("context_length"), bos_id=bos, eos_ids=eos_ids,
       add_bos=bool(add_bos) and bos is not None)
 
 

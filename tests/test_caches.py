@@ -88,3 +88,14 @@ def test_the_conversion_key_changes_when_a_source_is_rewritten_with_its_size_and
   os.utime(replaced, ns=(st.st_atime_ns, st.st_mtime_ns))
   os.replace(replaced, src)                              # another inode at the same path
   assert sources._source_id(str(src)) != before
+
+
+def test_a_conversion_by_another_converter_version_is_not_reused(tmp_path, monkeypatch):
+  """A converter fix changes what the same source converts to (a BOS id, a refused file): the conversion key
+  names the converters' version, so a conversion cached by an lcjax before the fix is converted again, not
+  loaded with the old answer."""
+  src = tmp_path / "model.gguf"
+  src.write_bytes(b"GGUF" + bytes(60))
+  before = sources._source_id(str(src))
+  monkeypatch.setattr(sources, "CONVERTER_VERSION", sources.CONVERTER_VERSION + 1)
+  assert sources._source_id(str(src)) != before

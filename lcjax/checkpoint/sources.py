@@ -6,8 +6,9 @@ in it are private to the user (0700, whatever the umask). A conversion is named 
 for every file in it, its size, modification and status-change times (ns), inode and a hash of its first and last
 64 KiB and 16 blocks between, so an edited or replaced source converts again, one rewritten in place with its size
 and mtime restored included (the write changes its ctime, which no user can set back, and the sampled bytes where
-the edit touched them); conversions are atomic (lcjax.checkpoint.writer), so a killed one leaves
-nothing that loads.
+the edit touched them), and by the converters' version (CONVERTER_VERSION), so a conversion cached by an lcjax
+whose converter wrote something else is not reused; conversions are atomic (lcjax.checkpoint.writer), so a killed
+one leaves nothing that loads.
 """
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ def _is_gguf(path: str) -> bool:
     return f.read(4) == b"GGUF"
 
 
+# The converters' version, part of every conversion's name: raised whenever a converter writes something else for
+# the same source (a fixed BOS id, a refused file), so conversions cached before are converted again.
+CONVERTER_VERSION = 2
+
 SAMPLE_EDGE = 1 << 16         # bytes hashed at each end of a source file (GGUF / safetensors headers live there)
 SAMPLE_BLOCKS = 16            # blocks of SAMPLE_BLOCK bytes hashed at even spacing in between
 SAMPLE_BLOCK = 1 << 12
@@ -83,11 +88,12 @@ def _hash_samples(h, path: str, size: int) -> None:
 
 
 def _source_id(path: str) -> str:
-  """A name for a conversion of `path`: its absolute path, and of every file in it the size, mtime, ctime, inode
-  and a hash of sampled blocks (_hash_samples)."""
+  """A name for a conversion of `path`: its absolute path, the converters' version, and of every file in it the
+  size, mtime, ctime, inode and a hash of sampled blocks (_hash_samples)."""
   path = os.path.abspath(path)
   files = [path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path))
   h = hashlib.blake2b(path.encode(), digest_size=8)
+  h.update(f"converter {CONVERTER_VERSION};".encode())
   for f in files:
     if os.path.isfile(f):
       st = os.stat(f)

@@ -298,7 +298,8 @@ def test_refuses_unknown_tensor_and_existing_destination(hf_dirs, tmp_path):
   assert load_config(dst).n_layers == CFG.n_layers
   index = {"weight_map": {"model.layers.0.self_attn.q_proj.bias": "extra.safetensors"}}
   for name in json.load(open(os.path.join(hf_dirs[2], "model.safetensors.index.json")))["weight_map"]:
-    index["weight_map"][name] = "model.safetensors"
+    index["weight_map"][name] = "model-00001-of-00002.safetensors"
+  os.rename(os.path.join(src, "model.safetensors"), os.path.join(src, "model-00001-of-00002.safetensors"))
   save_file({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)},
             os.path.join(src, "extra.safetensors"))
   json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
@@ -580,3 +581,26 @@ def test_a_cast_that_overflows_is_refused(tmp_path):
   assert not os.path.exists(tmp_path / "f16")
   for dtype in ("float32", "bfloat16"):
     convert_hf(src, str(tmp_path / dtype), dtype=dtype, progress=False)
+
+
+def test_a_folder_with_both_layouts_converts_what_transformers_loads(tmp_path):
+  """model.safetensors beside an index and its shards (another save of other weights left in the folder):
+  transformers' from_pretrained takes model.safetensors first, so lcjax converts it and gives its logits."""
+  import shutil
+  import torch
+  import transformers
+  cfg = dataclasses.replace(CFG, n_layers=1)
+  src, other = str(tmp_path / "src"), str(tmp_path / "other")
+  fx.make_hf_folder(src, cfg, seed=8)
+  hf_oracle.make_hf_llama(cfg, seed=9).save_pretrained(other, safe_serialization=True, max_shard_size="40KB")
+  for f in os.listdir(other):
+    if f.startswith("model-") or f == "model.safetensors.index.json":
+      shutil.copy(os.path.join(other, f), src)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+  dst = str(tmp_path / "out")
+  convert_hf(src, dst, progress=False)
+  lc, _ = fx.lcjax_model(dst)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16))
+  ref = hf_oracle.hf_logits(hf, tokens)
+  np.testing.assert_allclose(np.asarray(lc(jnp.asarray(tokens, jnp.int32))[0]), ref, atol=1e-4 * np.abs(ref).max(),
+                             rtol=0)

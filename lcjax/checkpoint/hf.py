@@ -280,9 +280,11 @@ def _read_object(path: str) -> dict:
 
 
 def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
-  """The safetensors files of a folder, and the index's tensor -> file map when there is one."""
+  """The safetensors files of a folder, and the index's tensor -> file map when there is one: model.safetensors
+  first, as transformers' from_pretrained takes it before an index beside it."""
   index = os.path.join(src, "model.safetensors.index.json")
-  if os.path.exists(index):
+  single = os.path.join(src, "model.safetensors")
+  if os.path.exists(index) and not os.path.exists(single):
     weight_map = _read_object(index).get("weight_map")
     check_weight_map(index, src, weight_map)
     files = sorted(set(weight_map.values()))
@@ -291,7 +293,6 @@ def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
         tensor = next(t for t, f in weight_map.items() if f == fname)
         raise CheckpointError(f"{index}: shard {fname} (holding tensor {tensor}) is missing")
     return files, weight_map
-  single = os.path.join(src, "model.safetensors")
   if os.path.exists(single):
     return ["model.safetensors"], None
   others = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))

@@ -420,3 +420,65 @@ def test_keys_llama_cpp_requires_are_required(tmp_path, key):
   with pytest.raises(CheckpointError) as e:
     gguf_model_config(GGUFFile(path))
   assert str(e.value) == f"{path}: metadata {key} is missing"
+
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe) for tokenizer.ggml.pre "default" (and a
+# file without the key), applied one after the other, each splitting the pieces the ones before left.
+LLAMA_CPP_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+",
+                     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                     r"\p{N}+", r"[0-9][0-9][0-9]"]
+LLAMA_CPP_SMOLLM = [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"]
+
+
+def _llama_cpp_split(text: str, exprs: list[str]) -> list[str]:
+  """unicode_regex_split as llama.cpp runs it: for each regex in turn, every piece becomes its matches and the
+  text between them."""
+  import regex
+  pieces = [text]
+  for e in exprs:
+    r, out = regex.compile(e), []
+    for p in pieces:
+      at = 0
+      for m in r.finditer(p):
+        if m.start() > at:
+          out.append(p[at:m.start()])
+        if m.end() > m.start():
+          out.append(m.group())
+        at = m.end()
+      if at < len(p):
+        out.append(p[at:])
+    pieces = out
+  return pieces
+
+
+@pytest.mark.parametrize("pre, exprs", [("default", LLAMA_CPP_DEFAULT), (None, LLAMA_CPP_DEFAULT),
+                                        ("smollm", LLAMA_CPP_SMOLLM)], ids=["default", "no-pre-key", "smollm"])
+def test_byte_level_pre_tokenizers_split_as_llama_cpp(tmp_path, pre, exprs):
+  """The byte-level vocabulary rebuilt from a GGUF tokenizes as llama.cpp does: its regexes split the text (for
+  "default", punctuation runs, then GPT-2's pattern, then digit runs, then three-digit groups) and each piece is
+  BPE-merged on its own (GPT-2's pattern alone would keep " 12345" and " ," whole)."""
+  import json as json_
+  from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+  from lcjax.checkpoint.gguf import GGUFFile, _byte_level_tokenizer
+  tj = json_.load(open(_trained_byte_level(tmp_path)))
+  vocab, merges = tj["model"]["vocab"], [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
+  tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+  tok = {"model": "gpt2", "tokens": tokens, "token_type": [3, 3] + [1] * (len(tokens) - 2), "merges": merges,
+         "bos": 0, "eos": 1}
+  if pre is not None:
+    tok["pre"] = pre
+  path = str(tmp_path / "bpe.gguf")
+  fx.write_gguf(path, cfg=dataclasses.replace(preset("tiny"), vocab_size=len(tokens)), tokenizer=tok)
+  got = _byte_level_tokenizer(GGUFFile(path))
+  bpe = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  for text in fx.TEXTS[:-1] + ["Hello, world!! 12345 and 3.14159 $100 a+b<=c 1,000,000 x^2 ~y |z| (yes) 'quoted'",
+                               "1234567 ,,, ... !? 42"]:
+    want = [i for piece in _llama_cpp_split(text, exprs) for i in bpe.encode(piece).ids]
+    assert got.encode(text).ids == want, text
+
+
+def _trained_byte_level(tmp_path) -> str:
+  path = str(tmp_path / "tokenizer.json")
+  fx.byte_level_tokenizer_json(path)
+  return path

@@ -47,8 +47,12 @@ GGUF_NAMES: dict[str, tuple[str, int | None]] = {
 # Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp applies them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's "default" (also a file without the key): punctuation runs, GPT-2's pattern, digit runs, three-digit
+# groups, each regex splitting the pieces the ones before left.
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                   r"\p{N}+", r"[0-9][0-9][0-9]")
 _PRE_TOKENIZERS = {
-    "default": "gpt2", "gpt2": "gpt2",
+    "default": "default", "gpt2": "gpt2",
     # GPT-2's regex after splitting every digit on its own.
     "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
@@ -241,11 +245,14 @@ def _byte_level_tokenizer(g: GGUFFile):
   merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
   vocab = {t: i for i, t in enumerate(tokens)}
   tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=(kind == "llama3")))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=(kind != "llama3"))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind not in ("llama3", "default"))
   if kind == "gpt2":
     tok.pre_tokenizer = byte_level
   elif kind == "digits+gpt2":
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  elif kind == "default":
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _DEFAULT_SPLITS] + [byte_level])
   else:
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])

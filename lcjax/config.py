@@ -166,6 +166,13 @@ class ModelConfig:
     for key, v in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
       if v is not None and not isinstance(v, Mapping):
         raise ConfigError(f"{key}={str(v)[:60]!r} must be an object")
+    # transformers 4.x reads the top-level rope_theta and rope_scaling, 5.x its rope_parameters: a file holding
+    # both with different values means another model to each, so it is refused rather than read one way.
+    for key, outer, inner in (("rope_theta", hf, rope_params), *((k, rope_scaling or {}, rope_params) for k in (
+        "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))):
+      if key in outer and key in inner and outer[key] != inner[key]:
+        raise ConfigError(f"{key} is {outer[key]!r} at the top of config.json but {inner[key]!r} in rope_parameters: "
+                          "transformers 4 and 5 would read different models; keep one")
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     scaling_src = rope_scaling if rope_scaling else rope_params
     rope_type = (scaling_src or {}).get("rope_type", (scaling_src or {}).get("type", "default"))

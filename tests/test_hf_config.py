@@ -84,6 +84,24 @@ def test_accepts_what_lcjax_computes(tmp_path, config):
   hf_model_config(_folder(tmp_path, **config))
 
 
+L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("config, values", [
+    (dict(LLAMA, rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5}), ("10000.0", "500000.0")),
+    (dict(LLAMA, rope_scaling=L3, rope_parameters=dict(L3, factor=32.0, rope_theta=5e5)), ("factor", "8.0", "32.0")),
+], ids=["theta", "llama3-factor"])
+def test_refuses_rope_settings_given_twice_with_different_values(tmp_path, config, values):
+  """transformers 4 reads the top-level rope_theta / rope_scaling, 5 the rope_parameters: where a config.json
+  holds both and they differ, it is refused with one line naming both values; where they agree it loads."""
+  _one_line_error(_folder(tmp_path / "differ", **config), "config.json", *values)
+  same = dict(config, rope_parameters=dict(config.get("rope_scaling") or {"rope_type": "default"},
+                                           rope_theta=config.get("rope_theta", 5e5)))
+  cfg = hf_model_config(_folder(tmp_path / "same", **same))
+  assert cfg.rope_theta == same["rope_parameters"]["rope_theta"]
+
+
 @pytest.mark.parametrize("config_bos", [None, 1], ids=["config-bos-null", "config-bos-another-token"])
 def test_prompts_start_with_the_tokenizers_bos(tmp_path, config_bos):
   """HF's tokenizer prepends the BOS its own post-processor names (<s>, id 0), whatever config.json's

@@ -168,6 +168,27 @@ def test_smoothing_keys_keeps_attention_and_lowers_error():
   assert err[True][0] < 0.1 and err[True][1] < 0.05, err
 
 
+@pytest.mark.parametrize("qk_dtype", fp8.QK_DTYPES)
+def test_keys_past_kv_len_change_nothing(qk_dtype):
+  """Keys and values from kv_len on are seen by no row, so what they hold must not change the output: stale values
+  1e5 times the visible ones (a reused page's previous owner) give the bits that zeros give, and the output stays
+  within FP8's error of the float32 reference. K's block scales and V's per-head scale are absmaxes over the keys:
+  taken over the stale ones too, they rounded every visible value of the head to a step 1e5 times too coarse."""
+  B, T, S, N, K, H = 2, 64, 330, 4, 2, 64
+  q, k, v = _normal(30, B, T, N, H), _normal(31, B, S, K, H), _normal(32, B, S, K, H)
+  kvl = jnp.array([S, 200])
+  past = jnp.arange(S)[None, :, None, None] >= kvl[:, None, None, None]
+  run = lambda k, v: mgpu_flash.flash_attention_fp8(q, k, v, None, kvl, causal=False, qk_dtype=qk_dtype,
+                                                    interpret=True)
+  clean = run(jnp.where(past, 0.0, k), jnp.where(past, 0.0, v))
+  stale = run(jnp.where(past, 1e5 * _normal(33, B, S, K, H), k), jnp.where(past, 1e5 * _normal(34, B, S, K, H), v))
+  for got, want in zip(stale, clean):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  want, _ = ref.attention_reference(q, k, v, causal=False, kv_len=kvl)
+  rmse = float(jnp.sqrt(jnp.mean((stale[0] - want) ** 2)))
+  assert rmse < 0.06 * float(jnp.sqrt(jnp.mean(want ** 2))), rmse
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_smoothed_scores_plus_shift_are_the_scores(dtype):
   """smooth_keys in the engine's dtypes: q . (k - kbar) / sqrt(H) + shift == q . k / sqrt(H) for every row and key,
@@ -434,6 +455,22 @@ def test_engine_fp8_attention_matches_bf16_path_greedy(monkeypatch, attention_dt
   # Each 8-bit mode caches different K/V: a context saved under one must not be served to the other.
   other = "int8_fp8" if attention_dtype == "float8_e4m3fn" else "float8_e4m3fn"
   assert eng.fingerprint != Engine.random(TINY128, run=run.replace(attention_dtype=other), seed=5).fingerprint
+
+
+def test_engine_fp8_prefix_read_ignores_what_earlier_requests_left_in_the_pages():
+  """int8_fp8 over a bf16 cache gathers a chunk's cached prefix from pages that also hold keys past it: the
+  chunk's own, then slots a previous request wrote into the pages this one reuses. The prompt's logits are the
+  same bit for bit on a fresh engine and after that request (before, its stale values in the slots past the
+  prompt set V's quantization scale of the prefix read)."""
+  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1, decode_steps=8,
+                  attention_dtype="int8_fp8", prefix_cache=False)
+  earlier = [int(t) for t in np.random.default_rng(105).integers(3, 256, 256)]
+  prompt = [int(t) for t in np.random.default_rng(1).integers(3, 256, 168)]
+  want = Engine.random(TINY128, run=run, seed=5).prompt_logits(prompt)
+  eng = Engine.random(TINY128, run=run, seed=5)
+  assert eng.kernels["prefill_kernel"] == "pallas-int8-fp8-model-gather"
+  eng.prompt_logits(earlier)
+  np.testing.assert_array_equal(eng.prompt_logits(prompt), want)
 
 
 @pytest.mark.parametrize("page_size,prefix", [(16, "pallas-fp8-model-gather"), (64, "pallas-fp8-model-in-place")])

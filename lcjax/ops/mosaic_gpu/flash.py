@@ -748,9 +748,15 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, q_len=None, *, causal: boo
     raise ValueError(reason)
   out_dtype = q.dtype
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
+  # Keys from kv_len on are zeros before any scale is taken: K's block scales and V's per-head scale are absmaxes
+  # over every key, and a key no row sees (a reused page's stale value, a chunk's own keys past its prefix) would
+  # otherwise set the step of every visible one.
+  valid = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < kvl[:, None])[:, :, None, None]
+  k, v = jnp.where(valid, k, 0), jnp.where(valid, v, 0)
   lse_shift = None
   if smooth_k:
     k, lse_shift = fp8_ops.smooth_keys(q, k, kvl)
+    k = jnp.where(valid, k, 0)
   (q8, qs), (k8, ks), (v8, vs) = fp8_ops.quantize_operands(q, k, v, block_q=tuning.block_q,
                                                             block_kv=tuning.block_kv, incoherent=incoherent,
                                                             qk_dtype=qk_dtype)

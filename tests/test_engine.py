@@ -321,6 +321,24 @@ def test_an_overflowed_value_stops_the_request_in_every_cache(monkeypatch, cache
   assert (len(got.token_ids), got.finish_reason) == (3, "nonfinite")      # fed at positions 5 and 6, then 7
 
 
+@pytest.mark.parametrize("cache_dtype,attention_dtype", [("float32", "auto"), ("float8_e4m3fn", "auto"),
+                                                           ("float8_e4m3fn", "float8_e4m3fn")])
+def test_an_overflowed_key_stops_the_request_in_every_cache(monkeypatch, cache_dtype, attention_dtype):
+  """As above with K: K at position 7 times inf (inf, -inf and NaN values). Every row that sees it has a NaN or inf
+  score and a NaN softmax sum, which must reach the logits and stop the request 'nonfinite' with the 3 tokens
+  sampled before, through the jnp reference and the FP8 path (its jnp model, the Triton decode kernel in the
+  interpreter). Read as 'no key seen' (output 0, lse -inf), the NaN left attention out of every later row and the
+  request ran to its length on finite, wrong logits."""
+  from tests.patch_kv import scale_kv_by_position
+  at_7 = lambda p: jnp.where(p == 7, jnp.inf if p.shape[1] == 1 else 1.0, 1.0)      # noqa: E731
+  scale_kv_by_position(monkeypatch, at_7, lambda p: jnp.ones(p.shape))
+  fp8 = {} if attention_dtype == "auto" else dict(page_size=16)                     # the Triton kernel's pages
+  cfg = TINY if attention_dtype == "auto" else dataclasses.replace(TINY, head_dim=64)     # the FP8 kernel's
+  eng = _engine(cfg, cache_dtype=cache_dtype, attention_dtype=attention_dtype, max_batch=1, **fp8)
+  got = eng.generate(list(range(3, 8)), max_new_tokens=8)
+  assert (len(got.token_ids), got.finish_reason) == (3, "nonfinite")
+
+
 def test_decode_groups_match_one_step_per_check():
   """decode_sync_every > 1 tests `done` once per group of steps (a host sync): slots that end mid-group (EOS, or
   their token budget) give the same tokens, finish reasons and pages back as with a check after every step."""

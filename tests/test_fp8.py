@@ -189,6 +189,23 @@ def test_keys_past_kv_len_change_nothing(qk_dtype):
   assert rmse < 0.06 * float(jnp.sqrt(jnp.mean(want ** 2))), rmse
 
 
+def test_a_nonfinite_key_reaches_every_row_that_sees_it():
+  """One key holds NaN (fp8 pages hold an overflowed K so): the FP8 model and the jnp reference give NaN out and
+  lse in every row that sees it, and the reference's rows causally before it stay finite. A NaN softmax sum read
+  as 'no key seen' gave out 0 and lse -inf, which `merge` then drops: finite, wrong outputs."""
+  B, T, S, N, K, H = 1, 256, 256, 2, 1, 64
+  q, v = _normal(40, B, T, N, H), _normal(41, B, S, K, H)
+  k = _normal(42, B, S, K, H).at[0, 200, 0, 3].set(jnp.nan)
+  # Unsmoothed: the keys' mean would carry the NaN into every key before the softmax sees it.
+  fp8_out = mgpu_flash.flash_attention_fp8(q, k, v, causal=False, smooth_k=False, interpret=True)
+  ref_out = ref.attention_reference(q, k, v, causal=False)
+  for out, lse in (fp8_out, ref_out):
+    assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
+  out, lse = ref.attention_reference(q, k, v, causal=True)
+  assert np.isfinite(np.asarray(out[0, :200])).all() and np.isnan(np.asarray(out[0, 200:])).all()
+  assert np.isnan(np.asarray(ref.merge(out, lse, jnp.zeros_like(out), jnp.zeros_like(lse))[0][0, 200:])).all()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_smoothed_scores_plus_shift_are_the_scores(dtype):
   """smooth_keys in the engine's dtypes: q . (k - kbar) / sqrt(H) + shift == q . k / sqrt(H) for every row and key,

@@ -146,9 +146,11 @@ def _online_softmax(q, n_blocks, block_fn, scale):
     (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
   else:
     m, l, acc = jax.lax.fori_loop(0, n_blocks, lambda i, carry: update(carry, *block_fn(i)), init)
-  seen = l > 0
-  out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+  # A row saw no key where l == 0, not where l > 0 fails: a NaN or inf score makes l NaN, and the NaN must reach
+  # the output (and through it the logits, which stop the request) rather than read as a row with nothing to see.
+  empty = l == 0
+  out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+  lse = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, l)))
   return out.astype(q.dtype), lse
 
 

@@ -287,10 +287,10 @@ def attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool, bloc
   init = (jnp.full((B, K, G, nq, block_q), _M_FLOOR, jnp.float32), jnp.zeros((B, K, G, nq, block_q), jnp.float32),
           jnp.zeros((B, K, G, nq, block_q, H), jnp.float32), jnp.ones((B, K), jnp.float32))
   (m, l, acc, ref_v), _ = lax.scan(step, init, jnp.arange(nk))
-  seen = l > 0
-  l_safe = jnp.where(seen, l, 1.0)
+  empty = l == 0                                                # not l > 0: a NaN l (a NaN or inf score) stays NaN
+  l_safe = jnp.where(empty, 1.0, l)
   out = acc / l_safe[..., None] * ref_v[:, :, None, None, None, None]
-  lse = jnp.where(seen, (m + jnp.log2(l_safe) - P_SHIFT) * _LN2, -jnp.inf)
+  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe) - P_SHIFT) * _LN2)
   out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(B, T, N, H)
   lse = jnp.transpose(lse, (0, 3, 4, 1, 2)).reshape(B, T, N)
   return out, lse

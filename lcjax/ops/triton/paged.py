@@ -145,14 +145,14 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
 
   init = (jnp.full((R,), _M_FLOOR, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, H), jnp.float32))
   m, l, acc = jax.lax.fori_loop(0, n_steps, step, init)
-  seen = l > 0
-  l_safe = jnp.where(seen, l, 1.0)
+  empty = l == 0                              # not l > 0: a NaN l (a NaN or inf score) stays NaN in out and lse
+  l_safe = jnp.where(empty, 1.0, l)
   # Only the R0 real rows are written (and read by _combine_kernel): padding rows would be 3/4 of the partials'
   # traffic for Llama-3's 4 query heads per kv head at one token.
   real = row < R0
-  pltriton.store(o_ref, jnp.where(seen[:, None], acc / l_safe[:, None], 0.0),
+  pltriton.store(o_ref, jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]),
                  mask=jnp.broadcast_to(real[:, None], (R, H)))
-  pltriton.store(lse_ref, jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=real)
+  pltriton.store(lse_ref, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2), mask=real)
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transposed):
@@ -170,10 +170,11 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transpose
   tot = jnp.sum(w)
   o = o_ref[b, h, :, pl.ds(c * HB, HB), r] if transposed else o_ref[b, h, :, r, pl.ds(c * HB, HB)]
   o = jnp.where(used[:, None], o, 0.0)                                # [S2, HB]
-  out = jnp.sum(o * w[:, None], axis=0) / jnp.where(tot > 0, tot, 1.0)
+  # tot == 0 (no split saw a key), not tot > 0 failing: a NaN split makes tot NaN, which stays NaN in out and lse.
+  out = jnp.sum(o * w[:, None], axis=0) / jnp.where(tot == 0, 1.0, tot)
   t, n = r // G, h * G + r % G
   out_ref[b, t, n, pl.ds(c * HB, HB)] = out.astype(out_ref.dtype)
-  lse_out_ref[b, t, n] = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top, -jnp.inf)
+  lse_out_ref[b, t, n] = jnp.where(tot == 0, -jnp.inf, jnp.log(jnp.where(tot == 0, 1.0, tot)) + top)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,

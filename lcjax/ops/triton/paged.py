@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import attention as ref
+from lcjax.ops import precision
 from lcjax.ops.splits import next_pow2, rows_per_kv_head, split_count
 
 _LOG2E = math.log2(math.e)
@@ -81,7 +82,7 @@ def num_splits_for(tuning: PagedTuning, B, K, M):
 def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, Z, Zb, H, pps, upp, quantized,
             scale_log2, T, G):
   if quantized:
-    ks_ref, vs_ref, o_ref, lse_ref = rest
+    ks_ref, vs_ref, qs_ref, o_ref, lse_ref = rest
   else:
     ks_ref = vs_ref = None
     o_ref, lse_ref = rest
@@ -90,6 +91,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
   b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   M = table_ref.shape[1]
   q = q_ref[...]                                                       # [R, H]
+  k_factor = qs_ref[b, h] if quantized else None                       # the rows' scale (fp8: `_scale_queries`)
   R, R0 = q.shape[0], T * G
   # Row r = t * G + g sees up to position q_pos[b, t]; padded rows (r >= R0) see nothing. Built here from the
   # T scalars: a padded [B, R] array passed in would cost one more XLA kernel per layer.
@@ -125,7 +127,7 @@ def _kernel(kvlen_ref, off_ref, table_ref, qpos_ref, q_ref, k_ref, v_ref, *rest,
       v = v.astype(jnp.float16)
     sc = pltriton.dot(q, k, trans_b=True) * scale_log2                        # [R, Zb] f32, base-2 logits
     if quantized:
-      sc = sc * ks_ref[pid, h]
+      sc = sc * (ks_ref[pid, h] * k_factor)
     tok = j * Zb + jax.lax.broadcasted_iota(jnp.int32, (R, Zb), 1)
     vis = (tok < lim_tok) & (tok <= qpos[:, None])
     sc = jnp.where(vis, sc, -jnp.inf)
@@ -177,6 +179,17 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, G, HB, transpose
   lse_out_ref[b, t, n] = jnp.where(tot == 0, -jnp.inf, jnp.log(jnp.where(tot == 0, 1.0, tot)) + top)
 
 
+def _scale_queries(qr):
+  """Query rows qr [B, K, R, H] -> (float16 rows, scale [B, K] float32): qr = rows * scale, the scale a power of
+  two that brings each (sequence, kv head)'s absmax into [2^13, 2^14), so float16 holds bf16 queries of any size
+  (as they are, past 65504 they are infinite, and under 2^-14 they lose bits) but for values 2^-27 of that absmax
+  and below. An all-zero or non-finite absmax gets 2^-14 (its rows stay zero, inf or NaN)."""
+  qf = precision.widen(qr)
+  m = jnp.max(jnp.abs(qf), axis=(2, 3))
+  scale = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - 14)
+  return (qf / scale[:, :, None, None]).astype(jnp.float16), scale
+
+
 def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
                  tuning: PagedTuning = PagedTuning(), interpret: bool = False):
   """Attention of a few query tokens per sequence over a paged cache. Returns (out [B, T, N, H], lse [B, T, N]).
@@ -214,7 +227,7 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
 
   qr = jnp.pad(rows_per_kv_head(q, K), ((0, 0), (0, 0), (0, R - R0), (0, 0)))
   if quantized:
-    qr = qr.astype(jnp.float16)                                        # see the fp8 note in _kernel
+    qr, qs = _scale_queries(qr)                                        # see the fp8 note in _kernel
   qpos = jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32)
   kvl = jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32)
 
@@ -227,8 +240,8 @@ def paged_decode(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None
   args = [kvl, jnp.reshape(page_offset, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), qpos, qr,
           k_pages, v_pages]
   if quantized:
-    in_specs += [whole, whole]
-    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    in_specs += [whole, whole, whole]
+    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), qs]
   # Partials of S2 >= S_ splits (a power of two: the combine loads a row's splits as one block); the kernel
   # writes the S_ that run, and only their R0 real rows.
   S2 = next_pow2(S_)

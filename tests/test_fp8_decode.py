@@ -269,6 +269,26 @@ def test_combine_reads_transposed_partials():
     np.testing.assert_allclose(np.asarray(lse_out), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_combine_keeps_a_nan_split_nan():
+  """A split whose row saw a NaN or inf score (its partial's out and lse NaN) makes that row NaN in the combine's
+  out and lse, in the Triton combine and the jnp model; the other rows are joined as ever. A NaN total read as 'no
+  split saw a key' gave lse -inf, which a later merge drops."""
+  B, K, S, S2, H, RN, T, G = 1, 1, 3, 4, 32, 8, 2, 3
+  o, lse = _partials(4, B, K, S2, H, RN, S=S)
+  o, lse = o.at[0, 0, 1, :, 2].set(jnp.nan), lse.at[0, 0, 1, 2].set(jnp.nan)          # row 2: token 0, head 2
+  want, want_lse = _numpy_join(o, lse, S, T, G)
+  for out, lse_out in [
+      triton_paged.combine_splits(o, lse, S=S, G=G, out_shape=(B, T, K * G, H), out_dtype=jnp.float32,
+                                  transposed=True, interpret=True),
+      splits.combine_splits_reference(o, lse, S=S, T=T, G=G, out_dtype=jnp.float32, transposed=True)]:
+    out, lse_out = np.asarray(out), np.asarray(lse_out)
+    assert np.isnan(out[0, 0, 2]).all() and np.isnan(lse_out[0, 0, 2])
+    keep = np.ones(lse_out.shape, bool)
+    keep[0, 0, 2] = False
+    np.testing.assert_allclose(out[keep], want[keep], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse_out[keep], want_lse[keep], rtol=1e-5, atol=1e-5)
+
+
 def test_mosaic_combine_lse_rows_divide_over_a_warpgroup():
   """The lse rows the Mosaic GPU combine copies in one TMA copy: S, doubled until S * RN * 4 bytes is a multiple
   of 128."""

@@ -39,7 +39,7 @@ def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, trans
   """The split combine's jnp model: partials o [B, K, S2, R, H] f32 ([B, K, S2, H, RN] if transposed) and lse
   [B, K, S2, RN] f32 (natural log; the first S splits written, row r = t * G + g of kv head h, r < T * G read)
   -> (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] f32), each row's splits weighted by exp(lse): the exact
-  log-sum-exp merge. A row no split saw (every lse -inf) gets out 0 and lse -inf."""
+  log-sum-exp merge. A row no split saw (every lse -inf) gets out 0 and lse -inf; a NaN split makes its row NaN."""
   R = T * G
   lse = lse[:, :, :S, :R]
   o = (jnp.swapaxes(o, 3, 4) if transposed else o)[:, :, :S, :R]                # [B, K, S, R, H]
@@ -47,6 +47,7 @@ def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, trans
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   w = jnp.exp(lse - top)                                                          # [B, K, S, R]
   tot = jnp.sum(w, axis=2)                                                        # [B, K, R]
-  out = jnp.sum(o * w[..., None], axis=2) / jnp.where(tot > 0, tot, 1.0)[..., None]
-  lse_out = jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + top[:, :, 0], -jnp.inf)
+  empty = tot == 0                                  # not tot > 0 failing: a NaN split's NaN stays in out and lse
+  out = jnp.sum(o * w[..., None], axis=2) / jnp.where(empty, 1.0, tot)[..., None]
+  lse_out = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, tot)) + top[:, :, 0])
   return heads_from_rows(out, T, G).astype(out_dtype), heads_from_rows(lse_out, T, G)

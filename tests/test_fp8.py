@@ -446,6 +446,27 @@ def test_paged_scales_model_is_attention_over_the_dequantized_pages(Z):
   assert max(err) < 0.03, err
 
 
+def test_padding_rows_past_q_len_change_no_real_row():
+  """Rows at or past q_len are padding the caller drops; what they hold (here 1e5 times the real rows) must not
+  change a real row's bits, in the FP8 kernel's model over contiguous keys and over fp8 pages read in place. Q's
+  scale is an absmax over block_q rows, and taken over padding it set the quantization step of the real rows of
+  its block."""
+  B, T, N, K, H, Z, M, P = 2, 128, 4, 2, 64, 64, 4, 12
+  kv_len = np.array([200, 90])
+  q, kp, vp, ks, vs, table, kd, vd = fp8_pages(50, B, T, N, K, H, Z, M, P, kv_len)
+  q_len = jnp.array([100, 37])
+  pad = jnp.arange(T)[None, :, None, None] >= q_len[:, None, None, None]
+  calls = [lambda q: mgpu_flash.flash_attention_fp8(q, kd, vd, None, jnp.asarray(kv_len), q_len, causal=False,
+                                                    interpret=True),
+           lambda q: mgpu_flash.flash_attention_fp8_paged(q, kp, vp, ks, vs, table, jnp.asarray(kv_len), 0, q_len,
+                                                          interpret=True)]
+  real = ~np.asarray(pad[:, :, 0, 0])
+  for call in calls:
+    clean, loud = call(jnp.where(pad, 0.0, q)), call(jnp.where(pad, 1e5 * q, q))
+    for got, want in zip(loud, clean):
+      np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real])
+
+
 # ---------------------------------------------------------------- engine
 TINY128 = ModelConfig("tiny128", vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128,
                       ffn_dim=256, rope_theta=10000.0, max_position=512, eos_ids=())

@@ -636,6 +636,15 @@ def _pad_to_tiles(q, tuning: FlashTuning):
   return q if Tp == T else jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
 
 
+def _real_rows(q, q_len):
+  """q [B, T, N, H] with its rows at or past q_len[b] (padding the caller drops; q_len None: none) zeroed: Q's block
+  scales are absmaxes over block_q rows, which padding must not set for the real rows of its block."""
+  if q_len is None:
+    return q
+  rows = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :] < _rows(q_len, q.shape[0])[:, None]
+  return jnp.where(rows[:, :, None, None], q, 0)
+
+
 def _padded(q, k, v, d, kv_len, tuning: FlashTuning):
   """(q, k, v padded to the tile sizes, d [B], kv_len [B]) with the defaults d = S - T, kv_len = S."""
   B, T, N, H = q.shape
@@ -748,6 +757,7 @@ def flash_attention_fp8(q, k, v, d=None, kv_len=None, q_len=None, *, causal: boo
     raise ValueError(reason)
   out_dtype = q.dtype
   q, k, v, d, kvl = _padded(q, k, v, d, kv_len, tuning)
+  q = _real_rows(q, q_len)
   # Keys from kv_len on are zeros before any scale is taken: K's block scales and V's per-head scale are absmaxes
   # over every key, and a key no row sees (a reused page's stale value, a chunk's own keys past its prefix) would
   # otherwise set the step of every visible one.
@@ -824,7 +834,7 @@ def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table,
     raise ValueError(reason)
   if k_pages.dtype != fp8_ops.E4M3 or v_pages.dtype != fp8_ops.E4M3:
     raise ValueError(f"pages {k_pages.dtype} / {v_pages.dtype} must be float8_e4m3fn")
-  q = _pad_to_tiles(q, tuning)
+  q = _real_rows(_pad_to_tiles(q, tuning), q_len)
   table = page_table.astype(jnp.int32)
   offset = jnp.reshape(page_offset, (1,)).astype(jnp.int32)
   kvl = jnp.clip(jnp.broadcast_to(kv_len, (B,)), 0, M * Z).astype(jnp.int32)

@@ -240,6 +240,22 @@ MUTANTS = (
            "q_len=step.lengths,\n                                     past=False)",
            ("tests/test_model.py::test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice"
             "[pallas-fp8-float8_e4m3fn]",)),
+    Mutant("fp8-prefill-scales-values-past-kv-len",
+           "FP8 prefill attention takes V's per-head scale over the values past kv_len too (stale slots of reused "
+           "pages, a chunk's own keys past its prefix), which set the quantization step of every visible value",
+           "lcjax/ops/mosaic_gpu/flash.py",
+           "  k, v = jnp.where(valid, k, 0), jnp.where(valid, v, 0)\n",
+           "  k = jnp.where(valid, k, 0)\n",
+           ("tests/test_fp8.py::test_keys_past_kv_len_change_nothing[int8]",
+            "tests/test_fp8.py::test_engine_fp8_prefix_read_ignores_what_earlier_requests_left_in_the_pages")),
+    Mutant("reference-reads-a-nan-row-as-empty",
+           "the jnp reference attention takes a row whose softmax sum is NaN (a NaN or inf score) for one that saw "
+           "no key: out 0 and lse -inf, so an overflowed K leaves attention out instead of stopping the request",
+           "lcjax/ops/attention.py",
+           "  empty = l == 0\n",
+           "  empty = ~(l > 0)\n",
+           ("tests/test_engine.py::test_an_overflowed_key_stops_the_request_in_every_cache[float32-auto]",
+            "tests/test_fp8.py::test_a_nonfinite_key_reaches_every_row_that_sees_it")),
 )
 
 

@@ -136,6 +136,31 @@ def _row_errors(got, want, rows):
   return np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_near_float32s_smallest_normal_keep_their_values(dtype):
+  """scale_rows (the Triton GEMV's x, and the Mosaic GEMV's without the fixed split) on rows whose absmax is 2^-100
+  down to float32's smallest normal: x == sum(x16) * scale, exactly for bf16 x, within the hi + lo split for
+  float32 x, and the Triton kernel's product within its usual error of float64. A row scale of 2^(e - 14) for
+  an absmax of 2^e under 2^-112 is no normal float32: on a machine that flushes subnormals it was 0, x / 0 was
+  infinite and the product NaN."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((4, 256)) * np.array([2.0 ** -100, 2.0 ** -115, 2.0 ** -120, 1.0])[:, None]
+  tiny = float(np.finfo(np.float32).tiny)
+  x[3] = tiny * np.sign(x[3])                                                 # every value the smallest normal
+  x[np.abs(x) < tiny] = 0.0                                                   # subnormals flush on many machines
+  x = jnp.asarray(x, dtype)
+  x16, s = linear.scale_rows(x)
+  back = np.asarray(x16, np.float64).sum(0) * np.asarray(s, np.float64)
+  want = np.asarray(x.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(back, want, rtol=0 if dtype == jnp.bfloat16 else 2.0 ** -21, atol=0)
+  name = "layers/mlp/w_down"
+  w8, scale = _stacked(name, rng)
+  xw = jnp.asarray(rng.standard_normal(x_shape(LINEAR[name], SHAPES[name], 2)) * 2.0 ** -118, dtype)
+  got = triton_gemv.gemv_stacked(xw, w8, scale, jnp.int32(1), LINEAR[name], tuning=SMALL_TILES, interpret=True)
+  err = _row_errors(got.astype(jnp.float32), _numpy_product(xw, w8, scale, 1, LINEAR[name]), 2)
+  assert np.all(err <= 2.0 ** -8), err
+
+
 def test_reference_is_the_widened_product():
   rng = np.random.default_rng(0)
   name = "layers/mlp/w_down"

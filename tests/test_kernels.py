@@ -148,12 +148,13 @@ def test_paged_decode_reads_no_key_past_the_table(fp8):
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
-@pytest.mark.parametrize("c", [2.0 ** 20, 2.0 ** -26])
+@pytest.mark.parametrize("c", [2.0 ** 20, 2.0 ** -26, 2.0 ** -120])
 def test_paged_decode_over_fp8_pages_takes_queries_of_any_bf16_size(c):
   """Queries times c over fp8 pages whose K scales are divided by c: the same scores, within the kernel's usual
   error of the float64 oracle. The kernel reads the queries as float16 (its fp8 K is widened to float16): taken as
   they are, queries past 65504 (c = 2^20) were infinite and the rows came out 0 with lse -inf, and queries under
-  float16's normal range (c = 2^-26) lost their bits; they are scaled by a power of two per sequence and kv head."""
+  float16's normal range (c = 2^-26) lost their bits; they are scaled by a power of two per sequence and kv head,
+  one that stays a normal float32 for queries near float32's smallest normal (c = 2^-120)."""
   B, T, N, K, H, Z, M, P = 2, 1, 8, 2, 32, 16, 4, 12
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(21, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([60, 23], jnp.int32)

@@ -208,7 +208,9 @@ def scale_rows(x2):
   parts)."""
   xf = precision.widen(x2)
   m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-  s = jnp.ldexp(jnp.ones_like(m), jnp.frexp(m)[1] - X_ABSMAX_LOG2)     # m / s in [2^13, 2^14): exact exponent
+  # m / s in [2^13, 2^14), an exact exponent, with s at least float32's smallest normal (2^-126): a subnormal s
+  # is 0 where subnormals flush, and x / 0 infinite. Rows of absmax under 2^-112 so come out under 2^14.
+  s = jnp.ldexp(jnp.ones_like(m), jnp.maximum(jnp.frexp(m)[1] - X_ABSMAX_LOG2, -126))
   xf = xf / s
   hi = xf.astype(jnp.float16)
   if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:

@@ -206,6 +206,26 @@ def test_a_nonfinite_key_reaches_every_row_that_sees_it():
   assert np.isnan(np.asarray(ref.merge(out, lse, jnp.zeros_like(out), jnp.zeros_like(lse))[0][0, 200:])).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("kernel", ["bf16", "fp8"])
+def test_a_nonfinite_key_reaches_every_row_that_sees_it_gpu(kernel):
+  """The Mosaic GPU flash kernels with one NaN key at position 200 (causal): rows 200 on are NaN in out and lse,
+  the rows before its key block finite (FP8: the block's scale is NaN; without smoothing and rotation, which would
+  spread the NaN over every key)."""
+  B, T, S, N, K, H = 1, 256, 256, 2, 1, 64
+  q, v = _normal(40, B, T, N, H).astype(jnp.bfloat16), _normal(41, B, S, K, H).astype(jnp.bfloat16)
+  k = _normal(42, B, S, K, H).at[0, 200, 0, 3].set(jnp.nan).astype(jnp.bfloat16)
+  if kernel == "fp8":
+    out, lse = mgpu_flash.flash_attention_fp8(q, k, v, causal=True, smooth_k=False, incoherent=False)
+  else:
+    out, lse = mgpu_flash.flash_attention(q, k, v, causal=True)
+  out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  first = 200 - 200 % mgpu_flash.FP8_TUNING.block_kv if kernel == "fp8" else 200
+  assert np.isfinite(out[0, :first]).all() and np.isfinite(lse[0, :first]).all()
+  assert np.isnan(out[0, 200:]).all() and np.isnan(lse[0, 200:]).all()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_smoothed_scores_plus_shift_are_the_scores(dtype):
   """smooth_keys in the engine's dtypes: q . (k - kbar) / sqrt(H) + shift == q . k / sqrt(H) for every row and key,

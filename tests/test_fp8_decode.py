@@ -504,6 +504,65 @@ def test_bf16_kernel_gpu(name, combine):
   check_bf16_kernel(name, combine)
 
 
+def check_nonfinite_key(fp8: bool, combine: str) -> None:
+  """A NaN key in the pages (what fp8 pages store for an overflowed K, lcjax.ops.fp8.clip_finite) at a position
+  sequence 0's rows of kv head 0 see: those rows' out and lse are NaN through the decode and its split combine,
+  not a row read as having seen nothing (out 0, lse -inf, which a merge drops); every other row is the clean
+  call's, bit for bit. On the GPU and in the Mosaic GPU interpreter."""
+  args, kw, _, tuning = _inputs(CASES["T1-G4-Z64"], seed=1, fp8=fp8)
+  tuning = dataclasses.replace(tuning, combine=combine)
+  q, kp, vp, table = args
+  call = mgpu_paged.paged_decode_fp8 if fp8 else mgpu_paged.paged_decode_bf16
+  clean = [np.asarray(x, np.float32) for x in call(*args, **kw, tuning=tuning)]
+  page = kw["page_offset"] + int(table[0, 3])                  # sequence 0's positions 192-255 (1,536 keys)
+  kp = kp.at[page, 5, 0].set(jnp.nan)
+  out, lse = (np.asarray(x, np.float32) for x in call(q, kp, vp, table, **kw, tuning=tuning))
+  N, K = q.shape[2], kp.shape[2]
+  hit = np.zeros(lse.shape, bool)
+  hit[0, :, :N // K] = True                                    # sequence 0, query heads of kv head 0
+  assert np.isnan(lse[hit]).all() and np.isnan(out[hit]).all(), (lse[0], out[0, :, :, 0])
+  np.testing.assert_array_equal(lse[~hit], clean[1][~hit])
+  np.testing.assert_array_equal(out[~hit], clean[0][~hit])
+
+
+def check_combine_nan_split(flat: bool) -> None:
+  """A split whose row saw a NaN or inf score (out and lse NaN) makes that row NaN in the Mosaic GPU split
+  combine's out and lse (the flat one's too); the other rows are the float64 join's. On the GPU and in the Mosaic
+  GPU interpreter."""
+  B, K, S, H, RN, T, G = 1, 2, 4, 64, 8, 2, 3
+  o, lse = _partials(7, B, K, S, H, RN, S=S)
+  o, lse = o.at[0, 1, 2, :, 4].set(jnp.nan), lse.at[0, 1, 2, 4].set(jnp.nan)       # kv head 1, row 4: t 1, g 1
+  want, want_lse = _numpy_join(o, lse, S, T, G)
+  if flat:
+    out, lse_out = mgpu_combine.combine_splits_flat(o, jnp.broadcast_to(lse[:, :, :, None, :], o.shape), T=T, G=G,
+                                                    out_dtype=jnp.float32)
+  else:
+    S2 = mgpu_combine.lse_rows(S, RN)
+    lse = jnp.concatenate([lse, jnp.full((B, K, S2 - S, RN), jnp.nan, jnp.float32)], axis=2)
+    out, lse_out = mgpu_combine.combine_splits(o, lse, T=T, G=G, out_dtype=jnp.float32)
+  out, lse_out = np.asarray(out), np.asarray(lse_out)
+  hit = np.zeros(lse_out.shape, bool)
+  hit[0, 1, 1 * G + 1] = True                                  # token 1, query head 1 * G + 1
+  assert np.isnan(lse_out[hit]).all() and np.isnan(out[hit]).all(), lse_out
+  np.testing.assert_allclose(out[~hit], want[~hit], rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(lse_out[~hit], want_lse[~hit], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("combine", mgpu_paged.COMBINES)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_nonfinite_key_gpu(fp8, combine):
+  check_nonfinite_key(fp8, combine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
+@pytest.mark.parametrize("flat", [False, True], ids=["mosaic", "mosaic-flat"])
+def test_combine_nan_split_gpu(flat):
+  check_combine_nan_split(flat)
+
+
 def check_bf16_kernel(name: str, combine: str) -> None:
   """The Mosaic GPU decode over bfloat16 pages (paged_decode_bf16, split combine `combine`) against the float64
   oracle on case `name`: bf16 queries and pages exactly, P rounded to bfloat16 for P @ V (a row within 1e-2 of its

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import pytest
 
 from lcjax.ops.hardware import jax_at_least
-from tests.test_fp8_decode import CASES, check_bf16_kernel, check_fp8_kernel, check_flat_combine, check_mosaic_combine
+from tests.test_fp8_decode import (CASES, check_bf16_kernel, check_combine_nan_split, check_flat_combine,
+                                   check_fp8_kernel, check_mosaic_combine, check_nonfinite_key)
 
 pytestmark = pytest.mark.skipif(not jax_at_least(0, 11),
                                 reason=f"the Mosaic GPU interpreter runs these kernels from JAX 0.11 (this is "
@@ -82,6 +83,18 @@ def test_combine_interpreted(B, K, S, H, RN, T, G, interpreter):
   a row no split saw and unused lse rows holding NaN == the float64 join; the flat combine on the same partials."""
   check_mosaic_combine(B, K, S, H, RN, T, G, 5.0)
   check_flat_combine(B, K, S, H, RN, T, G, 5.0)
+
+
+@pytest.mark.parametrize("combine", ["mosaic", "mosaic-flat"])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_nonfinite_key_interpreted(fp8, combine, decode_interpreter):
+  """A NaN key makes the rows that see it NaN (out and lse) through the decode and each Mosaic GPU combine."""
+  check_nonfinite_key(fp8, combine)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["mosaic", "mosaic-flat"])
+def test_combine_nan_split_interpreted(flat, interpreter):
+  check_combine_nan_split(flat)
 
 
 @pytest.mark.parametrize("L,P,Z,K,H,B,layer", [(3, 9, 64, 2, 128, 5, 2), (2, 12, 128, 4, 128, 8, 0)])

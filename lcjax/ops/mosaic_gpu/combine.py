@@ -104,10 +104,10 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
                     plgpu.layout_cast(jnp.zeros((RN,), jnp.float32), COLS),
                     plgpu.layout_cast(jnp.full((RN,), _M_FLOOR, jnp.float32), COLS)),
     )(o_ref.at[b, h])
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
+    empty = l == 0                # not l > 0 failing: a NaN split's NaN stays in out and lse
+    l_safe = jnp.where(empty, 1.0, l)
     acc_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (HB, RN), [1])
-    lse_out_smem[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    lse_out_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(acc_smem, out_ref.at[b, h, pl.ds(c * HB, HB)])
     pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_out_smem, lse_out_ref.at[b, h]))
@@ -167,13 +167,13 @@ def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
 
     zero = m * 0.0                       # m is finite: zeros in the loads' register layout (a loop carries it)
     acc, l = over_splits(add, (zero, zero))
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
+    empty = l == 0                       # not l > 0 failing: a NaN split's NaN stays in out and lse
+    l_safe = jnp.where(empty, 1.0, l)
     out_ref[b, h, cols] = acc / l_safe
 
     @pl.when(c == 0)
     def _():
-      lse_out_ref[b, h] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+      lse_out_ref[b, h] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
   out_t, lse_t = plgpu.kernel(
       body,

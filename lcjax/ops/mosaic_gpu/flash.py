@@ -438,8 +438,8 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       lax.fori_loop(total, hi, drain, None)
       pl.when(wg == 0)(sched_sync)
 
-      seen = l > 0
-      l_safe = jnp.where(seen, l, 1.0)
+      empty = l == 0                     # not l > 0 failing: a NaN or inf score's NaN stays in out and lse
+      l_safe = jnp.where(empty, 1.0, l)
       norm = 1.0 / l_safe
       if paged_fp8:
         norm = norm * ref_v
@@ -448,7 +448,7 @@ def _flash_call(q, k, v, d, kvl, *, causal: bool, tuning: FlashTuning, save_lse:
       acc = acc * lax.broadcast_in_dim(norm, (bq, H), [0])
       o_smem[...] = acc.astype(out_dtype)
       if lse_smem is not None:
-        lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe) - p_shift) * _LN2, -jnp.inf)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe) - p_shift) * _LN2)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[cta, pl.ds(q_base, bq), head])
       if lse_smem is not None:

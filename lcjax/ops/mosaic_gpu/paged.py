@@ -296,10 +296,10 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       acc, m, l, *_ = lax.fori_loop(n_full, n, functools.partial(step, masked=True), carry)
 
       l = l.sum(axis=0)
-      seen = l > 0
-      l_safe = jnp.where(seen, l, 1.0)
+      empty = l == 0                     # not l > 0 failing: a NaN or inf score's NaN stays in out and lse
+      l_safe = jnp.where(empty, 1.0, l)
       o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
-      lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2)
       if not flat:
         lse_smem[...] = lse
       plgpu.commit_smem()

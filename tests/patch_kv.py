@@ -14,8 +14,8 @@ def scale_kv_by_position(monkeypatch, k_factor, v_factor) -> None:
     call["positions"] = positions
     return real_angles(positions, inv_freq)
 
-  def qkv(self, x, rope, gemv=None):
-    q, k, v = real_qkv(self, x, rope, gemv)
+  def qkv(self, x, rope, *args, **kwargs):
+    q, k, v = real_qkv(self, x, rope, *args, **kwargs)
     p = call["positions"]
     return (q, k * k_factor(p)[:, :, None, None].astype(k.dtype), v * v_factor(p)[:, :, None, None].astype(v.dtype))
   monkeypatch.setattr(llama, "rope_angles", angles)

@@ -38,7 +38,7 @@ def result(r: Request, text: str, kernels: dict, draft, t_call: float | None = N
   """r's result (`text`: its output ids decoded); its prefill stats include the shared prefix's prefill when r
   paid it (Scheduler.serve). kernels: the engine's attention, dtypes and kernels, the stats' first fields; draft:
   the run's draft model. compile_s: the call's seconds of making programs (compile_cache.compile_seconds), in its
-  times. devices: the engine's, whose largest peak is stats["peak_device_bytes"]."""
+  times. devices: the engine's in this process, whose largest peak is stats["peak_device_bytes"]."""
   n_dec = max(len(r.out) - 1, 0)
   prefilled = len(r.prompt) - r.cached + r.shared_prefill_tokens
   ttft = r.first_token_at - t_call if None not in (r.first_token_at, t_call) else float("nan")

@@ -30,7 +30,6 @@ from lcjax.ops.fp8 import E4M3, clip_finite, scale_for
 
 # Rows (batch x tokens) up to which `dense` widens the weights instead of quantizing the activations.
 WIDEN_MAX_ROWS = 64
-X_ABSMAX_LOG2 = 14            # `scale_rows` brings each row's absmax to at most 2^14 (float16's max is 65504)
 
 
 def contracted(spec: str) -> tuple[str, str, str]:
@@ -207,10 +206,7 @@ def scale_rows(x2):
   precision.widen, so its float16 part holds x's bf16 values however XLA computed them), 2 for float32 x (hi and lo
   parts)."""
   xf = precision.widen(x2)
-  m = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-  # m / s in [2^13, 2^14), an exact exponent, with s at least float32's smallest normal (2^-126): a subnormal s
-  # is 0 where subnormals flush, and x / 0 infinite. Rows of absmax under 2^-112 so come out under 2^14.
-  s = jnp.ldexp(jnp.ones_like(m), jnp.maximum(jnp.frexp(m)[1] - X_ABSMAX_LOG2, -126))
+  s = precision.float16_scale(jnp.max(jnp.abs(xf), axis=1, keepdims=True))
   xf = xf / s
   hi = xf.astype(jnp.float16)
   if jnp.finfo(x2.dtype).nmant <= jnp.finfo(jnp.float16).nmant:

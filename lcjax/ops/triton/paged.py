@@ -183,11 +183,10 @@ def _scale_queries(qr):
   """Query rows qr [B, K, R, H] -> (float16 rows, scale [B, K] float32): qr = rows * scale, the scale a power of
   two that brings each (sequence, kv head)'s absmax into [2^13, 2^14), so float16 holds bf16 queries of any size
   (as they are, past 65504 they are infinite, and under 2^-14 they lose bits) but for values 2^-27 of that absmax
-  and below. The scale is at least float32's smallest normal, 2^-126 (a subnormal one is 0 where subnormals flush);
-  an all-zero or non-finite absmax gets 2^-14 (its rows stay zero, inf or NaN)."""
+  and below (`precision.float16_scale`: at least 2^-126; an all-zero or non-finite absmax's rows stay zero, inf or
+  NaN)."""
   qf = precision.widen(qr)
-  m = jnp.max(jnp.abs(qf), axis=(2, 3))
-  scale = jnp.ldexp(jnp.ones_like(m), jnp.maximum(jnp.frexp(m)[1] - 14, -126))
+  scale = precision.float16_scale(jnp.max(jnp.abs(qf), axis=(2, 3)))
   return (qf / scale[:, :, None, None]).astype(jnp.float16), scale
 
 

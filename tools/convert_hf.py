@@ -39,8 +39,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     print(f"convert_hf: error: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
-  if unexpected_arguments(rest):
-    print(f"convert_hf: error: {unexpected_arguments(rest)}", file=sys.stderr)
+  if refusal := unexpected_arguments(rest):
+    print(f"convert_hf: error: {refusal}", file=sys.stderr)
     sys.exit(2)
   return rest
 

@@ -156,8 +156,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except Exception as e:  # noqa: BLE001 - whatever the user's config module raised, e.g. a SyntaxError
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     _refuse(f"--config: cannot load the config file: {lines[-1] if lines else type(e).__name__}")
-  if unexpected_arguments(rest):
-    _refuse(unexpected_arguments(rest))
+  if refusal := unexpected_arguments(rest):
+    _refuse(refusal)
   return rest
 
 

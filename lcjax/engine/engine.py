@@ -329,7 +329,7 @@ class Engine:
     """r's result (lcjax.engine.results.result) with this engine's kernels in its stats."""
     kernels = dict(self.kernels, attention_dtype=self.run.attention_dtype, dtype=self.run.dtype,
                    weight_dtype=self.weights.name or self.run.dtype, cache_dtype=self.run.resolved_cache_dtype)
-    return result(r, self._text(r.out), kernels, self.run.draft, t_call, compile_s, self.mesh.local_devices)
+    return result(r, self._text(r.out), kernels, self.run.draft, t_call, compile_s, devices=self.mesh.local_devices)
 
   def warm_up(self, prompt_tokens, *, context: Context | None = None, chat: bool = False, context_tokens: int = 0,
               prefill_context: bool = True, sampling=None, decode_steps: int | None = None, more_buckets=()) -> int:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import resource
 
-import jax
-
 from lcjax.engine.scheduler import Request
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
@@ -21,10 +19,10 @@ class GenerationResult:
   stats: dict
 
 
-def peak_device_bytes(devices=None) -> int | None:
-  """The largest peak of bytes in use over `devices` (default: this process's first device), as the memory plan
-  counts a device; None where no device reports memory (the CPU)."""
-  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
+def peak_device_bytes(devices) -> int | None:
+  """The largest peak of bytes in use over `devices` (addressable ones), as the memory plan counts a device; None
+  where no device reports memory (the CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
   peaks = [p for p in peaks if p is not None]
   return max(peaks) if peaks else None
 
@@ -34,7 +32,7 @@ def peak_host_bytes() -> int:
 
 
 def result(r: Request, text: str, kernels: dict, draft, t_call: float | None = None,
-           compile_s: float = 0.0, devices=None) -> GenerationResult:
+           compile_s: float = 0.0, *, devices) -> GenerationResult:
   """r's result (`text`: its output ids decoded); its prefill stats include the shared prefix's prefill when r
   paid it (Scheduler.serve). kernels: the engine's attention, dtypes and kernels, the stats' first fields; draft:
   the run's draft model. compile_s: the call's seconds of making programs (compile_cache.compile_seconds), in its

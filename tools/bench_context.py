@@ -216,12 +216,6 @@ def bench(S: int) -> dict:
   return row
 
 
-def _compiled(r) -> str:
-  """The prefill cell's note when the timed prefill made programs (the warm-up missed one)."""
-  seconds = r.get("prefill_compile_s") or 0.0
-  return f" ({seconds:.1f} s compiling)" if seconds > 0.05 else ""
-
-
 def markdown(rows) -> str:
   def f(r, k, fmt):
     return fmt.format(r[k]) if r.get(k) is not None else "-"
@@ -232,9 +226,10 @@ def markdown(rows) -> str:
     if "error" in r:
       lines.append(f"| {r['S']:,} | | | error: {r['error'][:80]} | | | | | | | | |")
       continue
+    note = benchlib.compilation_note(r.get("prefill_compile_s") or 0.0)      # the timed prefill's, if any
     lines.append(
         f"| {r['S']:,} | {r['cache_dtype']} {f(r, 'kv_gb', '{:.1f}')} GB | {r.get('host_memory', '-')} | "
-        f"{f(r, 'prefill_s', '{:.2f}')}{_compiled(r)} | "
+        f"{f(r, 'prefill_s', '{:.2f}')}{f' ({note})' if note else ''} | "
         f"{f(r, 'ttft_s', '{:.3f}')} | {f(r, 'auto_ttft_s', '{:.3f}')} | {f(r, 'speedup', '{:.0f}')}x | "
         f"{f(r, 'offload_gbs', '{:.1f}')} | {f(r, 'restore_host_s', '{:.2f}')} ({f(r, 'restore_host_gbs', '{:.1f}')}, "
         f"{f(r, 'restore_host_vs_floor', '{:.0%}')} of {f(r, 'h2d_floor_gbs', '{:.1f}')}) | "

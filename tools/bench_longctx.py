@@ -161,12 +161,13 @@ def worker_jax(impl: str):
         runs.append((st["prefill_s"], st["decode_ms_per_token"]))
         compiled = max(compiled, st["compile_s"])
       peak = benchlib.memory_stat(dev, "peak_bytes_in_use")
+      note = benchlib.compilation_note(compiled)
       benchlib.emit_row(impl=impl, S=S, **_timings(cfg, S, runs), peak_gib=peak / GiB if peak else None,
                         planned_gib=planned, weights_gib=plan.weights / GiB, kv_gib=plan.kv_cache / GiB,
                         **eng.kernels, weight_dtype=st["weight_dtype"],
                         prefill_chunk=run.prefill_chunk, warmup_s=compile_s,
                         resident_gib=resident and resident / GiB, warmup_peak_gib=warmup_peak and warmup_peak / GiB,
-                        **_compiled(compiled), oom=False)
+                        timed_compile_s=compiled, **({"note": note} if note else {}), oom=False)
       last = (S, sum(t for t, _ in runs))
     except Exception as e:  # noqa: BLE001 - a benchmark records every failure as a row
       failed = benchlib.is_oom(e)
@@ -226,12 +227,6 @@ def _hf_run(model, cfg, S: int) -> tuple[float, float]:
       pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     return tp, 1e3 * (time.perf_counter() - t) / FLAGS.decode_steps
-
-
-def _compiled(seconds: float) -> dict:
-  """A row's record of the programs its timed runs made (compile_s of their stats), with a note when the warm-up
-  missed one, so that the row's times hold compilation."""
-  return dict(timed_compile_s=seconds, **({"note": f"{seconds:.1f} s of compilation timed"} if seconds > 0.05 else {}))
 
 
 def _timings(cfg, S: int, runs: list[tuple[float, float]]) -> dict:

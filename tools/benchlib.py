@@ -143,6 +143,12 @@ def memory_stat(dev, key: str):
   return (dev.memory_stats() or {}).get(key)
 
 
+def compilation_note(seconds: float) -> str:
+  """A row's note when its timed calls made programs (compile_s of their stats: the warm-up missed one, so the
+  times hold compilation); "" when they made none."""
+  return f"{seconds:.1f} s of compilation timed" if seconds > 0.05 else ""
+
+
 def emit_row(**row) -> None:
   """A result row from a benchmark worker process, for its orchestrator to collect from stdout."""
   print("ROW " + json.dumps(row), flush=True)

@@ -83,8 +83,8 @@ def infer_bos_id(path: str) -> int | None:
     procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
     for p in procs if isinstance(procs, list) else []:
       single = p.get("single") if isinstance(p, dict) and p.get("type") == "TemplateProcessing" else None
-      first = single[0].get("SpecialToken") if isinstance(single, list) and single and isinstance(single[0],
-                                                                                                   dict) else None
+      head = single[0] if isinstance(single, list) and single else None
+      first = head.get("SpecialToken") if isinstance(head, dict) else None
       if isinstance(first, dict):
         ids = ((p.get("special_tokens") or {}).get(first.get("id")) or {}).get("ids")
         if isinstance(ids, list) and len(ids) == 1 and _is_id(ids[0]):

@@ -1,6 +1,7 @@
 """Merge the part files one step of benchmarks/reproduce_h200.sh wrote into one topic file pair.
 
   python benchmarks/merge_results.py TOPIC OUT PART [PART ...]    # PART: a part's .json, or a folder of them
+  python benchmarks/merge_results.py --keep TOPIC OUT [PART ...]  # the parts given replace those of the same name
 
 Each part is the `<name>.json` + `<name>.md` pair a tool wrote (its `--name`). The merge writes OUT/TOPIC.json:
 {"topic", "title", "command", "parts": [{"name", "command", "device", "versions", "commit", ... the part's own
@@ -9,6 +10,9 @@ and OUT/TOPIC.md: each part's own markdown under a heading of its name, its comm
 The merge reads every part before it writes anything: a part without a command or a commit, two parts of one name
 or a missing markdown is one line naming it. WITHOUT_COMMIT names the committed parts measured before parts
 recorded their commit, each with why; they merge with `commit: null` until they are measured again.
+
+With --keep, the parts of OUT/TOPIC.json that no PART replaces stay as committed (their JSON, and their sections of
+OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again and merges them this way.
 
 Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
 sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",
@@ -142,11 +146,40 @@ def part_section(part: dict, text: str) -> list[str]:
   return head + lines
 
 
-def merge(topic: str, paths: list[str]) -> tuple[dict, str, dict | None]:
-  """The topic's JSON, its markdown and its combined view (None for topics without one)."""
+def kept_parts(out: str, topic: str, replaced: set[str]) -> list[tuple[dict, list[str]]]:
+  """(part, its section of OUT/TOPIC.md) for each part of the committed OUT/TOPIC.json not named in `replaced`."""
+  path = os.path.join(out, topic + ".json")
+  if not os.path.isfile(path):
+    fail(f"--keep: no {path} to keep parts of")
+  with open(path) as f:
+    parts = json.load(f)["parts"]
+  with open(path[:-len(".json")] + ".md") as f:
+    lines = f.read().rstrip("\n").split("\n")
+  starts = []
+  for p in parts:
+    heads = [i for i, ln in enumerate(lines) if ln == f"## {p['name']}"]
+    if len(heads) != 1:
+      fail(f"--keep: {topic}.md has {len(heads)} sections headed '## {p['name']}', not one")
+    starts.append(heads[0])
+  if starts != sorted(starts):
+    fail(f"--keep: the sections of {topic}.md are not in the order of {topic}.json's parts")
+  ends = [s - 1 for s in starts[1:]] + [len(lines)]          # a blank line before each section
+  for p in parts:
+    if p["commit"] in NO_SOURCE and p["name"] not in WITHOUT_COMMIT:
+      fail(f"--keep: {topic}.json's part {p['name']} has no commit")
+  return [(p, lines[a:b]) for p, a, b in zip(parts, starts, ends) if p["name"] not in replaced]
+
+
+def merge(topic: str, paths: list[str], keep: str | None = None) -> tuple[dict, str, dict | None]:
+  """The topic's JSON, its markdown and its combined view (None for topics without one); with `keep` (a folder of
+  topic files), the parts of its TOPIC.json that `paths` do not replace join them."""
   if topic not in TOPICS:
     fail(f"unknown topic {topic!r}; known: {', '.join(TOPICS)}")
-  parts = read_parts(paths)
+  parts = [(p, part_section(p, text)) for p, text in read_parts(paths)] if paths else []
+  if keep is not None:
+    parts = sorted(parts + kept_parts(keep, topic, {p["name"] for p, _ in parts}), key=lambda p: p[0]["name"])
+  if not parts:
+    fail(f"no parts for topic {topic}")
   names = [p["name"] for p, _ in parts]
   result = dict(topic=topic, title=TOPICS[topic],
                 command=f"python benchmarks/merge_results.py {topic} OUT " + " ".join(names))
@@ -160,8 +193,8 @@ def merge(topic: str, paths: list[str]) -> tuple[dict, str, dict | None]:
     result.update(view["fields"])
     lines += ["", *view["markdown"]]
   result["parts"] = [p for p, _ in parts]
-  for p, text in parts:
-    lines += ["", *part_section(p, text)]
+  for _, section in parts:
+    lines += ["", *section]
   return result, "\n".join(lines) + "\n", view
 
 
@@ -275,9 +308,13 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("topic", help=f"one of {', '.join(TOPICS)}")
   ap.add_argument("out", help="folder for TOPIC.json and TOPIC.md")
-  ap.add_argument("parts", nargs="+", help="the parts' .json files, or folders of them")
+  ap.add_argument("parts", nargs="*", help="the parts' .json files, or folders of them")
+  ap.add_argument("--keep", action="store_true",
+                  help="keep the parts of OUT/TOPIC.json that no PART replaces (their JSON and markdown as committed)")
   args = ap.parse_args(argv)
-  result, markdown, view = merge(args.topic, args.parts)
+  if not args.parts and not args.keep:
+    fail("no parts given (PART: a part's .json or a folder of them; --keep merges into OUT/TOPIC.json)")
+  result, markdown, view = merge(args.topic, args.parts, keep=args.out if args.keep else None)
   for path in write(args.out, args.topic, result, markdown, view):
     print(f"wrote {path}")
   return 0

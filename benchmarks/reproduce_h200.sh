@@ -2,6 +2,8 @@
 # Regenerate every committed result file of benchmarks/results from the current tree, on one H200 (141 GB).
 #
 #   bash benchmarks/reproduce_h200.sh [STEP ...]        # no STEP: all of them, in order
+#   bash benchmarks/reproduce_h200.sh STEP:PART[,PART]  # only those parts of a step, merged into its topic file
+#                                                       # beside the parts they do not replace (merge_results --keep)
 #
 # One step per topic: it runs the topic's commands, each writing one part (<name>.json + .md) into a scratch
 # folder ($PARTS/<topic>/, a new temporary folder unless PARTS is set; not committed), then
@@ -88,175 +90,211 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 PARTS=${PARTS:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
-all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths speculation tables)
+all=(attention longctx longctx-8bit exact needle quality fp8w context startup stream multigpu lengths speculation
+     tables)
 more=(multigpu-2 multigpu-8)         # steps for machines of several GPUs, asked for by name
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all[@]}")
-for step in "${steps[@]}"; do
-  [[ " ${all[*]} ${more[*]} " == *" $step "* ]] || { echo "unknown step $step: ${all[*]} ${more[*]}" >&2; exit 2; }
-done
 
-for step in "${steps[@]}"; do
-  echo "== $step"
-  P=$PARTS/$step
-  rm -rf "$P" && mkdir -p "$P"
-  case $step in
+# run CMD...: the command of one part, which names the part with --name=NAME; it runs when `wants NAME`. With
+# MODE=list, run prints NAME and runs nothing. ONLY (a comma list, from STEP:PART,...) limits a step to its parts.
+MODE=run ONLY=
+wants() { [ "$MODE" = run ] && [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]; }
+run() {
+  local name="" a
+  for a in "$@"; do [[ $a == --name=* ]] && name=${a#--name=}; done
+  [ -n "$name" ] || { echo "reproduce_h200.sh: a part's command names no part (--name=): $*" >&2; exit 2; }
+  if [ "$MODE" = list ]; then echo "$name"; return 0; fi
+  if wants "$name"; then "$@"; fi
+}
+
+# step STEP: its parts' commands, each writing <part>.{json,md} into $P.
+step() {
+  case $1 in
     attention)
-      python3 tools/bench_attention.py --out="$P" --stall_s=60 --reps=5 --skip=torch-sdpa-flash,probe
-      python3 tools/profile_prefill.py --keys=2048 --out="$P" --name=prefill-profile-h200
-      python3 tools/bench_attention.py --prefill=32768,131072 --decode= --skip=nolse,lse,norotation,positions \
+      run python3 tools/bench_attention.py --out="$P" --stall_s=60 --reps=5 --skip=torch-sdpa-flash,probe \
+        --name=attention-h200
+      run python3 tools/profile_prefill.py --keys=2048 --out="$P" --name=prefill-profile-h200
+      run python3 tools/bench_attention.py --prefill=32768,131072 --decode= --skip=nolse,lse,norotation,positions \
         --reps=3 --stall_s=60 --only=fp8,lcjax-pallas,cudnn-public --out="$P" --name=attention-fp8-h200-c
-      python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --reps=5 --stall_s=60 \
+      run python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --reps=5 --stall_s=60 \
         --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$P" --name=attention-fp8-decode-h200-b
-      python3 tools/bench_attention.py --prefill= --decode=32768,100000,131072,524288 --batch=1,8 --pages=64 \
+      run python3 tools/bench_attention.py --prefill= --decode=32768,100000,131072,524288 --batch=1,8 --pages=64 \
         --reps=20 --chain=16 --stall_s=60 \
         --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
         --out="$P" --name=attention-decode-routing-h200
-      python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --batch=1,8 --pages=64 --heads=64:8 \
+      run python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --batch=1,8 --pages=64 --heads=64:8 \
         --reps=20 --chain=16 --stall_s=60 \
         --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
         --out="$P" --name=attention-decode-routing-70b-h200
       at_128k=128:131072,640:131072,1000:131072,1024:131072,1152:131072,1280:131072,4096:131072,16384:131072
-      python3 tools/bench_attention.py --prefill= --decode= --pages=64 --reps=10 --stall_s=120 \
+      run python3 tools/bench_attention.py --prefill= --decode= --pages=64 --reps=10 --stall_s=120 \
         --chunk=$at_128k,1024:524288,4096:524288,1024:1048576 \
         --out="$P" --name=attention-chunk-paged-h200 ;;
     longctx)
-      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=8192,32768,131072 --decode_steps=64 \
+      run python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=8192,32768,131072 --decode_steps=64 \
         --time_budget_s=150 --out="$P" --name=longctx-h200-w
-      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072,262144 --decode_steps=64 \
+      run python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072,262144 --decode_steps=64 \
         --time_budget_s=270 --out="$P" --name=longctx-h200-v
-      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=524288 --decode_steps=32 --time_budget_s=500 \
+      run python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=524288 --decode_steps=32 --time_budget_s=500 \
         --out="$P" --name=longctx-h200-q
-      python3 tools/bench_longctx.py --impls=lcjax-fp8kv --layers=8 --contexts=1048576 --decode_steps=32 \
+      run python3 tools/bench_longctx.py --impls=lcjax-fp8kv --layers=8 --contexts=1048576 --decode_steps=32 \
         --time_budget_s=240 --out="$P" --name=longctx-h200-o-8layers
-      python3 tools/bench_longctx.py --impls=lcjax,hf,dense --contexts=8192,32768,131072,262144 \
+      run python3 tools/bench_longctx.py --impls=lcjax,hf,dense --contexts=8192,32768,131072,262144 \
         --limits=dense:32768 --decode_steps=32 --time_budget_s=440 --out="$P" --name=longctx-h200-j
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=1048576 \
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=1048576 \
         --decode_steps=16 --time_budget_s=560 --out="$P" --name=longctx-fp8prefill-1m-h200
-      python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072 --decode_steps=64 --repeats=3 \
+      run python3 tools/bench_longctx.py --impls=lcjax,hf --contexts=131072 --decode_steps=64 --repeats=3 \
         --time_budget_s=300 --out="$P" --name=longctx-spread-128k-h200 ;;
     longctx-8bit)
-      python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,lcjax-fp8kv,hf --contexts=131072 \
+      run python3 tools/bench_longctx.py --impls=lcjax,lcjax-int8attn,lcjax-int8,lcjax-fp8kv,hf --contexts=131072 \
         --decode_steps=32 --time_budget_s=280 --out="$P" --name=longctx-int8-128k-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=1048576 \
         --decode_steps=16 --time_budget_s=560 --out="$P" --name=longctx-int8-1m-h200
-      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8kv,lcjax-int8 --contexts=131072 --decode_steps=32 \
+      run python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8kv,lcjax-int8 --contexts=131072 --decode_steps=32 \
         --time_budget_s=220 --out="$P" --name=longctx-fp8decode-128k-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=524288 \
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-int8 --contexts=524288 \
         --decode_steps=32 --time_budget_s=300 --out="$P" --name=longctx-int8-512k-h200
-      python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8,lcjax-int8 --contexts=131072 --decode_steps=32 \
+      run python3 tools/bench_longctx.py --impls=lcjax,lcjax-fp8,lcjax-int8 --contexts=131072 --decode_steps=32 \
         --time_budget_s=220 --out="$P" --name=longctx-fp8prefill-128k-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8 --contexts=524288 \
         --decode_steps=32 --time_budget_s=225 --out="$P" --name=longctx-fp8prefill-512k-h200 ;;
     exact)
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=4096,32768,131072 --caches=bfloat16,float8_e4m3fn \
+      run python3 tools/check_exact.py --preset=llama3-8b --contexts=4096,32768,131072 --caches=bfloat16,float8_e4m3fn \
         --out="$P" --name=exact-llama3-8b-h200
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 --out="$P" \
+      run python3 tools/check_exact.py --preset=llama3-8b --contexts=32768 --prefill_chunk=16384 --out="$P" \
         --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --name=exact-fp8-llama3-8b-h200
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$P" \
+      run python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$P" \
         --caches=bfloat16,float8_e4m3fn,bfloat16+fp8attn,bfloat16+int8attn,float8_e4m3fn+int8attn \
         --name=exact-fp8-llama3-8b-128k-h200
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$P" \
+      run python3 tools/check_exact.py --preset=llama3-8b --contexts=131072 --prefill_chunk=16384 --out="$P" \
         --caches=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn --name=exact-int8-llama3-8b-128k-margin-h200
-      python3 tools/check_exact.py --preset=llama3-8b --contexts=32768,131072 --prefill_chunk=16384 --out="$P" \
+      run python3 tools/check_exact.py --preset=llama3-8b --contexts=32768,131072 --prefill_chunk=16384 --out="$P" \
         --caches=bfloat16,bfloat16+fp8w,float8_e4m3fn+fp8attn+fp8w --name=exact-fp8w-llama3-8b-h200
       # The real SmolLM2: KL against float32 HF at its 8K context, bf16 beside FP8 attention and the fp8 cache.
-      python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
+      run python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
         --prefill_chunk=2048 --caches=bfloat16,bfloat16+fp8attn,float8_e4m3fn,float8_e4m3fn+fp8attn --out="$P" \
         --name=exact-fp8-smollm2-h200
-      python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
+      run python3 tools/check_exact.py --checkpoint=bundled --contexts=8127 --prompt=text --dtype=bfloat16 \
         --prefill_chunk=2048 --positions=32 --out="$P" --name=exact-int8-smollm2-h200 \
         --caches=bfloat16,bfloat16+fp8attn,bfloat16+int8attn,float8_e4m3fn+int8attn
-      JAX_PLATFORMS=cpu python3 tools/check_exact.py --checkpoint=bundled --dtype=float32 --prompt=text \
+      run env JAX_PLATFORMS=cpu python3 tools/check_exact.py --checkpoint=bundled --dtype=float32 --prompt=text \
         --contexts=8127 --caches=bfloat16,float8_e4m3fn --prefill_chunk=2048 --page_size=64 --out="$P" \
         --name=exact-smollm2-cpu-pagescale ;;
     needle)
-      JAX_PLATFORMS=cpu python3 tools/eval_needle.py --words=1000,2000 --cache_dtypes=auto --out="$P"
-      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" --name=needle-fp8-smollm2-h200 \
-        --cache_dtypes=bfloat16,bfloat16+fp8attn,float8_e4m3fn+fp8attn
-      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" --name=needle-int8-smollm2-h200 \
-        --cache_dtypes=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn
-      python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" \
+      run env JAX_PLATFORMS=cpu python3 tools/eval_needle.py --words=1000,2000 --cache_dtypes=auto --out="$P" \
+        --name=needle-smollm2
+      run python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" \
+        --name=needle-fp8-smollm2-h200 --cache_dtypes=bfloat16,bfloat16+fp8attn,float8_e4m3fn+fp8attn
+      run python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" \
+        --name=needle-int8-smollm2-h200 --cache_dtypes=bfloat16,bfloat16+int8attn,float8_e4m3fn+int8attn
+      run python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" \
         --name=needle-fp8decode-smollm2-h200 --cache_dtypes=bfloat16,float8_e4m3fn,float8_e4m3fn+int8attn ;;
     quality)
-      : "${LLMCOMPRESSOR_PYTHON:?set LLMCOMPRESSOR_PYTHON to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
-      python3 tools/check_fp8.py --contexts=8192,32768 --out="$P" --name=fp8-quality-h200
+      if wants fp8-weights-quality; then
+        : "${LLMCOMPRESSOR_PYTHON:?set it to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
+      fi
+      run python3 tools/check_fp8.py --contexts=8192,32768 --out="$P" --name=fp8-quality-h200
       # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: the command above).
-      JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$P" --name=fp8-quality-model-cpu
-      JAX_PLATFORMS=cpu python3 tools/eval_fp8_weights.py --llmcompressor_python="$LLMCOMPRESSOR_PYTHON" \
+      run env JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$P" \
+        --name=fp8-quality-model-cpu
+      run env JAX_PLATFORMS=cpu python3 tools/eval_fp8_weights.py --llmcompressor_python="${LLMCOMPRESSOR_PYTHON:-}" \
         --work="$P/fp8-weights-work" --out="$P" --name=fp8-weights-quality
-      rm -rf "$P/fp8-weights-work" ;;
+      if wants fp8-weights-quality; then rm -rf "$P/fp8-weights-work"; fi ;;
     fp8w)
       for args in "--impls=lcjax-fp8w-fp8kv --contexts=131072 --time_budget_s=190 --name=fp8w-70b-h200" \
           "--impls=lcjax-fp8w,lcjax-fp8w-fp8kv --contexts=32768,131072 --limits=lcjax-fp8w-fp8kv:32768 \
            --time_budget_s=460 --name=fp8w-70b-kv-h200" \
           "--impls=lcjax-fp8w-fp8kv --contexts=262144 --time_budget_s=400 --name=fp8w-70b-256k-h200"; do
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --preset=llama3.1-70b --decode_steps=16 \
-          --out="$P" $args
+        run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --preset=llama3.1-70b \
+          --decode_steps=16 --out="$P" $args
       done
-      python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8,lcjax-fp8,hf --contexts=32768,131072 --decode_steps=32 \
+      run python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8,lcjax-fp8,hf --contexts=32768,131072 --decode_steps=32 \
         --limits=hf:131072 --time_budget_s=290 --out="$P" --name=fp8w-8b-h200
-      python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 --contexts=524288 --decode_steps=32 --time_budget_s=200 \
-        --out="$P" --name=fp8w-8b-512k-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 --contexts=1048576 \
-        --decode_steps=16 --time_budget_s=560 --out="$P" --name=fp8w-8b-1m-h200
-      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --gemv_tunings=default,pack=2 \
+      run python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 --contexts=524288 --decode_steps=32 \
+        --time_budget_s=200 --out="$P" --name=fp8w-8b-512k-h200
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_longctx.py --impls=lcjax-fp8w-fp8 \
+        --contexts=1048576 --decode_steps=16 --time_budget_s=560 --out="$P" --name=fp8w-8b-1m-h200
+      run python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --gemv_tunings=default,pack=2 \
         --out="$P" --name=linear-fp8-h200
-      python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --products=bf16,gemv,mgpu \
+      run python3 tools/bench_linear.py --presets=llama3-8b,llama3.1-70b --reps=5 --products=bf16,gemv,mgpu \
         --options=decode --prefill_rows=0 --out="$P" --name=linear-gemv-h200 ;;
     context)
-      python3 tools/bench_context.py --contexts=131072 --out="$P" --name=context-h200-128k
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \
+      run python3 tools/bench_context.py --contexts=131072 --out="$P" --name=context-h200-128k
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_context.py --contexts=524288 \
         --cache_dtype=float8_e4m3fn --check_cold=false --out="$P" --name=context-h200-512k-fp8
-      JAX_PLATFORMS=cpu python3 tools/bench_context.py --checkpoint=bundled --contexts=3072 --dtype=float32 \
+      run env JAX_PLATFORMS=cpu python3 tools/bench_context.py --checkpoint=bundled --contexts=3072 --dtype=float32 \
         --question=64 --prefill_chunk=1024 --out="$P" --name=context-smollm2-cpu ;;
     startup)
-      python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
+      run python3 tools/bench_startup.py --preset=llama3-8b --overrides=max_context=8192 --max_new_tokens=16 \
         --out="$P" --name=startup-h200 ;;
     stream)
-      python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 --repeats=2 \
-        --out="$P" --name=stream-h200 ;;
+      run python3 tools/bench_stream.py --preset=llama3-8b --contexts=1024,32768 --steps=1,8,64 --tokens=128 \
+        --repeats=2 --out="$P" --name=stream-h200 ;;
     multigpu|multigpu-2|multigpu-8)
-      if [ "$step" = multigpu-2 ]; then
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b --meshes=2x1,1x2 \
-          --contexts=524288 --decode_batches=1 --cache_dtype=float8_e4m3fn --weight_dtype=float8_e4m3fn \
-          --attention_dtype=float8_e4m3fn --time_budget_s=1500 --out="$P" --name=multigpu-70b-512k-2xh200
-      elif [ "$step" = multigpu-8 ]; then
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
+      if [ "$1" = multigpu-2 ]; then
+        run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
+          --meshes=2x1,1x2 --contexts=524288 --decode_batches=1 --cache_dtype=float8_e4m3fn \
+          --weight_dtype=float8_e4m3fn --attention_dtype=float8_e4m3fn --time_budget_s=1500 --out="$P" --name=multigpu-70b-512k-2xh200
+      elif [ "$1" = multigpu-8 ]; then
+        run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
           --meshes=8x1,4x2,2x4 --contexts=1048576 --decode_batches=1 --cache_dtype=float8_e4m3fn \
           --weight_dtype=float8_e4m3fn --attention_dtype=float8_e4m3fn --time_budget_s=3000 --out="$P" \
           --name=multigpu-70b-1m-8xh200
       fi
-      python3 tools/bench_longctx.py --preset=llama3.1-70b --layers=8 --contexts=65536,131072 --impls=lcjax \
+      run python3 tools/bench_longctx.py --preset=llama3.1-70b --layers=8 --contexts=65536,131072 --impls=lcjax \
         --decode_steps=16 --prefill_chunk=32768 --time_budget_s=100 --out="$P" --name=l70b-8layers-h200
-      python3 tools/bench_multigpu.py --preset=llama3.1-70b --layers=8 --measured="$P/l70b-8layers-h200.json" \
+      run python3 tools/bench_multigpu.py --preset=llama3.1-70b --layers=8 --measured="$P/l70b-8layers-h200.json" \
         --predict_meshes=8x1,4x2,2x4 --predict_contexts=131072,524288,1048576 --contexts=65536,131072 --out="$P" \
         --name=8xh200-predicted ;;
     lengths)
-      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --out="$P" --name=lengths-8b-h200
-      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8w --out="$P" --name=lengths-8b-bf16attn-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_lengths.py --preset=llama3.1-70b \
+      run python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --out="$P" --name=lengths-8b-h200
+      run python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8w --out="$P" --name=lengths-8b-bf16attn-h200
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_lengths.py --preset=llama3.1-70b \
         --variants=float8_e4m3fn+fp8w --documents=129024,131072 --questions= --out="$P" --name=lengths-70b-h200
-      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w,float8_e4m3fn+fp8w \
+      run python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w,float8_e4m3fn+fp8w \
         --documents=1000,1024,2048,4096,16384,20000 --questions= --max_context=131072 --document_reps=5 \
         --out="$P" --name=lengths-short-8b-h200
-      python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --documents= --questions=1024,1100 \
+      run python3 tools/bench_lengths.py --variants=float8_e4m3fn+fp8attn+fp8w --documents= --questions=1024,1100 \
         --context=524288 --out="$P" --name=lengths-8b-512k-h200 ;;
     speculation)
-      python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-h200
-      JAX_PLATFORMS=cpu python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-cpu
-      python3 tools/bench_speculation.py --task=cost --contexts=32768,131072 --batches=1,8 \
+      run python3 tools/bench_speculation.py --task=answers --out="$P" --name=speculation-smollm2-h200
+      run env JAX_PLATFORMS=cpu python3 tools/bench_speculation.py --task=answers --out="$P" \
+        --name=speculation-smollm2-cpu
+      run python3 tools/bench_speculation.py --task=cost --contexts=32768,131072 --batches=1,8 \
         --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-8b-h200
-      python3 tools/bench_speculation.py --task=cost --contexts=524288 --batches=1 \
+      run python3 tools/bench_speculation.py --task=cost --contexts=524288 --batches=1 \
         --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-8b-512k-h200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_speculation.py --task=cost --preset=llama3.1-70b \
+      run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_speculation.py --task=cost --preset=llama3.1-70b \
         --contexts=131072 --batches=1 --variants=float8_e4m3fn+fp8w --out="$P" --name=speculation-cost-70b-h200 ;;
-    tables)
-      # The tables of README.md and docs/ that benchmarks/tables.py makes from the topic files
-      if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi
-      continue ;;
   esac
-  topic=$step
-  case "$step" in multigpu-2|multigpu-8) topic=multigpu ;; esac
-  python3 benchmarks/merge_results.py "$topic" "$OUT" "$P"
+}
+
+for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
+  s=${arg%%:*}
+  [[ " ${all[*]} ${more[*]} " == *" $s "* ]] || { echo "unknown step $s: ${all[*]} ${more[*]}" >&2; exit 2; }
+  [[ $arg == *:* ]] || continue
+  known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
+  IFS=, read -ra asked <<< "${arg#*:}"
+  [ ${#asked[@]} -gt 0 ] || { echo "$arg names no part (its parts:$known)" >&2; exit 2; }
+  for part in "${asked[@]}"; do
+    [[ $known == *" $part "* ]] || { echo "step $s has no part $part (its parts:$known)" >&2; exit 2; }
+  done
+done
+
+for arg in "${steps[@]}"; do
+  s=${arg%%:*}
+  echo "== $arg"
+  if [ "$s" = tables ]; then
+    # The tables of README.md and docs/ that benchmarks/tables.py makes from the topic files
+    if [ "$OUT" = benchmarks/results ]; then python3 benchmarks/tables.py; else echo "tables: skipped (OUT=$OUT)"; fi
+    continue
+  fi
+  P=$PARTS/$s
+  rm -rf "$P" && mkdir -p "$P"
+  topic=$s keep=()
+  case "$s" in multigpu-2|multigpu-8) topic=multigpu ;; esac
+  if [[ $arg == *:* ]]; then ONLY=${arg#*:} keep=(--keep); else ONLY=; fi
+  step "$s"
+  python3 benchmarks/merge_results.py "${keep[@]}" "$topic" "$OUT" "$P"
 done

@@ -6,8 +6,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -170,3 +174,81 @@ def test_every_result_file_is_named_by_the_reproduce_script():
   assert not unlisted, f"topic parts reproduce_h200.sh's header does not list: {unlisted}"
   (steps,) = re.findall(r"^all=\(([^)]*)\)", SCRIPT.read_text(), flags=re.M)
   assert set(steps.split()) - {"tables"} == set(_merger().TOPICS), "one step per topic of merge_results.TOPICS"
+
+
+def test_keep_merges_new_parts_into_the_committed_topic(tmp_path):
+  """--keep: every committed topic merged with no new part is itself, byte for byte (JSON and markdown); a new part
+  replaces the one of its name and leaves the others' JSON and sections as they were."""
+  m = _merger()
+  for name in m.TOPICS:
+    result, markdown, _ = m.merge(name, [], keep=str(RESULTS))
+    assert result == json.loads((RESULTS / f"{name}.json").read_text()), name
+    assert markdown == (RESULTS / f"{name}.md").read_text(), name
+  out = tmp_path / "out"
+  _write_part(tmp_path / "old", "b-part", BENCH, B_MD)
+  _write_part(tmp_path / "old", "a-part", PROBE, A_MD)
+  assert m.main(["stream", str(out), str(tmp_path / "old")]) == 0
+  before = (out / "stream.md").read_text()
+  new_b = dict(BENCH, source="fff999", rows=[dict(impl="lcjax", S=8, ms=1.25)])
+  _write_part(tmp_path / "new", "b-part", new_b, B_MD.replace("| lcjax | 8 | 1.5 |", "| lcjax | 8 | 1.25 |"))
+  _write_part(tmp_path / "new", "c-part", dict(PROBE, command="probe.py --name=c-part"))
+  assert m.main(["--keep", "stream", str(out), str(tmp_path / "new")]) == 0
+  topic = json.loads((out / "stream.json").read_text())
+  a, b, c = topic["parts"]
+  assert (a["name"], b["name"], c["name"]) == ("a-part", "b-part", "c-part")
+  assert {k: a[k] for k in PROBE} == PROBE and a["commit"] == "def456"
+  assert b["rows"] == new_b["rows"] and b["commit"] == "fff999"
+  md = (out / "stream.md").read_text()
+  a_section = before[before.index("\n## a-part\n"):before.index("\n## b-part\n")]
+  assert a_section in md and "| lcjax | 8 | 1.25 |" in md and "| lcjax | 8 | 1.5 |" not in md
+  assert md.index("\n## b-part\n") < md.index("\n## c-part\n")
+  _one_line_error(m, ["--keep", "stream", str(tmp_path / "none"), str(tmp_path / "new")], r"--keep: no .*stream\.json",
+                  tmp_path / "none")
+  _one_line_error(m, ["stream", str(tmp_path / "none")], r"no parts given", tmp_path / "none")
+
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 for reproduce_h200.sh in a test: the merge runs; a part's command logs its name and writes a stand-in part.
+if [ "$1" = benchmarks/merge_results.py ]; then exec "$REAL_PYTHON" "$@"; fi
+for a in "$@"; do case $a in --name=*) name=${a#--name=} ;; --out=*) out=${a#--out=} ;; esac; done
+echo "$name" >> "$RAN"
+printf '{"command": "%s", "source": "fake123", "rows": []}' "$name" > "$out/$name.json"
+printf '# %s\\n\\nstand-in\\n' "$name" > "$out/$name.md"
+"""
+
+
+def _reproduce(tmp_path, *args):
+  """reproduce_h200.sh ARGS with a stand-in python3 (its parts' commands write stand-in parts) and OUT a copy of
+  benchmarks/results: (returncode, stderr, the part names it ran)."""
+  bin_dir, out, ran = tmp_path / "bin", tmp_path / "results", tmp_path / "ran"
+  bin_dir.mkdir(exist_ok=True)
+  (bin_dir / "python3").write_text(_FAKE_PYTHON)
+  (bin_dir / "python3").chmod(0o755)
+  if not out.exists():
+    shutil.copytree(RESULTS, out)
+  ran.write_text("")
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran),
+             OUT=str(out), PARTS=str(tmp_path / "parts"))
+  p = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
+  return p.returncode, p.stderr, ran.read_text().split()
+
+
+def test_reproduce_step_part_measures_only_the_named_parts(tmp_path):
+  """STEP:PART runs only the parts named and merges them into the committed topic file beside the rest; a part
+  that a step does not have fails in one line before any part runs."""
+  rc, err, ran = _reproduce(tmp_path, "needle:needle-int8-smollm2-h200,needle-fp8-smollm2-h200", "stream")
+  assert rc == 0, err
+  assert ran == ["needle-fp8-smollm2-h200", "needle-int8-smollm2-h200", "stream-h200"]
+  needle = json.loads((tmp_path / "results" / "needle.json").read_text())
+  committed = {p["name"]: p for p in json.loads((RESULTS / "needle.json").read_text())["parts"]}
+  for p in needle["parts"]:
+    if p["name"] in ran:
+      assert p["commit"] == "fake123" and p["rows"] == []
+    else:
+      assert p == committed[p["name"]]
+  assert {p["name"] for p in needle["parts"]} == set(committed)
+  assert [p["name"] for p in json.loads((tmp_path / "results" / "stream.json").read_text())["parts"]] == \
+    ["stream-h200"]
+  rc, err, ran = _reproduce(tmp_path, "stream", "needle:needle-nosuch")
+  assert rc == 2 and ran == [] and err.strip().count("\n") == 0, err
+  assert "step needle has no part needle-nosuch (its parts: needle-smollm2 needle-fp8-smollm2-h200" in err

@@ -71,8 +71,6 @@ WITHOUT_COMMIT = {
   "needle-fp8-smollm2-h200": _BEFORE,
   "needle-fp8decode-smollm2-h200": _BEFORE,
   "needle-int8-smollm2-h200": _BEFORE,
-  "startup-h200": _BEFORE + "; predates the ahead-of-time warm-up (Engine.warm_up)",
-  "stream-h200": _BEFORE,
 }
 # The `source` tools/benchlib.py records when neither $LCJAX_SOURCE_REVISION nor git gave a revision.
 NO_SOURCE = (None, "", "unknown")

@@ -32,6 +32,8 @@
 #                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200), and the spread of three
 #                 runs of each at 128K, lcjax and HF in one call (longctx-spread-128k-h200)
 #                                                                            ~5 + 5 + 8 + 5 + 4 + 7 + 3 min
+#                 The committed longctx-spread-128k-h100 (an H100: the H200 kind gave one) is the spread command
+#                 at --name=longctx-spread-128k-h100, before HF's decode had its untimed warm-up steps.
 #   longctx-8bit  longctx-8bit.{json,md}: 8-bit attention and fp8 KV end to end: longctx-int8-128k-h200 (beside HF),
 #                 longctx-int8-1m-h200, longctx-fp8decode-128k-h200, longctx-int8-512k-h200,
 #                 longctx-fp8prefill-{128k,512k}-h200                                 ~2 + 8 + 3.5 + 4 + 3.5 + 2.5 min
@@ -58,7 +60,9 @@
 #                 bundled SmolLM2) context-smollm2-cpu                                              ~3 + 5 min, CPU
 #   startup       startup.{json,md}: startup-h200, CLI starts with the compilation cache off, cold and warm
 #                 (the CLI needs ml_collections)                                                             ~1 min
+#                 (committed: startup-h100, the same command on an H100 at --name=startup-h100)
 #   stream        stream.{json,md}: stream-h200, ms/token per decode steps per call                         ~1 min
+#                 (committed: stream-h100, the same command on an H100 at --name=stream-h100)
 #   multigpu      multigpu.{json,md}: l70b-8layers-h200 (70B shape, 8 of 80 layers, one H200) and
 #                 8xh200-predicted (its extrapolation to 8 GPUs, nothing run)                                ~2 min
 #   multigpu-2    (2 GPUs; not in the default run) the multigpu step, plus multigpu-70b-512k-2xh200: the 70B at

@@ -487,6 +487,23 @@ def test_padding_rows_past_q_len_change_no_real_row():
       np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real])
 
 
+def test_a_chunks_padding_rows_change_no_real_row_of_its_self_attention():
+  """The FP8 backend's `attend` (a prefill chunk against its own keys, causal) told q_len: what the padding rows
+  hold (1e5 times the real rows) changes no real row's bits; without q_len it does (Q's block scale is taken over
+  them)."""
+  B, T, N, K, H = 2, 128, 4, 2, 64
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (N, K, K))
+  lengths = jnp.array([100, 37], jnp.int32)
+  pad = jnp.arange(T)[None, :, None, None] >= lengths[:, None, None, None]
+  real = ~np.asarray(pad[:, :, 0, 0])
+  be = pallas_backend.PallasFp8Backend(interpret=True)
+  loud = jnp.where(pad, 1e5 * q, q)
+  for q_len, same in ((lengths, True), (None, False)):
+    got, want = (be.attend(x, k, v, kv_len=lengths, q_len=q_len)[0] for x in (loud, jnp.where(pad, 0.0, q)))
+    assert np.array_equal(np.asarray(got)[real], np.asarray(want)[real]) == same, q_len
+
+
 # ---------------------------------------------------------------- engine
 TINY128 = ModelConfig("tiny128", vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128,
                       ffn_dim=256, rope_theta=10000.0, max_position=512, eos_ids=())

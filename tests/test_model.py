@@ -128,22 +128,29 @@ def test_pool_reads_layer_and_view_compute_the_same(cache_dtype):
     np.testing.assert_allclose(view, np.asarray(full), rtol=1e-4, atol=1e-4)
 
 
-_TOLD_ROWS = []
+_TOLD_ROWS = {"attend": [], "paged": []}
+
+
+def _garbage_past(q_len, out, lse, told: list):
+  """out, lse with the rows at or past q_len set to 1e3 (what a kernel that skips them may leave), q_len recorded."""
+  jax.debug.callback(lambda n: told.append(np.asarray(n).tolist()), q_len)    # q_len may be traced
+  pad = jnp.arange(out.shape[1])[None, :] >= q_len[:, None]                   # [B, T]
+  return jnp.where(pad[..., None, None], 1e3, out), jnp.where(pad[..., None], 1e3, lse)
 
 
 @dataclasses.dataclass(frozen=True)
 class _PaddingIsGarbage(ReferenceBackend):
-  """ReferenceBackend whose `paged` fills the rows it is told are padding (rows at or past q_len) with 1e3, as a
-  kernel that skips them may leave anything there; it records each q_len it is given."""
+  """ReferenceBackend whose `attend` and `paged` fill the rows they are told are padding (rows at or past q_len)
+  with 1e3, as a kernel that skips them may leave anything there; they record each q_len they are given."""
   name: str = "padding-is-garbage"
+
+  def attend(self, q, k, v, *, q_len=None, **kw):
+    out, lse = super().attend(q, k, v, q_len=q_len, **kw)
+    return (out, lse) if q_len is None else _garbage_past(q_len, out, lse, _TOLD_ROWS["attend"])
 
   def paged(self, q, *args, q_len=None, **kw):
     out, lse = super().paged(q, *args, q_len=q_len, **kw)
-    if q_len is None:
-      return out, lse
-    jax.debug.callback(lambda n: _TOLD_ROWS.append(np.asarray(n).tolist()), q_len)    # q_len may be traced
-    pad = jnp.arange(q.shape[1])[None, :] >= q_len[:, None]                     # [B, T]
-    return jnp.where(pad[..., None, None], 1e3, out), jnp.where(pad[..., None], 1e3, lse)
+    return (out, lse) if q_len is None else _garbage_past(q_len, out, lse, _TOLD_ROWS["paged"])
 
 
 def _primitives(jaxpr) -> list[str]:
@@ -203,8 +210,9 @@ def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(mon
 
 def test_a_padded_chunk_tells_the_prefix_read_its_real_rows():
   """A chunk of 8 rows of which 5 and 3 are real (two sequences), over a cached prefix of 8 tokens: the model tells
-  the backend's prefix read the real rows (q_len = lengths), and the real rows' logits do not depend on what the
-  read leaves in the padded rows (the other layers never see them)."""
+  the chunk's self-attention and the backend's prefix read the real rows (q_len = lengths; the FP8 kernels keep
+  padding out of Q's block scales with it), and the real rows' logits do not depend on what either leaves in the
+  padded rows (the other layers never see them)."""
   cfg = _cfg()
   L, K, H, Z, M = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, 6
   rng = np.random.default_rng(3)
@@ -227,7 +235,9 @@ def test_a_padded_chunk_tells_the_prefix_read_its_real_rows():
                       prefix_len=jnp.full(2, 8, jnp.int32), lengths=lengths, logits_at=lengths - 1)
     return np.asarray(logits)
 
-  _TOLD_ROWS.clear()
+  for told in _TOLD_ROWS.values():
+    told.clear()
   got = run(_PaddingIsGarbage())
-  assert _TOLD_ROWS == [[8, 8]] * L + [[5, 3]] * L, _TOLD_ROWS                     # each layer's read
+  assert _TOLD_ROWS["paged"] == [[8, 8]] * L + [[5, 3]] * L, _TOLD_ROWS           # each layer's prefix read
+  assert _TOLD_ROWS["attend"] == [[8, 8]] * L + [[5, 3]] * L, _TOLD_ROWS          # each layer's own chunk
   np.testing.assert_allclose(got, run(ReferenceBackend()), rtol=1e-5, atol=1e-5)

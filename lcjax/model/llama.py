@@ -441,7 +441,7 @@ class Llama(nnx.Module):
     rows = {} if step.built else dict(q_pos=step.positions, k_start=step.positions[:, 0])
     if cache_l is None:
       if self.mesh is None:
-        o, _ = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
+        o, _ = be.attend(q, k, v, **rows, kv_len=step.lengths, q_len=step.lengths, causal=True)
       else:
         o = self._attend_mesh(q, k, v, step, None)
       return o, None
@@ -458,7 +458,7 @@ class Llama(nnx.Module):
       # Chunked prefill: the chunk against itself (a contiguous causal block) merged with the chunk against
       # the cached prefix (every prefix key precedes every query, so kv_len alone masks it; the backends are
       # told so where the model built the positions, and check positions given to it).
-      o, lse = be.attend(q, k, v, **rows, kv_len=step.lengths, causal=True)
+      o, lse = be.attend(q, k, v, **rows, kv_len=step.lengths, q_len=step.lengths, causal=True)
       if step.reads_prefix:
         o_pre, lse_pre = self._paged(q, k_all, v_all, k_scale, v_scale, step.page_table, layer,
                                      q_pos=step.positions, kv_len=step.prefix_len, q_len=step.lengths,

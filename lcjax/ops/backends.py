@@ -3,9 +3,10 @@
 A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
 `backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
 `(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
-the pools (the model passes one layer's pages as an offset into the pools of every layer); `paged(..., q_len=n)`
-([B] int32) says that rows at or past n[b] are padding whose output the caller drops (a backend may leave them
-uncomputed; these compute them). `paged(..., past=True)` is the caller's promise that every key below kv_len[b]
+the pools (the model passes one layer's pages as an offset into the pools of every layer); `attend(..., q_len=n)`
+and `paged(..., q_len=n)` ([B] int32) say that rows at or past n[b] are padding whose output the caller drops (a
+backend may leave them uncomputed, and must not let them change a real row: the FP8 kernels zero them before Q's
+block scales are taken; these compute them). `paged(..., past=True)` is the caller's promise that every key below kv_len[b]
 precedes all of sequence b's rows (a prefill chunk over its cached prefix): a backend that would otherwise choose
 its path from the positions on the device (a lax.cond, whose predicate a GPU copies to the host, waiting for every
 kernel before it) takes its prefix path directly; these two are exact for any rows and need no promise. Backends whose
@@ -37,7 +38,7 @@ class ReferenceBackend:
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     return None
 
-  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, q_len=None, causal=True):
     return ref.attention_reference(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, causal=causal,
                                    block_k=self.block_k)
 
@@ -58,7 +59,7 @@ class DenseBackend:
   def why_not(self, *, head_dim: int, dtype) -> str | None:
     return None
 
-  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, q_len=None, causal=True):
     B, T = q.shape[:2]
     if k_start is not None:        # attention_dense counts keys from position 0
       q_pos, k_start = ref.block_positions(q_pos, k_start, B, T, k.shape[1])

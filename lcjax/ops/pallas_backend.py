@@ -87,15 +87,16 @@ class PallasBackend:
       return reason
     return hardware.on_sm90()
 
-  def _kernel(self, q, k, v, kvl):
-    """kernel(d=None, *, causal): the flash kernel on these operands."""
+  def _kernel(self, q, k, v, kvl, q_len=None):
+    """kernel(d=None, *, causal): the flash kernel on these operands (the bf16 kernel computes padding rows past
+    q_len like any other: no row of it depends on another)."""
     return functools.partial(mgpu_flash.flash_attention, q, k, v, kv_len=kvl, tuning=self.flash)
 
-  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, q_len=None, causal=True):
     B, T, N, H = q.shape
     S = k.shape[1]
     kvl = None if kv_len is None else jnp.clip(jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32), 0, S)
-    kernel = self._kernel(q, k, v, kvl)
+    kernel = self._kernel(q, k, v, kvl, q_len)
     if not causal:
       return kernel(causal=False)
     if q_pos is None and k_start is None:

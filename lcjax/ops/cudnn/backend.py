@@ -190,7 +190,7 @@ class CudnnBackend:
       o_b, l_b = _sanitize(o_b, l_b, diag_len <= 0)
     return ref.merge(o_a, l_a, o_b, l_b)
 
-  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, causal=True):
+  def attend(self, q, k, v, *, q_pos=None, k_start=None, kv_len=None, q_len=None, causal=True):
     B, T, N, H = q.shape
     S = k.shape[1]
     scale = 1.0 / math.sqrt(H)

@@ -108,8 +108,8 @@ class _Strict:
   the future (nothing visible), or a causal mask on a block that is wholly visible."""
   inner: ReferenceBackend = BE
 
-  def attend(self, q, k, v, *, q_pos, k_start, kv_len, causal):
-    o, lse = self.inner.attend(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, causal=causal)
+  def attend(self, q, k, v, *, q_pos, k_start, kv_len, causal, q_len=None):
+    o, lse = self.inner.attend(q, k, v, q_pos=q_pos, k_start=k_start, kv_len=kv_len, q_len=q_len, causal=causal)
     first_key, last_key = k_start, k_start + k.shape[1] - 1
     future = jnp.all(first_key > q_pos.max(1))
     needless_mask = causal & jnp.all(last_key <= q_pos.min(1))
@@ -172,6 +172,23 @@ def test_ulysses_matches_dense(seq, tensor, N, K, zigzag):
   want_o, want_l = _dense(q, k, v, kv_len, True)
   np.testing.assert_allclose(o, want_o, **TOL)
   np.testing.assert_allclose(l, want_l, **TOL)
+
+
+@pytest.mark.parametrize("fn", [ring.ring_attention, ulysses_attention], ids=["ring", "ulysses"])
+def test_padding_rows_change_no_real_row_of_fp8_sequence_parallel_attention(fn):
+  """Over seq = 2 with the FP8 backend (its kernel's jnp model): what the padding rows past kv_len hold (1e5 times
+  the real rows) changes no real row's bits, as each block's backend call is told its real rows (Q's block scales
+  are absmaxes over rows)."""
+  from lcjax.ops.pallas_backend import PallasFp8Backend
+  B, T, N, K, H, seq = 2, 256, 4, 4, 64, 2
+  q, k, v = _qkv(B, T, N, K, H, seed=4)
+  kv_len = np.array([200, 75])
+  pad = (np.arange(T)[None, :] >= kv_len[:, None])[:, :, None, None]
+  mesh = sh.make_mesh(tensor=1, seq=seq)
+  run = lambda q: _sharded(fn, q, k, v, seq=seq, zigzag=True, mesh=mesh, backend=PallasFp8Backend(interpret=True),
+                           kv_len=kv_len)[0]
+  loud, quiet = run(np.where(pad, 1e5 * q, q)), run(np.where(pad, 0.0, q))
+  np.testing.assert_array_equal(loud[~pad[:, :, 0, 0]], quiet[~pad[:, :, 0, 0]])
 
 
 def test_ulysses_refuses_indivisible_heads():

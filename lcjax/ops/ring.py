@@ -78,8 +78,8 @@ def ring_attention_shard(q, k, v, *, backend, axis_name: str = SEQ, zigzag: bool
 
   q [B, T, N, H], k, v [B, T, K, H]: this device's share of the chunk, T = global length / seq, in the chosen
   layout. offset [B] (or scalar): absolute position of the chunk's first token, i.e. the length of the cached
-  prefix it follows. kv_len [B] (or scalar): valid tokens of the chunk (default all); later ones are padding
-  and are never attended to. Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32) over the chunk's own
+  prefix it follows. kv_len [B] (or scalar): valid tokens of the chunk (default all); later ones are padding,
+  never attended to, and their rows are the caller's to drop (the backend is told each block's real rows). Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32) over the chunk's own
   keys only, so a caller with a cached prefix merges them with its prefix partial (lcjax.ops.attention.merge).
   """
   n = lax.axis_size(axis_name)
@@ -99,7 +99,8 @@ def ring_attention_shard(q, k, v, *, backend, axis_name: str = SEQ, zigzag: bool
     """Attention of local query sub-chunk m to key chunk g_k (kb, vb [B, c, K, H]), as a float32 partial."""
     start = g_k * c
     o, lse = backend.attend(qs[m], kb, vb, q_pos=q_pos[m], k_start=offset + start,
-                            kv_len=jnp.clip(kv_len - start, 0, c), causal=block_causal)
+                            kv_len=jnp.clip(kv_len - start, 0, c), q_len=jnp.clip(kv_len - q_ids[m] * c, 0, c),
+                            causal=block_causal)
     return o.astype(jnp.float32), lse
 
   def fold(acc, m, kb, vb, g_k):

@@ -52,7 +52,7 @@ def ulysses_attention_shard(q, k, v, *, backend, axis_name: str = SEQ, zigzag: b
 
   qf, kf, vf = gather_seq(q), gather_seq(k), gather_seq(v)
   q_pos = offset[:, None] + jnp.arange(n * T, dtype=jnp.int32)
-  out, lse = backend.attend(qf, kf, vf, q_pos=q_pos, k_start=offset, kv_len=kv_len, causal=causal)
+  out, lse = backend.attend(qf, kf, vf, q_pos=q_pos, k_start=offset, kv_len=kv_len, q_len=kv_len, causal=causal)
   return scatter_seq(out), scatter_seq(lse)
 
 

@@ -588,6 +588,39 @@ def test_fp8_attention_on_a_seq_mesh_matches_one_device(monkeypatch, seq=2):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
+@pytest.mark.parametrize("mesh", ["seq", "tensor"])
+def test_a_meshs_fp8_attention_never_takes_a_chunks_padding_rows_for_real(monkeypatch, mesh):
+  """A 300-token prompt in 128-token chunks on a mesh of 2: its last chunk's padding rows (positions past the
+  prompt) reach the FP8 backend's prefix read as zeros on a seq mesh (gathered in zigzag order, which a q_len
+  cannot describe), and the chunk's self-attention is told its real rows on a tensor mesh (the chunk is not
+  split): either way no padding row sets the scale of a Q block."""
+  run = RunConfig(dtype="float32", page_size=16, prefill_chunk=128, max_context=512, max_batch=1,
+                  attention_dtype="float8_e4m3fn", **{mesh: 2})
+  prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 300)]
+  padding_absmax, told = [], []
+  cls = pallas_backend.PallasFp8Backend
+  paged, attend = cls.paged, cls.attend
+
+  def spy_paged(self, q, *args, q_pos, **kw):
+    pad = q_pos >= len(prompt)
+    jax.debug.callback(lambda n, m: padding_absmax.append((int(n), float(m))), pad.sum(),
+                       jnp.max(jnp.where(pad[:, :, None, None], jnp.abs(q), 0)))
+    return paged(self, q, *args, q_pos=q_pos, **kw)
+
+  def spy_attend(self, q, k, v, *, q_len=None, **kw):
+    told.append(q_len is not None)
+    return attend(self, q, k, v, q_len=q_len, **kw)
+
+  monkeypatch.setattr(cls, "paged", spy_paged)
+  monkeypatch.setattr(cls, "attend", spy_attend)
+  assert np.isfinite(Engine.random(TINY128, run=run, seed=5).prompt_logits(prompt)).all()
+  assert told and all(told), told
+  assert any(n for n, _ in padding_absmax), padding_absmax            # the last chunk has padding rows
+  if mesh == "seq":
+    assert all(m == 0 for _, m in padding_absmax), padding_absmax
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (fake CPU devices via conftest)")
 def test_fp8_pages_read_in_place_on_a_seq_mesh_match_one_device(monkeypatch, seq=2):
   """Over fp8 pages of 64 tokens each `seq` shard reads its own pages of a chunk's cached prefix in place (the
   chunk's rows gathered in zigzag order): a chunked prefill's logits match one device reading the same pages in

@@ -208,6 +208,25 @@ def test_a_chunk_at_the_positions_the_model_builds_has_no_device_side_choice(mon
                              rtol=1e-6, atol=1e-6)
 
 
+def test_an_uncached_padded_call_tells_attend_its_real_rows():
+  """A call without a cache of 8 rows of which 5 and 3 are real: the model tells attend the real rows (q_len =
+  lengths), and the real rows' logits do not depend on what attend leaves in the padded rows."""
+  cfg = _cfg()
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+  lengths = jnp.asarray([5, 3], jnp.int32)
+
+  def run(backend):
+    model = Llama(cfg, dtype=jnp.float32, attention=backend, rngs=nnx.Rngs(0))
+    logits = model(tokens, jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8)), lengths=lengths,
+                   logits_at=lengths - 1)
+    return np.asarray(logits[0] if isinstance(logits, tuple) else logits)
+
+  _TOLD_ROWS["attend"].clear()
+  got = run(_PaddingIsGarbage())
+  assert _TOLD_ROWS["attend"] == [[5, 3]] * cfg.n_layers, _TOLD_ROWS
+  np.testing.assert_allclose(got, run(ReferenceBackend()), rtol=1e-5, atol=1e-5)
+
+
 def test_a_padded_chunk_tells_the_prefix_read_its_real_rows():
   """A chunk of 8 rows of which 5 and 3 are real (two sequences), over a cached prefix of 8 tokens: the model tells
   the chunk's self-attention and the backend's prefix read the real rows (q_len = lengths; the FP8 kernels keep

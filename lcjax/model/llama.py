@@ -511,7 +511,7 @@ class Llama(nnx.Module):
         fn = ulysses_attention_shard if self.sp_mode == "ulysses" else ring_attention_shard
         return fn(q, k, v, backend=be, axis_name=SEQ, zigzag=self._zigzag, causal=True, offset=start,
                   kv_len=lengths)
-      return be.attend(q, k, v, q_pos=pos, k_start=start, kv_len=lengths, causal=True)
+      return be.attend(q, k, v, q_pos=pos, k_start=start, kv_len=lengths, q_len=lengths, causal=True)
 
     if cache_l is None:
       fn = jax.shard_map(lambda *a: own(*a)[0], mesh=mesh, in_specs=(heads, heads, heads, rows, rep, rep),
@@ -550,7 +550,13 @@ class Llama(nnx.Module):
       lens = kvc.shard_lengths(cached, d, S, table_l.shape[1], Z)
       # Every prefix key precedes every query, so kv_len alone masks the paged part (as without a mesh); local
       # key indices never exceed the keys' true positions, so a backend's causal check cannot cut a valid key.
-      o, lse = self._paged(gather(q), k_all, v_all, ks, vs, table_l, layer, q_pos=gather(pos), kv_len=lens,
+      q_all, pos_all = gather(q), gather(pos)
+      if not decode:
+        # A chunk's padding rows (at or past lengths; in layout order, which q_len cannot describe) are zeros, so
+        # an FP8 backend's Q block scales are its real rows' alone.
+        real = pos_all - start[:, None] < lengths[:, None]
+        q_all = jnp.where(real[:, :, None, None], q_all, 0)
+      o, lse = self._paged(q_all, k_all, v_all, ks, vs, table_l, layer, q_pos=pos_all, kv_len=lens,
                            past=step.built or several)
       if S > 1:
         o, lse = combine_seq_partials(o, lse, SEQ, scatter_axis=1 if split else None)

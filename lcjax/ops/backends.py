@@ -2,19 +2,19 @@
 
 A backend is a frozen (hashable) dataclass so it can sit in a jitted model as static structure. The model calls
 `backend.attend(...)` (contiguous keys) and `backend.paged(...)` (keys in the paged cache); both follow the
-`(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of
-the pools (the model passes one layer's pages as an offset into the pools of every layer); `attend(..., q_len=n)`
-and `paged(..., q_len=n)` ([B] int32) say that rows at or past n[b] are padding whose output the caller drops (a
-backend may leave them uncomputed, and must not let them change a real row: the FP8 kernels zero them before Q's
-block scales are taken; these compute them). `paged(..., past=True)` is the caller's promise that every key below kv_len[b]
-precedes all of sequence b's rows (a prefill chunk over its cached prefix): a backend that would otherwise choose
-its path from the positions on the device (a lax.cond, whose predicate a GPU copies to the host, waiting for every
-kernel before it) takes its prefix path directly; these two are exact for any rows and need no promise. Backends whose
+`(out, lse)` contract of `lcjax.ops.attention`; `paged(..., page_offset=o)` reads page `page_table[b, m] + o` of the
+pools (the model passes one layer's pages as an offset into the pools of every layer); `attend(..., q_len=n)` and
+`paged(..., q_len=n)` ([B] int32) say that rows at or past n[b] are padding whose output the caller drops (a backend
+may leave them uncomputed, and must not let them change a real row: the FP8 kernels zero them before Q's block scales
+are taken; these compute them). `paged(..., past=True)` is the caller's promise that every key below kv_len[b]
+precedes all of sequence b's rows (a prefill chunk over its cached prefix): a backend that would otherwise choose its
+path from the positions on the device (a lax.cond, whose predicate a GPU copies to the host, waiting for every kernel
+before it) takes its prefix path directly; these two are exact for any rows and need no promise. Backends whose
 `reads_layer_pools` is true also take `paged(..., layer=l)`: k_pages and v_pages are then the pools of every layer
 [L, P, Z, K, H] (scales [L, P, K]) and page `page_table[b, m]` of layer l is read (Llama's `pool_reads`). `why_not(...)`
 returns the reason a backend cannot serve a shape (or None), so `auto` can fall back to one that can and say why.
-ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn.backend, PallasBackend and PallasFp8Backend
-in lcjax.ops.pallas_backend (apart from the kernels they choose between).
+ReferenceBackend and DenseBackend live here, CudnnBackend in lcjax.ops.cudnn.backend, PallasBackend and
+PallasFp8Backend in lcjax.ops.pallas_backend (apart from the kernels they choose between).
 """
 from __future__ import annotations
 

@@ -76,11 +76,12 @@ def ring_attention_shard(q, k, v, *, backend, axis_name: str = SEQ, zigzag: bool
                          offset=None, kv_len=None):
   """Ring attention body, called inside shard_map over `axis_name` (other mesh axes may be manual too).
 
-  q [B, T, N, H], k, v [B, T, K, H]: this device's share of the chunk, T = global length / seq, in the chosen
-  layout. offset [B] (or scalar): absolute position of the chunk's first token, i.e. the length of the cached
-  prefix it follows. kv_len [B] (or scalar): valid tokens of the chunk (default all); later ones are padding,
-  never attended to, and their rows are the caller's to drop (the backend is told each block's real rows). Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32) over the chunk's own
-  keys only, so a caller with a cached prefix merges them with its prefix partial (lcjax.ops.attention.merge).
+  q [B, T, N, H], k, v [B, T, K, H]: this device's share of the chunk, T = global length / seq, in the chosen layout.
+  offset [B] (or scalar): absolute position of the chunk's first token, i.e. the length of the cached prefix it
+  follows. kv_len [B] (or scalar): valid tokens of the chunk (default all); later ones are padding, never attended to,
+  and their rows are the caller's to drop (the backend is told each block's real rows). Returns (out [B, T, N, H] in
+  q.dtype, lse [B, T, N] float32) over the chunk's own keys only, so a caller with a cached prefix merges them with
+  its prefix partial (lcjax.ops.attention.merge).
   """
   n = lax.axis_size(axis_name)
   B, T, N, H = q.shape

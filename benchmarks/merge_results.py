@@ -146,12 +146,15 @@ def part_section(part: dict, text: str) -> list[str]:
 
 def kept_parts(out: str, topic: str, replaced: set[str]) -> list[tuple[dict, list[str]]]:
   """(part, its section of OUT/TOPIC.md) for each part of the committed OUT/TOPIC.json not named in `replaced`."""
-  path = os.path.join(out, topic + ".json")
-  if not os.path.isfile(path):
-    fail(f"--keep: no {path} to keep parts of")
+  path, md = os.path.join(out, topic + ".json"), os.path.join(out, topic + ".md")
+  for p in (path, md):
+    if not os.path.isfile(p):
+      fail(f"--keep: no {p} to keep parts of")
   with open(path) as f:
-    parts = json.load(f)["parts"]
-  with open(path[:-len(".json")] + ".md") as f:
+    parts = json.load(f).get("parts")
+  if not isinstance(parts, list):
+    fail(f"--keep: {path} has no list of 'parts'")
+  with open(md) as f:
     lines = f.read().rstrip("\n").split("\n")
   starts = []
   for p in parts:
@@ -161,6 +164,8 @@ def kept_parts(out: str, topic: str, replaced: set[str]) -> list[tuple[dict, lis
     starts.append(heads[0])
   if starts != sorted(starts):
     fail(f"--keep: the sections of {topic}.md are not in the order of {topic}.json's parts")
+  if any(lines[s - 1] for s in starts):
+    fail(f"--keep: a section of {topic}.md does not follow a blank line")
   ends = [s - 1 for s in starts[1:]] + [len(lines)]          # a blank line before each section
   for p in parts:
     if p["commit"] in NO_SOURCE and p["name"] not in WITHOUT_COMMIT:
@@ -191,7 +196,11 @@ def merge(topic: str, paths: list[str], keep: str | None = None) -> tuple[dict, 
     result.update(view["fields"])
     lines += ["", *view["markdown"]]
   result["parts"] = [p for p, _ in parts]
-  for _, section in parts:
+  heads = {f"## {n}" for n in names}
+  for p, section in parts:
+    clash = [ln for ln in section[1:] if ln in heads]
+    if clash:
+      fail(f"part {p['name']}'s markdown has the line {clash[0]!r}, the heading of a part's section")
     lines += ["", *section]
   return result, "\n".join(lines) + "\n", view
 

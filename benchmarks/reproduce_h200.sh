@@ -32,8 +32,9 @@
 #                 and on all 32 with float8_e4m3fn attention (longctx-fp8prefill-1m-h200), and the spread of three
 #                 runs of each at 128K, lcjax and HF in one call (longctx-spread-128k-h200)
 #                                                                            ~5 + 5 + 8 + 5 + 4 + 7 + 3 min
-#                 The committed longctx-spread-128k-h100 (an H100: the H200 kind gave one) is the spread command
-#                 at --name=longctx-spread-128k-h100, before HF's decode had its untimed warm-up steps.
+#                 The committed longctx-spread-128k-h100 is the spread command on an H100 at
+#                 --name=longctx-spread-128k-h100, its HF decode timed with no untimed steps before it (its commit);
+#                 the step's longctx-spread-128k-h200 replaces it.
 #   longctx-8bit  longctx-8bit.{json,md}: 8-bit attention and fp8 KV end to end: longctx-int8-128k-h200 (beside HF),
 #                 longctx-int8-1m-h200, longctx-fp8decode-128k-h200, longctx-int8-512k-h200,
 #                 longctx-fp8prefill-{128k,512k}-h200                                 ~2 + 8 + 3.5 + 4 + 3.5 + 2.5 min
@@ -195,9 +196,6 @@ step() {
       run python3 tools/eval_needle.py --words=1000,2000,4000 --dtype=bfloat16 --out="$P" \
         --name=needle-fp8decode-smollm2-h200 --cache_dtypes=bfloat16,float8_e4m3fn,float8_e4m3fn+int8attn ;;
     quality)
-      if wants fp8-weights-quality; then
-        : "${LLMCOMPRESSOR_PYTHON:?set it to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
-      fi
       run python3 tools/check_fp8.py --contexts=8192,32768 --out="$P" --name=fp8-quality-h200
       # FA3's outlier test through the kernel's jnp model on the CPU (the GPU rows: the command above).
       run env JAX_PLATFORMS=cpu python3 tools/check_fp8.py --model --contexts=8192 --out="$P" \
@@ -239,7 +237,8 @@ step() {
       if [ "$1" = multigpu-2 ]; then
         run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
           --meshes=2x1,1x2 --contexts=524288 --decode_batches=1 --cache_dtype=float8_e4m3fn \
-          --weight_dtype=float8_e4m3fn --attention_dtype=float8_e4m3fn --time_budget_s=1500 --out="$P" --name=multigpu-70b-512k-2xh200
+          --weight_dtype=float8_e4m3fn --attention_dtype=float8_e4m3fn --time_budget_s=1500 --out="$P" \
+          --name=multigpu-70b-512k-2xh200
       elif [ "$1" = multigpu-8 ]; then
         run env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_multigpu.py --preset=llama3.1-70b \
           --meshes=8x1,4x2,2x4 --contexts=1048576 --decode_batches=1 --cache_dtype=float8_e4m3fn \
@@ -274,16 +273,30 @@ step() {
   esac
 }
 
+# Every argument is checked before any part runs: its step, its parts, and what the parts it runs need.
 for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
   s=${arg%%:*}
   [[ " ${all[*]} ${more[*]} " == *" $s "* ]] || { echo "unknown step $s: ${all[*]} ${more[*]}" >&2; exit 2; }
-  [[ $arg == *:* ]] || continue
-  known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
-  IFS=, read -ra asked <<< "${arg#*:}"
-  [ ${#asked[@]} -gt 0 ] || { echo "$arg names no part (its parts:$known)" >&2; exit 2; }
-  for part in "${asked[@]}"; do
-    [[ $known == *" $part "* ]] || { echo "step $s has no part $part (its parts:$known)" >&2; exit 2; }
-  done
+  asked=()
+  if [[ $arg == *:* ]]; then
+    known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
+    IFS=, read -ra asked <<< "${arg#*:}"
+    [ ${#asked[@]} -gt 0 ] || asked=("")
+    for part in "${asked[@]}"; do
+      [[ -n $part && $known == *" $part "* ]] || { echo "$arg: step $s has no part '$part' (its parts:$known)" >&2
+                                                  exit 2; }
+    done
+    # 8xh200-predicted extrapolates the l70b-8layers-h200 of the same run: the two are measured together.
+    predicted=0 measured=0
+    [[ " ${asked[*]} " == *" 8xh200-predicted "* ]] && predicted=1
+    [[ " ${asked[*]} " == *" l70b-8layers-h200 "* ]] && measured=1
+    if [ $predicted != $measured ]; then
+      echo "$arg: 8xh200-predicted extrapolates l70b-8layers-h200 of the same run: ask for both" >&2; exit 2
+    fi
+  fi
+  if [ "$s" = quality ] && [[ ${#asked[@]} -eq 0 || " ${asked[*]} " == *" fp8-weights-quality "* ]]; then
+    : "${LLMCOMPRESSOR_PYTHON:?set it to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
+  fi
 done
 
 for arg in "${steps[@]}"; do

@@ -382,8 +382,8 @@ class RunConfig:
   decode_steps: int = 64             # decode tokens per device call (the on-device loop's budget)
   stream_decode_steps: int = 8       # decode tokens per device call of generate_stream, i.e. the most tokens one
                                      # yield carries (0: decode_steps; 1: every token as soon as it is sampled).
-                                     # Llama-3-8B on an H200: 8 costs 1.08-1.11x the ms/token of 64, 1 costs
-                                     # 1.58-1.85x (benchmarks/results/stream.md)
+                                     # Llama-3-8B on an H100: 8 costs 1.05-1.07x the ms/token of 64, 1 costs
+                                     # 1.41-1.44x (benchmarks/results/stream.md)
   decode_sync_every: int = 1         # decode steps between host checks for EOS: N > 1 saves a device-to-host
                                      # stall a token (~0.1 ms on an H200) but runs up to N - 1 steps after the
                                      # last live request ends; for long fixed-length generation (benchmarks).

@@ -205,6 +205,10 @@ def test_keep_merges_new_parts_into_the_committed_topic(tmp_path):
   _one_line_error(m, ["--keep", "stream", str(tmp_path / "none"), str(tmp_path / "new")], r"--keep: no .*stream\.json",
                   tmp_path / "none")
   _one_line_error(m, ["stream", str(tmp_path / "none")], r"no parts given", tmp_path / "none")
+  # A part whose markdown holds a line that reads as another part's heading would cut --keep's sections wrong.
+  _write_part(tmp_path / "clash", "d-part", PROBE, "# d-part\n\n# b-part\n")
+  _one_line_error(m, ["stream", str(tmp_path / "out3"), str(tmp_path / "old"), str(tmp_path / "clash")],
+                  r"part d-part's markdown has the line '## b-part'", tmp_path / "out3")
 
 
 _FAKE_PYTHON = """#!/usr/bin/env bash
@@ -227,7 +231,7 @@ def _reproduce(tmp_path, *args):
   if not out.exists():
     shutil.copytree(RESULTS, out)
   ran.write_text("")
-  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran),
+  env = dict({k: v for k, v in os.environ.items() if k != "LLMCOMPRESSOR_PYTHON"}, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran),
              OUT=str(out), PARTS=str(tmp_path / "parts"))
   p = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
   return p.returncode, p.stderr, ran.read_text().split()
@@ -249,6 +253,13 @@ def test_reproduce_step_part_measures_only_the_named_parts(tmp_path):
   assert {p["name"] for p in needle["parts"]} == set(committed)
   assert [p["name"] for p in json.loads((tmp_path / "results" / "stream.json").read_text())["parts"]] == \
     ["stream-h200"]
-  rc, err, ran = _reproduce(tmp_path, "stream", "needle:needle-nosuch")
-  assert rc == 2 and ran == [] and err.strip().count("\n") == 0, err
-  assert "step needle has no part needle-nosuch (its parts: needle-smollm2 needle-fp8-smollm2-h200" in err
+  bad = {("stream", "needle:needle-nosuch"): "step needle has no part 'needle-nosuch' (its parts: needle-smollm2 "
+                                             "needle-fp8-smollm2-h200",
+         ("stream", "needle:"): "step needle has no part ''",
+         ("stream", "multigpu:8xh200-predicted"): "8xh200-predicted extrapolates l70b-8layers-h200 of the same run",
+         ("stream", "quality"): "LLMCOMPRESSOR_PYTHON: set it to a Python with llm-compressor"}
+  for args, want in bad.items():
+    rc, err, ran = _reproduce(tmp_path, *args)
+    assert rc != 0 and ran == [] and err.strip().count("\n") == 0 and want in err, (args, err)
+  rc, err, ran = _reproduce(tmp_path, "quality:fp8-quality-h200")      # a part that needs no llm-compressor
+  assert rc == 0 and ran == ["fp8-quality-h200"], err

@@ -86,6 +86,7 @@
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
+# Every argument is checked before any part runs; a part named for an H200 (every GPU part) refuses another GPU.
 # Results go to $OUT (default benchmarks/results), each part naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda13], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2
@@ -273,13 +274,16 @@ step() {
   esac
 }
 
-# Every argument is checked before any part runs: its step, its parts, and what the parts it runs need.
+# Every argument is checked before any part runs: its step, its parts, and what the parts it runs need. A part
+# named for an H200 (every GPU part) runs only on an H200: its name says where it was measured.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
 for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
   s=${arg%%:*}
   [[ " ${all[*]} ${more[*]} " == *" $s "* ]] || { echo "unknown step $s: ${all[*]} ${more[*]}" >&2; exit 2; }
+  known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
+  read -ra parts <<< "$known"
   asked=()
   if [[ $arg == *:* ]]; then
-    known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
     IFS=, read -ra asked <<< "${arg#*:}"
     [ ${#asked[@]} -gt 0 ] || asked=("")
     for part in "${asked[@]}"; do
@@ -293,7 +297,15 @@ for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
     if [ $predicted != $measured ]; then
       echo "$arg: 8xh200-predicted extrapolates l70b-8layers-h200 of the same run: ask for both" >&2; exit 2
     fi
+    parts=("${asked[@]}")
   fi
+  for part in "${parts[@]}"; do
+    if [[ $part == *h200* && $gpu != *H200* ]]; then
+      echo "$arg: part $part is named for an H200, and this machine's GPU is '${gpu:-none}' (run its command" \
+        "with a --name for this GPU)" >&2
+      exit 2
+    fi
+  done
   if [ "$s" = quality ] && [[ ${#asked[@]} -eq 0 || " ${asked[*]} " == *" fp8-weights-quality "* ]]; then
     : "${LLMCOMPRESSOR_PYTHON:?set it to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
   fi

@@ -221,17 +221,19 @@ printf '# %s\\n\\nstand-in\\n' "$name" > "$out/$name.md"
 """
 
 
-def _reproduce(tmp_path, *args):
-  """reproduce_h200.sh ARGS with a stand-in python3 (its parts' commands write stand-in parts) and OUT a copy of
-  benchmarks/results: (returncode, stderr, the part names it ran)."""
+def _reproduce(tmp_path, *args, gpu="NVIDIA H200"):
+  """reproduce_h200.sh ARGS with a stand-in python3 (its parts' commands write stand-in parts), a stand-in
+  nvidia-smi naming `gpu`, and OUT a copy of benchmarks/results: (returncode, stderr, the part names it ran)."""
   bin_dir, out, ran = tmp_path / "bin", tmp_path / "results", tmp_path / "ran"
   bin_dir.mkdir(exist_ok=True)
   (bin_dir / "python3").write_text(_FAKE_PYTHON)
-  (bin_dir / "python3").chmod(0o755)
+  (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "$FAKE_GPU"\n')
+  for tool in ("python3", "nvidia-smi"):
+    (bin_dir / tool).chmod(0o755)
   if not out.exists():
     shutil.copytree(RESULTS, out)
   ran.write_text("")
-  env = dict({k: v for k, v in os.environ.items() if k != "LLMCOMPRESSOR_PYTHON"}, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran),
+  env = dict({k: v for k, v in os.environ.items() if k != "LLMCOMPRESSOR_PYTHON"}, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran), FAKE_GPU=gpu,
              OUT=str(out), PARTS=str(tmp_path / "parts"))
   p = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
   return p.returncode, p.stderr, ran.read_text().split()
@@ -263,3 +265,9 @@ def test_reproduce_step_part_measures_only_the_named_parts(tmp_path):
     assert rc != 0 and ran == [] and err.strip().count("\n") == 0 and want in err, (args, err)
   rc, err, ran = _reproduce(tmp_path, "quality:fp8-quality-h200")      # a part that needs no llm-compressor
   assert rc == 0 and ran == ["fp8-quality-h200"], err
+  # A part named for an H200 refuses another GPU before anything runs; a CPU part runs anywhere.
+  rc, err, ran = _reproduce(tmp_path, "needle:needle-smollm2", "stream", gpu="NVIDIA H100 80GB HBM3")
+  assert rc == 2 and ran == [] and "stream: part stream-h200 is named for an H200, and this machine's GPU is " \
+    "'NVIDIA H100 80GB HBM3'" in err, err
+  rc, err, ran = _reproduce(tmp_path, "needle:needle-smollm2", gpu="")
+  assert rc == 0 and ran == ["needle-smollm2"], err

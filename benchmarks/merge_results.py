@@ -11,8 +11,8 @@ The merge reads every part before it writes anything: a part without a command o
 or a missing markdown is one line naming it. WITHOUT_COMMIT names the committed parts measured before parts
 recorded their commit, each with why; they merge with `commit: null` until they are measured again.
 
-With --keep, the parts of OUT/TOPIC.json that no PART replaces stay as committed (their JSON, and their sections of
-OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again and merges them this way.
+With --keep, the parts of OUT/TOPIC.json that no PART replaces (by name, or as REPLACED_BY says) stay as committed
+(their JSON, and their sections of OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again and merges them this way.
 
 Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
 sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",
@@ -71,6 +71,15 @@ WITHOUT_COMMIT = {
   "needle-fp8-smollm2-h200": _BEFORE,
   "needle-fp8decode-smollm2-h200": _BEFORE,
   "needle-int8-smollm2-h200": _BEFORE,
+}
+# Committed parts measured on an H100 when no H200 was lent -> the H200 part of reproduce_h200.sh that replaces
+# each: a --keep merge that brings the H200 part drops the H100 one.
+REPLACED_BY = {
+  "attention-chunk-fp8pages-h100": "attention-chunk-paged-h200",
+  "longctx-spread-128k-h100": "longctx-spread-128k-h200",
+  "speculation-cost-8b-h100": "speculation-cost-8b-h200",
+  "startup-h100": "startup-h200",
+  "stream-h100": "stream-h200",
 }
 # The `source` tools/benchlib.py records when neither $LCJAX_SOURCE_REVISION nor git gave a revision.
 NO_SOURCE = (None, "", "unknown")
@@ -180,7 +189,9 @@ def merge(topic: str, paths: list[str], keep: str | None = None) -> tuple[dict, 
     fail(f"unknown topic {topic!r}; known: {', '.join(TOPICS)}")
   parts = [(p, part_section(p, text)) for p, text in read_parts(paths)] if paths else []
   if keep is not None:
-    parts = sorted(parts + kept_parts(keep, topic, {p["name"] for p, _ in parts}), key=lambda p: p[0]["name"])
+    new = {p["name"] for p, _ in parts}
+    replaced = new | {old for old, by in REPLACED_BY.items() if by in new}
+    parts = sorted(parts + kept_parts(keep, topic, replaced), key=lambda p: p[0]["name"])
   if not parts:
     fail(f"no parts for topic {topic}")
   names = [p["name"] for p, _ in parts]

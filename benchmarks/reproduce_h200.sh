@@ -87,6 +87,7 @@
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
 # Every argument is checked before any part runs; a part named for an H200 (every GPU part) refuses another GPU.
+# The committed H100 parts named below give way to their H200 parts in any merge (merge_results.REPLACED_BY).
 # Results go to $OUT (default benchmarks/results), each part naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda13], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2

@@ -202,6 +202,16 @@ def test_keep_merges_new_parts_into_the_committed_topic(tmp_path):
   a_section = before[before.index("\n## a-part\n"):before.index("\n## b-part\n")]
   assert a_section in md and "| lcjax | 8 | 1.25 |" in md and "| lcjax | 8 | 1.5 |" not in md
   assert md.index("\n## b-part\n") < md.index("\n## c-part\n")
+  # An H200 part drops the H100 part it replaces (merge_results.REPLACED_BY).
+  _write_part(tmp_path / "h100", "stream-h100", dict(PROBE, command="bench_stream.py --name=stream-h100"))
+  assert m.main(["--keep", "stream", str(out), str(tmp_path / "h100")]) == 0
+  _write_part(tmp_path / "h200", "stream-h200", dict(PROBE, command="bench_stream.py --name=stream-h200"))
+  assert m.main(["--keep", "stream", str(out), str(tmp_path / "h200")]) == 0
+  names = [p["name"] for p in json.loads((out / "stream.json").read_text())["parts"]]
+  assert names == ["a-part", "b-part", "c-part", "stream-h200"], names
+  script = SCRIPT.read_text()
+  for old, by in m.REPLACED_BY.items():
+    assert f"--name={by}" in script and old in script, (old, by)
   _one_line_error(m, ["--keep", "stream", str(tmp_path / "none"), str(tmp_path / "new")], r"--keep: no .*stream\.json",
                   tmp_path / "none")
   _one_line_error(m, ["stream", str(tmp_path / "none")], r"no parts given", tmp_path / "none")

@@ -85,6 +85,11 @@ REPLACED_BY = {
 NO_SOURCE = (None, "", "unknown")
 
 
+def lacks_commit(name: str, commit) -> bool:
+  """Whether part `name` recorded no commit (`commit`: its `source`) and is not one WITHOUT_COMMIT lets merge."""
+  return commit in NO_SOURCE and name not in WITHOUT_COMMIT
+
+
 def fail(msg: str):
   raise SystemExit(f"merge_results: {msg}")
 
@@ -124,7 +129,7 @@ def read_parts(paths: list[str]) -> list[tuple[dict, str]]:
     for key in ("name", "commit"):
       if key in d:
         fail(f"{path} has its own {key!r} ({d[key]!r}); the merge sets it")
-    if d.get("source") in NO_SOURCE and name not in WITHOUT_COMMIT:
+    if lacks_commit(name, d.get("source")):
       fail(f"{path} has no commit (source={d.get('source')!r}): measure it again with $LCJAX_SOURCE_REVISION set "
            "or from a git checkout")
     md = path[:-len(".json")] + ".md"
@@ -177,7 +182,7 @@ def kept_parts(out: str, topic: str, replaced: set[str]) -> list[tuple[dict, lis
     fail(f"--keep: a section of {topic}.md does not follow a blank line")
   ends = [s - 1 for s in starts[1:]] + [len(lines)]          # a blank line before each section
   for p in parts:
-    if p["commit"] in NO_SOURCE and p["name"] not in WITHOUT_COMMIT:
+    if lacks_commit(p["name"], p["commit"]):
       fail(f"--keep: {topic}.json's part {p['name']} has no commit")
   return [(p, lines[a:b]) for p, a, b in zip(parts, starts, ends) if p["name"] not in replaced]
 

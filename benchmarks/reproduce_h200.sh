@@ -282,23 +282,20 @@ for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
   s=${arg%%:*}
   [[ " ${all[*]} ${more[*]} " == *" $s "* ]] || { echo "unknown step $s: ${all[*]} ${more[*]}" >&2; exit 2; }
   known=" $(P=- MODE=list step "$s" | tr '\n' ' ')"
-  read -ra parts <<< "$known"
-  asked=()
+  read -ra parts <<< "$known"                   # the parts this argument runs: the step's, or those it names
   if [[ $arg == *:* ]]; then
-    IFS=, read -ra asked <<< "${arg#*:}"
-    [ ${#asked[@]} -gt 0 ] || asked=("")
-    for part in "${asked[@]}"; do
+    IFS=, read -ra parts <<< "${arg#*:}"
+    [ ${#parts[@]} -gt 0 ] || parts=("")
+    for part in "${parts[@]}"; do
       [[ -n $part && $known == *" $part "* ]] || { echo "$arg: step $s has no part '$part' (its parts:$known)" >&2
                                                   exit 2; }
     done
-    # 8xh200-predicted extrapolates the l70b-8layers-h200 of the same run: the two are measured together.
-    predicted=0 measured=0
-    [[ " ${asked[*]} " == *" 8xh200-predicted "* ]] && predicted=1
-    [[ " ${asked[*]} " == *" l70b-8layers-h200 "* ]] && measured=1
-    if [ $predicted != $measured ]; then
-      echo "$arg: 8xh200-predicted extrapolates l70b-8layers-h200 of the same run: ask for both" >&2; exit 2
-    fi
-    parts=("${asked[@]}")
+  fi
+  runs=" ${parts[*]} "
+  # 8xh200-predicted extrapolates the l70b-8layers-h200 of the same run: the two are measured together.
+  if [[ ($runs == *" 8xh200-predicted "*) && ($runs != *" l70b-8layers-h200 "*) ||
+        ($runs != *" 8xh200-predicted "*) && ($runs == *" l70b-8layers-h200 "*) ]]; then
+    echo "$arg: 8xh200-predicted extrapolates l70b-8layers-h200 of the same run: ask for both" >&2; exit 2
   fi
   for part in "${parts[@]}"; do
     if [[ $part == *h200* && $gpu != *H200* ]]; then
@@ -307,7 +304,7 @@ for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
       exit 2
     fi
   done
-  if [ "$s" = quality ] && [[ ${#asked[@]} -eq 0 || " ${asked[*]} " == *" fp8-weights-quality "* ]]; then
+  if [[ $runs == *" fp8-weights-quality "* ]]; then
     : "${LLMCOMPRESSOR_PYTHON:?set it to a Python with llm-compressor (tools/eval_fp8_weights.py)}"
   fi
 done

@@ -651,8 +651,8 @@ def test_paged_flash_key_splits_gpu(T, Z, kv_splits):
 @pytest.mark.parametrize("kv_splits", [1, 3])
 def test_flash_leaves_out_padding_rows_gpu(fp8, kv_splits):
   """q_len (the real rows of a padded chunk): the 64-row warpgroup tiles wholly past it hold out 0 and lse -inf, the
-  real rows are the float64 oracle's (bf16 pages) and, where q_len leaves the CTA's blocks as they were, bit for
-  bit what the kernel gives without q_len. Sequences: the engine's prefix read (rows after every key) with q_len
+  real rows are the float64 oracle's (bf16 pages) or the FP8 kernel's jnp model's, and where q_len leaves the CTA's
+  blocks and Q's fp8 block scales as they were, bit for bit what the kernel gives without q_len. Sequences: the engine's prefix read (rows after every key) with q_len
   inside a warpgroup's tile, on the boundary of a CTA's two tiles (the first computes, the second only releases
   the blocks), 0 and T; and a chunk whose own keys are in the pages (causal, d < kv_len) whose CTA's second
   warpgroup is padding: it needs more blocks than the first, which the CTA must then not load."""
@@ -670,7 +670,16 @@ def test_flash_leaves_out_padding_rows_gpu(fp8, kv_splits):
     run = lambda n: mgpu_flash.flash_attention_paged(q, kp, vp, table, d, kv_len, 0, n, tuning=tuning)
   (out, lse), (full_out, full_lse) = (tuple(np.asarray(x, np.float64) for x in run(n)) for n in (q_len, None))
   real = np.arange(T)[None, :] < np.asarray(q_len)[:, None]
-  same = real & ((np.asarray(d) == np.asarray(kv_len)) | fp8 | (kv_splits == 1))[:, None]
+  if fp8:
+    # Q's fp8 scales are absmaxes over block_q rows, taken with the padding rows zeroed: only blocks without padding
+    # keep their scales, and with them their bits. Every real row against the kernel's jnp model on the same q_len.
+    bq = tuning.block_q
+    same = real & ((np.arange(T)[None, :] // bq) < (np.asarray(q_len)[:, None] // bq))
+    m_out, _ = mgpu_flash.flash_attention_fp8(q, kb, vb, d, kv_len, q_len, causal=False, tuning=tuning, interpret=True)
+    diff = np.abs(out[real] - np.asarray(m_out, np.float64)[real])
+    assert diff.max() < 0.1 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+  else:
+    same = real & ((np.asarray(d) == np.asarray(kv_len)) | (kv_splits == 1))[:, None]
   np.testing.assert_array_equal(out[same], full_out[same])
   np.testing.assert_array_equal(lse[same], full_lse[same])
   skipped = np.arange(T)[None, :] >= -(-np.asarray(q_len)[:, None] // 64) * 64

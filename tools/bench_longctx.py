@@ -212,8 +212,8 @@ def worker_hf():
 def _hf_run(model, cfg, S: int) -> tuple[float, float]:
   """One prefill of a fresh random S-token prompt (logits of the last token only), FLAGS.decode_steps untimed
   greedy steps on its DynamicCache, then FLAGS.decode_steps timed ones: (prefill seconds, decode ms/token). The
-  untimed steps are HF's decode warm-up, as Engine.warm_up is lcjax's: at 131,072 tokens on an H100 a run's
-  first decode steps after the process's first prefill took 64.5 ms/token, the next runs' 26.9."""
+  untimed steps do not make a process's first run at a context as fast as its later ones (131,072 tokens, one
+  H200: 108.4 ms/token, then 37.4 and 27.1; benchmarks/NOTES-longctx.md): --repeats shows the spread."""
   import torch
   ids = torch.randint(0, cfg.vocab_size, (1, S), device="cuda")
   with torch.inference_mode():

@@ -452,7 +452,8 @@ def test_triton_fp8_decode_kernel_says_where_it_cannot_serve(monkeypatch):
   assert kernels.TritonFp8Decode().why_not(64, 128) is None
 
 
-@pytest.mark.parametrize("combine", [pytest.param("triton", marks=TRITON_CROSS_LOWERS), "mosaic", "mosaic-flat"])
+@pytest.mark.parametrize("combine", [pytest.param("triton", marks=TRITON_CROSS_LOWERS),
+                                     *(c for c in mgpu_paged.COMBINES if c != "triton")])
 @pytest.mark.parametrize("T,H,Z", [(1, 128, 64), (2, 64, 256), (5, 128, 64)])
 def test_kernel_lowers_for_cuda(T, H, Z, combine):
   sd = jax.ShapeDtypeStruct

@@ -72,13 +72,28 @@ def check(got, want, *, tol_out, tol_lse=2e-3):
 
 
 def rand_qkv(seed, B, T, S, N, K, H, dtype=jnp.bfloat16):
+  """Random q [B, T, N, H], k and v [B, S, K, H] of `dtype`: one jitted program per shape and dtype (the seed is
+  its argument), not one program per random draw and shape."""
+  return _rand_qkv(seed, B, T, S, N, K, H, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(1, 8)))
+def _rand_qkv(seed, B, T, S, N, K, H, dtype):
   ks = jax.random.split(jax.random.key(seed), 3)
   return (jax.random.normal(ks[0], (B, T, N, H), dtype), jax.random.normal(ks[1], (B, S, K, H), dtype),
           jax.random.normal(ks[2], (B, S, K, H), dtype))
 
 
 def rand_pages(seed, B, T, N, K, H, Z, M, P, *, fp8=False, dtype=jnp.bfloat16):
-  """Pages of B sequences scattered out of order in a pool of P pages; returns oracle-ready dense K/V too."""
+  """Pages of B sequences scattered out of order in a pool of P pages; returns oracle-ready dense K/V too. The
+  arrays come from one jitted program per shape and dtype (the seed is its argument)."""
+  q, kp, vp, table, k_scale, v_scale, kd, vd = _rand_pages(seed, B, T, N, K, H, Z, M, P, fp8, dtype)
+  dense = lambda x: np.asarray(x, np.float64)[np.asarray(table)].reshape(B, M * Z, K, H)
+  return q, kp, vp, table, k_scale, v_scale, dense(kd), dense(vd)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(1, 11)))
+def _rand_pages(seed, B, T, N, K, H, Z, M, P, fp8, dtype):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (B, T, N, H), dtype)
   kp = jax.random.normal(ks[1], (P, Z, K, H), jnp.float32)
@@ -95,8 +110,20 @@ def rand_pages(seed, B, T, N, K, H, Z, M, P, *, fp8=False, dtype=jnp.bfloat16):
     k_scale = v_scale = None
     kp, vp = kp.astype(dtype), vp.astype(dtype)
     kd, vd = kp, vp
-  dense = lambda x: np.asarray(x, np.float64)[np.asarray(table)].reshape(B, M * Z, K, H)
-  return q, kp, vp, table, k_scale, v_scale, dense(kd), dense(vd)
+  return q, kp, vp, table, k_scale, v_scale, kd, vd
+
+
+def behind_junk(x, n, value):
+  """The pool x [P, ...] (or its scales [P, K]) behind n pages filled with `value`, made in numpy (None: None)."""
+  if x is None:
+    return None
+  x = np.asarray(x)
+  return jnp.asarray(np.concatenate([np.full((n, *x.shape[1:]), value, x.dtype), x]))
+
+
+def last_rows(kv_len, T, shift=0):
+  """q_pos [B, T] int32 of T rows ending at each kv_len - 1, moved by `shift`, made in numpy."""
+  return jnp.asarray(np.asarray(kv_len)[:, None] - T + shift + np.arange(T)[None, :], jnp.int32)
 
 
 # ---------------------------------------------------------------- Pallas decode kernel (interpret mode on CPU)
@@ -123,13 +150,14 @@ def test_paged_decode_interpret(case):
   T, N, K, Z = case["T"], case["N"], case["K"], case.get("Z", 16)
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(T * 7 + N, B, T, N, K, H, Z, M, P, fp8=case["fp8"])
   # The pools (and fp8 scales) start with `off` junk pages: the table counts from page_offset=off.
-  junk = lambda x, v: None if x is None else jnp.concatenate([jnp.full((off, *x.shape[1:]), v, x.dtype), x])
+  junk = functools.partial(behind_junk, n=off)
   kv_len = jnp.array(case["kv_len"], jnp.int32)
   # Row t sits at kv_len - T + t, one row also earlier in the cache (a causal bound inside the cached keys).
-  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
-  q_pos = q_pos.at[0, 0].add(-20)
-  got = triton_paged.paged_decode(q, junk(kp, 50.0), junk(vp, 50.0), table, q_pos=q_pos, kv_len=kv_len,
-                                  k_scale=junk(ks, 100.0), v_scale=junk(vs, 100.0), page_offset=off,
+  q_pos = np.array(last_rows(kv_len, T))
+  q_pos[0, 0] -= 20
+  q_pos = jnp.asarray(q_pos)
+  got = triton_paged.paged_decode(q, junk(kp, value=50.0), junk(vp, value=50.0), table, q_pos=q_pos, kv_len=kv_len,
+                                  k_scale=junk(ks, value=100.0), v_scale=junk(vs, value=100.0), page_offset=off,
                                   tuning=triton_paged.PagedTuning(**case["tuning"]), interpret=True)
   want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
   check(got, want, tol_out=2e-2)
@@ -142,7 +170,7 @@ def test_paged_decode_reads_no_key_past_the_table(fp8):
   B, T, N, K, H, Z, M, P = 3, 1, 8, 2, 32, 16, 6, 20
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P, fp8=fp8)
   kv_len = jnp.array([M * Z + 40, M * Z + 1, 50], jnp.int32)
-  q_pos = kv_len[:, None] - 1
+  q_pos = last_rows(kv_len, 1)
   got = triton_paged.paged_decode(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs,
                                   tuning=triton_paged.PagedTuning(num_splits=4), interpret=True)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
@@ -158,7 +186,7 @@ def test_paged_decode_over_fp8_pages_takes_queries_of_any_bf16_size(c):
   B, T, N, K, H, Z, M, P = 2, 1, 8, 2, 32, 16, 4, 12
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(21, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([60, 23], jnp.int32)
-  q_pos = kv_len[:, None] - 1
+  q_pos = last_rows(kv_len, 1)
   got = triton_paged.paged_decode((q.astype(jnp.float32) * c).astype(jnp.bfloat16), kp, vp, table, q_pos=q_pos,
                                   kv_len=kv_len, k_scale=ks / c, v_scale=vs, interpret=True)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
@@ -214,9 +242,9 @@ def _attend_inputs(T, S, positions, kv_len, B=2):
     q_pos, k_start = None, None
     o_pos, o_start = np.broadcast_to(np.arange(T) + S - T, (B, T)), np.zeros(B, int)
   else:
-    k_start = jnp.array([3, 0], jnp.int32)
-    q_pos = k_start[:, None] + jnp.array(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    o_pos, o_start = np.asarray(q_pos), np.asarray(k_start)
+    o_start = np.array([3, 0])
+    o_pos = o_start[:, None] + np.array(positions)[:, None] + np.arange(T)[None, :]
+    q_pos, k_start = jnp.asarray(o_pos, jnp.int32), jnp.asarray(o_start, jnp.int32)
   kvl = None if kv_len is None else jnp.array(kv_len, jnp.int32)
   o_len = np.full(B, S) if kv_len is None else np.asarray(kv_len)
   return q_pos, k_start, kvl, (o_pos, o_start, o_len)
@@ -247,10 +275,12 @@ def _poison(monkeypatch, *names):
 def test_cudnn_decomposition_noncontiguous_rows_go_to_reference(monkeypatch):
   q, k, v = rand_qkv(3, 2, 8, 24, 4, 2, 16)
   q_pos = jnp.array([[0, 2, 4, 6, 8, 10, 12, 14], [20, 3, 7, 1, 0, 5, 9, 23]], jnp.int32)
-  got = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
+  attend = lambda: jax.jit(functools.partial(EMU.attend, causal=True))(q, k, v, q_pos=q_pos,
+                                                                        k_start=jnp.zeros(2, jnp.int32))
+  got = attend()
   check(got, oracle(q, k, v, visibility(q_pos, np.zeros(2, int), np.full(2, 24), 24, True)), tol_out=2e-2)
   _poison(monkeypatch, "attention_reference")
-  routed = EMU.attend(q, k, v, q_pos=q_pos, k_start=jnp.zeros(2, jnp.int32), causal=True)
+  routed = attend()                                            # traced again: a new jit of a new partial
   assert np.isnan(np.asarray(routed[0])).all()                 # the reference served them
 
 
@@ -270,9 +300,9 @@ def test_cudnn_paged_decomposition_emulated(T, P, pos_shift):
   q, kp, vp, table, _, _, kd, vd = rand_pages(T + P, B, T, N, K, H, Z, M, P)
   kv_len = jnp.array([41, 12], jnp.int32)
   if pos_shift == "past":
-    q_pos = kv_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]   # a chunk attending to its cached prefix
+    q_pos = last_rows(kv_len, T, T)                                      # a chunk attending to its cached prefix
   else:
-    q_pos = kv_len[:, None] - T + pos_shift + jnp.arange(T, dtype=jnp.int32)[None, :]
+    q_pos = last_rows(kv_len, T, pos_shift)
   got = jax.jit(EMU.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
@@ -281,10 +311,11 @@ def test_cudnn_paged_case_ignores_row_order_for_a_cached_prefix():
   """A chunk against its cached prefix takes cuDNN's padding-only call in any row order (the sequence-sharded
   prefill gathers its queries in zigzag order); rows seeing part of the pages need contiguity."""
   kvl = jnp.array([64, 40], jnp.int32)
-  zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
-  assert int(cudnn.paged_case(zigzag, kvl)) == cudnn.PAGED_PAST
-  assert int(cudnn.paged_case(zigzag - 4, kvl)) == cudnn.PAGED_REFERENCE       # rows 60.. see part of the keys
-  assert int(cudnn.paged_case(jnp.sort(zigzag - 4, axis=1), kvl)) == cudnn.PAGED_SPLIT
+  zigzag = np.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, np.int32)
+  case = jax.jit(cudnn.paged_case)
+  assert int(case(zigzag, kvl)) == cudnn.PAGED_PAST
+  assert int(case(zigzag - 4, kvl)) == cudnn.PAGED_REFERENCE                  # rows 60.. see part of the keys
+  assert int(case(np.sort(zigzag - 4, axis=1), kvl)) == cudnn.PAGED_SPLIT
   B, T, N, K, H, Z, M, P = 2, 8, 8, 2, 16, 8, 12, 26
   q, kp, vp, table, _, _, kd, vd = rand_pages(3, B, T, N, K, H, Z, M, P)
   got = jax.jit(EMU.paged)(q, kp, vp, table, q_pos=zigzag, kv_len=kvl)
@@ -302,9 +333,9 @@ def test_cudnn_paged_fp8(T, past, block):
   B, N, K, H, Z, M, P = 2, 4, 2, 16, 8, 4, 10
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(5 + T, B, T, N, K, H, Z, M, P, fp8=True)
   kv_len = jnp.array([30, 7], jnp.int32)
-  q_pos = kv_len[:, None] - (0 if past else T) + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q_pos = last_rows(kv_len, T, T if past else 0)
   be = EMU if block is None else cudnn.CudnnBackend(emulate=True, fp8_block_tokens=block)
-  got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
+  got = jax.jit(be.paged)(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len, k_scale=ks, v_scale=vs)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
@@ -313,12 +344,13 @@ def test_paged_page_offset(name):
   """page_offset=o reads page table[b, m] + o: the pools with o junk pages in front give the oracle's answer."""
   B, T, N, K, H, Z, M, P, off = 2, 1, 8, 2, 32, 16, 4, 10, 7
   q, kp, vp, table, _, _, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P)
-  junk = lambda x: jnp.concatenate([jnp.full((off, *x.shape[1:]), 50.0, x.dtype), x])
+  junk = functools.partial(behind_junk, n=off, value=50.0)
   kv_len = jnp.array([50, 21], jnp.int32)
-  q_pos = kv_len[:, None] - 1
+  q_pos = last_rows(kv_len, 1)
   be = {"reference": backends.ReferenceBackend(), "dense": backends.DenseBackend(), "cudnn": EMU,
         "pallas": pallas_backend.PallasBackend(interpret=True)}[name]
-  got = be.paged(q, junk(kp), junk(vp), table, q_pos=q_pos, kv_len=kv_len, page_offset=off)
+  got = jax.jit(functools.partial(be.paged, page_offset=off))(q, junk(kp), junk(vp), table, q_pos=q_pos,
+                                                                kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
@@ -331,8 +363,10 @@ def test_paged_reference_reads_up_to_the_longest_kv_len(longest):
   q, kp, vp, table, _, _, kd, vd = rand_pages(13, B, T, N, K, H, Z, M, P, dtype=jnp.float32)
   kv_len = jnp.array([longest, longest // 2], jnp.int32)
   past = np.asarray(table)[:, -(-max(longest, 1) // Z):].reshape(-1) if longest < M * Z else []
-  kp, vp = (x.at[jnp.asarray(past, jnp.int32)].set(jnp.nan) for x in (kp, vp))
-  q_pos = jnp.maximum(kv_len[:, None] - 1, 0)
+  kp, vp = (np.array(x) for x in (kp, vp))
+  kp[past], vp[past] = np.nan, np.nan
+  kp, vp = jnp.asarray(kp), jnp.asarray(vp)
+  q_pos = jnp.maximum(last_rows(kv_len, 1), 0)
   got = backends.ReferenceBackend(pages_per_block=1).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   if longest == 0:
     assert np.all(np.asarray(got[0]) == 0) and np.all(np.isneginf(np.asarray(got[1])))
@@ -349,17 +383,18 @@ def test_paged_reads_one_layer_of_the_layer_pools(name, fp8):
   B, T, N, K, H, Z, M, P = 2, 3, 8, 2, 32, 16, 4, 10
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(12, B, T, N, K, H, Z, M, P, fp8=fp8)
   kv_len = jnp.array([50, 21], jnp.int32)
-  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q_pos = last_rows(kv_len, T)
   be = {"reference": backends.ReferenceBackend(), "dense": backends.DenseBackend()}[name]
   assert be.reads_layer_pools
 
   def layers(x, fill):        # layer 1 holds x, layers 0 and 2 hold `fill`
-    junk = jnp.full(x.shape, fill, x.dtype)
-    return jnp.stack([junk, x, junk])
+    x = np.asarray(x)
+    junk = np.full(x.shape, fill, x.dtype)
+    return jnp.asarray(np.stack([junk, x, junk]))
 
   scales = {} if ks is None else dict(k_scale=layers(ks, 4.0), v_scale=layers(vs, 4.0))
-  got = be.paged(q, layers(kp, 50.0), layers(vp, -50.0), table, q_pos=q_pos, kv_len=kv_len, layer=jnp.int32(1),
-                 **scales)
+  got = jax.jit(be.paged)(q, layers(kp, 50.0), layers(vp, -50.0), table, q_pos=q_pos, kv_len=kv_len,
+                          layer=jnp.int32(1), **scales)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
 
 
@@ -385,7 +420,7 @@ def test_pallas_backend_routes_prefill_sized_paged_calls_to_cudnn(monkeypatch):
   B, T, N, K, H, Z, M, P = 2, 20, 8, 2, 16, 8, 6, 12          # T * G = 80 rows > max_rows
   q, kp, vp, table, _, _, kd, vd = rand_pages(11, B, T, N, K, H, Z, M, P)
   kv_len = jnp.array([47, 30], jnp.int32)
-  q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q_pos = last_rows(kv_len, T)
   _poison(monkeypatch, "attention_reference", "paged_attention_reference")    # cuDNN (emulated) must serve it
   got = pallas_backend.PallasBackend(interpret=True).paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
@@ -414,13 +449,14 @@ def test_pallas_backend_prefill_route_mosaic(pattern, monkeypatch):
                       lambda *a, **kw: (lambda o: o if to_reference else nan(o))(real(*a, **kw)))
   B, T, N, K, H, Z, M, P = 2, 8, 64, 2, 64, 16, 12, 30            # T * G = 256 rows: a chunk, not a decode
   q, kp, vp, table, _, _, kd, vd = rand_pages(5, B, T, N, K, H, Z, M, P)
-  zigzag = jnp.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2, jnp.int32)
-  q_pos, kv_len = {"split": (jnp.array([[40], [100]]) + jnp.arange(T)[None], jnp.array([48, 104])),
-                   "zigzag-past": (zigzag, jnp.array([64, 40])),
-                   "zigzag-partial": (zigzag - 4, jnp.array([64, 40])),
+  zigzag = np.array([[64, 65, 70, 71, 66, 67, 68, 69]] * 2)
+  q_pos, kv_len = {"split": (np.array([[40], [100]]) + np.arange(T)[None], [48, 104]),
+                   "zigzag-past": (zigzag, [64, 40]),
+                   "zigzag-partial": (zigzag - 4, [64, 40]),
                    # the first row (66) is past every key, the second (64) is not: key 65 is after it
-                   "unordered-partial": (jnp.array([[66, 64, 65, 67, 68, 69, 70, 71]] * 2), jnp.array([66, 40])),
-                   "mixed": (jnp.stack([zigzag[0], 30 + jnp.arange(T)]), jnp.array([64, 35]))}[pattern]
+                   "unordered-partial": ([[66, 64, 65, 67, 68, 69, 70, 71]] * 2, [66, 40]),
+                   "mixed": (np.stack([zigzag[0], 30 + np.arange(T)]), [64, 35])}[pattern]
+  q_pos, kv_len = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_len, jnp.int32)
   be = pallas_backend.PallasBackend(prefill_route="mosaic")
   got = be.paged(q, kp, vp, table, q_pos=q_pos, kv_len=kv_len)
   check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True)), tol_out=2e-2)
@@ -507,21 +543,23 @@ def test_merge_splits_is_attention_over_every_key(splits):
   saw none of it, one range empty) == the float64 oracle over all keys."""
   B, T, S, N, K, H = 2, 16, 80, 4, 2, 32
   q, k, v = rand_qkv(5, B, T, S, N, K, H, jnp.float32)
-  kv_len = jnp.array([S, 37], jnp.int32)
-  q_pos = jnp.array([S - T, 30], jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  kv_len = np.array([S, 37])
+  q_pos = jnp.asarray(np.array([S - T, 30])[:, None] + np.arange(T)[None, :], jnp.int32)
   cuts = np.linspace(0, S, splits + 1).astype(int) if splits < 5 else np.array([0, 10, 10, 40, 41, S])
   outs, lses = [], []
+  partial = jax.jit(ref.attention_reference)
   for lo, hi in zip(cuts[:-1], cuts[1:]):
     if lo == hi:                                                  # a split with no keys, as the kernel writes it
-      outs.append(jnp.zeros_like(q))
-      lses.append(jnp.full((B, N, T), -jnp.inf))
+      outs.append(np.zeros(q.shape, np.float32))
+      lses.append(np.full((B, N, T), -np.inf, np.float32))
       continue
-    o, lse = ref.attention_reference(q, k[:, lo:hi], v[:, lo:hi], q_pos=q_pos, k_start=jnp.full((B,), lo, jnp.int32),
-                                     kv_len=jnp.clip(kv_len - lo, 0, hi - lo))
-    outs.append(o)
-    lses.append(jnp.swapaxes(lse, 1, 2))
-  out, lse = mgpu_flash.merge_splits(jnp.stack(outs), jnp.stack(lses))
-  check((out, jnp.swapaxes(lse, 1, 2)), oracle(q, k, v, visibility(q_pos, np.zeros(B, int), kv_len, S, True)),
+    o, lse = partial(q, k[:, lo:hi], v[:, lo:hi], q_pos=q_pos, k_start=jnp.full((B,), lo, jnp.int32),
+                     kv_len=jnp.asarray(np.clip(kv_len - lo, 0, hi - lo), jnp.int32))
+    outs.append(np.asarray(o))
+    lses.append(np.swapaxes(np.asarray(lse), 1, 2))
+  out, lse = jax.jit(mgpu_flash.merge_splits)(jnp.asarray(np.stack(outs)), jnp.asarray(np.stack(lses)))
+  check((out, np.swapaxes(np.asarray(lse), 1, 2)), oracle(q, k, v, visibility(q_pos, np.zeros(B, int), kv_len, S,
+                                                                                True)),
         tol_out=1e-5, tol_lse=1e-5)
 
 
@@ -607,20 +645,20 @@ def _check_paged_flash(fn, T, Z, N=32, K=8):
   M = 2048 // Z + 1
   off = 3
   q, kp, vp, table, _, _, kd, vd = rand_pages(T + Z, B, T, N, K, H, Z, M, B * M + 4)
-  junk = lambda x: jnp.concatenate([jnp.full((off, *x.shape[1:]), 30.0, x.dtype), x])
-  kv_len = jnp.array([M * Z, 1000 + T, T, M * Z + 100, 777, M * Z], jnp.int32)
-  d = jnp.minimum(kv_len, M * Z) - T
-  d = d.at[4].set(777).at[5].set(M * Z)                     # the engine's shape: rows after every cached key
-  got = fn(q, junk(kp), junk(vp), table, d, kv_len, off)
-  q_pos = d[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), jnp.minimum(kv_len, M * Z), M * Z, True)),
+  junk = functools.partial(behind_junk, n=off, value=30.0)
+  kv_len = np.array([M * Z, 1000 + T, T, M * Z + 100, 777, M * Z])
+  d = np.minimum(kv_len, M * Z) - T
+  d[4], d[5] = 777, M * Z                                  # the engine's shape: rows after every cached key
+  got = fn(q, junk(kp), junk(vp), table, jnp.asarray(d, jnp.int32), jnp.asarray(kv_len, jnp.int32), off)
+  q_pos = d[:, None] + np.arange(T)[None, :]
+  check(got, oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), np.minimum(kv_len, M * Z), M * Z, True)),
         tol_out=2e-2)
 
 
 def test_paged_flash_reference():
   """flash_attention_paged's jnp oracle (its (d, kv_len) contract over the pages) on the cases of its GPU test: the
   cases say what they mean, so a GPU failure is the kernel's."""
-  _check_paged_flash(mgpu_flash.flash_attention_paged_reference, 200, 16, N=4, K=1)
+  _check_paged_flash(jax.jit(mgpu_flash.flash_attention_paged_reference, static_argnums=6), 200, 16, N=4, K=1)
 
 
 @pytest.mark.gpu
@@ -731,8 +769,9 @@ def test_static_routes_to_the_reference_are_announced_on_a_gpu(monkeypatch, capl
   traced on a GPU (here: a decode row over fp8 pages through the cuDNN backend); on a CPU it stays quiet."""
   B, T, N, K, H, Z, M, P = 1, 1, 4, 2, 16, 8, 4, 8
   q, kp8, vp8, table, ks, vs, _, _ = rand_pages(5, B, T, N, K, H, Z, M, P, fp8=True)
-  call = lambda: EMU.paged(q, kp8, vp8, table, q_pos=jnp.array([[10]], jnp.int32),
-                           kv_len=jnp.array([11], jnp.int32), k_scale=ks, v_scale=vs)
+  # A new partial each call: jit traces it again, under whichever backend jax.default_backend names then.
+  call = lambda: jax.jit(functools.partial(EMU.paged))(q, kp8, vp8, table, q_pos=jnp.array([[10]], jnp.int32),
+                                                        kv_len=jnp.array([11], jnp.int32), k_scale=ks, v_scale=vs)
   with caplog.at_level("WARNING"):
     call()
   assert "jnp reference" not in caplog.text

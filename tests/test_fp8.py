@@ -27,7 +27,20 @@ E4M3_EPS = 2.0 ** -4        # half the spacing of e4m3's 3-bit mantissa, relativ
 
 
 def _normal(seed, *shape):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  """jax.random.normal(key(seed), shape, float32), read as the first prod(shape) of _NORMALS draws: the draws of a
+  flat shape are a prefix of a longer one's (threefry counts them), so one program serves every shape."""
+  n = math.prod(shape)
+  assert n <= _NORMALS, (shape, _NORMALS)
+  return jnp.asarray(np.asarray(_normals(seed))[:n].reshape(shape))
+
+
+_NORMALS = 1 << 19                                              # B * S * K * H of the largest CPU case
+_normals = jax.jit(lambda seed: jax.random.normal(jax.random.key(seed), (_NORMALS,), jnp.float32))
+# The float32 jnp reference as one program per shape (eager, every operation is one).
+_reference = jax.jit(ref.attention_reference, static_argnames=("causal",))
+# The FP8 kernel's jnp model and its operands, jitted the same way.
+_quantize_operands = jax.jit(fp8.quantize_operands, static_argnames=("block_q", "block_kv", "incoherent", "qk_dtype"))
+_fp8_model = jax.jit(fp8.attention_fp8_model, static_argnames=("causal", "block_q", "block_kv"))
 
 
 def test_round_to_e4m3_is_the_cast_on_every_value_tie_and_neighbour():
@@ -102,23 +115,23 @@ def test_model_single_block_equals_direct_formula(qk_dtype):
   (e4m3(p * 2^8) @ v8 / l * vs), computed here without any blockwise loop; Q and K in e4m3 or int8."""
   B, T, S, N, K, H = 1, 64, 128, 4, 2, 128
   q, k, v = _normal(4, B, T, N, H), _normal(5, B, S, K, H), _normal(6, B, S, K, H)
-  (q8, qs), (k8, ks), (v8, vs) = fp8.quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False,
-                                                        qk_dtype=qk_dtype)
+  (q8, qs), (k8, ks), (v8, vs) = _quantize_operands(q, k, v, block_q=64, block_kv=128, incoherent=False,
+                                                     qk_dtype=qk_dtype)
   assert q8.dtype == jnp.dtype(qk_dtype) and k8.dtype == jnp.dtype(qk_dtype)
   if qk_dtype == "int8":
-    assert int(jnp.max(jnp.abs(q8.astype(jnp.int32)))) == 127
+    assert int(np.max(np.abs(np.asarray(q8).astype(np.int32)))) == 127
   d, kvl = jnp.array([S - T]), jnp.array([S])
-  out, lse = fp8.attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kvl, causal=True, block_q=64, block_kv=128)
+  out, lse = _fp8_model(q8, qs, k8, ks, v8, vs, d, kvl, causal=True, block_q=64, block_kv=128)
 
-  qf = np.asarray(q8.astype(jnp.float32), np.float64) * np.asarray(qs)[0, None, :, 0, None]   # [B, T, N, H]
-  kf = np.asarray(k8.astype(jnp.float32), np.float64) * np.asarray(ks)[0, None, :, 0, None]
+  qf = np.asarray(q8).astype(np.float64) * np.asarray(qs)[0, None, :, 0, None]   # [B, T, N, H]
+  kf = np.asarray(k8).astype(np.float64) * np.asarray(ks)[0, None, :, 0, None]
   x = np.einsum("btnh,bsnh->bnts", qf, np.repeat(kf, N // K, axis=2)) * math.log2(math.e) / math.sqrt(H)
   vis = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
   x = np.where(vis, x, -np.inf)
   m = x.max(-1, keepdims=True)
   p = np.exp2(x - m + fp8.P_SHIFT)
-  p8 = np.asarray(jnp.asarray(p, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
-  v8 = np.repeat(np.asarray(v8.astype(jnp.float32), np.float64), N // K, axis=2)
+  p8 = p.astype(np.float32).astype(fp8.E4M3).astype(np.float64)                 # ml_dtypes' e4m3 (round to even)
+  v8 = np.repeat(np.asarray(v8).astype(np.float64), N // K, axis=2)
   want = np.einsum("bnts,bsnh->btnh", p8, v8) / p.sum(-1).transpose(0, 2, 1)[..., None]
   want = want * np.repeat(np.asarray(vs), N // K, axis=1)[:, None, :, None]
   np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6)
@@ -136,13 +149,14 @@ def test_fp8_attention_close_to_float32(incoherent):
   out, lse = mgpu_flash.flash_attention_fp8(q, k, v, d, kvl, incoherent=incoherent, interpret=True)
   rows = np.arange(T)
   q_pos = jnp.asarray(np.stack([rows + S - T, rows - 3]), jnp.int32)
-  want_o, want_l = ref.attention_reference(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
+  want_o, want_l = _reference(q, k, v, q_pos=q_pos, kv_len=kvl, causal=True)
   seen = np.isfinite(np.asarray(want_l))
   assert not seen[1, :3].any() and seen[1, 3:].all()
   np.testing.assert_array_equal(np.asarray(out)[1, :3], 0.0)
   assert np.all(np.asarray(lse)[~seen] == -np.inf)
-  rmse = float(jnp.sqrt(jnp.mean((out - want_o) ** 2)))
-  rms = float(jnp.sqrt(jnp.mean(want_o ** 2)))
+  out, want_o = np.asarray(out), np.asarray(want_o)
+  rmse = float(np.sqrt(np.mean((out - want_o) ** 2)))
+  rms = float(np.sqrt(np.mean(want_o ** 2)))
   assert rmse < 0.06 * rms, (rmse, rms)
   assert float(np.max(np.abs(np.asarray(lse)[seen] - np.asarray(want_l)[seen]))) < 0.08
 
@@ -158,12 +172,13 @@ def test_smoothing_keys_keeps_attention_and_lowers_error():
   v = _normal(18, B, S, K, H)
   kvl = jnp.array([S, 700])
   k = jnp.where(jnp.arange(S)[None, :, None, None] < kvl[:, None, None, None], k, 8.0)
-  want, want_lse = ref.attention_reference(q, k, v, causal=False, kv_len=kvl)
+  want, want_lse = _reference(q, k, v, causal=False, kv_len=kvl)
   err = {}
   for smooth in (False, True):
     out, lse = mgpu_flash.flash_attention_fp8(q, k, v, None, kvl, causal=False, smooth_k=smooth, interpret=True)
-    err[smooth] = (float(jnp.sqrt(jnp.mean((out - want) ** 2) / jnp.mean(want ** 2))),
-                   float(jnp.mean(jnp.abs(lse - want_lse))))
+    out, lse, want, want_lse = map(np.asarray, (out, lse, want, want_lse))
+    err[smooth] = (float(np.sqrt(np.mean((out - want) ** 2) / np.mean(want ** 2))),
+                   float(np.mean(np.abs(lse - want_lse))))
   assert err[True][0] < 0.6 * err[False][0] and err[True][1] < 0.3 * err[False][1], err
   assert err[True][0] < 0.1 and err[True][1] < 0.05, err
 
@@ -184,9 +199,10 @@ def test_keys_past_kv_len_change_nothing(qk_dtype):
   stale = run(jnp.where(past, 1e5 * _normal(33, B, S, K, H), k), jnp.where(past, 1e5 * _normal(34, B, S, K, H), v))
   for got, want in zip(stale, clean):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  want, _ = ref.attention_reference(q, k, v, causal=False, kv_len=kvl)
-  rmse = float(jnp.sqrt(jnp.mean((stale[0] - want) ** 2)))
-  assert rmse < 0.06 * float(jnp.sqrt(jnp.mean(want ** 2))), rmse
+  want, _ = _reference(q, k, v, causal=False, kv_len=kvl)
+  got, want = np.asarray(stale[0]), np.asarray(want)
+  rmse = float(np.sqrt(np.mean((got - want) ** 2)))
+  assert rmse < 0.06 * float(np.sqrt(np.mean(want ** 2))), rmse
 
 
 def test_a_nonfinite_key_reaches_every_row_that_sees_it():
@@ -198,10 +214,10 @@ def test_a_nonfinite_key_reaches_every_row_that_sees_it():
   k = _normal(42, B, S, K, H).at[0, 200, 0, 3].set(jnp.nan)
   # Unsmoothed: the keys' mean would carry the NaN into every key before the softmax sees it.
   fp8_out = mgpu_flash.flash_attention_fp8(q, k, v, causal=False, smooth_k=False, interpret=True)
-  ref_out = ref.attention_reference(q, k, v, causal=False)
+  ref_out = _reference(q, k, v, causal=False)
   for out, lse in (fp8_out, ref_out):
     assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
-  out, lse = ref.attention_reference(q, k, v, causal=True)
+  out, lse = _reference(q, k, v, causal=True)
   assert np.isfinite(np.asarray(out[0, :200])).all() and np.isnan(np.asarray(out[0, 200:])).all()
   assert np.isnan(np.asarray(ref.merge(out, lse, jnp.zeros_like(out), jnp.zeros_like(lse))[0][0, 200:])).all()
 
@@ -259,12 +275,13 @@ def test_int8_qk_beats_e4m3_on_biased_keys():
   q = 2.0 * _normal(22, B, T, N, H)
   k = _normal(23, B, S, K, H) + 3.0 * _normal(24, 1, 1, K, H)
   v = _normal(25, B, S, K, H)
-  want, want_lse = ref.attention_reference(q, k, v, causal=True)
+  want, want_lse = _reference(q, k, v, causal=True)
   err = {}
   for qk in fp8.QK_DTYPES:
     got, lse = mgpu_flash.flash_attention_fp8(q, k, v, qk_dtype=qk, interpret=True)
-    err[qk] = (float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2))),
-               float(jnp.mean(jnp.abs(lse - want_lse))))
+    got, lse, want, want_lse = map(np.asarray, (got, lse, want, want_lse))
+    err[qk] = (float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))),
+               float(np.mean(np.abs(lse - want_lse))))
   # P's and V's e4m3 rounding, the same in both, is most of the output error; the lse carries Q K^T's alone.
   assert err["int8"][0] < 0.85 * err["float8_e4m3fn"][0] and err["int8"][1] < 0.5 * err["float8_e4m3fn"][1], err
   with pytest.raises(ValueError, match="qk_dtype='int4'"):
@@ -285,11 +302,11 @@ def test_incoherence_rotation_lowers_error_on_outliers():
   q = outliers(keys[0], (B, T, N, H))
   k = outliers(keys[1], (B, T, K, H))
   v = outliers(keys[2], (B, T, K, H))
-  want, _ = ref.attention_reference(q, k, v, causal=True)
+  want, _ = _reference(q, k, v, causal=True)
   err = {}
   for inc in (False, True):
     out, _ = mgpu_flash.flash_attention_fp8(q, k, v, incoherent=inc, interpret=True)
-    err[inc] = float(jnp.sqrt(jnp.mean((out - want) ** 2)))
+    err[inc] = float(np.sqrt(np.mean((np.asarray(out) - np.asarray(want)) ** 2)))
   assert err[True] < err[False], err
 
 
@@ -417,7 +434,8 @@ def spy_promises(monkeypatch, cls) -> list:
 
 def dequantized_rows(q8, qs, T):
   """fp8.quantize_rows' output (block 64) back in float32, its first T rows: the queries the FP8 kernel multiplies."""
-  return (q8.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
+  q8, qs = np.asarray(q8).astype(np.float32), np.asarray(qs)
+  return (q8 * np.repeat(np.swapaxes(qs, 1, 2), 64, axis=1)[..., None])[:, :T]
 
 
 def fp8_pages(seed, B, T, N, K, H, Z, M, P, kv_len, offset=0):
@@ -435,10 +453,11 @@ def fp8_pages(seed, B, T, N, K, H, Z, M, P, kv_len, offset=0):
   for b in range(B):
     dead = table[b, -(-int(kv_len[b]) // Z):]
     ks[dead], vs[dead] = 2.0 ** 20, 2.0 ** 20
-  kp, vp = (jnp.asarray(x, jnp.float32).astype(fp8.E4M3) for x in (kp, vp))
-  ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
-  deq = lambda x, sc: (x.astype(jnp.float32) * sc[:, None, :, None])[jnp.asarray(table)].reshape(B, M * Z, K, H)
-  return q, kp, vp, ks, vs, jnp.asarray(table - offset, jnp.int32), deq(kp, ks), deq(vp, vs)
+  kp, vp = (x.astype(np.float32).astype(fp8.E4M3) for x in (kp, vp))          # ml_dtypes' e4m3 (round to even)
+  ks, vs = ks.astype(np.float32), vs.astype(np.float32)
+  deq = lambda x, sc: (x.astype(np.float32) * sc[:, None, :, None])[table].reshape(B, M * Z, K, H)
+  return (q, *map(jnp.asarray, (kp, vp, ks, vs)), jnp.asarray(table - offset, jnp.int32), jnp.asarray(deq(kp, ks)),
+          jnp.asarray(deq(vp, vs)))
 
 
 @pytest.mark.parametrize("Z", [64, 128])
@@ -451,12 +470,13 @@ def test_paged_scales_model_is_attention_over_the_dequantized_pages(Z):
   B, T, N, K, H, M, P = 4, 64, 4, 2, 128, 1280 // Z, 96
   kv_len = np.array([191, 700, 1024, 0])
   q, kp, vp, ks, vs, table, kd, vd = fp8_pages(40, B, T, N, K, H, Z, M, P, kv_len, offset=5)
-  q8, qs = fp8.quantize_rows(q, 64)
-  sc = fp8.page_scales(ks, vs, table + 5, jnp.asarray(kv_len, jnp.int32), page_size=Z, block_kv=128)
+  q8, qs = jax.jit(fp8.quantize_rows, static_argnums=1)(q, 64)
+  sc = jax.jit(fp8.page_scales, static_argnames=("page_size", "block_kv"))(
+      ks, vs, table + 5, jnp.asarray(kv_len, jnp.int32), page_size=Z, block_kv=128)
   assert sc.k.shape == (B, K, 10, 128 // min(Z, 128)) and sc.v_max.shape == (B, K, 10)
-  keys = lambda x: x[table + 5].reshape(B, M * Z, K, H)
-  out, lse = fp8.attention_fp8_model(q8, qs, keys(kp), sc, keys(vp), None, jnp.zeros(B, jnp.int32),
-                                     jnp.asarray(kv_len, jnp.int32), causal=False, block_q=64, block_kv=128)
+  keys = lambda x: jnp.asarray(np.asarray(x)[np.asarray(table) + 5].reshape(B, M * Z, K, H))
+  out, lse = _fp8_model(q8, qs, keys(kp), sc, keys(vp), None, jnp.zeros(B, jnp.int32),
+                        jnp.asarray(kv_len, jnp.int32), causal=False, block_q=64, block_kv=128)
   qd = dequantized_rows(q8, qs, T)
   want_o, want_l = oracle(qd, kd, vd, visibility(np.zeros((B, T), int), np.zeros(B, int), kv_len, M * Z, False))
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)

@@ -21,7 +21,7 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops import pallas_backend, splits
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.triton import paged as triton_paged
-from tests.test_kernels import check, oracle, rand_pages, visibility
+from tests.test_kernels import behind_junk, check, oracle, rand_pages, visibility
 from tests.test_mosaic_lowering import TRITON_CROSS_LOWERS
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -59,14 +59,14 @@ def _inputs(case, seed=0, *, fp8=True):
   B, T, N, K, H, Z, M, kv_len, shift, tuning = case
   off, P = 3, B * M + 5
   q, kp, vp, table, ks, vs, kd, vd = rand_pages(seed, B, T, N, K, H, Z, M, P, fp8=fp8)
-  junk = lambda x, v: jnp.concatenate([jnp.full((off, *x.shape[1:]), v, x.dtype), x])
-  kv_len = jnp.array(kv_len, jnp.int32)
-  q_pos = jnp.maximum(kv_len[:, None] - T, 0) + jnp.arange(T, dtype=jnp.int32)[None, :]
-  q_pos = q_pos.at[0, 0].add(shift)
-  args = (q, junk(kp, 50.0), junk(vp, 50.0), table)
+  junk = functools.partial(behind_junk, n=off)
+  q_pos = np.maximum(np.array(kv_len)[:, None] - T, 0) + np.arange(T)[None, :]
+  q_pos[0, 0] += shift
+  kv_len, q_pos = jnp.array(kv_len, jnp.int32), jnp.asarray(q_pos, jnp.int32)
+  args = (q, junk(kp, value=50.0), junk(vp, value=50.0), table)
   kw = dict(q_pos=q_pos, kv_len=kv_len, page_offset=off)
   if fp8:
-    kw |= dict(k_scale=junk(ks, 100.0), v_scale=junk(vs, 100.0))
+    kw |= dict(k_scale=junk(ks, value=100.0), v_scale=junk(vs, value=100.0))
   want = oracle(q, kd, vd, visibility(q_pos, np.zeros(B, int), kv_len, M * Z, True))
   return args, kw, want, mgpu_paged.DecodeTuning(**tuning)
 

@@ -31,12 +31,14 @@ L = 3
 SHAPES = linear_shapes(ModelConfig("gemv-test", vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                    head_dim=16, ffn_dim=128))
 SMALL_TILES = triton_gemv.GemvTuning(block_n=32, block_k=16, min_steps=1)   # several programs and splits
+# The library calls the tests make, each one program per shape (eager, every operation is one); layer is traced.
+_gemv = jax.jit(triton_gemv.gemv_stacked, static_argnums=4, static_argnames=("tuning", "interpret"))
+_quantize_stack = jax.jit(lambda w, spec: jax.vmap(lambda a: linear.quantize_weight(a, spec))(w), static_argnums=1)
 
 
 def _stacked(name, rng):
-  spec = LINEAR[name]
-  w = jnp.asarray(rng.standard_normal((L, *SHAPES[name])) * 0.1, jnp.float32)
-  return jax.vmap(lambda a: linear.quantize_weight(a, spec))(w)
+  w = (rng.standard_normal((L, *SHAPES[name])) * 0.1).astype(np.float32)
+  return _quantize_stack(w, LINEAR[name])
 
 
 def _x(name, rows, rng, dtype):
@@ -46,7 +48,7 @@ def _x(name, rows, rng, dtype):
   flat[0] *= 1e6
   if rows > 1:
     flat[-1] *= 1e-6
-  return jnp.asarray(x, dtype)
+  return jnp.asarray(x.astype(np.dtype(dtype)))
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3-8b", "llama3.1-70b"])
@@ -107,8 +109,8 @@ def _numpy_product(x, w8, scale, layer, spec):
   """einsum(spec, x, dequantized weight of `layer`) in float64, from the K-major bytes and scales."""
   xs, ws, out = linear.contracted(spec)
   kw = "".join(ws[i] for i in linear.kmajor_order(spec))
-  w = np.asarray(w8[layer].astype(jnp.float32), np.float64) * np.asarray(scale[layer], np.float64)
-  return np.einsum(f"{xs},{kw}->{out}", np.asarray(x.astype(jnp.float32), np.float64), w)
+  w = np.asarray(w8)[layer].astype(np.float64) * np.asarray(scale)[layer].astype(np.float64)
+  return np.einsum(f"{xs},{kw}->{out}", np.asarray(x).astype(np.float64), w)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -124,7 +126,7 @@ def test_kernel_against_numpy(name, rows, pack):
   for dtype, rtol in ((jnp.bfloat16, 2 ** -8), (jnp.float32, 2e-6)):
     x = _x(name, rows, rng, dtype)
     for layer in range(L):
-      got = triton_gemv.gemv_stacked(x, w8, scale, jnp.int32(layer), spec, tuning=tuning, interpret=True)
+      got = _gemv(x, w8, scale, jnp.int32(layer), spec, tuning=tuning, interpret=True)
       assert got.dtype == x.dtype
       err = _row_errors(got, _numpy_product(x, w8, scale, layer, spec), rows)
       assert np.all(err <= rtol), (dtype, layer, err)
@@ -148,16 +150,16 @@ def test_rows_near_float32s_smallest_normal_keep_their_values(dtype):
   tiny = float(np.finfo(np.float32).tiny)
   x[3] = tiny * np.sign(x[3])                                                 # every value the smallest normal
   x[np.abs(x) < tiny] = 0.0                                                   # subnormals flush on many machines
-  x = jnp.asarray(x, dtype)
-  x16, s = linear.scale_rows(x)
-  back = np.asarray(x16, np.float64).sum(0) * np.asarray(s, np.float64)
-  want = np.asarray(x.astype(jnp.float32), np.float64)
+  x = jnp.asarray(x.astype(np.dtype(dtype)))
+  x16, s = jax.jit(linear.scale_rows)(x)
+  back = np.asarray(x16).astype(np.float64).sum(0) * np.asarray(s).astype(np.float64)
+  want = np.asarray(x).astype(np.float64)
   np.testing.assert_allclose(back, want, rtol=0 if dtype == jnp.bfloat16 else 2.0 ** -21, atol=0)
   name = "layers/mlp/w_down"
   w8, scale = _stacked(name, rng)
-  xw = jnp.asarray(rng.standard_normal(x_shape(LINEAR[name], SHAPES[name], 2)) * 2.0 ** -118, dtype)
-  got = triton_gemv.gemv_stacked(xw, w8, scale, jnp.int32(1), LINEAR[name], tuning=SMALL_TILES, interpret=True)
-  err = _row_errors(got.astype(jnp.float32), _numpy_product(xw, w8, scale, 1, LINEAR[name]), 2)
+  xw = jnp.asarray((rng.standard_normal(x_shape(LINEAR[name], SHAPES[name], 2)) * 2.0 ** -118).astype(np.dtype(dtype)))
+  got = _gemv(xw, w8, scale, jnp.int32(1), LINEAR[name], tuning=SMALL_TILES, interpret=True)
+  err = _row_errors(np.asarray(got).astype(np.float32), _numpy_product(xw, w8, scale, 1, LINEAR[name]), 2)
   assert np.all(err <= 2.0 ** -8), err
 
 
@@ -166,7 +168,7 @@ def test_reference_is_the_widened_product():
   name = "layers/mlp/w_down"
   w8, scale = _stacked(name, rng)
   x = _x(name, 5, rng, jnp.float32)
-  got = linear.gemv_stacked_reference(x, w8, scale, jnp.int32(2), LINEAR[name])
+  got = jax.jit(linear.gemv_stacked_reference, static_argnums=4)(x, w8, scale, jnp.int32(2), LINEAR[name])
   assert np.all(_row_errors(got, _numpy_product(x, w8, scale, 2, LINEAR[name]), 5) < 1e-6)
 
 
@@ -214,7 +216,7 @@ def test_model_holds_weights_for_decode_sized_calls():
   logits = {}
   for k, m in models.items():
     nnx.update(m, state)
-    logits[k], _ = m(tokens)
+    logits[k], _ = nnx.jit(lambda m, t: m(t))(m, tokens)
   np.testing.assert_allclose(logits["pallas-interpret"], logits["xla"], rtol=2e-5, atol=2e-5)
 
 

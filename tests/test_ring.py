@@ -19,6 +19,9 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices 
 
 BE = ReferenceBackend(block_k=8, pages_per_block=2)
 TOL = dict(rtol=1e-5, atol=1e-5)
+# The oracles as one program per shape (eager, every operation is one).
+_attention_dense = jax.jit(ref.attention_dense, static_argnames=("causal",))
+_attention_reference = jax.jit(ref.attention_reference, static_argnames=("causal",))
 
 
 def _qkv(B, T, N, K, H, seed=0):
@@ -29,7 +32,8 @@ def _qkv(B, T, N, K, H, seed=0):
 def _dense(q, k, v, kv_len, causal):
   """Oracle: the full score matrix of the whole chunk; positions relative to the chunk start."""
   B, T = q.shape[:2]
-  return ref.attention_dense(q, k, v, q_pos=jnp.broadcast_to(jnp.arange(T), (B, T)), kv_len=kv_len, causal=causal)
+  return _attention_dense(q, k, v, q_pos=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)), kv_len=kv_len,
+                          causal=causal)
 
 
 def _sharded(fn, q, k, v, *, seq, zigzag, **kw):
@@ -93,7 +97,7 @@ def test_ring_non_causal(zigzag):
 
 def test_ring_bfloat16_accumulates_in_float32():
   B, T, N, K, H, seq = 1, 32, 2, 2, 16, 8
-  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(B, T, N, K, H, seed=2))
+  q, k, v = (jnp.asarray(x.astype(jnp.bfloat16)) for x in _qkv(B, T, N, K, H, seed=2))
   mesh = sh.make_mesh(tensor=1, seq=seq)
   o, l = _sharded(ring.ring_attention, q, k, v, seq=seq, zigzag=True, mesh=mesh, backend=BE)
   assert o.dtype == jnp.bfloat16 and l.dtype == np.float32
@@ -128,8 +132,8 @@ def test_ring_skips_future_blocks(seq, zigzag):
 def test_strict_backend_catches_waste():
   """The poison check itself: a future block does turn into nan."""
   q, k, v = _qkv(1, 4, 1, 1, 4)
-  o, _ = _Strict().attend(q, k, v, q_pos=jnp.arange(4)[None], k_start=jnp.array([4]), kv_len=jnp.array([4]),
-                          causal=True)
+  attend = jax.jit(lambda *a: _Strict().attend(*a[:3], q_pos=a[3], k_start=a[4], kv_len=a[5], causal=True))
+  o, _ = attend(q, k, v, np.arange(4, dtype=np.int32)[None], np.array([4], np.int32), np.array([4], np.int32))
   assert np.isnan(o).all()
 
 
@@ -142,9 +146,10 @@ def test_ring_chunk_merged_with_cached_prefix():
   qc, kc, vc = q[:, S0:], k[:, S0:], v[:, S0:]
   o_ring, l_ring = _sharded(ring.ring_attention, qc, kc, vc, seq=seq, zigzag=True, mesh=mesh, backend=BE,
                             offset=S0)
-  o_pre, l_pre = ref.attention_reference(qc, k[:, :S0], v[:, :S0], q_pos=S0 + jnp.arange(T)[None].repeat(B, 0))
-  o, l = ref.merge(o_ring, l_ring, o_pre, l_pre)
-  want_o, want_l = ref.attention_dense(q, k, v)
+  o_pre, l_pre = _attention_reference(qc, k[:, :S0], v[:, :S0],
+                                      q_pos=S0 + np.arange(T, dtype=np.int32)[None].repeat(B, 0))
+  o, l = jax.jit(ref.merge)(o_ring, l_ring, o_pre, l_pre)
+  want_o, want_l = _attention_dense(q, k, v)
   np.testing.assert_allclose(o, want_o[:, S0:], **TOL)
   np.testing.assert_allclose(l, want_l[:, S0:], **TOL)
 
@@ -192,7 +197,7 @@ def test_padding_rows_change_no_real_row_of_fp8_sequence_parallel_attention(fn, 
   run = lambda q: _sharded(fn, q, k, v, seq=seq, zigzag=zigzag, mesh=mesh, backend=be, kv_len=kv_len)[0]
   loud, quiet = run(np.where(pad, 1e5 * q, q)), run(np.where(pad, 0.0, q))
   np.testing.assert_array_equal(loud[real], quiet[real])
-  one = np.asarray(be.attend(jnp.asarray(q), k, v, kv_len=kv_len, q_len=kv_len)[0])
+  one = np.asarray(jax.jit(lambda q, k, v, n: be.attend(q, k, v, kv_len=n, q_len=n))(q, k, v, kv_len)[0])
   exact = np.asarray(_dense(q, k, v, kv_len, True)[0])
   rel = lambda a: float(np.linalg.norm(a[real] - exact[real]) / np.linalg.norm(exact[real]))
   assert rel(one) < 0.06 and rel(loud) < 1.2 * rel(one) + 1e-3, (rel(one), rel(loud))
@@ -250,8 +255,8 @@ def test_combine_seq_partials_decode(seq):
   mesh = sh.make_mesh(tensor=1, seq=seq)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("seq"), P("seq"), P("seq"), P("seq"), P()),
                             out_specs=(P("seq"), P("seq")), check_vma=False))
-  o, l = f(q, kp, vp, table, lens, q_pos)
-  want_o, want_l = ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len)
+  o, l = map(np.asarray, f(q, kp, vp, table, lens, q_pos))
+  want_o, want_l = _attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len)
   for d in range(seq):                              # every shard holds the same, complete result
     np.testing.assert_allclose(o[d], want_o, **TOL)
     np.testing.assert_allclose(l[d], want_l, **TOL)
@@ -279,6 +284,6 @@ def test_combine_seq_partials_scatter():
                             in_specs=(P(None, "seq"), P(None, "seq"), P("seq"), P("seq"), P("seq"), P("seq")),
                             out_specs=(P(None, "seq"), P(None, "seq")), check_vma=False))
   o, l = f(q, q_pos, kp, vp, table, lens)
-  want_o, want_l = ref.attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len)
+  want_o, want_l = _attention_dense(q, k, v, q_pos=q_pos, kv_len=kv_len)
   np.testing.assert_allclose(o, want_o, **TOL)
   np.testing.assert_allclose(l, want_l, **TOL)

@@ -39,6 +39,9 @@ def engine(cfg=TINY, **kw) -> Engine:
 
 
 # -- drafts -------------------------------------------------------------------------------------------------------
+_find_drafts = jax.jit(speculate.find_drafts, static_argnames=("ngram", "k"))
+
+
 def drafts_oracle(hist, length, ngram, k):
   tail = hist[length - ngram:length]
   for start in range(length - 1, ngram - 1, -1):          # the most recent earlier occurrence, followed by a token
@@ -54,7 +57,7 @@ def test_drafts_are_what_followed_the_last_ngram_most_recently(ngram, k):
   B, W = 64, 40
   hist = rng.integers(0, 3, (B, W)).astype(np.int32)       # three tokens: matches at every n-gram length
   length = rng.integers(1, W + 1, B).astype(np.int32)
-  drafts, count = speculate.find_drafts(jnp.asarray(hist), jnp.asarray(length), ngram=ngram, k=k)
+  drafts, count = _find_drafts(hist, length, ngram=ngram, k=k)
   drafts, count = np.asarray(drafts), np.asarray(count)
   for b in range(B):
     want, n = drafts_oracle(hist[b].tolist(), int(length[b]), ngram, k)
@@ -71,18 +74,23 @@ _accept = jax.jit(speculate.accept, static_argnames="greedy")
 def test_greedy_accepts_the_drafts_the_argmax_agrees_with():
   V = 8
   target = np.array([[3, 1, 4, 1], [3, 1, 4, 1], [2, 2, 2, 2]])
-  logits = jax.nn.one_hot(target, V) * 5.0
-  drafts = jnp.asarray([[3, 1, 5], [3, 1, 4], [2, 2, 2]], jnp.int32)
-  count = jnp.asarray([3, 2, 0], jnp.int32)
-  tokens, n, accepted = _accept(logits, drafts, count, stack([SamplingParams()] * 3), jnp.zeros(3, jnp.int32),
+  logits = np.eye(V, dtype=np.float32)[target] * np.float32(5.0)                  # one_hot(target, V) * 5
+  drafts = np.asarray([[3, 1, 5], [3, 1, 4], [2, 2, 2]], np.int32)
+  count = np.asarray([3, 2, 0], np.int32)
+  tokens, n, accepted = _accept(logits, drafts, count, stack([SamplingParams()] * 3), np.zeros(3, np.int32),
                                 greedy=True)
   assert np.asarray(accepted).tolist() == [2, 2, 0]
   assert np.asarray(n).tolist() == [3, 3, 1]
   assert np.asarray(tokens)[:, 0].tolist() == [3, 3, 2]
 
 
+@jax.jit
+def _softmax_filtered(logits, sp):
+  return jax.nn.softmax(filtered_logits(logits, sp), axis=-1)
+
+
 def _probs(logits, sp):
-  return np.asarray(jax.nn.softmax(filtered_logits(logits, sp), axis=-1))
+  return np.asarray(_softmax_filtered(logits, sp))
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
@@ -92,12 +100,12 @@ def test_sampled_tokens_keep_the_model_distribution(sampling):
   p_1: the speculative-sampling rule changes nothing the user can observe."""
   V, N = 6, 40000
   rng = np.random.default_rng(1)
-  row_logits = jnp.asarray(rng.normal(0, 1.5, (3, V)), jnp.float32)          # rows predict positions 1, 2, 3
-  logits = jnp.broadcast_to(row_logits, (N, 3, V))
-  d0 = int(np.argsort(np.asarray(row_logits[0]))[-2])                       # a likely draft, not the argmax
-  drafts = jnp.broadcast_to(jnp.asarray([d0, 2], jnp.int32), (N, 2))
+  row_logits = rng.normal(0, 1.5, (3, V)).astype(np.float32)                # rows predict positions 1, 2, 3
+  logits = np.broadcast_to(row_logits, (N, 3, V))
+  d0 = int(np.argsort(row_logits[0])[-2])                                    # a likely draft, not the argmax
+  drafts = np.broadcast_to(np.asarray([d0, 2], np.int32), (N, 2))
   sp = stack([SamplingParams(seed=s, **sampling) for s in range(N)])
-  tokens, n, _ = _accept(logits, drafts, jnp.full(N, 2, jnp.int32), sp, jnp.zeros(N, jnp.int32), greedy=False)
+  tokens, n, _ = _accept(logits, drafts, np.full(N, 2, np.int32), sp, np.zeros(N, np.int32), greedy=False)
   tokens, n = np.asarray(tokens), np.asarray(n)
   p = _probs(row_logits, stack([SamplingParams(**sampling)] * 3))
   first = np.bincount(tokens[:, 0], minlength=V) / N
@@ -113,12 +121,13 @@ def test_a_step_without_drafts_samples_what_plain_sampling_samples():
   V, N, k = 50, 64, 3
   logits = jax.random.normal(jax.random.key(0), (N, k + 1, V))
   sp = stack([SamplingParams(temperature=0.9, seed=s) for s in range(N)])
-  pos = jnp.arange(N, dtype=jnp.int32)
+  pos = np.arange(N, dtype=np.int32)
   from lcjax.engine.sampling import sample
-  drafts = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, k)), jnp.int32)     # proposed, none counted
-  tokens, n, accepted = _accept(logits, drafts, jnp.zeros(N, jnp.int32), sp, pos, greedy=False)
+  drafts = np.random.default_rng(0).integers(0, V, (N, k)).astype(np.int32)            # proposed, none counted
+  tokens, n, accepted = _accept(logits, drafts, np.zeros(N, np.int32), sp, pos, greedy=False)
   assert np.asarray(n).tolist() == [1] * N and not np.asarray(accepted).any()
-  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], np.asarray(jax.jit(sample)(logits[:, 0], sp, pos + 1)))
+  first = jax.jit(lambda logits, sp, pos: sample(logits[:, 0], sp, pos + 1))(logits, sp, pos)
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], np.asarray(first))
 
 
 # -- the engine -----------------------------------------------------------------------------------------------------
@@ -165,7 +174,7 @@ def test_the_cache_holds_what_plain_decoding_writes():
     out = eng.generate([prompt], max_new_tokens=90)[0]
     assert out.stats["drafts_proposed"] > out.stats["drafts_accepted"] or out.stats["draft"] == "off"
     table = eng.prefix_cache.match(prompt + out.token_ids, len(prompt) + 89)
-    pages.append([np.asarray(x[:, np.asarray(table)]) for x in eng.cache.parts()])
+    pages.append([np.asarray(x)[:, np.asarray(table)] for x in eng.cache.parts()])
   assert pages[0][0].shape == pages[1][0].shape and pages[0][0].shape[1] > 10
   for a, b in zip(*pages):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -287,16 +296,18 @@ def test_write_tokens_writes_as_decode_steps_do(dtype):
   from lcjax.cache import kv as kvc
   L, P, Z, K, H, B, T = 2, 6, 4, 2, 8, 2, 4
   rng = np.random.default_rng(0)
-  k = jnp.asarray(rng.normal(0, 1, (L, B, T, K, H)), jnp.float32).at[:, :, 2].multiply(1000.0)
+  k = rng.normal(0, 1, (L, B, T, K, H)).astype(np.float32)
+  k[:, :, 2] *= np.float32(1000.0)
   v = -k
-  slots = jnp.asarray([[4 * 1 + 2, 4 * 1 + 3, 4 * 2 + 0, 0], [4 * 3 + 1, 4 * 3 + 2, 4 * 3 + 3, 4 * 4]])
-  want = got = kvc.init_cache(L, P, Z, K, H, dtype)
+  slots = np.asarray([[4 * 1 + 2, 4 * 1 + 3, 4 * 2 + 0, 0], [4 * 3 + 1, 4 * 3 + 2, 4 * 3 + 3, 4 * 4]], np.int32)
+  want = got = jax.jit(kvc.init_cache, static_argnums=range(6))(L, P, Z, K, H, dtype)
+  # One decode step's write of one layer: one program for every step and layer (the layer is traced).
+  write_kv = jax.jit(lambda c, k, v, slots, layer: kvc.PagedKV(*kvc.write_kv(
+      c.k, c.v, c.k_scale, c.v_scale, k, v, slots, kvc.written_pages(slots, Z), layer)))
   for t in range(T):
     for layer in range(L):
-      want = kvc.PagedKV(*kvc.write_kv(want.k, want.v, want.k_scale, want.v_scale, k[layer, :, t:t + 1],
-                                       v[layer, :, t:t + 1],
-                                       slots[:, t:t + 1], kvc.written_pages(slots[:, t:t + 1], Z), layer))
-  got = kvc.write_tokens(got, k, v, slots)
+      want = write_kv(want, k[layer, :, t:t + 1], v[layer, :, t:t + 1], slots[:, t:t + 1], np.int32(layer))
+  got = jax.jit(kvc.write_tokens)(got, k, v, slots)
   for a, b in zip(got.parts(), want.parts()):
     np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
 
@@ -380,11 +391,12 @@ def test_rows_block_is_dense_causal_attention_over_the_rows():
   from lcjax.ops.attention import attention_dense
   rng = np.random.default_rng(7)
   B, T, N, K, H = 3, 5, 8, 2, 16
-  q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.float32) for n in (N, K, K))
-  positions = jnp.asarray([[40], [7], [0]]) + jnp.arange(T)[None]
-  lengths = jnp.asarray([5, 2, 1], jnp.int32)
-  got, got_lse = rows_block(q, k, v, positions, lengths)
-  want, want_lse = attention_dense(q, k, v, q_pos=positions - positions[:, :1], kv_len=lengths, causal=True)
+  q, k, v = (rng.normal(size=(B, T, n, H)).astype(np.float32) for n in (N, K, K))
+  positions = np.asarray([[40], [7], [0]], np.int32) + np.arange(T, dtype=np.int32)[None]
+  lengths = np.asarray([5, 2, 1], np.int32)
+  got, got_lse = jax.jit(rows_block)(q, k, v, positions, lengths)
+  want, want_lse = jax.jit(attention_dense, static_argnames="causal")(q, k, v, q_pos=positions - positions[:, :1],
+                                                                       kv_len=lengths, causal=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 

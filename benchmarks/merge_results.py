@@ -12,7 +12,8 @@ or a missing markdown is one line naming it. WITHOUT_COMMIT names the committed 
 recorded their commit, each with why; they merge with `commit: null` until they are measured again.
 
 With --keep, the parts of OUT/TOPIC.json that no PART replaces (by name, or as REPLACED_BY says) stay as committed
-(their JSON, and their sections of OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again and merges them this way.
+(their JSON, and their sections of OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again
+and merges them this way.
 
 Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
 sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",

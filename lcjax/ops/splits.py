@@ -35,6 +35,12 @@ def heads_from_rows(x, T: int, G: int):
   return jnp.moveaxis(x, 2, 1).reshape(B, T, K * G, *x.shape[4:])
 
 
+def heads_from_transposed(out_t, lse, T: int, G: int, out_dtype):
+  """A Mosaic GPU combine's joined rows -> the attention contract: out_t [B, K, H, R] float32 (out^T of each kv
+  head) and lse [B, K, R] (R >= T * G) -> (out [B, T, K * G, H] out_dtype, lse [B, T, K * G] float32)."""
+  return heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype), heads_from_rows(lse, T, G)
+
+
 def combine_splits_reference(o, lse, *, S: int, T: int, G: int, out_dtype, transposed: bool = False):
   """The split combine's jnp model: partials o [B, K, S2, R, H] f32 ([B, K, S2, H, RN] if transposed) and lse
   [B, K, S2, RN] f32 (natural log; the first S splits written, row r = t * G + g of kv head h, r < T * G read)

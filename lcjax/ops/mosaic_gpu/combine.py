@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops.mosaic_gpu.common import load, smem_transforms
-from lcjax.ops.splits import heads_from_rows
+from lcjax.ops.splits import heads_from_transposed
 
 HB = 64                      # head-dim rows per CTA: the WGMMA register layout's tile height
 _M_FLOOR = -1e30             # running maxima start here (a row no split saw keeps exp(-inf - m) = 0)
@@ -121,7 +121,7 @@ def combine_splits(o, lse, *, T: int, G: int, out_dtype):
       scratch_types=[plgpu.SMEM((S2, RN), jnp.float32), plgpu.SMEM((HB, RN), jnp.float32),
                      plgpu.SMEM((RN,), jnp.float32), plgpu.Barrier(num_barriers=1)],
   )(o, lse)
-  return heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype), heads_from_rows(lse_t, T, G)
+  return heads_from_transposed(out_t, lse_t, T, G, out_dtype)
 
 
 FLAT_VALUES = 2              # partial values per thread of a `combine_splits_flat` CTA
@@ -181,6 +181,4 @@ def combine_splits_flat(o, lse_full, *, T: int, G: int, out_dtype):
       grid=(F // C, K, B),
       grid_names=("chunk", "heads", "batch"),
   )(o.reshape(B, K, S, F), lse_full.reshape(B, K, S, F))
-  out_t = out_t.reshape(B, K, H, RN)
-  return (heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype),
-          heads_from_rows(lse_t[:, :, :RN], T, G))
+  return heads_from_transposed(out_t.reshape(B, K, H, RN), lse_t[:, :, :RN], T, G, out_dtype)

@@ -45,7 +45,7 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops.splits import heads_from_rows, rows_per_kv_head, split_count
+from lcjax.ops.splits import heads_from_rows, heads_from_transposed, rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
 from lcjax.ops.mosaic_gpu.common import (CTA_RESERVED_BYTES, fill_ring, interpreted, load, prime_ring, resident_ctas,
@@ -77,6 +77,12 @@ class DecodeTuning:
                                      # (lcjax.ops.mosaic_gpu.combine), "mosaic-flat" (its combine_splits_flat, on
                                      # partials whose lse the kernel stores broadcast over the head dim) or
                                      # "fused" (the last split of each (b, h) joins them in the kernel: `_join_splits`)
+
+  @property
+  def lse_broadcast(self) -> bool:
+    """Whether the kernel holds each split's lse broadcast over the head dim (no lse row in shared memory): for the
+    flat combine, and for the fused one, whose join is elementwise."""
+    return self.combine in ("mosaic-flat", "fused")
 
   def __post_init__(self):
     if self.max_concurrent_steps is not None and self.max_concurrent_steps < 2:
@@ -123,9 +129,9 @@ def ring_depth(tuning: DecodeTuning, *, RN: int, H: int, page_dtype) -> int:
   0.195 ms at 128K and 0.452 against 0.608 at 512K, 20 rows, H100), else the deepest (one CTA an SM anyway)."""
   if tuning.max_concurrent_steps is not None:
     return tuning.max_concurrent_steps
-  flat = tuning.combine in ("mosaic-flat", "fused")
   for mcs in RINGS:
-    if resident_ctas(smem_bytes(RN=RN, H=H, mcs=mcs, page_dtype=page_dtype, flat=flat), SMEM_RESERVED) >= 2:
+    if resident_ctas(smem_bytes(RN=RN, H=H, mcs=mcs, page_dtype=page_dtype, flat=tuning.lse_broadcast),
+                     SMEM_RESERVED) >= 2:
       return mcs
   return RINGS[0]
 
@@ -194,7 +200,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   mcs = ring_depth(tuning, RN=RN, H=H, page_dtype=k_pages.dtype)
   S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
   fused = tuning.combine == "fused"               # the last split of each (b, h) joins the splits (`_join_splits`)
-  flat = tuning.combine == "mosaic-flat" or fused  # the lse held broadcast over the head dim
+  flat = tuning.lse_broadcast                     # the lse held broadcast over the head dim
   sync = fused and splits > 1 and not interpreted()
   c = _LOG2E / math.sqrt(H)
   COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
@@ -388,7 +394,6 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   )(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset)
 
 
-
 def _join_splits(o_smem, lse, o_ref, lse_ref, out_ref, lse_out_ref, *, b, h, s, B, K, splits, sync: bool):
   """The fused split combine, run by each CTA's compute warpgroup once its split's partial is made (o normalised in
   o_smem [H, RN], lse [RN] in the WGMMA column layout). Both are read back in the layout of plain loads, the lse
@@ -494,8 +499,7 @@ def _decode_and_combine(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_tab
                     jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
   if tuning.combine == "fused":
     out_t, lse_t = out[2:]
-    return (heads_from_rows(jnp.swapaxes(out_t, 2, 3), T, G).astype(out_dtype),
-            heads_from_rows(lse_t[:, :, 0], T, G))
+    return heads_from_transposed(out_t, lse_t[:, :, 0], T, G, out_dtype)
   o, lse = out[:2]
   if tuning.combine == "mosaic-flat":
     return mgpu_combine.combine_splits_flat(o, lse, T=T, G=G, out_dtype=out_dtype)

@@ -152,6 +152,9 @@ def test_plan_kv_replication_and_comm_model():
   mha = planlib.comm_plan(preset("llama2-7b"), run.replace(seq=8, prefill_chunk=8192))
   assert 2000 < mha.overlap_block_tokens < 4000 and not mha.overlaps          # 1024-token blocks
   assert planlib.comm_plan(preset("llama2-7b"), run.replace(seq=2, prefill_chunk=16384)).overlaps
+  # An odd seq: the model pads a 2,048-token chunk to 2,052 (a multiple of 2 * 3) and a device holds 684 of them,
+  # not ceil(2048 / 3) = 683.
+  assert planlib.comm_plan(cfg, run.replace(seq=3, prefill_chunk=2048)).block_tokens == 684
 
 
 def _golden_data() -> dict:

@@ -63,7 +63,7 @@ from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
                                path_for_rows, quantize_axes, quantize_weight)
-from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_order
+from lcjax.ops.ring import combine_seq_partials, ring_attention_shard, zigzag_length, zigzag_order
 from lcjax.ops.ulysses import check_ulysses, ulysses_attention_shard
 from lcjax import sharding as sh
 from lcjax.sharding import SEQ, TENSOR, constrain
@@ -673,7 +673,7 @@ class Llama(nnx.Module):
       # Pad to whole zigzag chunks (padding: token 0 at the following positions, slot 0: the null page, whose
       # writes are dropped; masked by `lengths`) and permute into the layout; `inv` maps a natural index to its
       # layout slot.
-      Tp = -(-T // (2 * seq)) * 2 * seq
+      Tp = zigzag_length(T, seq)
       if Tp > T:
         tokens = jnp.pad(tokens, ((0, 0), (0, Tp - T)))
         positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(Tp - T, dtype=jnp.int32)], 1)

@@ -35,6 +35,12 @@ QKV_SPEC = P(None, SEQ, TENSOR, None)
 LSE_SPEC = P(None, SEQ, TENSOR)
 
 
+def zigzag_length(length: int, n: int) -> int:
+  """The length a call of `length` tokens is padded to for the zigzag layout over n seq devices: a multiple of
+  2 * n (n = 1: no layout, the length itself)."""
+  return length if n == 1 else -(-length // (2 * n)) * 2 * n
+
+
 def zigzag_order(length: int, n: int) -> np.ndarray:
   """Token index at each slot of the zigzag layout: slot k holds token zigzag_order(length, n)[k]."""
   if n < 1 or length % (2 * n):

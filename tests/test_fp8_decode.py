@@ -466,23 +466,6 @@ def test_kernel_lowers_for_cuda(T, H, Z, combine):
   assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_fused_combine_leaves_its_semaphores_at_zero():
-  """Pallas's scoped GMEM semaphores (pl.get_global) are shared by the kernels that reserve them, and each kernel
-  must leave them at zero: the fused combine's wait takes its splits' signals off again, an atomic compare-and-swap
-  (Mosaic GPU lowers a wait without decrement to a plain load loop, which leaves the count for the next call's join
-  to pass without waiting). The lowering's PTX, cross-lowered for CUDA: signals, and the decrementing wait."""
-  sd = jax.ShapeDtypeStruct
-  e4 = jnp.float8_e4m3fn
-  B, T, N, K, H, Z, M, P = 1, 1, 32, 8, 128, 64, 64, 256
-  f = jax.jit(functools.partial(mgpu_paged.paged_decode_fp8, tuning=mgpu_paged.DecodeTuning(combine="fused")))
-  text = f.trace(sd((B, T, N, H), jnp.bfloat16), sd((P, Z, K, H), e4), sd((P, Z, K, H), e4), sd((B, M), jnp.int32),
-                 q_pos=sd((B, T), jnp.int32), kv_len=sd((B,), jnp.int32), k_scale=sd((P, K), jnp.float32),
-                 v_scale=sd((P, K), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert mgpu_paged.num_splits_for(mgpu_paged.DecodeTuning(), B, K, M) > 1          # the semaphores are used
-  assert "red.release.gpu.global.add" in text
-  assert "atom.relaxed.gpu.global.cas" in text and "ld.relaxed.gpu.global" not in text
-
-
 def check_fp8_kernel(name: str, combine: str) -> None:
   """The fp8 decode kernel (and split combine `combine`) on case `name`: on the quantized queries == its float32
   model, and the whole call == the float64 oracle. On the GPU (test_kernel_gpu) and in the Mosaic GPU interpreter

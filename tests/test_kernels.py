@@ -721,7 +721,7 @@ def test_flash_leaves_out_padding_rows_gpu(fp8, kv_splits):
   np.testing.assert_array_equal(out[same], full_out[same])
   # FP8: the lse is the kernel's plus q . mean(K) of the smoothing, which XLA adds outside the kernel, in a program
   # that differs with q_len: within the last bit of float32 there (32 of 6,144 values, 1.2e-7 relative, H100).
-  np.testing.assert_allclose(lse[same], full_lse[same], rtol=3e-7 if fp8 else 0, atol=0)
+  np.testing.assert_allclose(lse[same], full_lse[same], rtol=3e-7 if fp8 else 0, atol=1e-6 if fp8 else 0)
   skipped = np.arange(T)[None, :] >= -(-np.asarray(q_len)[:, None] // 64) * 64
   assert skipped.sum() == (T - 128) + (T - 192) + T + (T - 192)
   assert (out[skipped] == 0).all() and np.isneginf(lse[skipped]).all()

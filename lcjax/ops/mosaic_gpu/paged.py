@@ -76,7 +76,9 @@ class DecodeTuning:
   combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
                                      # (lcjax.ops.mosaic_gpu.combine), "mosaic-flat" (its combine_splits_flat, on
                                      # partials whose lse the kernel stores broadcast over the head dim) or
-                                     # "fused" (the last split of each (b, h) joins them in the kernel: `_join_splits`)
+                                     # "fused" (the last split of each (b, h) joins them in the kernel: `_join_splits`;
+                                     # on an H100 its output was wrong, 3-4e-2, in tests/test_fp8_decode.py's GPU
+                                     # cases: no default takes it; benchmarks/NOTES-attention.md)
 
   @property
   def lse_broadcast(self) -> bool:
@@ -405,8 +407,7 @@ def _join_splits(o_smem, lse, o_ref, lse_ref, out_ref, lse_out_ref, *, b, h, s, 
   Memory order: a signal is a release at GPU scope after a warpgroup barrier (the warpgroup's stores before it), the
   wait an acquire at GPU scope followed by a warpgroup barrier (the loads after it). The waiting CTA is its (b, h)'s
   last split, which the grid (splits its fastest axis) starts after that (b, h)'s other splits: they are resident
-  or done while it waits. The wait takes its splits - 1 signals off the count again (decrement), so every call
-  leaves the semaphores as it found them (zero) for the next call that reads them.
+  or done while it waits. The lowering zeroes the semaphores for each call (pl.get_global).
   sync False: no semaphore (one split, or the Mosaic GPU interpreter, which runs the CTAs one after another in grid
   order and does not model global semaphores)."""
   import jax.experimental.pallas as pl
@@ -432,7 +433,7 @@ def _join_splits(o_smem, lse, o_ref, lse_ref, out_ref, lse_out_ref, *, b, h, s, 
   @pl.when(s == last)
   def _join():
     if sync:
-      plgpu.semaphore_wait(sem, last, decrement=True, memory_scope="gpu")
+      plgpu.semaphore_wait(sem, last, decrement=False, memory_scope="gpu")
     # One online pass over every split, this one's too (each thread reads back the values it stored): the running
     # maximum m moves to max(m, lse_j), the sums scale by exp(m - m') and add exp(lse_j - m'). Python-unrolled or
     # `unroll`ed, this loop leaves Mosaic GPU's layout inference (jax 0.11.2) without a solution.

@@ -17,7 +17,8 @@ inputs against the jnp reference (rel_err: ||out - ref|| / ||ref||; lse_err: max
 small size, then timed: median of --reps samples after a warm-up, a sample some back-to-back calls and one
 synchronisation (decode: 4 dispatched calls, or with --chain=N N calls chained in one compiled program, the row's
 `timing`); at 8K, where inputs are near the L2 size, calls rotate over two input sets. A decode row's call after
-its timed ones is compared with the first timed impl of the same page dtype (rel_err_vs_first_impl). Results go to
+its timed ones is compared with its call before them (rel_err_after_timing) and with the first timed impl of the
+same page dtype (rel_err_vs_first_impl). Results go to
 <out>/attention-h200.json and .md, row by row, so a run cut short still leaves what it measured. A watchdog ends the
 process if one measurement stalls (a hung kernel). Prefill rows `-positions` pass q_pos and k_start as the engine
 does (the backend picks its kernel with a lax.cond on them); `-positions-quiet` is the same graph without the
@@ -581,20 +582,23 @@ def bench_decode(res, dog, sizes, page_sizes, reps, batches=(B_DEC,)):
           dog.arm(f"decode {name} B={B} S={S} Z={Z}")
           f = jax.jit(fn)
           args = (q, kp, vp, table, q_pos, kv_len, ks, vs)
+          before = _sync(f(*args)[0])
           if _CHAIN.value:
             t = time_jax(benchlib.chained(fn, _CHAIN.value), [args], reps) / _CHAIN.value
           else:
             t = time_jax(f, [args], reps, inner=4)
-          # A call after the timed ones, against the first impl of the same page dtype: a kernel whose later calls
-          # differ from its first (state left between calls) shows here, where the check above saw only a first call.
-          o = f(q, kp, vp, table, q_pos, kv_len, ks, vs)[0]
+          # A call after the timed ones, against the same impl's call before them (a kernel whose output changes
+          # from call to call: a race, or state left between calls) and against the first impl of the same page
+          # dtype: the check above saw one call at another size.
+          o = f(*args)[0]
+          again = rel_err(o, before)
           agree = rel_err(o, first[fp8]) if fp8 in first else None
           first.setdefault(fp8, o)
           res.add(op="decode" if T == 1 else f"decode-{T}-tokens", impl=name, lcjax=mine, S=S, batch=B, page=Z,
                   dtype="float8_e4m3fn" if fp8 else "bfloat16", ms=t * 1e3, tbps=nbytes / t / 1e12,
                   metric=nbytes / t / 1e12, tokens_per_s=B / t, rel_err=checks[name][0],
                   timing=f"chained-{_CHAIN.value}" if _CHAIN.value else "dispatched-4", tokens=T,
-                  lse_err=checks[name][1], rel_err_vs_first_impl=agree)
+                  lse_err=checks[name][1], rel_err_after_timing=again, rel_err_vs_first_impl=agree)
         except Exception as e:  # noqa: BLE001
           res.error(f"decode {name} B={B} S={S} Z={Z}", e)
         dog.disarm()

@@ -50,7 +50,7 @@ def kv_replication(n_kv_heads: int, tensor: int) -> int:
 class CommPlan:
   """Per device, per layer of one prefill chunk (bytes) and per ring step."""
   block_tokens: int           # queries (and keys per ring step) a device holds: the chunk padded to a multiple of
-                              # 2 * seq (the zigzag layout), / seq
+                              # 2 * seq (the model's split layout), / seq
   ring_steps: int             # seq - 1 transfers per layer
   ring_step_bytes: int        # one K/V block sent to the next device
   ring_step_flops: float      # causal attention work of one step (zigzag: half of a full block pair)
@@ -155,7 +155,7 @@ def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch:
   H = model.head_dim
   N_l = model.n_heads // T if model.n_heads % T == 0 else -(-model.n_heads // T)
   K_l = model.n_kv_heads * kv_replication(model.n_kv_heads, T) // T
-  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S)    # the chunk as the model pads it
+  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S)    # padded to the split layout
   c = C // S                                        # a device's block
   step_bytes = batch * 2 * c * K_l * H * item
   # A zigzag ring step pairs two query half-blocks with two key half-blocks; two of the four pairs are live
@@ -214,7 +214,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   # shape: 6.25 GiB of activations at a 32K chunk; Llama-3.1-70B shape: 12.4 GiB) where the larger phase
   # alone was 35-45% short (benchmarks/NOTES-longctx.md). Plus, over seq, the chunk's K/V and queries gathered,
   # the float32 prefix partial and the ring's two K/V buffers; and the float32 logits of the last position.
-  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S) * batch   # padded as the model pads it
+  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S) * batch   # padded to the split layout
   c = C // S
   D, F, H = model.dim, model.ffn_dim, model.head_dim
   N_l = -(-model.n_heads // T)

@@ -36,8 +36,9 @@ LSE_SPEC = P(None, SEQ, TENSOR)
 
 
 def zigzag_length(length: int, n: int) -> int:
-  """The length a call of `length` tokens is padded to for the zigzag layout over n seq devices: a multiple of
-  2 * n (n = 1: no layout, the length itself)."""
+  """The length the model pads a call of `length` tokens to when it splits the call over n seq devices (the zigzag
+  layout, and ring-plain's contiguous blocks): a multiple of 2 * n. n = 1: the model does not split the call, and
+  the length is its own."""
   return length if n == 1 else -(-length // (2 * n)) * 2 * n
 
 

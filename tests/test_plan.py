@@ -155,6 +155,11 @@ def test_plan_kv_replication_and_comm_model():
   # An odd seq: the model pads a 2,048-token chunk to 2,052 (a multiple of 2 * 3) and a device holds 684 of them,
   # not ceil(2048 / 3) = 683.
   assert planlib.comm_plan(cfg, run.replace(seq=3, prefill_chunk=2048)).block_tokens == 684
+  # A context shorter than the chunk: its prompt's one chunk is padded to its bucket, 2,049 tokens to 2,560 (the
+  # scheduler's chunk_bucket: multiples of 512 between 2,048 and 4,096), and the plan counts those rows.
+  short = RunConfig(dtype="bfloat16", prefill_chunk=4096, max_context=2049, max_batch=1)
+  assert planlib.comm_plan(cfg, short).block_tokens == 2560
+  assert planlib.plan(cfg, short).activations == planlib.plan(cfg, short.replace(max_context=2560)).activations
 
 
 def _golden_data() -> dict:

@@ -25,6 +25,7 @@ import math
 from lcjax.config import ATTENTION_DTYPES, ConfigError, ModelConfig, RunConfig, WeightFormat, preset
 from lcjax.ops.cudnn.backend import FP8_BLOCK_TOKENS
 from lcjax.ops.pallas_backend import PREFIX_BLOCK_TOKENS, prefix_reason
+from lcjax.engine.scheduler import chunk_bucket
 from lcjax.ops.ring import zigzag_length
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -148,6 +149,12 @@ def weight_bytes_per_device(model: ModelConfig, tensor: int, itemsize: int,
   return other + L * (linear + scales)
 
 
+def _chunk_tokens(model: ModelConfig, run: RunConfig) -> int:
+  """Rows of the largest prefill chunk the model runs: a chunk of at most prefill_chunk tokens and the context,
+  padded to its bucket (Scheduler.prefill's chunk_bucket) and then to the split layout over seq."""
+  return zigzag_length(chunk_bucket(min(run.prefill_chunk, run.context_for(model)), run.prefill_chunk), run.seq)
+
+
 def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch: int = 1) -> CommPlan:
   run = _concrete(run)
   T, S = run.tensor, run.seq
@@ -155,7 +162,7 @@ def comm_plan(model: ModelConfig, run: RunConfig, hw: Hardware = H200, *, batch:
   H = model.head_dim
   N_l = model.n_heads // T if model.n_heads % T == 0 else -(-model.n_heads // T)
   K_l = model.n_kv_heads * kv_replication(model.n_kv_heads, T) // T
-  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S)    # padded to the split layout
+  C = _chunk_tokens(model, run)
   c = C // S                                        # a device's block
   step_bytes = batch * 2 * c * K_l * H * item
   # A zigzag ring step pairs two query half-blocks with two key half-blocks; two of the four pairs are live
@@ -214,7 +221,7 @@ def plan(model: ModelConfig, run: RunConfig, *, batch: int = 1, hw: Hardware = H
   # shape: 6.25 GiB of activations at a 32K chunk; Llama-3.1-70B shape: 12.4 GiB) where the larger phase
   # alone was 35-45% short (benchmarks/NOTES-longctx.md). Plus, over seq, the chunk's K/V and queries gathered,
   # the float32 prefix partial and the ring's two K/V buffers; and the float32 logits of the last position.
-  C = zigzag_length(min(run.prefill_chunk, run.context_for(model)), S) * batch   # padded to the split layout
+  C = _chunk_tokens(model, run) * batch
   c = C // S
   D, F, H = model.dim, model.ffn_dim, model.head_dim
   N_l = -(-model.n_heads // T)

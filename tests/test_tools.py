@@ -370,7 +370,7 @@ def test_bench_attention_decode_rows_check_a_call_after_the_timed_ones(tmp_path)
   impl of the same page dtype (rel_err_vs_first_impl). An impl whose output drifts from call to call passes the
   check and is caught by both. On the CPU, with the jnp reference as both impls."""
   code = f"""
-import json, sys, jax, jax.numpy as jnp, numpy as np
+import json, jax, jax.numpy as jnp, numpy as np
 from absl import flags
 from jax.experimental import io_callback
 from tools import bench_attention as b

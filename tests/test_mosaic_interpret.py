@@ -44,25 +44,6 @@ def decode_interpreter(monkeypatch):
 
 
 @pytest.fixture
-def fused_interpreter(decode_interpreter, monkeypatch):
-  """`decode_interpreter` with the race check on shared memory alone. The fused combine's last split of each
-  (b, h) reads, from global memory, the partials the other splits stored, once a GPU semaphore says they are there
-  (lcjax.ops.mosaic_gpu.paged._join_splits). The interpreter models no global semaphore: it runs the grid's CTAs
-  one after another in grid order, so those reads find the partials, but its race check (a vector clock a CTA)
-  would report each of them."""
-  from jax._src.pallas.mosaic_gpu import core as gpu_core
-  from jax._src.pallas.mosaic_gpu.interpret import race_detection_state, shared_memory
-  gmem = shared_memory.IDX_BY_GPU_MEMORY_SPACE[gpu_core.MemorySpace.GMEM]
-  state = race_detection_state.GPURaceDetectionState
-  for name in ("check_read", "check_write"):
-    def smem_only(self, thread, clock, key, *args, _check=getattr(state, name), **kwargs):
-      if key.memory_space_id != gmem:
-        _check(self, thread, clock, key, *args, **kwargs)
-    monkeypatch.setattr(state, name, smem_only)
-  yield
-
-
-@pytest.fixture
 def interpreter():
   """Mosaic GPU kernels traced inside run in the interpreter with race detection; the test fails on a race."""
   yield from _interpreted()
@@ -90,25 +71,6 @@ def test_fp8_decode_interpreted(name, combine, decode_interpreter):
 def test_bf16_decode_interpreted(name, combine, decode_interpreter):
   """test_bf16_kernel_gpu's checks with each Mosaic GPU combine: == the float64 oracle."""
   check_bf16_kernel(name, combine)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_fp8_decode_fused_interpreted(name, fused_interpreter):
-  """test_kernel_gpu's checks with the split combine fused into the decode kernel (`combine="fused"`)."""
-  check_fp8_kernel(name, "fused")
-
-
-@pytest.mark.parametrize("name", ["T1-G4-Z64", "T1-G8-H64-Z256", "T16-G4-Z192"])
-def test_bf16_decode_fused_interpreted(name, fused_interpreter):
-  """test_bf16_kernel_gpu's checks with the fused split combine: one split of several pages, splits with no block
-  and one past the table, the most rows."""
-  check_bf16_kernel(name, "fused")
-
-
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-def test_nonfinite_key_fused_interpreted(fp8, fused_interpreter):
-  """A NaN key makes the rows that see it NaN (out and lse) through the decode with the fused split combine."""
-  check_nonfinite_key(fp8, "fused")
 
 
 @pytest.mark.parametrize("B,K,S,H,RN,T,G", [

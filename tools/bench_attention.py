@@ -471,8 +471,6 @@ def decode_impls():
       "lcjax-mgpu-fp8-mcombine": (True, True, mgpu(D(combine="mosaic"))),
       "lcjax-mgpu-bf16-mcs2-fcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="mosaic-flat"))),
       "lcjax-mgpu-fp8-fcombine": (True, True, mgpu(D(combine="mosaic-flat"))),
-      "lcjax-mgpu-bf16-mcs2-jcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="fused"))),
-      "lcjax-mgpu-fp8-jcombine": (True, True, mgpu(D(combine="fused"))),
   }
   if _EXPLORE.value:
     T = triton_paged.PagedTuning

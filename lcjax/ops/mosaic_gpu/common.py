@@ -59,10 +59,3 @@ def load(ref, layout):
   if idx is not None and idx.default is inspect.Parameter.empty:
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
-
-
-def interpreted() -> bool:
-  """Whether the Mosaic GPU kernels traced now run in Pallas' GPU interpreter (`force_gpu_interpret_mode`)."""
-  from jax._src import config
-  mode = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
-  return mode is not None and mode.value is not None

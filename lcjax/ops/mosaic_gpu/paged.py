@@ -17,8 +17,7 @@ ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a r
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
 writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine: Triton's of
 lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine's, for whose flat join the kernel stores the lse broadcast
-over the head dim), or the kernel's own last split of each (b, h) joins them once a semaphore says they are written
-(`_join_splits`).
+over the head dim).
 
 Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
 computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
@@ -45,11 +44,10 @@ from jax import lax
 
 from lcjax.ops import attention as ref
 from lcjax.ops import fp8 as fp8_ops
-from lcjax.ops.splits import heads_from_rows, heads_from_transposed, rows_per_kv_head, split_count
+from lcjax.ops.splits import heads_from_rows, rows_per_kv_head, split_count
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.mosaic_gpu import combine as mgpu_combine
-from lcjax.ops.mosaic_gpu.common import (CTA_RESERVED_BYTES, fill_ring, interpreted, load, prime_ring, resident_ctas,
-                                         smem_transforms)
+from lcjax.ops.mosaic_gpu.common import CTA_RESERVED_BYTES, fill_ring, prime_ring, resident_ctas, smem_transforms
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -58,7 +56,7 @@ MAX_ROWS = 64                # query rows per kv head: a wgmma's N (rows are pad
 BLOCK = 64                   # keys per K/V block: the M of S^T = K Q^T and the K of O^T = V^T P^T
 LO = 16.0                    # the second e4m3 term of the queries carries their rounding error times this
 V16_SLOTS = 2                # float16 V blocks the TMA warpgroup widens ahead of the P @ V products
-COMBINES = ("triton", "mosaic", "mosaic-flat", "fused")
+COMBINES = ("triton", "mosaic", "mosaic-flat")
 SMEM_ALIGN = 1024            # Pallas Mosaic GPU aligns each scoped shared-memory buffer to this
 SMEM_LOWERING = 2 * 1024     # shared memory the lowering adds to a kernel's scoped buffers (jax 0.10.2 and 0.11.2)
 SMEM_RESERVED = CTA_RESERVED_BYTES + 1024   # per CTA besides `smem_bytes`: what the hardware keeps, the barriers
@@ -75,16 +73,13 @@ class DecodeTuning:
   max_concurrent_steps: int | None = None   # K/V ring depth; None: `ring_depth` per call
   combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
                                      # (lcjax.ops.mosaic_gpu.combine), "mosaic-flat" (its combine_splits_flat, on
-                                     # partials whose lse the kernel stores broadcast over the head dim) or
-                                     # "fused" (the last split of each (b, h) joins them in the kernel: `_join_splits`;
-                                     # on an H100 its output was wrong, 3-4e-2, in tests/test_fp8_decode.py's GPU
-                                     # cases: no default takes it; benchmarks/NOTES-attention.md)
+                                     # partials whose lse the kernel stores broadcast over the head dim)
 
   @property
   def lse_broadcast(self) -> bool:
     """Whether the kernel holds each split's lse broadcast over the head dim (no lse row in shared memory): for the
-    flat combine, and for the fused one, whose join is elementwise."""
-    return self.combine in ("mosaic-flat", "fused")
+    flat combine."""
+    return self.combine == "mosaic-flat"
 
   def __post_init__(self):
     if self.max_concurrent_steps is not None and self.max_concurrent_steps < 2:
@@ -180,9 +175,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
                  tuning: DecodeTuning):
   """The kernel: partials (o [B, K, splits, H, RN] f32, transposed; lse [B, K, S2, RN] f32, natural log, the first
   `splits` of S2 rows written: S2 = mgpu_combine.lse_rows(splits, RN) for the Mosaic GPU combine, else splits;
-  with combine "mosaic-flat" the lse broadcast over the head dim instead, [B, K, splits, H, RN]). With combine
-  "fused" the kernel also returns the joined (out^T [B, K, H, RN] f32, lse [B, K, H, RN] f32 broadcast over the head
-  dim) after the partials (`_join_splits`).
+  with combine "mosaic-flat" the lse broadcast over the head dim instead, [B, K, splits, H, RN]).
 
   Over e4m3 pages q8 [B, K, 2, RN, H] holds the queries' two e4m3 terms and qs [B, K] their scale. Over bfloat16
   pages (`quantized` False) q8 [B, K, 1, RN, H] is the bfloat16 rows themselves, qs, k_scale and v_scale are
@@ -201,14 +194,12 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   pps = -(-M // splits)                           # pages per split
   mcs = ring_depth(tuning, RN=RN, H=H, page_dtype=k_pages.dtype)
   S2 = mgpu_combine.lse_rows(splits, RN) if tuning.combine == "mosaic" else splits
-  fused = tuning.combine == "fused"               # the last split of each (b, h) joins the splits (`_join_splits`)
   flat = tuning.lse_broadcast                     # the lse held broadcast over the head dim
-  sync = fused and splits > 1 and not interpreted()
   c = _LOG2E / math.sqrt(H)
   COLS = plgpu.Layout.WGMMA.reduce(0)             # a [RN] vector: one value per query row (a tile column)
 
   def body(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, table_ref, qpos_ref, kvl_ref, off_ref, o_ref, lse_ref,
-           joined, scratch):
+           scratch):
     # fp8: `v_free` is the widened V ring's (V16_SLOTS); bf16: the K/V ring's, as `k_free`
     ((q_smem, k_smem, v_smem, v16_smem, p_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar, v16_bar),
      (k_free, v_free)) = scratch
@@ -315,9 +306,6 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
       l_safe = jnp.where(empty, 1.0, l)
       o_smem[...] = acc * lax.broadcast_in_dim(1.0 / l_safe, (H, RN), [1])
       lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2)
-      if fused:
-        _join_splits(o_smem, lse, o_ref, lse_ref, *joined, b=b, h=h, s=s, B=B, K=K, splits=splits, sync=sync)
-        return
       if not flat:
         lse_smem[...] = lse
       plgpu.commit_smem()
@@ -367,7 +355,7 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
   page = k_pages.dtype
 
   def entry(*refs):
-    ins, (o_ref, lse_ref, *joined) = refs[:10], refs[10:]
+    ins, (o_ref, lse_ref) = refs[:10], refs[10:]
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=smem_transforms(dt, shape[-1]))
     smem = (tiled((n_terms, RN, H), q8.dtype),
             tiled((mcs, Zb, H), page),
@@ -380,77 +368,19 @@ def _decode_call(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, p
     loaded = (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=1),
               plgpu.Barrier(num_arrivals=1, num_barriers=V16_SLOTS) if quantized else None)
     freed = (plgpu.Barrier(num_arrivals=1, num_barriers=mcs), plgpu.Barrier(num_arrivals=1, num_barriers=v_slots))
-    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, joined, scratch), smem, loaded, freed,
+    pl.run_scoped(lambda *scratch: body(*ins, o_ref, lse_ref, scratch), smem, loaded, freed,
                   collective_axes="wg")
 
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((B, K, splits, H, RN), jnp.float32),
-                jax.ShapeDtypeStruct((B, K, splits, H, RN) if flat else (B, K, S2, RN), jnp.float32),
-                *[jax.ShapeDtypeStruct((B, K, H, RN), jnp.float32)] * (2 if fused else 0)),
+                jax.ShapeDtypeStruct((B, K, splits, H, RN) if flat else (B, K, S2, RN), jnp.float32)),
       grid=(splits, K, B),
       grid_names=("splits", "heads", "batch"),
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q8, qs, k_pages, v_pages, k_scale, v_scale, table, qpos, kvl, page_offset)
-
-
-def _join_splits(o_smem, lse, o_ref, lse_ref, out_ref, lse_out_ref, *, b, h, s, B, K, splits, sync: bool):
-  """The fused split combine, run by each CTA's compute warpgroup once its split's partial is made (o normalised in
-  o_smem [H, RN], lse [RN] in the WGMMA column layout). Both are read back in the layout of plain loads, the lse
-  broadcast over the head dim, so the join is elementwise over each (b, h)'s H * RN values, as in
-  `mgpu_combine.combine_splits_flat`. Every split stores its partial (o_ref, lse_ref [B, K, splits, H, RN] f32) by
-  plain stores; splits 0 .. splits - 2 then signal (b, h)'s semaphore, and the last split waits for their splits - 1
-  signals, reads every partial and joins them into out_ref and lse_out_ref [B, K, H, RN] f32 (the lse broadcast).
-
-  Memory order: a signal is a release at GPU scope after a warpgroup barrier (the warpgroup's stores before it), the
-  wait an acquire at GPU scope followed by a warpgroup barrier (the loads after it). The waiting CTA is its (b, h)'s
-  last split, which the grid (splits its fastest axis) starts after that (b, h)'s other splits: they are resident
-  or done while it waits. The lowering zeroes the semaphores for each call (pl.get_global).
-  sync False: no semaphore (one split, or the Mosaic GPU interpreter, which runs the CTAs one after another in grid
-  order and does not model global semaphores)."""
-  import jax.experimental.pallas as pl
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  H, RN = o_smem.shape
-  flat = plgpu.Layout.WG_STRIDED((H, RN), vec_size=min(4, H * RN // 128))    # each thread its own values
-  plgpu.commit_smem()                      # every warp's o stored before a thread reads it back in another layout
-  o = load(o_smem, flat)
-  plgpu.commit_smem()                      # ... and read by every warp before the lse overwrites it
-  o_smem[...] = lax.broadcast_in_dim(lse, (H, RN), [1])
-  plgpu.commit_smem()
-  lse = load(o_smem, flat)
-  last = splits - 1
-  sem = pl.get_global(plgpu.SemaphoreType.REGULAR((B * K,))).at[b * K + h] if sync else None
-  o_ref[b, h, s] = o
-  lse_ref[b, h, s] = lse
-
-  @pl.when(s < last)
-  def _publish():
-    if sync:
-      plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-
-  @pl.when(s == last)
-  def _join():
-    if sync:
-      plgpu.semaphore_wait(sem, last, decrement=False, memory_scope="gpu")
-    # One online pass over every split, this one's too (each thread reads back the values it stored): the running
-    # maximum m moves to max(m, lse_j), the sums scale by exp(m - m') and add exp(lse_j - m'). Python-unrolled or
-    # `unroll`ed, this loop leaves Mosaic GPU's layout inference (jax 0.11.2) without a solution.
-    def add(j, carry):
-      acc, l, m = carry
-      lse_j = load(lse_ref.at[b, h, j], flat)
-      m_new = jnp.maximum(m, lse_j)
-      alpha, w = jnp.exp(m - m_new), jnp.exp(lse_j - m_new)
-      return acc * alpha + load(o_ref.at[b, h, j], flat) * w, l * alpha + w, m_new
-
-    m = jnp.maximum(lse, _M_FLOOR)
-    zero = m * 0.0                         # m is finite (or NaN, which the row then is): zeros in its layout
-    acc, l, m = lax.fori_loop(0, splits, add, (zero, zero, m))
-    empty = l == 0                         # not l > 0 failing: a NaN split's NaN stays in out and lse
-    l_safe = jnp.where(empty, 1.0, l)
-    out_ref[b, h] = acc / l_safe
-    lse_out_ref[b, h] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
 def paged_decode_fp8(q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale, page_offset=0,
@@ -499,10 +429,7 @@ def _decode_and_combine(q_rows, qs, k_pages, v_pages, k_scale, v_scale, page_tab
                     jnp.broadcast_to(q_pos, (B, T)).astype(jnp.int32),
                     jnp.broadcast_to(kv_len, (B,)).astype(jnp.int32),
                     jnp.reshape(page_offset, (1,)).astype(jnp.int32), T=T, G=G, splits=splits, tuning=tuning)
-  if tuning.combine == "fused":
-    out_t, lse_t = out[2:]
-    return heads_from_transposed(out_t, lse_t[:, :, 0], T, G, out_dtype)
-  o, lse = out[:2]
+  o, lse = out
   if tuning.combine == "mosaic-flat":
     return mgpu_combine.combine_splits_flat(o, lse, T=T, G=G, out_dtype=out_dtype)
   if tuning.combine == "mosaic":

@@ -13,7 +13,7 @@ import pytest
 from lcjax import config
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine.serving import resolve
-from lcjax.ops import hardware, kernels
+from lcjax.ops import hardware, kernels, pallas_backend
 from lcjax.ops.cudnn import backend as cudnn
 
 CFG = preset("llama3.1-8b")
@@ -97,6 +97,46 @@ def test_on_hopper(monkeypatch):
   with pytest.raises(ConfigError, match="page_write='mosaic': .*mutable refs, which Mosaic GPU kernels take from "
                                         "JAX 0.11"):
     resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False)
+
+
+def test_a_jax_without_pallas_triton(monkeypatch, caplog):
+  """A JAX without the Pallas Triton lowering (deprecated in 0.11, to be removed): on Hopper, decode over fp8 pages
+  joins its splits with the Mosaic GPU combine, and the table and the log say why; every Triton kernel says it
+  cannot serve, so `auto` takes another and a Triton kernel asked for by name is refused in one line."""
+  _gpu(monkeypatch, (9, 0))
+  _jax_0_11(monkeypatch)
+  gone = "this JAX (9.9) has no Pallas Triton lowering (no module jax.experimental.pallas.triton)"
+  monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: gone)
+  s = resolve(CFG, RUN, check_fit=False)
+  assert _kernels(s) == dict(attention="pallas", decode="mosaic", linear="mosaic", page_write="mosaic")
+  assert "decode_kernel='auto' on Hopper over fp8 pages, without Triton's combine: " + gone in s.decode.why
+  assert resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False).decode.name == "mosaic"
+  for kernel in (kernels.TritonGemv(), kernels.TritonGemv(interpret=True)):
+    assert kernel.why_not({}) == gone
+  for kernel in (kernels.TritonPageWriter(), kernels.TritonPageWriter(interpret=True), kernels.TritonFp8Decode(),
+                 kernels.TritonFp8Decode(interpret=True)):
+    assert kernel.why_not(64, 128) == gone
+  with pytest.raises(ConfigError, match="page_size=32: neither decode kernel of the pallas backend reads these pages "
+                                        ".*Triton: this JAX \\(9.9\\) has no Pallas Triton lowering"):
+    resolve(CFG, RUN.replace(page_size=32), check_fit=False)         # 32-token pages: no Mosaic GPU kernel reads them
+  with pytest.raises(ConfigError, match="decode_kernel='triton': this JAX \\(9.9\\) has no Pallas Triton lowering"):
+    resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
+  with pytest.raises(ConfigError, match="page_write='pallas': .*no Pallas Triton lowering"):
+    resolve(CFG, RUN.replace(page_write="pallas"), check_fit=False)
+  # The decode call itself logs the combine it takes, once.
+  from lcjax.ops import attention as ref
+  from lcjax.ops.mosaic_gpu import paged as mgpu_paged
+  calls = []
+  monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, tuning=None, **kw: calls.append(tuning))
+  monkeypatch.setattr(ref, "_announced", set())
+  e4m3 = jax.numpy.float8_e4m3fn
+  pages = jax.ShapeDtypeStruct((4, 64, 2, 128), e4m3)
+  with caplog.at_level(logging.WARNING):
+    s.attention.paged(jax.ShapeDtypeStruct((1, 1, 8, 128), jax.numpy.bfloat16), pages, pages,
+                      jax.ShapeDtypeStruct((1, 4), jax.numpy.int32), q_pos=None, kv_len=None, k_scale=1.0,
+                      v_scale=1.0)
+  assert calls == [pallas_backend.MOSAIC_FP8_DECODE] and calls[0].combine == "mosaic"
+  assert "decode over fp8 pages joins its splits with the Mosaic GPU combine" in caplog.text and gone in caplog.text
 
 
 def test_decode_kernel_asked_for_by_name(monkeypatch):

@@ -19,7 +19,7 @@ from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.engine import placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.requests import Limits, check_context_length
-from lcjax.ops import kernels
+from lcjax.ops import hardware, kernels
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 
@@ -105,6 +105,8 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
               page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
   if name == "mosaic":
     asked = "asked for by decode_kernel='mosaic'" if run.decode_kernel == "mosaic" else "decode_kernel='auto' on Hopper"
+    if run.decode_kernel == "auto" and run.resolved_cache_dtype == "float8_e4m3fn":
+      asked += f" over fp8 pages, without Triton's combine: {hardware.pallas_triton_reason()}"
     return Choice(name, f"the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
                         f".combine), {asked}")
   if name == "mgpu-fp8":

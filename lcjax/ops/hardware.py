@@ -4,6 +4,9 @@
 Each returns why a kernel cannot run here (a sentence naming what it needs and what this machine has), or None."""
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import jax
 
 
@@ -32,6 +35,21 @@ def sm90_fp8_reason(kernel: str, uses: str) -> str | None:
   if not reason and cc[0] != 9:
     return f"the {kernel} needs a Hopper GPU (sm_90, {uses}), not compute capability {cc}"
   return reason
+
+
+@functools.cache
+def pallas_triton_reason() -> str | None:
+  """Why this JAX cannot lower Pallas kernels through Triton (None: it can). JAX deprecated that lowering in 0.11
+  and will remove it; the kernels of lcjax.ops.triton need it, Hopper's default paths only for the split combine
+  over fp8 pages (lcjax.ops.pallas_backend takes the Mosaic GPU combine where it is gone). The module is looked up,
+  not imported: importing it warns of the deprecation in runs that never lower through it."""
+  try:
+    if importlib.util.find_spec("jax.experimental.pallas.triton") is not None:
+      return None
+    why = "no module jax.experimental.pallas.triton"
+  except ImportError as e:
+    why = str(e)
+  return f"this JAX ({jax.__version__}) has no Pallas Triton lowering ({why})"
 
 
 def sm_count() -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from lcjax.config import GEMV_NAMES, PAGE_WRITER_NAMES
-from lcjax.ops.hardware import fp8_convert_reason
+from lcjax.ops import hardware
 from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
 from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
 from lcjax.ops.triton import gemv as triton_gemv
@@ -61,7 +61,7 @@ class TritonGemv:
 
   def why_not(self, products: dict[str, tuple[int, int]]) -> str | None:
     """Why the kernel cannot run here (None: it can); it multiplies `products` of any shape."""
-    return None if self.interpret else triton_gemv.unsupported()
+    return hardware.pallas_triton_reason() if self.interpret else triton_gemv.unsupported()
 
   def __call__(self, x, w8, scale, layer, spec: str, *, dtype=None):
     """As MosaicGemv.__call__."""
@@ -81,7 +81,7 @@ class TritonPageWriter:
   def why_not(self, page_size: int, head_dim: int) -> str | None:
     """Why the kernel cannot write pages of this shape here (None: it can)."""
     if self.interpret:
-      return triton_page_write.unsupported_shape(page_size, head_dim)
+      return hardware.pallas_triton_reason() or triton_page_write.unsupported_shape(page_size, head_dim)
     return triton_page_write.unsupported(page_size, head_dim)
 
   def __call__(self, k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, layer):
@@ -117,8 +117,8 @@ class TritonFp8Decode:
 
   def why_not(self, page_size: int, head_dim: int) -> str | None:
     """Why the kernel cannot read fp8 pages of this shape here (None: it can)."""
-    reason = None if self.interpret else fp8_convert_reason("Triton fp8 paged decode kernel")
-    return reason or triton_paged.unsupported_shape(page_size, head_dim)
+    reason = None if self.interpret else hardware.fp8_convert_reason("Triton fp8 paged decode kernel")
+    return reason or hardware.pallas_triton_reason() or triton_paged.unsupported_shape(page_size, head_dim)
 
   def __call__(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale, v_scale):
     """(out [B, T, N, H], lse [B, T, N]) of q [B, T, N, H] over fp8 pools [P, Z, K, H] with scales [P, K] through

@@ -134,7 +134,7 @@ class PallasBackend:
       return self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
                                        dtype=dtype)
     if route == "triton":
-      return triton_paged.unsupported_shape(page_size, head_dim)
+      return triton_paged.unsupported_shape(page_size, head_dim) or hardware.pallas_triton_reason()
     return None
 
   def prefill_reason(self, *, head_dim: int, page_size: int, page_dtype, dtype) -> str | None:
@@ -153,16 +153,19 @@ class PallasBackend:
     decode_route "auto" takes the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged) where they can serve
     (`mosaic_decode_reason`): over bf16 pages with the Mosaic GPU split combine ('mosaic'), over fp8 pages with
     Triton's ('mgpu-fp8': 1.9 us a call against the Mosaic GPU combine's ~2.6 on an H100,
-    benchmarks/NOTES-attention); else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page shapes the
-    Mosaic GPU kernels do not read). Another route is its own name. With interpret=True the Triton kernel runs in
-    the Pallas interpreter: 'triton-interpret'."""
+    benchmarks/NOTES-attention) where this JAX lowers through Triton, else with the Mosaic GPU combine ('mosaic');
+    else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page shapes the Mosaic GPU kernels do not
+    read). Another route is its own name. With interpret=True the Triton kernel runs in the Pallas interpreter:
+    'triton-interpret'."""
     if self.decode_route != "auto":
       name = self.decode_route
     elif self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
                                    dtype=dtype):
       name = "triton"
+    elif jnp.dtype(page_dtype) == fp8_ops.E4M3 and not hardware.pallas_triton_reason():
+      name = "mgpu-fp8"
     else:
-      name = "mgpu-fp8" if jnp.dtype(page_dtype) == fp8_ops.E4M3 else "mosaic"
+      name = "mosaic"
     return "triton-interpret" if name == "triton" and self.interpret else name
 
   def paged(self, q, k_pages, v_pages, page_table, *, q_pos, kv_len, k_scale=None, v_scale=None, page_offset=0,
@@ -182,6 +185,9 @@ class PallasBackend:
         if reason:
           raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
         if fp8_pages:
+          if self.decode_route == "auto":
+            ref.warn_once(f"attention backend {self.name}: decode over fp8 pages joins its splits with the Mosaic GPU "
+                          f"combine (slower than Triton's by about 1.4 us a layer): {hardware.pallas_triton_reason()}")
           return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                              k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
                                              tuning=MOSAIC_FP8_DECODE)

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops.linear import WIDEN_MAX_ROWS, product_layout, scale_rows
-from lcjax.ops.hardware import fp8_convert_reason
+from lcjax.ops import hardware
 from lcjax.ops.splits import next_pow2
 
 
@@ -69,8 +69,8 @@ class GemvTuning:
 
 def unsupported() -> str | None:
   """Why the kernel cannot be compiled here (None: it can): it needs a CUDA GPU that converts e4m3 in hardware
-  (sm_89+; measured on sm_90)."""
-  return fp8_convert_reason("fp8 GEMV kernel")
+  (sm_89+; measured on sm_90) and JAX's Pallas Triton lowering."""
+  return hardware.fp8_convert_reason("fp8 GEMV kernel") or hardware.pallas_triton_reason()
 
 
 def pack_for(nbytes: int) -> int:

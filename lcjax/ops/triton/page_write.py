@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from lcjax.ops import page_scale
 from lcjax.ops.fp8 import clip_finite
 from lcjax.ops.triton.gemv import as_pairs, pack_for, pair_value
-from lcjax.ops.hardware import fp8_convert_reason
+from lcjax.ops import hardware
 
 
 def unsupported_shape(page_size: int, head_dim: int) -> str | None:
@@ -49,8 +49,9 @@ def unsupported_shape(page_size: int, head_dim: int) -> str | None:
 
 def unsupported(page_size: int, head_dim: int) -> str | None:
   """Why the kernel cannot be compiled here for pages of this shape (None: it can): a CUDA GPU that converts e4m3
-  in hardware (sm_89+; measured on sm_90) and `unsupported_shape`."""
-  return fp8_convert_reason("fp8 page-write kernel") or unsupported_shape(page_size, head_dim)
+  in hardware (sm_89+; measured on sm_90), JAX's Pallas Triton lowering and `unsupported_shape`."""
+  return (hardware.fp8_convert_reason("fp8 page-write kernel") or hardware.pallas_triton_reason()
+          or unsupported_shape(page_size, head_dim))
 
 
 def _write_one(b, h, layer, page, offset, x_ref, c, pool_ref, scale_ref, *, pages: int, pack: int, interpret: bool):

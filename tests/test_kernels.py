@@ -87,7 +87,14 @@ def _rand_qkv(seed, B, T, S, N, K, H, dtype):
 def rand_pages(seed, B, T, N, K, H, Z, M, P, *, fp8=False, dtype=jnp.bfloat16):
   """Pages of B sequences scattered out of order in a pool of P pages; returns oracle-ready dense K/V too. The
   arrays come from one jitted program per shape and dtype (the seed is its argument)."""
-  q, kp, vp, table, k_scale, v_scale, kd, vd = _rand_pages(seed, B, T, N, K, H, Z, M, P, fp8, dtype)
+  q, kp, vp, table, k_scale, v_scale = _rand_pages(seed, B, T, N, K, H, Z, M, P, fp8, dtype)
+  # The oracle's K/V are the stored bytes read in numpy: inside the jitted program a GPU's XLA may fold the round
+  # trip through e4m3 (excess precision), and its K/V would then be the unquantized values.
+  if fp8:
+    kd, vd = (np.asarray(x).astype(np.float64) * np.asarray(s, np.float64)[:, None, :, None]
+              for x, s in ((kp, k_scale), (vp, v_scale)))
+  else:
+    kd, vd = kp, vp
   dense = lambda x: np.asarray(x, np.float64)[np.asarray(table)].reshape(B, M * Z, K, H)
   return q, kp, vp, table, k_scale, v_scale, dense(kd), dense(vd)
 
@@ -104,13 +111,10 @@ def _rand_pages(seed, B, T, N, K, H, Z, M, P, fp8, dtype):
     v_scale = jax.random.uniform(ks[5], (P, K), minval=0.25, maxval=2.0)
     kp = (kp / k_scale[:, None, :, None]).astype(jnp.float8_e4m3fn)
     vp = (vp / v_scale[:, None, :, None]).astype(jnp.float8_e4m3fn)
-    kd = kp.astype(jnp.float32) * k_scale[:, None, :, None]
-    vd = vp.astype(jnp.float32) * v_scale[:, None, :, None]
   else:
     k_scale = v_scale = None
     kp, vp = kp.astype(dtype), vp.astype(dtype)
-    kd, vd = kp, vp
-  return q, kp, vp, table, k_scale, v_scale, kd, vd
+  return q, kp, vp, table, k_scale, v_scale
 
 
 def behind_junk(x, n, value):

@@ -24,6 +24,7 @@ def _gpu(monkeypatch, cc):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(hardware, "compute_capability", lambda: cc)       # every kernel's probe asks hardware
   monkeypatch.setattr(cudnn.CudnnBackend, "why_not", lambda self, **kw: None)
+  monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: None)     # this JAX lowers through Triton
 
 
 def _kernels(s):
@@ -121,8 +122,11 @@ def test_a_jax_without_pallas_triton(monkeypatch, caplog):
     resolve(CFG, RUN.replace(page_size=32), check_fit=False)         # 32-token pages: no Mosaic GPU kernel reads them
   with pytest.raises(ConfigError, match="decode_kernel='triton': this JAX \\(9.9\\) has no Pallas Triton lowering"):
     resolve(CFG, RUN.replace(decode_kernel="triton"), check_fit=False)
-  with pytest.raises(ConfigError, match="page_write='pallas': .*no Pallas Triton lowering"):
-    resolve(CFG, RUN.replace(page_write="pallas"), check_fit=False)
+  for field in ("page_write", "linear_kernel"):
+    for name in ("pallas", "pallas-interpret"):
+      with pytest.raises(ConfigError) as e:
+        resolve(CFG, RUN.replace(**{field: name}), check_fit=False)
+      assert str(e.value) == f"{field}={name!r}: {gone}"          # no pointer to an interpreter that needs it too
   # The decode call itself logs the combine it takes, once.
   from lcjax.ops import attention as ref
   from lcjax.ops.mosaic_gpu import paged as mgpu_paged
@@ -132,11 +136,35 @@ def test_a_jax_without_pallas_triton(monkeypatch, caplog):
   e4m3 = jax.numpy.float8_e4m3fn
   pages = jax.ShapeDtypeStruct((4, 64, 2, 128), e4m3)
   with caplog.at_level(logging.WARNING):
-    s.attention.paged(jax.ShapeDtypeStruct((1, 1, 8, 128), jax.numpy.bfloat16), pages, pages,
-                      jax.ShapeDtypeStruct((1, 4), jax.numpy.int32), q_pos=None, kv_len=None, k_scale=1.0,
-                      v_scale=1.0)
-  assert calls == [pallas_backend.MOSAIC_FP8_DECODE] and calls[0].combine == "mosaic"
-  assert "decode over fp8 pages joins its splits with the Mosaic GPU combine" in caplog.text and gone in caplog.text
+    for _ in range(2):
+      s.attention.paged(jax.ShapeDtypeStruct((1, 1, 8, 128), jax.numpy.bfloat16), pages, pages,
+                        jax.ShapeDtypeStruct((1, 4), jax.numpy.int32), q_pos=None, kv_len=None, k_scale=1.0,
+                        v_scale=1.0)
+  assert calls == [pallas_backend.MOSAIC_FP8_DECODE] * 2 and calls[0].combine == "mosaic"
+  logged = [r.getMessage() for r in caplog.records if "with the Mosaic GPU combine" in r.getMessage()]
+  assert len(logged) == 1 and "decode over fp8 pages joins its splits" in logged[0] and gone in logged[0], logged
+
+
+def test_pallas_triton_reason_asks_as_jax_lowers(monkeypatch):
+  """The probe imports JAX's Triton registration, as JAX's GPU lowering does: present here (None), and where the
+  import fails, a line naming this JAX and the error."""
+  import importlib
+  hardware.pallas_triton_reason.cache_clear()
+  assert hardware.pallas_triton_reason() is None
+  real = importlib.import_module
+
+  def without_triton(name, *args):
+    if name.startswith("jax._src.pallas.triton"):
+      raise ImportError("No module named 'jax._src.lib.triton'")
+    return real(name, *args)
+
+  monkeypatch.setattr(importlib, "import_module", without_triton)
+  hardware.pallas_triton_reason.cache_clear()
+  try:
+    assert hardware.pallas_triton_reason() == (f"this JAX ({jax.__version__}) has no Pallas Triton lowering (No module "
+                                               "named 'jax._src.lib.triton')")
+  finally:
+    hardware.pallas_triton_reason.cache_clear()
 
 
 def test_decode_kernel_asked_for_by_name(monkeypatch):

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lcjax import sharding as sh
 from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.model.llama import Llama, check_mesh, linear_shapes, product_dims, repeat_kv_heads
-from lcjax.ops import kernels
+from lcjax.ops import hardware, kernels
 
 
 def mesh_for(run: RunConfig, mesh=None) -> jax.sharding.Mesh:
@@ -95,9 +95,10 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
       raise ConfigError(f"linear_kernel={ask!r} multiplies fp8 weights, and these are {run.dtype} "
                         f"(weight_dtype={run.weight_dtype!r})")
     return "xla", "the weights are not fp8"
+  if ask in kernels.GEMV_KERNELS and ask not in no_kernel:      # interpreted: any shape, but not without its lowering
+    no_kernel = {**no_kernel, ask: kernels.GEMV_KERNELS[ask].why_not({})}
   if no_kernel.get(ask):
-    hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
-    raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{hint}")
+    raise ConfigError(f"linear_kernel={ask!r}: {no_kernel[ask]}{_interpreter_hint(ask)}")
   if ask == "auto":
     passed = []                       # why "auto" did not take the kernels it prefers to the one it takes
     for kernel, why_not in no_kernel.items():
@@ -106,6 +107,12 @@ def decode_linear(run: RunConfig, weights: WeightFormat, no_kernel: dict[str, st
       passed.append(why_not)
     return "xla", "linear_kernel='auto': " + "; ".join(dict.fromkeys(passed))
   return ask, f"linear_kernel={ask!r}"
+
+
+def _interpreter_hint(ask: str) -> str:
+  """A refused 'pallas' kernel's pointer to its interpreted twin, where this JAX has the Triton lowering both need."""
+  return " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" and \
+      not hardware.pallas_triton_reason() else ""
 
 
 # The page writers "auto" tries, in order (lcjax.ops.kernels.PAGE_WRITERS' names); then XLA. The Mosaic GPU
@@ -131,8 +138,7 @@ def page_write(run: RunConfig, head_dim: int) -> tuple[str, str]:
   if ask != "auto":
     no_kernel = kernels.PAGE_WRITERS[ask].why_not(run.page_size, head_dim)
     if no_kernel:
-      hint = " ('pallas-interpret' runs it in the Pallas interpreter)" if ask == "pallas" else ""
-      raise ConfigError(f"page_write={ask!r}: {no_kernel}{hint}")
+      raise ConfigError(f"page_write={ask!r}: {no_kernel}{_interpreter_hint(ask)}")
     return ask, f"page_write={ask!r}"
   passed = []
   for name in AUTO_PAGE_WRITERS:

@@ -5,7 +5,7 @@ Each returns why a kernel cannot run here (a sentence naming what it needs and w
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 
 import jax
 
@@ -39,17 +39,15 @@ def sm90_fp8_reason(kernel: str, uses: str) -> str | None:
 
 @functools.cache
 def pallas_triton_reason() -> str | None:
-  """Why this JAX cannot lower Pallas kernels through Triton (None: it can). JAX deprecated that lowering in 0.11
-  and will remove it; the kernels of lcjax.ops.triton need it, Hopper's default paths only for the split combine
-  over fp8 pages (lcjax.ops.pallas_backend takes the Mosaic GPU combine where it is gone). The module is looked up,
-  not imported: importing it warns of the deprecation in runs that never lower through it."""
+  """Why this JAX cannot lower Pallas kernels through Triton (None: it can), asked as JAX's own GPU lowering asks:
+  by importing its Triton registration (which needs jaxlib's Triton dialect). JAX deprecated that lowering in 0.11
+  and will remove it. The kernels of lcjax.ops.triton need it; at the presets' shapes the Hopper defaults need it
+  only for the split combine over fp8 pages, which lcjax.ops.pallas_backend then takes in Mosaic GPU."""
   try:
-    if importlib.util.find_spec("jax.experimental.pallas.triton") is not None:
-      return None
-    why = "no module jax.experimental.pallas.triton"
+    importlib.import_module("jax._src.pallas.triton.pallas_call_registration")
   except ImportError as e:
-    why = str(e)
-  return f"this JAX ({jax.__version__}) has no Pallas Triton lowering ({why})"
+    return f"this JAX ({jax.__version__}) has no Pallas Triton lowering ({e})"
+  return None
 
 
 def sm_count() -> int:

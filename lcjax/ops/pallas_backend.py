@@ -1,14 +1,14 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
-PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16
-or fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic
-GPU over bf16 pages, in Triton over fp8 pages) where they can serve them, else to the split-K Triton kernel
-(lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the paged cache by its
-prefill_route to the Mosaic GPU flash kernel reading the pages in place (mgpu_flash.flash_attention_paged) or to
-cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel for `attend` and for prefill chunks
-over their cached prefix (over fp8 pages read in place where it can, `prefix_reason`). Each `why_not` /
-`mosaic_decode_reason` / `prefill_reason` names why a kernel cannot serve a shape here; lcjax.ops.backends picks
-a backend by name.
+PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16 or
+fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic GPU
+over bf16 pages, in Triton over fp8 pages where JAX has that lowering) where they can serve them, else to the
+split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the
+paged cache by its prefill_route to the Mosaic GPU flash kernel reading the pages in place
+(mgpu_flash.flash_attention_paged) or to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel
+for `attend` and for prefill chunks over their cached prefix (over fp8 pages read in place where it can,
+`prefix_reason`). Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot serve a shape
+here; lcjax.ops.backends picks a backend by name.
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
 """
@@ -55,7 +55,8 @@ def prefix_reason(*, qk_dtype: str, head_dim: int, page_size: int, page_dtype,
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
   kernels (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper (`decode_kernel` says with which split
-  combine), the split-K Pallas decode kernel (Triton lowering) where they cannot serve (logged). `decode_route`
+  combine, and why the Mosaic GPU one over fp8 pages: `hardware.pallas_triton_reason`), the split-K Pallas decode
+  kernel (Triton lowering) where they cannot serve (logged). `decode_route`
   "mosaic" or "triton" sends every decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
   `prefill_route` picks what reads a prefill chunk's cached prefix: "mosaic" (the flash kernel reading the pages
   in place) or "cudnn" (RunConfig.prefill_kernel; lcjax.engine.serving resolves "auto").
@@ -187,7 +188,7 @@ class PallasBackend:
         if fp8_pages:
           if self.decode_route == "auto":
             ref.warn_once(f"attention backend {self.name}: decode over fp8 pages joins its splits with the Mosaic GPU "
-                          f"combine (slower than Triton's by about 1.4 us a layer): {hardware.pallas_triton_reason()}")
+                          f"combine (up to ~1.5 us a layer slower than Triton's): {hardware.pallas_triton_reason()}")
           return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                              k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
                                              tuning=MOSAIC_FP8_DECODE)

@@ -393,8 +393,10 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
 
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
-  """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
+  """What an engine reports as stats["decode_kernel"] is what `paged` routes to (in a JAX with the Pallas Triton
+  lowering; tests/test_serving.py has one without)."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
+  monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: None)
   be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
@@ -442,6 +444,7 @@ def test_cudnn_backend_decodes_fp8_pages_with_its_fp8_decode_kernel(with_kernel,
 
 def test_triton_fp8_decode_kernel_says_where_it_cannot_serve(monkeypatch):
   from lcjax.ops import kernels
+  monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: None)      # a JAX with the Pallas Triton lowering
   assert "needs a CUDA GPU" in kernels.TritonFp8Decode().why_not(64, 128)
   assert kernels.TritonFp8Decode(interpret=True).why_not(64, 128) is None
   assert "page size Z=192 must be a power of two" in kernels.TritonFp8Decode(interpret=True).why_not(192, 128)

@@ -347,8 +347,8 @@ def check_flat_combine(B, K, S, H, RN, T, G, spread):
 def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeypatch):
   """PallasBackend.paged's decode rows by decode_route (RunConfig.decode_kernel), on an emulated sm_90: "mosaic"
   calls the Mosaic GPU decode entry of the page dtype with the Mosaic GPU combine (bf16 pages through a 2-slot
-  ring), "triton" the Triton kernel for both page dtypes, "auto" the Mosaic GPU decode entry of the page dtype with
-  the Mosaic GPU combine over bf16 pages and Triton's over fp8 pages; decode_kernel() names what ran. Pages the
+  ring), "triton" the Triton kernel for both page dtypes, "auto" as "mosaic" (no Triton lowering: the combine is
+  Mosaic GPU's over either page dtype); decode_kernel() names what ran. Pages the
   Mosaic GPU kernel cannot read are refused under "mosaic" (no other kernel runs) and go to the Triton kernel under
   "auto"."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
@@ -367,14 +367,11 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
   mosaic = "paged_decode_fp8" if fp8 else "paged_decode_bf16"
   want = {"mosaic": mosaic, "triton": "paged_decode", "auto": mosaic}[route]
   assert [name for name, _ in ran] == [want]
-  named = {"mosaic": "mosaic", "triton": "triton", "auto": "mgpu-fp8" if fp8 else "mosaic"}[route]
+  named = {"mosaic": "mosaic", "triton": "triton", "auto": "mosaic"}[route]
   assert be.decode_kernel(head_dim=H, page_size=Z, rows=T * N // K, page_dtype=page_dtype) == named
   if route in ("mosaic", "auto"):
     tuning = ran[0][1]
-    if route == "auto" and fp8:
-      assert tuning is None                           # paged_decode_fp8's default tuning: Triton's combine
-    else:
-      assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (None if fp8 else 2)
+    assert tuning.combine == "mosaic" and tuning.max_concurrent_steps == (None if fp8 else 2)
     small = jnp.zeros((8, 32, K, H), page_dtype)
     if route == "mosaic":
       with pytest.raises(ValueError, match="decode_kernel='mosaic' cannot read these decode rows: .*page_size=32"):
@@ -398,7 +395,7 @@ def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
   monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: None)
   be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
-  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mgpu-fp8"
+  assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16") == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype="bfloat16", dtype="float16") == "triton"

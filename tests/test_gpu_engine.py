@@ -177,12 +177,11 @@ def test_mosaic_decode_matches_reference(cache_dtype, prompts):
                 uncached=cache_dtype == "auto")
 
 
-@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mgpu-fp8")])
+@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mosaic")])
 def test_fp8_cache_matches_reference(backend, decode, prompts):
   """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
-  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms, and Triton's split combine) == the same
-  cache through the reference
-  backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8 decode kernel
+  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms, and its Mosaic GPU split combine) == the
+  same cache through the reference backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8 decode kernel
   (lcjax.ops.kernels.TritonFp8Decode, the decode of GPUs without the Mosaic GPU kernels), and its stats say so."""
   fast = _engine(backend, cache_dtype="float8_e4m3fn")
   assert fast.attention.name == backend and fast.fp8_cache
@@ -421,17 +420,12 @@ TRITON_DEPRECATED = "The Pallas Triton backend is deprecated"
 
 @pytest.mark.skipif(not jax_at_least(0, 11), reason="JAX warns of the Pallas Triton backend from 0.11 on")
 @pytest.mark.parametrize("cache_dtype, weight_dtype, decode_kernel, page_write", [
-    ("auto", "auto", "auto", "auto"),
-    pytest.param("float8_e4m3fn", "float8_e4m3fn", "auto", "auto", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="over fp8 pages the defaults keep Triton's split combine (1.9 us a call against the Mosaic GPU "
-               "combine's ~2.6 us on an H100): issue 49")),
+    ("auto", "auto", "auto", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "auto", "auto"),
     ("auto", "auto", "mosaic", "auto"), ("float8_e4m3fn", "float8_e4m3fn", "mosaic", "mosaic")])
 def test_hopper_kernels_lower_no_pallas_triton_kernel(cache_dtype, weight_dtype, decode_kernel, page_write):
   """On a Hopper GPU, a bf16 model and fp8 weights + fp8 KV (prefill chunks, decode steps of two sequences, their
   page writes) lower no kernel through the deprecated Pallas Triton backend: JAX warns on each such lowering, and
-  a fresh engine lowers every program it runs. The defaults and the Mosaic GPU kernels asked for by name; over fp8
-  pages the defaults still take Triton's split combine (a strict xfail)."""
+  a fresh engine lowers every program it runs. The defaults and the Mosaic GPU kernels asked for by name."""
   import warnings
   from lcjax.ops import hardware
   if hardware.sm90_fp8_reason("test", "wgmma"):

@@ -60,15 +60,16 @@ def _jax_0_11(monkeypatch, yes=True):
 
 
 def test_on_hopper(monkeypatch):
-  """Hopper's defaults: the Mosaic GPU decode kernels (over bf16 pages with their Mosaic GPU split combine, over fp8
-  pages with Triton's), the Mosaic GPU fp8 GEMV and fp8 page write; Triton decode and the Triton page write only
-  where the Mosaic GPU kernels cannot serve, with the reason."""
+  """Hopper's defaults: the Mosaic GPU decode kernels with their Mosaic GPU split combine (over bf16 and fp8 pages),
+  the Mosaic GPU fp8 GEMV and fp8 page write; Triton decode and the Triton page write only where the Mosaic GPU
+  kernels cannot serve, with the reason."""
   _gpu(monkeypatch, (9, 0))
   _jax_0_11(monkeypatch)
   s = resolve(CFG, RUN.replace(draft="prompt"), check_fit=False)
   assert s.run.dtype == "bfloat16"
-  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="mosaic")
-  assert "decode_kernel='auto' on Hopper" in s.decode.why and "Triton's split combine" in s.decode.why
+  assert _kernels(s) == dict(attention="pallas", decode="mosaic", linear="mosaic", page_write="mosaic")
+  assert "decode_kernel='auto' on Hopper" in s.decode.why and "split combine (" in s.decode.why
+  assert "Triton" not in s.decode.why + s.linear.why + s.page_write.why
   assert s.page_write.why == "page_write='auto'"
   assert s.draft.name == "prompt" and "4 drafts" in s.draft.why
   bf16 = resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False).decode
@@ -85,7 +86,7 @@ def test_on_hopper(monkeypatch):
   with pytest.raises(ConfigError, match="page_size=96: neither decode kernel of the pallas backend reads these pages "
                                         "\\(Mosaic GPU: .*not a multiple; Triton: .*power of two"):
     resolve(CFG, RUN.replace(page_size=96, prefill_chunk=960), check_fit=False)
-  assert resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False).decode.name == "mgpu-fp8"
+  assert resolve(CFG, RUN.replace(page_size=192, prefill_chunk=1920), check_fit=False).decode.name == "mosaic"
   # verify steps of more rows than the decode kernels take (9 tokens x 8 heads) run as chunks: not refused
   wide = dataclasses.replace(CFG, n_heads=64, n_kv_heads=8)
   resolve(wide, RUN.replace(page_size=96, prefill_chunk=960, draft="prompt", draft_tokens=8, max_batch=1),
@@ -100,17 +101,16 @@ def test_on_hopper(monkeypatch):
     resolve(CFG, RUN.replace(page_write="mosaic"), check_fit=False)
 
 
-def test_a_jax_without_pallas_triton(monkeypatch, caplog):
-  """A JAX without the Pallas Triton lowering (deprecated in 0.11, to be removed): on Hopper, decode over fp8 pages
-  joins its splits with the Mosaic GPU combine, and the table and the log say why; every Triton kernel says it
-  cannot serve, so `auto` takes another and a Triton kernel asked for by name is refused in one line."""
+def test_a_jax_without_pallas_triton(monkeypatch):
+  """A JAX without the Pallas Triton lowering (deprecated in 0.11, to be removed): Hopper's defaults are unchanged
+  (none of them lowers through Triton); every Triton kernel says it cannot serve, so `auto` takes another and a
+  Triton kernel asked for by name is refused in one line."""
   _gpu(monkeypatch, (9, 0))
   _jax_0_11(monkeypatch)
   gone = "this JAX (9.9) has no Pallas Triton lowering (no module jax.experimental.pallas.triton)"
   monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: gone)
   s = resolve(CFG, RUN, check_fit=False)
   assert _kernels(s) == dict(attention="pallas", decode="mosaic", linear="mosaic", page_write="mosaic")
-  assert "decode_kernel='auto' on Hopper over fp8 pages, without Triton's combine: " + gone in s.decode.why
   assert resolve(CFG, RUN.replace(cache_dtype="bfloat16"), check_fit=False).decode.name == "mosaic"
   for kernel in (kernels.TritonGemv(), kernels.TritonGemv(interpret=True)):
     assert kernel.why_not({}) == gone
@@ -127,22 +127,6 @@ def test_a_jax_without_pallas_triton(monkeypatch, caplog):
       with pytest.raises(ConfigError) as e:
         resolve(CFG, RUN.replace(**{field: name}), check_fit=False)
       assert str(e.value) == f"{field}={name!r}: {gone}"          # no pointer to an interpreter that needs it too
-  # The decode call itself logs the combine it takes, once.
-  from lcjax.ops import attention as ref
-  from lcjax.ops.mosaic_gpu import paged as mgpu_paged
-  calls = []
-  monkeypatch.setattr(mgpu_paged, "paged_decode_fp8", lambda *a, tuning=None, **kw: calls.append(tuning))
-  monkeypatch.setattr(ref, "_announced", set())
-  e4m3 = jax.numpy.float8_e4m3fn
-  pages = jax.ShapeDtypeStruct((4, 64, 2, 128), e4m3)
-  with caplog.at_level(logging.WARNING):
-    for _ in range(2):
-      s.attention.paged(jax.ShapeDtypeStruct((1, 1, 8, 128), jax.numpy.bfloat16), pages, pages,
-                        jax.ShapeDtypeStruct((1, 4), jax.numpy.int32), q_pos=None, kv_len=None, k_scale=1.0,
-                        v_scale=1.0)
-  assert calls == [pallas_backend.MOSAIC_FP8_DECODE] * 2 and calls[0].combine == "mosaic"
-  logged = [r.getMessage() for r in caplog.records if "with the Mosaic GPU combine" in r.getMessage()]
-  assert len(logged) == 1 and "decode over fp8 pages joins its splits" in logged[0] and gone in logged[0], logged
 
 
 def test_pallas_triton_reason_asks_as_jax_lowers(monkeypatch):
@@ -316,7 +300,7 @@ def test_on_a_hopper_mesh(monkeypatch):
   _jax_0_11(monkeypatch)
   s = resolve(CFG, RUN.replace(seq=2, tensor=4), check_fit=False)
   assert dict(s.mesh.shape) == {"seq": 2, "tensor": 4} and s.kv_rep == 1
-  assert _kernels(s) == dict(attention="pallas", decode="mgpu-fp8", linear="mosaic", page_write="mosaic")
+  assert _kernels(s) == dict(attention="pallas", decode="mosaic", linear="mosaic", page_write="mosaic")
   bf16 = resolve(CFG, RUN.replace(seq=2, tensor=4, cache_dtype="bfloat16"), check_fit=False)
   assert (bf16.prefill.name, bf16.decode.name) == ("mosaic", "mosaic")
   assert s.limits.shards == 2 and s.plan.num_pages == s.limits.pages_per_shard * 2

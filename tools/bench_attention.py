@@ -460,14 +460,16 @@ def decode_impls():
   mgpu_bf16 = lambda tuning: (lambda q, kp, vp, t, qp, kl, ks, vs: mgpu_paged.paged_decode_bf16(
       q, kp, vp, t, q_pos=qp, kv_len=kl, tuning=tuning))
   D = mgpu_paged.DecodeTuning
+  # Names without "-mcombine" / "-fcombine" join their splits with Triton's combine.
+  T3 = functools.partial(D, combine="triton")
   impls = {
       "lcjax-pallas": (True, False, pal(triton_paged.PagedTuning())),
-      "lcjax-mgpu-bf16": (True, False, mgpu_bf16(D())),
+      "lcjax-mgpu-bf16": (True, False, mgpu_bf16(T3())),
       "lcjax-mgpu-bf16-mcombine": (True, False, mgpu_bf16(D(combine="mosaic"))),
       "lcjax-mgpu-bf16-mcs3-mcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=3, combine="mosaic"))),
       "lcjax-mgpu-bf16-mcs2-mcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="mosaic"))),
       "lcjax-pallas-fp8": (True, True, pal(triton_paged.PagedTuning())),
-      "lcjax-mgpu-fp8": (True, True, mgpu(D())),
+      "lcjax-mgpu-fp8": (True, True, mgpu(T3())),
       "lcjax-mgpu-fp8-mcombine": (True, True, mgpu(D(combine="mosaic"))),
       "lcjax-mgpu-bf16-mcs2-fcombine": (True, False, mgpu_bf16(D(max_concurrent_steps=2, combine="mosaic-flat"))),
       "lcjax-mgpu-fp8-fcombine": (True, True, mgpu(D(combine="mosaic-flat"))),
@@ -479,7 +481,7 @@ def decode_impls():
                          ("tp2112", T(target_programs=2112)), ("tp528", T(target_programs=528)),
                          ("tp2112-st4-pps1", T(target_programs=2112, num_stages=4, pages_per_step=1))):
       impls["lcjax-pallas-" + name] = (True, False, pal(tuning))
-    F = D
+    F = T3
     # mcs4 / mcs3 / mcs2: K/V rings of a set depth beside the default's `ring_depth` (shallower from 17 rows a
     # kv head, so that two CTAs fit an SM: --decode_tokens).
     for name, tuning in (("mcs4", F(max_concurrent_steps=4)),

@@ -170,17 +170,12 @@ MUTANTS = (
            "    return [(i * block_kv // Z, i * block_kv % Z, block_kv, 0)]",
            "    return [(i * block_kv // Z, 0, block_kv, 0)]",
            ("tests/test_kernels.py::test_paged_flash_block_copies_load_each_blocks_keys[128]",)),
-    Mutant("mgpu-fp8-decode-runs-the-mosaic-combine",
-           "decode rows over fp8 pages that the stats name 'mgpu-fp8' (Triton's split combine) run the Mosaic GPU "
-           "combine: what ran is not what the table says",
+    Mutant("hopper-fp8-decode-joins-splits-in-triton",
+           "decode rows over fp8 pages on Hopper join their splits with Triton's combine: a default path lowers "
+           "through the deprecated Pallas Triton backend again",
            "lcjax/ops/pallas_backend.py",
-           "      if kernel == \"mgpu-fp8\":\n"
-           "        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,\n"
-           "                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)\n",
-           "      if kernel == \"mgpu-fp8\":\n"
-           "        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,\n"
-           "                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,\n"
-           "                                           tuning=MOSAIC_FP8_DECODE)\n",
+           "                                             tuning=MOSAIC_FP8_DECODE)\n",
+           "                                             tuning=mgpu_paged.DecodeTuning(combine=\"triton\"))\n",
            ("tests/test_fp8_decode.py::test_decode_route_sends_decode_rows_to_its_kernel[float8_e4m3fn-auto]",)),
     Mutant("prefix-read-told-one-real-row-too-few",
            "a padded chunk tells its prefix read one real row fewer than it has: a kernel that leaves padding out "

@@ -120,7 +120,7 @@ class Engine:
   @property
   def decode_kernel(self) -> str:
     """The kernel decode steps run: the backend's name, or the kernel the backend picks for these pages ('mosaic',
-    'mgpu-fp8', 'triton', 'triton-interpret'; `serving.decode.why` says why)."""
+    'triton', 'triton-interpret'; `serving.decode.why` says why)."""
     return self.serving.decode.name
 
   @property

@@ -105,13 +105,8 @@ def _decode_choice(attention, serving_cfg: ModelConfig, run: RunConfig) -> Choic
               page_dtype=run.resolved_cache_dtype, dtype=run.dtype)
   if name == "mosaic":
     asked = "asked for by decode_kernel='mosaic'" if run.decode_kernel == "mosaic" else "decode_kernel='auto' on Hopper"
-    if run.decode_kernel == "auto" and run.resolved_cache_dtype == "float8_e4m3fn":
-      asked += f" over fp8 pages, without Triton's combine: {hardware.pallas_triton_reason()}"
     return Choice(name, f"the Mosaic GPU paged decode kernel and split combine (lcjax.ops.mosaic_gpu.paged, "
                         f".combine), {asked}")
-  if name == "mgpu-fp8":
-    return Choice(name, "the Mosaic GPU fp8 paged decode kernel (lcjax.ops.mosaic_gpu.paged) with Triton's split "
-                        "combine, decode_kernel='auto' on Hopper over fp8 pages")
   if name == "triton-interpret":
     return Choice(name, "the Triton paged decode kernel (lcjax.ops.triton.paged) in the Pallas interpreter: its "
                         "arithmetic, none of its speed")

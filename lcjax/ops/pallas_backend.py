@@ -28,9 +28,9 @@ from lcjax.ops.mosaic_gpu import paged as mgpu_paged
 from lcjax.ops.triton import paged as triton_paged
 from lcjax.ops.cudnn.backend import PAGED_PAST, CudnnBackend, paged_case, past_each
 
-# The Mosaic GPU decode kernels with the Mosaic GPU split combine (decode_route "mosaic"; "auto" over bf16
-# pages); bf16 pages through a 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within
-# 1% of 3 slots at 128K: benchmarks/NOTES-attention).
+# The Mosaic GPU decode kernels with the Mosaic GPU split combine (decode_route "mosaic", and "auto" on Hopper);
+# bf16 pages through a 2-slot K/V ring (the fastest of 2, 3 and 4 slots at 32K batch 8 on an H100, within 1% of 3
+# slots at 128K: benchmarks/NOTES-attention).
 MOSAIC_FP8_DECODE = mgpu_paged.DecodeTuning(combine="mosaic")
 MOSAIC_BF16_DECODE = mgpu_paged.DecodeTuning(max_concurrent_steps=2, combine="mosaic")
 
@@ -54,9 +54,8 @@ def prefix_reason(*, qk_dtype: str, head_dim: int, page_size: int, page_dtype,
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
   """Our kernels: Mosaic GPU flash attention for `attend`; for `paged` decode rows, the Mosaic GPU split-K decode
-  kernels (lcjax.ops.mosaic_gpu.paged) over bf16 or fp8 pages on Hopper (`decode_kernel` says with which split
-  combine, and why the Mosaic GPU one over fp8 pages: `hardware.pallas_triton_reason`), the split-K Pallas decode
-  kernel (Triton lowering) where they cannot serve (logged). `decode_route`
+  kernels (lcjax.ops.mosaic_gpu.paged) and their Mosaic GPU split combine over bf16 or fp8 pages on Hopper, the
+  split-K Pallas decode kernel (Triton lowering) where they cannot serve (logged). `decode_route`
   "mosaic" or "triton" sends every decode row to one of them (RunConfig.decode_kernel); "auto" chooses as above.
   `prefill_route` picks what reads a prefill chunk's cached prefix: "mosaic" (the flash kernel reading the pages
   in place) or "cudnn" (RunConfig.prefill_kernel; lcjax.engine.serving resolves "auto").
@@ -151,20 +150,16 @@ class PallasBackend:
 
   def decode_kernel(self, *, head_dim: int, page_size: int, rows: int, page_dtype, dtype=None) -> str:
     """The kernel `paged` runs for decode rows over pages of `page_dtype` (queries in `dtype`; None: bfloat16).
-    decode_route "auto" takes the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged) where they can serve
-    (`mosaic_decode_reason`): over bf16 pages with the Mosaic GPU split combine ('mosaic'), over fp8 pages with
-    Triton's ('mgpu-fp8': 1.9 us a call against the Mosaic GPU combine's ~2.6 on an H100,
-    benchmarks/NOTES-attention) where this JAX lowers through Triton, else with the Mosaic GPU combine ('mosaic');
-    else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page shapes the Mosaic GPU kernels do not
-    read). Another route is its own name. With interpret=True the Triton kernel runs in the Pallas interpreter:
-    'triton-interpret'."""
+    decode_route "auto" takes the Mosaic GPU decode kernels (lcjax.ops.mosaic_gpu.paged) with the Mosaic GPU split
+    combine ('mosaic') where they can serve (`mosaic_decode_reason`), over bf16 and fp8 pages alike, so no Hopper
+    default lowers through Pallas Triton; else 'triton' (lcjax.ops.triton.paged: GPUs that are not Hopper, page
+    shapes the Mosaic GPU kernels do not read). Another route is its own name. With interpret=True the Triton kernel
+    runs in the Pallas interpreter: 'triton-interpret'."""
     if self.decode_route != "auto":
       name = self.decode_route
     elif self.mosaic_decode_reason(head_dim=head_dim, page_size=page_size, rows=rows, page_dtype=page_dtype,
                                    dtype=dtype):
       name = "triton"
-    elif jnp.dtype(page_dtype) == fp8_ops.E4M3 and not hardware.pallas_triton_reason():
-      name = "mgpu-fp8"
     else:
       name = "mosaic"
     return "triton-interpret" if name == "triton" and self.interpret else name
@@ -186,17 +181,11 @@ class PallasBackend:
         if reason:
           raise ValueError(f"decode_kernel='mosaic' cannot read these decode rows: {reason}")
         if fp8_pages:
-          if self.decode_route == "auto":
-            ref.warn_once(f"attention backend {self.name}: decode over fp8 pages joins its splits with the Mosaic GPU "
-                          f"combine (up to ~1.5 us a layer slower than Triton's): {hardware.pallas_triton_reason()}")
           return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                              k_scale=k_scale, v_scale=v_scale, page_offset=page_offset,
                                              tuning=MOSAIC_FP8_DECODE)
         return mgpu_paged.paged_decode_bf16(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
                                             page_offset=page_offset, tuning=MOSAIC_BF16_DECODE)
-      if kernel == "mgpu-fp8":
-        return mgpu_paged.paged_decode_fp8(q, k_pages, v_pages, page_table, q_pos=q_pos, kv_len=kv_len,
-                                           k_scale=k_scale, v_scale=v_scale, page_offset=page_offset)
       if self.decode_route == "auto" and not self.interpret:
         slower = " (it widens K and V to float16: about half the fp8 kernel's speed)" if fp8_pages else ""
         ref.warn_once(f"attention backend {self.name}: decode runs the Triton paged kernel{slower}: "

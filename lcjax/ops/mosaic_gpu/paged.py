@@ -15,9 +15,9 @@ One CTA takes (split s, kv head h, sequence b): the R = T * G query rows of kv h
 [s * pps, (s + 1) * pps) of b's page table, read as blocks of BLOCK keys. One warpgroup computes; a second fills a
 ring of `max_concurrent_steps` K/V slots by TMA and widens each V block into a ring of V16_SLOTS float16 blocks,
 so the widening overlaps the compute warpgroup's chain of dependent steps rather than lengthening it. Each split
-writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine: Triton's of
-lcjax.ops.triton.paged, or lcjax.ops.mosaic_gpu.combine's, for whose flat join the kernel stores the lse broadcast
-over the head dim).
+writes a float32 partial (out^T, lse); a split combine joins them exactly (DecodeTuning.combine:
+lcjax.ops.mosaic_gpu.combine's, the default; its flat join, for which the kernel stores the lse broadcast over the
+head dim; or Triton's of lcjax.ops.triton.paged, which the deprecated Pallas Triton lowering runs).
 
 Over bfloat16 pages (`paged_decode_bf16`) the same kernel reads the queries as bf16 rows (one term, no scale),
 computes S^T = K Q^T with one bf16 wgmma and O^T = V^T P^T with P in bf16 and V as TMA brought it; the TMA
@@ -71,9 +71,10 @@ class DecodeTuning:
                                      # an SM where the ring depth lets them (`ring_depth`)
   min_pages_per_split: int = 4
   max_concurrent_steps: int | None = None   # K/V ring depth; None: `ring_depth` per call
-  combine: str = "triton"            # the split combine: "triton" (lcjax.ops.triton.paged), "mosaic"
-                                     # (lcjax.ops.mosaic_gpu.combine), "mosaic-flat" (its combine_splits_flat, on
-                                     # partials whose lse the kernel stores broadcast over the head dim)
+  combine: str = "mosaic"            # the split combine: "mosaic" (lcjax.ops.mosaic_gpu.combine), "mosaic-flat"
+                                     # (its combine_splits_flat, on partials whose lse the kernel stores broadcast
+                                     # over the head dim), "triton" (lcjax.ops.triton.paged: ~1.2 us a call faster
+                                     # on an H100, through the deprecated Pallas Triton lowering)
 
   @property
   def lse_broadcast(self) -> bool:

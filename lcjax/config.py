@@ -362,9 +362,8 @@ class RunConfig:
                                      # "pallas" (lcjax.ops.triton.page_write: the same in Triton; a CUDA GPU of
                                      # sm_89+, power-of-two page_size and head_dim),
                                      # "xla" (nine small XLA kernels a layer), "pallas-interpret"
-  decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (on Hopper the
-                                     # Mosaic GPU decode kernels, over bf16 pages with their Mosaic GPU split
-                                     # combine, over fp8 pages with Triton's; else triton, the log says why),
+  decode_kernel: str = "auto"        # decode steps over the pages, on the pallas backends: "auto" (mosaic on
+                                     # Hopper where its kernels read the pages; else triton, the log says why),
                                      # "mosaic" (lcjax.ops.mosaic_gpu.paged and .combine, bf16 and fp8 pages: no
                                      # Triton attention kernel; Hopper), "triton" (lcjax.ops.triton.paged, both
                                      # page dtypes); cuDNN decodes with its own

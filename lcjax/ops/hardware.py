@@ -41,8 +41,7 @@ def sm90_fp8_reason(kernel: str, uses: str) -> str | None:
 def pallas_triton_reason() -> str | None:
   """Why this JAX cannot lower Pallas kernels through Triton (None: it can), asked as JAX's own GPU lowering asks:
   by importing its Triton registration (which needs jaxlib's Triton dialect). JAX deprecated that lowering in 0.11
-  and will remove it. The kernels of lcjax.ops.triton need it; at the presets' shapes the Hopper defaults need it
-  only for the split combine over fp8 pages, which lcjax.ops.pallas_backend then takes in Mosaic GPU."""
+  and will remove it. The kernels of lcjax.ops.triton need it; at the presets' shapes no Hopper default does."""
   try:
     importlib.import_module("jax._src.pallas.triton.pallas_call_registration")
   except ImportError as e:

@@ -284,7 +284,7 @@ def test_fp8_cache_holds_outliers_a_per_layer_calibration_would_clip(monkeypatch
   def rounded(scale_of):
     """A float32 engine whose K, V writes are rounded to e4m3 at scale_of(x [B, T, K, H], layer, is_v)."""
     def round_e4m3(new, s):
-      return (jnp.clip(new / s, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s).astype(new.dtype)
+      return (kvc.fp8_ops.round_to_e4m3(jnp.clip(new / s, -448, 448)) * s).astype(new.dtype)
 
     def write(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, **kw):
       k_rot = kvc.fp8_basis(k)                                    # rounded where fp8 pages round it, rotated back

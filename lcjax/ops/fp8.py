@@ -279,7 +279,9 @@ def attention_fp8_model(q8, qs, k8, ks, v8, vs, d, kv_len, *, causal: bool, bloc
     p = jnp.exp2(x - (m_new[..., None, None] - P_SHIFT - grouped(at(sc.v_log2, i))))
     l = l * alpha + (p.sum(axis=-1) * grouped(at(sc.v_inv, i))[..., 0]).sum(axis=-1)
     v_max = at(sc.v_max, i)                                              # [B, K]
-    pv = jnp.einsum("bkgqrj,bjkh->bkgqrh", p.astype(E4M3).astype(jnp.float32).reshape(*s.shape[:5], block_kv), vb,
+    # p <= 2^P_SHIFT: rounded to e4m3 as the kernel's P operand is, in float32 arithmetic (`round_to_e4m3`: a round
+    # trip through e4m3 may be folded away by XLA on a GPU).
+    pv = jnp.einsum("bkgqrj,bjkh->bkgqrh", round_to_e4m3(p).reshape(*s.shape[:5], block_kv), vb,
                     precision=lax.Precision.HIGHEST)
     rescale = alpha * (ref_v / v_max)[:, :, None, None, None]
     return (m_new, l, acc * rescale[..., None] + pv, v_max), None

@@ -390,10 +390,8 @@ def test_decode_route_sends_decode_rows_to_its_kernel(route, page_dtype, monkeyp
 
 
 def test_decode_kernel_names_the_kernel_decode_rows_take(monkeypatch):
-  """What an engine reports as stats["decode_kernel"] is what `paged` routes to (in a JAX with the Pallas Triton
-  lowering; tests/test_serving.py has one without)."""
+  """What an engine reports as stats["decode_kernel"] is what `paged` routes to."""
   monkeypatch.setattr(hardware, "on_sm90", lambda: None)
-  monkeypatch.setattr(hardware, "pallas_triton_reason", lambda: None)
   be, e4 = pallas_backend.PallasBackend(), jnp.float8_e4m3fn
   assert be.decode_kernel(head_dim=128, page_size=64, rows=4, page_dtype=e4) == "mosaic"
   assert be.decode_kernel(head_dim=128, page_size=32, rows=4, page_dtype=e4) == "triton"

@@ -166,26 +166,25 @@ def test_paged_flash_prefill_matches_reference(prefill_kernel, prompts):
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "float8_e4m3fn"])
 def test_mosaic_decode_matches_reference(cache_dtype, prompts):
-  """decode_kernel="mosaic" (the Mosaic GPU decode kernel and its Mosaic GPU split combine, bf16 or fp8 pages)
-  == the reference backend on the same cache dtype, and the stats name it."""
+  """Hopper's default decode (decode_kernel "auto": the Mosaic GPU decode kernel and its Mosaic GPU split combine,
+  bf16 or fp8 pages) == the reference backend on the same cache dtype, and the stats name it."""
   from lcjax.ops import hardware
   if hardware.on_sm90():
     pytest.skip(hardware.on_sm90())
-  fast = _engine("pallas", cache_dtype=cache_dtype, decode_kernel="mosaic")
+  fast = _engine("pallas", cache_dtype=cache_dtype)
   assert fast.decode_kernel == "mosaic"
   _assert_agree(_engine("reference", cache_dtype=cache_dtype), fast, prompts, kernels=("pallas", "mosaic"),
                 uncached=cache_dtype == "auto")
 
 
-@pytest.mark.parametrize("backend, decode", [("cudnn", "triton"), ("pallas", "mosaic")])
-def test_fp8_cache_matches_reference(backend, decode, prompts):
-  """An fp8 cache through the fast path (chunks: cuDNN over dequantized pages; decode on pallas: the Mosaic GPU
-  fp8 kernel of lcjax.ops.mosaic_gpu.paged, queries in two e4m3 terms, and its Mosaic GPU split combine) == the
-  same cache through the reference backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8 decode kernel
-  (lcjax.ops.kernels.TritonFp8Decode, the decode of GPUs without the Mosaic GPU kernels), and its stats say so."""
-  fast = _engine(backend, cache_dtype="float8_e4m3fn")
-  assert fast.attention.name == backend and fast.fp8_cache
-  _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, kernels=(backend, decode),
+def test_fp8_cache_through_cudnn_matches_reference(prompts):
+  """An fp8 cache through the cudnn backend (chunks: cuDNN over dequantized pages) == the same cache through the
+  reference backend. cuDNN has no fp8 decode: the cudnn backend's decode rows over fp8 pages run the Triton fp8
+  decode kernel (lcjax.ops.kernels.TritonFp8Decode, the decode of GPUs without the Mosaic GPU kernels), and its
+  stats say so. (The pallas backend over fp8 pages: test_mosaic_decode_matches_reference.)"""
+  fast = _engine("cudnn", cache_dtype="float8_e4m3fn")
+  assert fast.attention.name == "cudnn" and fast.fp8_cache
+  _assert_agree(_engine("reference", cache_dtype="float8_e4m3fn"), fast, prompts, kernels=("cudnn", "triton"),
                 uncached=False)
 
 

@@ -60,8 +60,8 @@ def _cross_lowering_available():
 
 
 def _lowered_calls(fn, *args) -> list[str]:
-  """The custom-call targets of fn lowered for CUDA (the split combine of the paged decode is a Triton call, which
-  has no export compatibility guarantee: allowed here, as nothing is serialized)."""
+  """The custom-call targets of fn lowered for CUDA (under DecodeTuning(combine="triton") the paged decode's split
+  combine is a Triton call, which has no export compatibility guarantee: allowed here, as nothing is serialized)."""
   exp = export.export(jax.jit(fn), platforms=("cuda",),
                       disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
   return re.findall(r"custom_call @([\w$.]+)", exp.mlir_module())

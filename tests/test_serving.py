@@ -13,7 +13,7 @@ import pytest
 from lcjax import config
 from lcjax.config import ConfigError, RunConfig, preset
 from lcjax.engine.serving import resolve
-from lcjax.ops import hardware, kernels, pallas_backend
+from lcjax.ops import hardware, kernels
 from lcjax.ops.cudnn import backend as cudnn
 
 CFG = preset("llama3.1-8b")

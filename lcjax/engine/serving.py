@@ -19,7 +19,7 @@ from lcjax.config import ConfigError, ModelConfig, RunConfig, WeightFormat
 from lcjax.engine import placement
 from lcjax.engine import plan as planlib
 from lcjax.engine.requests import Limits, check_context_length
-from lcjax.ops import hardware, kernels
+from lcjax.ops import kernels
 from lcjax.ops.backends import get_backend
 from lcjax.ops.linear import WIDEN_MAX_ROWS
 

@@ -1,8 +1,8 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16 or
-fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged; their split combine in Mosaic GPU
-over bf16 pages, in Triton over fp8 pages where JAX has that lowering) where they can serve them, else to the
+fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged, with their Mosaic GPU split
+combine) where they can serve them, else to the
 split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the
 paged cache by its prefill_route to the Mosaic GPU flash kernel reading the pages in place
 (mgpu_flash.flash_attention_paged) or to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel

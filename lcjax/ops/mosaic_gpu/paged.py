@@ -73,8 +73,9 @@ class DecodeTuning:
   max_concurrent_steps: int | None = None   # K/V ring depth; None: `ring_depth` per call
   combine: str = "mosaic"            # the split combine: "mosaic" (lcjax.ops.mosaic_gpu.combine), "mosaic-flat"
                                      # (its combine_splits_flat, on partials whose lse the kernel stores broadcast
-                                     # over the head dim), "triton" (lcjax.ops.triton.paged: ~1.2 us a call faster
-                                     # on an H100, through the deprecated Pallas Triton lowering)
+                                     # over the head dim), "triton" (lcjax.ops.triton.paged: 0.5-1.4 us a call
+                                     # faster in the engine on an H100, through the deprecated Pallas Triton
+                                     # lowering)
 
   @property
   def lse_broadcast(self) -> bool:

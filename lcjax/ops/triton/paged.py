@@ -20,7 +20,8 @@ On Hopper, decode over bf16 pages runs lcjax.ops.mosaic_gpu.paged too (its bf16 
 as fast or faster at 128K and 512K on the H200, benchmarks/results/attention.md, parts
 attention-decode-routing-*); JAX 0.11.2 warns that the Pallas Triton backend is deprecated. This kernel serves GPUs
 that are not Hopper (Ampere, Ada), page shapes the Mosaic GPU kernel cannot read, and the Pallas interpreter on
-CPUs, so CI covers its indexing and masking; its split combine joins the Mosaic GPU fp8 kernel's splits.
+CPUs, so CI covers its indexing and masking; its split combine joins the Mosaic GPU decode kernels' splits only
+where DecodeTuning(combine="triton") asks for it (tools/bench_attention.py).
 Chunked prefill (R > max_rows) is not decode-shaped: the backend routes it elsewhere.
 
 Legend: B batch, T queries, N query heads, K kv heads, G = N // K, H head dim, P pages, Z page size, M slots.

@@ -167,10 +167,10 @@ def _write(pool, scale, new, slots, pages, layer, first: int | jax.Array = 0):
   scale = scale.at[layer, page].max(scale_for(jnp.abs(x).max(axis=-1)), mode="drop")
   ratio = old / scale[layer, wpc]
   grew = jnp.any(ratio != 1.0, axis=-1)
-  stored = (pool[layer, wpc].astype(jnp.float32) * ratio[:, None, :, None]).astype(pool.dtype)
-  pool = pool.at[layer, jnp.where(grew, wp, Pl)].set(stored, mode="drop")
+  stored = (fp8_ops.take(pool, (layer, wpc)).astype(jnp.float32) * ratio[:, None, :, None]).astype(pool.dtype)
+  pool = fp8_ops.set_at(pool, (layer, jnp.where(grew, wp, Pl)), stored, mode="drop")
   y = fp8_ops.clip_finite(x, x / scale[layer, jnp.minimum(page, Pl - 1)][:, :, None]).astype(pool.dtype)
-  return pool.at[layer, page, s % Z].set(y, mode="drop"), scale
+  return fp8_ops.set_at(pool, (layer, page, s % Z), y, mode="drop"), scale
 
 
 def _write_one_token(pool, scale, x, page, offset, layer):
@@ -186,11 +186,12 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   pc = jnp.minimum(page, Pl - 1)
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [(L,) B, K]
   new_scale = jnp.maximum(old, scale_for(jnp.abs(x).max(axis=-1)))
-  stored = pool[layer, pc].astype(jnp.float32) * (old / new_scale)[..., None, :, None]  # [(L,) B, Z, K, H]
+  stored = fp8_ops.take(pool, (layer, pc)).astype(jnp.float32) * (old / new_scale)[..., None, :, None]
+  # stored: [(L,) B, Z, K, H]
   y = fp8_ops.clip_finite(x, x / new_scale[..., None])                             # [(L,) B, K, H]
   here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
   contents = jnp.where(here, y[..., None, :, :], stored).astype(pool.dtype)           # [(L,) B, Z, K, H]
-  return pool.at[layer, page].set(contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
+  return fp8_ops.set_at(pool, (layer, page), contents, mode="drop"), scale.at[layer, page].set(new_scale, mode="drop")
 
 
 def rotates_keys(head_dim: int) -> bool:
@@ -267,15 +268,27 @@ def write_kv(k_all, v_all, k_scale, v_scale, k, v, slots, pages, layer, *, shard
   return k_all, v_all, k_scale, v_scale
 
 
+def as_carry(cache: PagedKV) -> PagedKV:
+  """The cache as a loop carries it: its pools through `fp8_ops.as_carry` (on the CPU, fp8 pools as their uint8
+  views, which XLA's CPU backend updates in place; a float8 carry it copies whole around every layer's write).
+  `from_carry` undoes it."""
+  return dataclasses.replace(cache, k=fp8_ops.as_carry(cache.k), v=fp8_ops.as_carry(cache.v))
+
+
+def from_carry(cache: PagedKV, dtype) -> PagedKV:
+  """A cache `as_carry` made from pools of `dtype`, with pools of `dtype` again (the same bytes)."""
+  return dataclasses.replace(cache, k=fp8_ops.from_carry(cache.k, dtype), v=fp8_ops.from_carry(cache.v, dtype))
+
+
 def copy_pages(cache: PagedKV, src, dst) -> PagedKV:
   """Copy-on-write: pages src [C] -> dst [C] in every layer (for a shared, partly filled last page), scales too."""
-  return PagedKV(*(x.at[:, dst].set(x[:, src]) for x in cache.parts()))
+  return PagedKV(*(fp8_ops.set_at(x, (slice(None), dst), fp8_ops.take(x, (slice(None), src))) for x in cache.parts()))
 
 
 def gather_pages(cache: PagedKV, pages) -> tuple:
   """`cache.parts()` of `pages` [n] in every layer (pages evicted to the host tier): K, V [L, n, Z, K, H] and, for
   fp8 pools, their scales [L, n, K]."""
-  return tuple(x[:, pages] for x in cache.parts())
+  return tuple(fp8_ops.take(x, (slice(None), pages)) for x in cache.parts())
 
 
 def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
@@ -284,14 +297,14 @@ def scatter_pages(cache: PagedKV, pages, *parts) -> PagedKV:
   if len(parts) != len(cache.parts()):
     raise ValueError(f"{len(parts)} arrays for a cache of {len(cache.parts())} (K, V and, for fp8, their scales)")
   pages = drop_null(pages, cache.num_pages)
-  return PagedKV(*(x.at[:, pages].set(y.astype(x.dtype), mode="drop") for x, y in zip(cache.parts(), parts)))
+  return PagedKV(*(fp8_ops.set_at(x, (slice(None), pages), y, mode="drop") for x, y in zip(cache.parts(), parts)))
 
 
 def zero_pages(cache: PagedKV, pages) -> PagedKV:
   """`pages` [n] of every layer set to zeros, fp8 scales too (what a new pool holds); entries naming the null page
   (padding) write nothing."""
   pages = drop_null(pages, cache.num_pages)
-  return PagedKV(*(x.at[:, pages].set(0, mode="drop") for x in cache.parts()))
+  return PagedKV(*(fp8_ops.set_at(x, (slice(None), pages), 0, mode="drop") for x in cache.parts()))
 
 
 # -- one seq shard's view (inside shard_map over `seq`) -----------------------------------------------------------

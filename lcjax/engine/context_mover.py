@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lcjax.cache import kv as kvc
 from lcjax.engine.context_file import ContextError, block_size
+from lcjax.ops import fp8 as fp8_ops
 
 _IN_FLIGHT = 8       # gathers to pinned host memory dispatched ahead of the one waited for
 
@@ -45,7 +46,7 @@ def _scatter(cache, layer, pages, parts, rep: int):
   # A page that fails is written as zeros, never as what it held: the caller refuses the context and frees it.
   clean = lambda y: jnp.where(ok.reshape((b,) + (1,) * (y.ndim - 1)), y, jnp.zeros((), y.dtype))
   parts = (jnp.repeat(k, rep, axis=-2), jnp.repeat(v, rep, axis=-2), *(jnp.repeat(s, rep, axis=-1) for s in scales))
-  new = kvc.PagedKV(*(x.at[layer, pages].set(clean(y).astype(x.dtype), mode="drop")
+  new = kvc.PagedKV(*(fp8_ops.set_at(x, (layer, pages), clean(y), mode="drop")
                       for x, y in zip(cache.parts(), parts)))
   return new, bad
 

@@ -143,12 +143,15 @@ class Steps:
     Z = self.page_size
     group = sync_group(steps, self.sync_every)
 
+    pool_dtype = cache.k.dtype
+
     def one(c):
       i, st, cache, out = c
       page = jnp.take_along_axis(page_table, (st.pos // Z)[:, None], axis=1)[:, 0]
       slot = jnp.where(st.done, 0, page * Z + st.pos % Z)                    # done slots: the null page (dropped)
-      logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=cache, slots=slot[:, None],
-                            page_table=page_table, kv_len=st.pos + 1)
+      logits, cache = model(st.tokens[:, None], st.pos[:, None], cache=kvc.from_carry(cache, pool_dtype),
+                            slots=slot[:, None], page_table=page_table, kv_len=st.pos + 1)
+      cache = kvc.as_carry(cache)
       nxt = sample(logits[:, 0], sp, st.pos + 1, greedy)
       live = ~st.done
       bad = live & ~finite(logits[:, 0])
@@ -172,8 +175,8 @@ class Steps:
       return jax.lax.fori_loop(0, group, lambda _, c: one(c), c) if group > 1 else one(c)
 
     out = jnp.full((B, steps), -1, jnp.int32)
-    _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, cache, out))
-    return out, state, cache
+    _, state, cache, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, kvc.as_carry(cache), out))
+    return out, state, kvc.from_carry(cache, pool_dtype)
 
   def _spec_step(self, model, cache, st: DecodeState, room, drafts, count, sp, page_table, eos_ids, greedy: bool):
     """One model call of speculative decoding: every slot with room > 0 feeds its last token and its first
@@ -240,8 +243,11 @@ class Steps:
     B, W = history.shape
     rows = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
+    pool_dtype = cache.k.dtype
+
     def one(c):
       i, st, cache, out, n_out, history, counts = c
+      cache = kvc.from_carry(cache, pool_dtype)
       active = ~st.done & (n_out < steps)
       room = jnp.where(active, jnp.minimum(st.remaining, steps - n_out), 0)  # tokens the slot may still gain
       drafts, count = speculate.find_drafts(history, st.pos + 1, ngram=ngram, k=k)
@@ -258,7 +264,7 @@ class Steps:
       done = st.done | bad | (active & (eos | (remaining <= 0)))
       st = DecodeState(jnp.where(n > 0, last, st.tokens), st.pos + n, done, remaining)
       counts = DraftCounts(counts.steps + active, counts.proposed + count, counts.accepted + jnp.minimum(accepted, n))
-      return i + 1, st, cache, out, n_out + n, history, counts
+      return i + 1, st, kvc.as_carry(cache), out, n_out + n, history, counts
 
     def cond(c):
       i, st, _, _, n_out, _, _ = c
@@ -271,9 +277,9 @@ class Steps:
 
     zeros = jnp.zeros(B, jnp.int32)
     out = jnp.full((B, steps), -1, jnp.int32)
-    carry = (jnp.int32(0), state, cache, out, zeros, history, DraftCounts(zeros, zeros, zeros))
+    carry = (jnp.int32(0), state, kvc.as_carry(cache), out, zeros, history, DraftCounts(zeros, zeros, zeros))
     _, state, cache, out, _, _, counts = jax.lax.while_loop(cond, body, carry)
-    return out, state, cache, counts
+    return out, state, kvc.from_carry(cache, pool_dtype), counts
 
 
 def sync_group(steps: int, most: int) -> int:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lcjax.ops import fp8
+
 NEG_INF = float("-inf")
 # Masked scores use a large finite value so that exp(masked - max) is exactly 0 without inf - inf = nan.
 _MASKED = -1e30
@@ -62,7 +64,7 @@ def gather_pages(pages, scale, ids, dtype, layer=None):
   or None. With `layer` (a scalar), pages [L, P, Z, K, H] and scale [L, P, K] hold every layer's pool and layer
   `layer`'s pages ids are read (one gather: no layer's pool is sliced out)."""
   at = ids if layer is None else (layer, ids)
-  return dequantize(pages[at], None if scale is None else scale[at][:, :, None, :], dtype)
+  return dequantize(fp8.take(pages, at), None if scale is None else scale[at][:, :, None, :], dtype)
 
 
 def over_table_blocks(block, table, lengths, page_size: int, block_tokens: int, out_shape, out_dtype):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lcjax.ops import attention as ref
+from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.cudnn import calls
 
 def _sanitize(out, lse, empty):
@@ -64,7 +65,7 @@ def _paged_window(pages, page_table, start, W, scale=None, dtype=None):
   tok = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]                          # [B, W]
   slot = jnp.clip(tok // Z, 0, M - 1)
   page = jnp.take_along_axis(page_table, slot, axis=1)
-  x = pages[page, jnp.clip(tok - slot * Z, 0, Z - 1)]
+  x = fp8_ops.take(pages, (page, jnp.clip(tok - slot * Z, 0, Z - 1)))
   return x if scale is None else ref.dequantize(x, scale[page], dtype)
 
 

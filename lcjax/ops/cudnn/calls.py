@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from lcjax.ops import attention as ref
+from lcjax.ops import fp8 as fp8_ops
 
 DTYPES = ("bfloat16", "float16")
 
@@ -105,6 +106,6 @@ def paged_emulated(q, k_pages, v_pages, page_table, kv_seqlen, scale):
   B = q.shape[0]
   Z = k_pages.shape[1]
   M = page_table.shape[1]
-  k = k_pages[page_table].reshape(B, M * Z, *k_pages.shape[2:])
-  v = v_pages[page_table].reshape(B, M * Z, *v_pages.shape[2:])
+  k = fp8_ops.take(k_pages, page_table).reshape(B, M * Z, *k_pages.shape[2:])
+  v = fp8_ops.take(v_pages, page_table).reshape(B, M * Z, *v_pages.shape[2:])
   return dense_emulated(q, k, v, kv_seqlen, False, scale)

@@ -841,7 +841,8 @@ def flash_attention_fp8_paged(q, k_pages, v_pages, k_scale, v_scale, page_table,
   q8, qs = fp8_ops.quantize_rows(q, tuning.block_q)
   sc = fp8_ops.page_scales(k_scale, v_scale, table + offset, kvl, page_size=Z, block_kv=tuning.block_kv)
   S = sc.v_max.shape[2] * tuning.block_kv
-  keys = lambda pages: jnp.pad(pages[table + offset].reshape(B, M * Z, K, H), ((0, 0), (0, S - M * Z), (0, 0), (0, 0)))
+  keys = lambda pages: jnp.pad(fp8_ops.take(pages, table + offset).reshape(B, M * Z, K, H),
+                               ((0, 0), (0, S - M * Z), (0, 0), (0, 0)))
   d = jnp.zeros((B,), jnp.int32)
   if interpret:
     out, lse = fp8_ops.attention_fp8_model(q8, qs, keys(k_pages), sc, keys(v_pages), None, d, kvl, causal=False,

@@ -508,17 +508,19 @@ def pool_copies_in_decode_loop(eng) -> list[str]:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program (Llama.pool_reads)")
+@pytest.mark.parametrize("cache_dtype", ["auto", "float8_e4m3fn"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_loop_copies_no_pool_on_cpu(batch):
+def test_decode_loop_copies_no_pool_on_cpu(batch, cache_dtype):
   """The decode loop XLA:CPU compiles (as serving runs it: Scheduler.lower_decode, the arguments of warm-up, XLA's
   optimizations on) copies no array as large as one layer's KV pool: the layer scan writes the pools and attention
   reads them in place, so a step costs the tokens cached, not the pools (Llama's pool_reads: with attention reading
   them as the reshaped [L * P] view, pool_reads="view", XLA:CPU copies K and V 4 times each in every layer of every
   step). The pools are made larger than any weight, so a copy that size is a copy of a pool. Batch 1 (XLA turns
-  the write of one row into a dynamic-update-slice) and 3 (a scatter)."""
+  the write of one row into a dynamic-update-slice) and 3 (a scatter); float32 and fp8 pools (which the loops carry
+  as uint8 on the CPU, fp8.as_carry: a float8 carry is copied whole around its updates)."""
   # Weights and pools made as every test makes them: their values play no part in the loop's program, and the
   # weights' initializer compiled with XLA's optimizations took about 5 s of the first case.
-  eng = _engine(page_size=16, max_context=2048, max_batch=batch)
+  eng = _engine(page_size=16, max_context=2048, max_batch=batch, cache_dtype=cache_dtype)
   try:
     with optimized_xla():
       copies = pool_copies_in_decode_loop(eng)

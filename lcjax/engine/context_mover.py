@@ -26,7 +26,7 @@ _IN_FLIGHT = 8       # gathers to pinned host memory dispatched ahead of the one
 def _gather(cache, layer, pages, rep: int) -> tuple:
   """`cache.parts()` of `pages` of one layer, the model's own KV heads: K, V [b, Z, K, H] (and fp8 scales
   [b, K])."""
-  k, v, *scales = (x[layer, pages] for x in cache.parts())
+  k, v, *scales = (fp8_ops.take(x, (layer, pages)) for x in cache.parts())
   return (k[..., ::rep, :], v[..., ::rep, :], *(s[..., ::rep] for s in scales))
 
 

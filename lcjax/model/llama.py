@@ -720,18 +720,18 @@ class Llama(nnx.Module):
         return x, kv if kv_out else None
       x, new_kv = jax.lax.scan(body, x, (layer_state, layer_ids))
     else:
-      pool_dtype = cache.k.dtype
+      pool_dtypes = (cache.k.dtype, cache.v.dtype)
 
       def body(carry, xs):
         x, (k_all, v_all, k_scale, v_scale) = carry
         layer_params, i = xs
         block, gemv = block_and_gemv(layer_params, i)
-        k_all, v_all = (fp8_ops.from_carry(a, pool_dtype) for a in (k_all, v_all))
+        k_all, v_all = (fp8_ops.from_carry(a, d) for a, d in zip((k_all, v_all), pool_dtypes))
         x, parts, kv = self._layer(block, x, step, (k_all, v_all, i, k_scale, v_scale), gemv)
         return (x, (*map(fp8_ops.as_carry, parts[:2]), *parts[2:])), kv if kv_out else None
       carry = (x, (fp8_ops.as_carry(cache.k), fp8_ops.as_carry(cache.v), cache.k_scale, cache.v_scale))
       (x, parts), new_kv = jax.lax.scan(body, carry, (layer_state, layer_ids))
-      parts = (*(fp8_ops.from_carry(a, pool_dtype) for a in parts[:2]), *parts[2:])
+      parts = (*(fp8_ops.from_carry(a, d) for a, d in zip(parts[:2], pool_dtypes)), *parts[2:])
       k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in parts[:2])
       k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in parts[2:])
       cache = kvc.PagedKV(k_all, v_all, k_scale, v_scale)

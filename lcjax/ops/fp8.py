@@ -85,8 +85,8 @@ def take(pool, index):
 def set_at(pool, index, values, **kw):
   """pool.at[index].set(values, **kw), values cast to the pool's dtype. On the CPU a pool of 8-bit floats is updated
   through its uint8 view, the same bytes: XLA's CPU backend has no float8 update and widens the whole pool to
-  float16 and back around each one (with `take`: a decode step of the bundled SmolLM2 over a 2K-token fp8 cache,
-  2.9 s before, 0.28 s after; 33 ms over a float32 cache). GPUs update float8 as it is."""
+  float16 and back around each one (benchmarks/NOTES-fp8.md measures the cost: with `take` and `as_carry`, fp8
+  decode on the CPU runs near float32's speed). GPUs update float8 as it is."""
   values = jnp.asarray(values).astype(pool.dtype)
   if not _byte_floats(pool):
     return pool.at[index].set(values, **kw)
@@ -102,12 +102,14 @@ def as_carry(x):
 
 def from_carry(x, dtype):
   """The array `as_carry` made from an array of `dtype`, back in `dtype` (the same bytes)."""
-  return lax.bitcast_convert_type(x, dtype) if x is not None and x.dtype != dtype else x
+  return lax.bitcast_convert_type(x, dtype) if x is not None and x.dtype == jnp.uint8 != jnp.dtype(dtype) else x
 
 
 def _byte_floats(x) -> bool:
-  """Whether x is an array of 8-bit floats that the CPU backend (the default one) will read or update."""
-  return jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating) and jax.default_backend() == "cpu"
+  """Whether x is an array of 8-bit floats and JAX's default backend is the CPU (where `take`, `set_at` and
+  `as_carry` use the uint8 view)."""
+  return (jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8
+          and jax.default_backend() == "cpu")
 
 
 def _bytes(x):

@@ -366,11 +366,15 @@ def test_warm_up_compiles_the_speculative_loop_generate_then_uses():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program")
-@pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("cache_dtype", ["float32", pytest.param("float8_e4m3fn", marks=pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="kv.write_tokens' byte-view updates of fp8 pools are copied whole, "
+    "once a kept token (O(pool) a step on the CPU; plain float8 indexing widened the pools to float16 instead, 5-9x "
+    "slower): benchmarks/NOTES-fp8.md"))])
 def test_the_speculative_loop_copies_no_pool(cache_dtype):
   """The speculative decode loop, compiled as serving runs it (Scheduler.lower_decode, XLA's optimizations on),
-  copies no array as large as one layer's KV pool: nothing in a step costs the pools' size (a lax.cond holding the
-  cache, or a gather of the pages a step writes before the step, each made XLA copy the pools every step)."""
+  copies no array as large as one layer's KV pool and makes none in a wider dtype: nothing in a step costs the
+  pools' size (a lax.cond holding the cache, or a gather of the pages a step writes before the step, each made XLA
+  copy the pools every step; float8 pools read or written by plain indexing are widened to float16 whole)."""
   from tests.test_engine import pool_copies_in_decode_loop
   # Weights and pools made as every test makes them: their values play no part in the loop's program, and the
   # weights' initializer compiled with XLA's optimizations took about 5 s of the test.
@@ -378,7 +382,7 @@ def test_the_speculative_loop_copies_no_pool(cache_dtype):
                                             **SPEC), seed=3)
   try:
     with optimized_xla():
-      copies = pool_copies_in_decode_loop(eng)
+      copies = pool_copies_in_decode_loop(eng, widened=True)
     assert copies == [], copies
   finally:
     eng.close()

@@ -500,8 +500,8 @@ def _copies_of_at_least(hlo: str, elements: int, widened: bool = False) -> list[
 
 def pool_copies_in_decode_loop(eng, widened: bool = False) -> list[str]:
   """The copies at least one layer's KV pool in size in the decode loop XLA compiles for `eng` (as serving runs it:
-  Scheduler.lower_decode, the arguments of warm-up). The engine's pools must be larger than any weight, so such a
-  copy is a copy of a pool."""
+  Scheduler.lower_decode, the arguments of warm-up); widened: and the converts of that size to float16 / float32.
+  The engine's pools must be larger than any weight, so such a copy is a copy of a pool."""
   k = eng.cache.k
   layer_pool = k.size // k.shape[0]
   assert max(x.size for x in jax.tree.leaves(eng.scheduler.params)) < layer_pool

@@ -366,9 +366,7 @@ def test_warm_up_compiles_the_speculative_loop_generate_then_uses():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the XLA:CPU program")
-@pytest.mark.parametrize("cache_dtype", ["float32", pytest.param("float8_e4m3fn", marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="kv.write_tokens' byte-view updates copy one fp8 pool whole, 6 times "
-    "a step on the CPU (plain float8 indexing widens the pools to float16, 5-9x slower): benchmarks/NOTES-fp8.md"))])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
 def test_the_speculative_loop_copies_no_pool(cache_dtype):
   """The speculative decode loop, compiled as serving runs it (Scheduler.lower_decode, XLA's optimizations on),
   copies no array as large as one layer's KV pool and makes none in a wider dtype: nothing in a step costs the

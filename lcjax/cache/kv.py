@@ -186,8 +186,9 @@ def _write_one_token(pool, scale, x, page, offset, layer):
   pc = jnp.minimum(page, Pl - 1)
   old = jnp.where((offset == 0)[:, None], 0.0, scale[layer, pc])                       # [(L,) B, K]
   new_scale = jnp.maximum(old, scale_for(jnp.abs(x).max(axis=-1)))
-  stored = fp8_ops.take(pool, (layer, pc)).astype(jnp.float32) * (old / new_scale)[..., None, :, None]
-  # stored: [(L,) B, Z, K, H]
+  # stored: [(L,) B, Z, K, H], read at the pages written (a padding row's page Pl reads clamped, as pc does, and
+  # its write is dropped): at the same index as the write, XLA updates the pool in place, not a copy of it.
+  stored = fp8_ops.take(pool, (layer, page)).astype(jnp.float32) * (old / new_scale)[..., None, :, None]
   y = fp8_ops.clip_finite(x, x / new_scale[..., None])                             # [(L,) B, K, H]
   here = (jnp.arange(Z)[None, :] == offset[:, None])[:, :, None, None]                 # [B, Z, 1, 1]
   contents = jnp.where(here, y[..., None, :, :], stored).astype(pool.dtype)           # [(L,) B, Z, K, H]

@@ -59,7 +59,6 @@ from jax.sharding import PartitionSpec as P
 from lcjax.cache import kv as kvc
 from lcjax.config import ModelConfig, WeightFormat
 from lcjax.model.rope import apply_rope, inv_frequencies, rope_angles
-from lcjax.ops import fp8 as fp8_ops
 from lcjax.ops.attention import merge
 from lcjax.ops.backends import ReferenceBackend
 from lcjax.ops.linear import (WIDEN_MAX_ROWS, contracted, dense, dequantize_weight, kmajor_axes, kmajor_spec,
@@ -720,20 +719,19 @@ class Llama(nnx.Module):
         return x, kv if kv_out else None
       x, new_kv = jax.lax.scan(body, x, (layer_state, layer_ids))
     else:
-      pool_dtypes = (cache.k.dtype, cache.v.dtype)
+      pool_dtype = cache.k.dtype
 
       def body(carry, xs):
-        x, (k_all, v_all, k_scale, v_scale) = carry
+        x, c = carry
         layer_params, i = xs
         block, gemv = block_and_gemv(layer_params, i)
-        k_all, v_all = (fp8_ops.from_carry(a, d) for a, d in zip((k_all, v_all), pool_dtypes))
-        x, parts, kv = self._layer(block, x, step, (k_all, v_all, i, k_scale, v_scale), gemv)
-        return (x, (*map(fp8_ops.as_carry, parts[:2]), *parts[2:])), kv if kv_out else None
-      carry = (x, (fp8_ops.as_carry(cache.k), fp8_ops.as_carry(cache.v), cache.k_scale, cache.v_scale))
-      (x, parts), new_kv = jax.lax.scan(body, carry, (layer_state, layer_ids))
-      parts = (*(fp8_ops.from_carry(a, d) for a, d in zip(parts[:2], pool_dtypes)), *parts[2:])
-      k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in parts[:2])
-      k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in parts[2:])
+        c = kvc.from_carry(c, pool_dtype)
+        x, parts, kv = self._layer(block, x, step, (c.k, c.v, i, c.k_scale, c.v_scale), gemv)
+        return (x, kvc.as_carry(kvc.PagedKV(*parts))), kv if kv_out else None
+      (x, carried), new_kv = jax.lax.scan(body, (x, kvc.as_carry(cache)), (layer_state, layer_ids))
+      c = kvc.from_carry(carried, pool_dtype)
+      k_all, v_all = (self._constrain(a, kvc.POOL_AXES) for a in (c.k, c.v))
+      k_scale, v_scale = (None if a is None else self._constrain(a, kvc.SCALE_AXES) for a in (c.k_scale, c.v_scale))
       cache = kvc.PagedKV(k_all, v_all, k_scale, v_scale)
 
     if logits_at is not None:

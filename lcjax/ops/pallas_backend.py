@@ -1,14 +1,13 @@
 """The pallas backends: which of lcjax's own kernels serves each attention call.
 
 PallasBackend sends `attend` to the Mosaic GPU flash kernel (lcjax.ops.mosaic_gpu.flash); decode rows over bf16 or
-fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged, with their Mosaic GPU split
-combine) where they can serve them, else to the
-split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to one of the two; prefill chunks against the
-paged cache by its prefill_route to the Mosaic GPU flash kernel reading the pages in place
-(mgpu_flash.flash_attention_paged) or to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the FP8 flash kernel
-for `attend` and for prefill chunks over their cached prefix (over fp8 pages read in place where it can,
-`prefix_reason`). Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot serve a shape
-here; lcjax.ops.backends picks a backend by name.
+fp8 pages to the Mosaic GPU split-K decode kernels (lcjax.ops.mosaic_gpu.paged, with their Mosaic GPU split combine)
+where they can serve them, else to the split-K Triton kernel (lcjax.ops.triton.paged), or by its decode_route to one
+of the two; prefill chunks against the paged cache by its prefill_route to the Mosaic GPU flash kernel reading the
+pages in place (mgpu_flash.flash_attention_paged) or to cuDNN (lcjax.ops.cudnn.backend). PallasFp8Backend runs the
+FP8 flash kernel for `attend` and for prefill chunks over their cached prefix (over fp8 pages read in place where it
+can, `prefix_reason`). Each `why_not` / `mosaic_decode_reason` / `prefill_reason` names why a kernel cannot serve a
+shape here; lcjax.ops.backends picks a backend by name.
 
 Legend: B batch, T queries, S keys, N query heads, K kv heads, H head dim, P pages, Z page size, M table slots.
 """

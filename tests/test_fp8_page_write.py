@@ -211,24 +211,23 @@ def test_gpu_kernel_writes_what_xla_writes(L, P, min_bytes, pack):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("L,P,dtype", [(32, 130, jnp.bfloat16), (32, 130, jnp.float32), (80, 900, jnp.bfloat16)])
-def test_gpu_mosaic_writer_writes_what_xla_writes(L, P, dtype):
+@pytest.mark.parametrize("L,P", [(32, 130), (80, 900)])
+def test_gpu_mosaic_writer_writes_what_xla_writes(L, P):
   """The Mosaic GPU page writer (lcjax.ops.mosaic_gpu.page_write), compiled, as the Triton one is tested: bit for
-  bit XLA's write, in place, a small pool and a 4.4 GiB one, tokens in bfloat16 and in float32 (it widens them)."""
+  bit XLA's write, in place, a small pool and a 4.4 GiB one."""
   from lcjax.ops.mosaic_gpu import page_write as mgpu_page_write
   if mgpu_page_write.unsupported(64, 128):
     pytest.skip(mgpu_page_write.unsupported(64, 128))
-  _check_on_gpu(mgpu_page_write.write_token, "mosaic_gpu", L, P, dtype)
+  _check_on_gpu(mgpu_page_write.write_token, "mosaic_gpu", L, P)
 
 
-def _check_on_gpu(write_token, marker: str, L: int, P: int, dtype=jnp.bfloat16):
+def _check_on_gpu(write_token, marker: str, L: int, P: int):
   """write_token compiled (its compiled text holds `marker`) on pools [L, P, 64, 8, 128], rows writing the last
-  layer's top pages (tokens in `dtype`): no pool-sized buffer besides the donated pools, and XLA's bytes."""
+  layer's top pages: no pool-sized buffer besides the donated pools, and XLA's bytes."""
   pool_bytes, limit = L * P * 64 * 8 * 128, jax.devices()[0].memory_stats().get("bytes_limit", 0)
   if limit < 5 * pool_bytes:        # K and V pools, written and expected, and the comparison's buffer
     pytest.skip(f"needs 5 x {pool_bytes / 2 ** 30:.1f} GiB; this process may take {limit / 2 ** 30:.1f} GiB")
   k_pool, v_pool, ks, vs, k, v, page, offset = _case(L=1, P=8, Z=64, K=8, H=128, B=8)
-  k, v = k.astype(dtype), v.astype(dtype)
   big = [jnp.zeros((L, P, 64, 8, 128), jnp.float8_e4m3fn).at[L - 1, P - 8:].set(p[0]) for p in (k_pool, v_pool)]
   scales = [jnp.zeros((L, P, 8), jnp.float32).at[L - 1, P - 8:].set(s[0]) for s in (ks, vs)]
   page = jnp.where(page < 8, page + P - 8, P)

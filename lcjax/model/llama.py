@@ -120,42 +120,26 @@ def _linear(module, name, rngs, shape, axes, dtype, std, n_layers, spec, weights
     setattr(module, name + "_in_scale", nnx.Param(jnp.ones((*lead, 1), jnp.float32), axes=(*laxes[:len(lead)], None)))
 
 
-def _apply(module, name, x, spec, gemv=None, path=None, row_scale=None):
+def _apply(module, name, x, spec, gemv=None, path=None):
   """einsum(spec, x, weight `name`) for a weight set by `_linear`. gemv: for fp8 weights held whole by the layer
   scan (stacked [L, ...]), the product of this layer's slice (`Llama._gemv`), handed the weight's and the scale's
-  logical axes. path: the product `dense` runs for other fp8 weights (None: chosen by x's rows). row_scale
-  [*rows, 1] float32 (with gemv only): a factor per row of x, applied to the float32 product before its cast
-  (`RMSNorm.deferred`)."""
+  logical axes. path: the product `dense` runs for other fp8 weights (None: chosen by x's rows)."""
   w = getattr(module, name)[...]
-  if row_scale is not None and gemv is None:
-    raise ValueError(f"{name}: a row_scale is applied by the GEMV's product only (no gemv given)")
   if not hasattr(module, name + "_scale"):
     return jnp.einsum(spec, x, w)
   if gemv is not None:
     scale = getattr(module, name + "_scale")
     axes = (getattr(module, name).get_metadata()["axes"], scale.get_metadata()["axes"])
-    if row_scale is None:
-      return gemv(x, w, scale[...], spec, axes)
-    y = gemv(x, w, scale[...], spec, axes, dtype=jnp.float32)
-    rows = row_scale.shape[:-1]
-    return (y * row_scale.reshape(*rows, *(1,) * (y.ndim - len(rows)))).astype(x.dtype)
+    return gemv(x, w, scale[...], spec, axes)
   in_scale = getattr(module, name + "_in_scale", None)
   return dense(x, w, getattr(module, name + "_scale")[...], spec,
                in_scale=None if in_scale is None else in_scale[...], path=path)
 
 
 def rms_norm(x, scale, eps):
-  return rms_norm_deferred(x, scale, eps, deferred=False)[0]
-
-
-def rms_norm_deferred(x, scale, eps, deferred: bool = True):
-  """(x * scale, r) with r = rsqrt(mean(x^2) + eps) [..., 1] float32, the first in x's dtype: rms_norm(x) is their
-  product. deferred=False: (rms_norm(x), None), r applied before the cast."""
   xf = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  if not deferred:
-    return (xf * r * scale.astype(jnp.float32)).astype(x.dtype), None
-  return (xf * scale.astype(jnp.float32)).astype(x.dtype), r
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -165,11 +149,6 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     return rms_norm(x, self.scale[...], self.eps)
-
-  def deferred(self, x, defer: bool = True):
-    """`rms_norm_deferred`: (x * scale, its per-row factor), for a product that applies the factor after it; with
-    defer=False (the norm applied, None)."""
-    return rms_norm_deferred(x, self.scale[...], self.eps, deferred=defer)
 
 
 class Attention(nnx.Module):
@@ -191,10 +170,9 @@ class Attention(nnx.Module):
     _linear(self, "wo", rngs, shapes["layers/attn/wo"], LINEAR_AXES["layers/attn/wo"], dtype, (N * H) ** -0.5,
             n_layers, self.OUT, weights)
 
-  def qkv(self, x, rope, gemv=None, path=None, row_scale=None):
-    """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated.
-    row_scale: `_apply`'s."""
-    qkv = _apply(self, "wqkv", x, self.QKV, gemv, path, row_scale)   # [B, T, K, G + 2, H]
+  def qkv(self, x, rope, gemv=None, path=None):
+    """x [B, T, D], rope = rope_angles(positions) -> q [B, T, N, H], k and v [B, T, K, H], q and k rotated."""
+    qkv = _apply(self, "wqkv", x, self.QKV, gemv, path)        # [B, T, K, G + 2, H]
     G = qkv.shape[3] - 2
     q = einops.rearrange(qkv[:, :, :, :G], "b t k g h -> b t (k g) h")    # query head n = k * G + g
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]                 # [B, T, K, H]
@@ -217,8 +195,8 @@ class MLP(nnx.Module):
     _linear(self, "w_down", rngs, shapes["layers/mlp/w_down"], LINEAR_AXES["layers/mlp/w_down"], dtype,
             F ** -0.5, n_layers, self.DOWN, weights)
 
-  def __call__(self, x, gemv=None, path=None, row_scale=None):
-    gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv, path, row_scale)  # [B, T, 2, F]
+  def __call__(self, x, gemv=None, path=None):
+    gu = _apply(self, "w_gate_up", x, self.GATE_UP, gemv, path)  # [B, T, 2, F]
     return _apply(self, "w_down", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.DOWN, gemv, path)
 
 
@@ -606,19 +584,13 @@ class Llama(nnx.Module):
     return x if self.mesh is None else constrain(x, axes, self.mesh)
 
   def _layer(self, block: Block, x, step: CallContext, cache_l, gemv=None):
-    """-> (x, the layer's new cache part, the call's (k, v) [B, T, K, H] of this layer).
-
-    Under the GEMV kernel the norms are deferred (`RMSNorm.deferred`): the products take x * scale, and the rows'
-    rsqrt factor multiplies their float32 outputs. x * scale depends on no reduction, so XLA can fuse its
-    conversion to the kernel's float16 parts into the kernel that makes x (the residual add), beside the
-    sum of squares."""
-    path, defer = step.linear_path, gemv is not None
-    h, r = block.attn_norm.deferred(x, defer)
-    q, k, v = block.attn.qkv(h, step.rope, gemv, path, r)
+    """-> (x, the layer's new cache part, the call's (k, v) [B, T, K, H] of this layer)."""
+    h = block.attn_norm(x)
+    path = step.linear_path
+    q, k, v = block.attn.qkv(h, step.rope, gemv, path)
     o, new_cache_l = self._attend(q, k, v, step, cache_l)
     x = self._constrain(x + block.attn.out(o, gemv, path), self._x_axes(step))
-    h, r = block.mlp_norm.deferred(x, defer)
-    x = self._constrain(x + block.mlp(h, gemv, path, r), self._x_axes(step))
+    x = self._constrain(x + block.mlp(block.mlp_norm(x), gemv, path), self._x_axes(step))
     return x, new_cache_l, (k, v)
 
   def holds_weights(self, rows: int) -> bool:
@@ -631,9 +603,9 @@ class Llama(nnx.Module):
     the call's tokens split over `seq` when `split`)."""
     if self.mesh is not None:
       return functools.partial(self._gemv_mesh, layer, split)
-    return lambda x, w8, scale, spec, axes, dtype=None: self.gemv_kernel(x, w8, scale, layer, spec, dtype=dtype)
+    return lambda x, w8, scale, spec, axes: self.gemv_kernel(x, w8, scale, layer, spec)
 
-  def _gemv_mesh(self, layer, split: bool, x, w8, scale, spec: str, axes, dtype=None):
+  def _gemv_mesh(self, layer, split: bool, x, w8, scale, spec: str, axes):
     """The GEMV kernel's product on the mesh, in one shard_map over ("seq", "tensor") in which each device runs the
     kernel on its own slices. The stacked weight and its scale come in as their logical `axes` shard them; x's
     rows as the call's tokens lie (split over `seq`, or replicated: a decode call's few tokens) and x's
@@ -655,8 +627,8 @@ class Llama(nnx.Module):
 
     def body(layer, x, w8, scale):
       if not summed:
-        return kernel(x, w8, scale, layer, spec, dtype=dtype)
-      return lax.psum(kernel(x, w8, scale, layer, spec, dtype=jnp.float32), summed).astype(dtype or x.dtype)
+        return kernel(x, w8, scale, layer, spec)
+      return lax.psum(kernel(x, w8, scale, layer, spec, dtype=jnp.float32), summed).astype(x.dtype)
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), x_spec, w_spec, sh.spec(s_axes)), out_specs=out_spec,
                        check_vma=False)

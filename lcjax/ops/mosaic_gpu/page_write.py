@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lcjax.ops import page_scale
+from lcjax.ops import page_scale, precision
 from lcjax.ops.fp8 import clip_finite
 from lcjax.ops.hardware import jax_at_least, sm90_fp8_reason
 
@@ -76,14 +76,14 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
   page_scale.check_operands(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, unsupported_shape)
   e4m3 = jnp.float8_e4m3fn
 
-  def body(layer_ref, page_ref, offset_ref, kn_ref, vn_ref, k_ref, v_ref, ks_ref, vs_ref):
+  def body(layer_ref, page_ref, offset_ref, x_ref, k_ref, v_ref, ks_ref, vs_ref):
     b, h, c = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("kv")
     p = page_ref[b]
 
-    def write(x_ref, pool, scale):
+    def write(pool, scale):
       off, l = offset_ref[b], layer_ref[0]
       old = jnp.where(off == 0, 0.0, scale[l, p, h])                     # 0: the token opens the page
-      x = x_ref[b, h].astype(jnp.float32)                                 # [H], one value a thread
+      x = x_ref[b, c, h]                                                  # [H] float32, one value a thread
       # The scale rule's bit operations run on [H] vectors (the lowering bitcasts no scalars): every lane holds
       # the same absmax, new scale and ratio; the reductions back to one value are exact.
       lanes = lambda v: lax.broadcast_in_dim(v, x.shape, ())
@@ -101,8 +101,8 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
       scale[l, p, h] = jnp.max(new)
 
     inside = (p >= 0) & (p < Pl)
-    pl.when(inside & (c == 0))(lambda: write(kn_ref, k_ref, ks_ref))
-    pl.when(inside & (c == 1))(lambda: write(vn_ref, v_ref, vs_ref))
+    pl.when(inside & (c == 0))(lambda: write(k_ref, ks_ref))
+    pl.when(inside & (c == 1))(lambda: write(v_ref, vs_ref))
 
   def _warpgroup_barrier():
     """bar.sync over the warpgroup's 128 threads: each thread's global stores before it are ordered before every
@@ -114,14 +114,12 @@ def write_token(k_pool, v_pool, k_scale, v_scale, k_new, v_new, page, offset, la
     def _(_ctx):
       mgpu_utils.warpgroup_barrier()
 
-  # The new token's K and V enter as their producer made them ([B, K, H] each, float32 or bfloat16, widened in the
-  # kernel), so that no XLA kernel stacks or widens them first.
-  new = [a if a.dtype in (jnp.float32, jnp.bfloat16) else a.astype(jnp.float32) for a in (k_new, v_new)]
+  x = precision.widen(jnp.stack([k_new, v_new], axis=1))                  # [B, 2, K, H], k_new's values exactly
   refs = [jax.new_ref(a) for a in (k_pool, v_pool, k_scale, v_scale)]
   plgpu.kernel(
       body,
       out_type=(),
       grid=(B, K, 2),
       grid_names=("rows", "heads", "kv"),
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), page.astype(jnp.int32), offset.astype(jnp.int32), *new, *refs)
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), page.astype(jnp.int32), offset.astype(jnp.int32), x, *refs)
   return tuple(r[...] for r in refs)

@@ -128,11 +128,11 @@ step() {
         --only=lcjax-pallas,lcjax-mgpu,cudnn-private --out="$P" --name=attention-fp8-decode-h200-b
       run python3 tools/bench_attention.py --prefill= --decode=32768,100000,131072,524288 --batch=1,8 --pages=64 \
         --reps=20 --chain=16 --stall_s=60 \
-        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
+        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,lcjax-mgpu-fp8-mcombine,cudnn-private \
         --out="$P" --name=attention-decode-routing-h200
       run python3 tools/bench_attention.py --prefill= --decode=32768,131072,524288 --batch=1,8 --pages=64 --heads=64:8 \
         --reps=20 --chain=16 --stall_s=60 \
-        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,cudnn-private \
+        --only=lcjax-pallas,lcjax-mgpu-bf16-mcs2-mcombine,lcjax-mgpu-fp8,lcjax-mgpu-fp8-mcombine,cudnn-private \
         --out="$P" --name=attention-decode-routing-70b-h200
       at_128k=128:131072,640:131072,1000:131072,1024:131072,1152:131072,1280:131072,4096:131072,16384:131072
       run python3 tools/bench_attention.py --prefill= --decode= --pages=64 --reps=10 --stall_s=120 \

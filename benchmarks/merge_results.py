@@ -11,9 +11,9 @@ The merge reads every part before it writes anything: a part without a command o
 or a missing markdown is one line naming it. WITHOUT_COMMIT names the committed parts measured before parts
 recorded their commit, each with why; they merge with `commit: null` until they are measured again.
 
-With --keep, the parts of OUT/TOPIC.json that no PART replaces (by name, or as REPLACED_BY says) stay as committed
-(their JSON, and their sections of OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again
-and merges them this way.
+With --keep, the parts of OUT/TOPIC.json that no PART replaces (by name, as REPLACED_BY says, or as NAME-h200
+replaces its H100 twin NAME-h100: `twins_replaced`) stay as committed (their JSON, and their sections of
+OUT/TOPIC.md): `reproduce_h200.sh STEP:PART` measures some parts of a step again and merges them this way.
 
 Topic `longctx` also gets a combined view (LONGCTX_VIEW): the rows of its parts that make the context-length
 sweep, each with the `part` that measured it, at the top level of longctx.json ({"device", "model", "rows",
@@ -68,15 +68,20 @@ WITHOUT_COMMIT = {
   "needle-fp8decode-smollm2-h200": _BEFORE,
   "needle-int8-smollm2-h200": _BEFORE,
 }
-# Committed parts measured on an H100 when no H200 was lent -> the H200 part of reproduce_h200.sh that replaces
-# each: a --keep merge that brings the H200 part drops the H100 one.
+# Committed parts measured on an H100 when no H200 was lent, by another name than their H200 part's twin
+# (`twins_replaced`) -> the H200 part of reproduce_h200.sh that replaces each: a --keep merge that brings the H200
+# part drops the H100 one.
 REPLACED_BY = {
   "attention-chunk-fp8pages-h100": "attention-chunk-paged-h200",
-  "longctx-spread-128k-h100": "longctx-spread-128k-h200",
-  "speculation-cost-8b-h100": "speculation-cost-8b-h200",
-  "startup-h100": "startup-h200",
-  "stream-h100": "stream-h200",
 }
+
+
+def twins_replaced(new: set[str]) -> set[str]:
+  """The H100 twins (NAME-h100: the part's command run on an H100, as `AS_GPU=h100 reproduce_h200.sh` runs it) of
+  the H200 parts in `new` (NAME-h200), which replace them in a --keep merge."""
+  return {name[:-len("-h200")] + "-h100" for name in new if name.endswith("-h200")}
+
+
 # The `source` tools/benchlib.py records when neither $LCJAX_SOURCE_REVISION nor git gave a revision.
 NO_SOURCE = (None, "", "unknown")
 
@@ -191,7 +196,7 @@ def merge(topic: str, paths: list[str], keep: str | None = None) -> tuple[dict, 
   parts = [(p, part_section(p, text)) for p, text in read_parts(paths)] if paths else []
   if keep is not None:
     new = {p["name"] for p, _ in parts}
-    replaced = new | {old for old, by in REPLACED_BY.items() if by in new}
+    replaced = new | {old for old, by in REPLACED_BY.items() if by in new} | twins_replaced(new)
     parts = sorted(parts + kept_parts(keep, topic, replaced), key=lambda p: p[0]["name"])
   if not parts:
     fail(f"no parts for topic {topic}")

@@ -88,6 +88,10 @@
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
 # Every argument is checked before any part runs; a part named for an H200 (every GPU part) refuses another GPU.
 # The committed H100 parts named below give way to their H200 parts in any merge (merge_results.REPLACED_BY).
+# AS_GPU=h100 runs the parts named NAME-h200 on an H100, as NAME-h100 (the same command, every "-h200" in it read
+# "-h100"; the machine must be an H100); a later merge of NAME-h200 replaces NAME-h100. Parts that need more than
+# an H100's 80 GB fail on it as any run out of memory does, and the multigpu step's pair (a prediction for H200s)
+# is refused. Committed twins made so: none.
 # Results go to $OUT (default benchmarks/results), each part naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda13], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2
@@ -106,13 +110,23 @@ steps=("$@")
 # run CMD...: the command of one part, which names the part with --name=NAME; it runs when `wants NAME`. With
 # MODE=list, run prints NAME and runs nothing. ONLY (a comma list, from STEP:PART,...) limits a step to its parts.
 MODE=run ONLY=
+AS_GPU=${AS_GPU:-}
+case $AS_GPU in ""|h100) ;; *) echo "AS_GPU=$AS_GPU: the one other GPU parts run as is h100" >&2; exit 2 ;; esac
 wants() { [ "$MODE" = run ] && [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]; }
 run() {
   local name="" a
   for a in "$@"; do [[ $a == --name=* ]] && name=${a#--name=}; done
   [ -n "$name" ] || { echo "reproduce_h200.sh: a part's command names no part (--name=): $*" >&2; exit 2; }
   if [ "$MODE" = list ]; then echo "$name"; return 0; fi
-  if wants "$name"; then "$@"; fi
+  wants "$name" || return 0
+  if [[ -n $AS_GPU && $name == *-h200 ]]; then
+    local args=()
+    for a in "$@"; do args+=("${a//-h200/-$AS_GPU}"); done
+    echo "part $name runs as ${name%-h200}-$AS_GPU"
+    "${args[@]}"
+  else
+    "$@"
+  fi
 }
 
 # step STEP: its parts' commands, each writing <part>.{json,md} into $P.
@@ -298,7 +312,16 @@ for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
     echo "$arg: 8xh200-predicted extrapolates l70b-8layers-h200 of the same run: ask for both" >&2; exit 2
   fi
   for part in "${parts[@]}"; do
-    if [[ $part == *h200* && $gpu != *H200* ]]; then
+    if [[ -n $AS_GPU && $part == *h200* ]]; then
+      if [[ $part != *-h200 || $part == l70b-8layers-h200 ]]; then
+        echo "$arg: part $part (with 8xh200-predicted, a prediction for H200s) does not run as AS_GPU=$AS_GPU" >&2
+        exit 2
+      fi
+      if [[ $gpu != *H100* ]]; then
+        echo "$arg: AS_GPU=$AS_GPU runs part $part on an H100, and this machine's GPU is '${gpu:-none}'" >&2
+        exit 2
+      fi
+    elif [[ $part == *h200* && $gpu != *H200* ]]; then
       echo "$arg: part $part is named for an H200, and this machine's GPU is '${gpu:-none}' (run its command" \
         "with a --name for this GPU)" >&2
       exit 2

@@ -202,7 +202,7 @@ def test_keep_merges_new_parts_into_the_committed_topic(tmp_path):
   a_section = before[before.index("\n## a-part\n"):before.index("\n## b-part\n")]
   assert a_section in md and "| lcjax | 8 | 1.25 |" in md and "| lcjax | 8 | 1.5 |" not in md
   assert md.index("\n## b-part\n") < md.index("\n## c-part\n")
-  # An H200 part drops the H100 part it replaces (merge_results.REPLACED_BY).
+  # An H200 part drops its H100 twin (merge_results.twins_replaced) and the H100 parts REPLACED_BY names for it.
   _write_part(tmp_path / "h100", "stream-h100", dict(PROBE, command="bench_stream.py --name=stream-h100"))
   assert m.main(["--keep", "stream", str(out), str(tmp_path / "h100")]) == 0
   _write_part(tmp_path / "h200", "stream-h200", dict(PROBE, command="bench_stream.py --name=stream-h200"))
@@ -231,9 +231,10 @@ printf '# %s\\n\\nstand-in\\n' "$name" > "$out/$name.md"
 """
 
 
-def _reproduce(tmp_path, *args, gpu="NVIDIA H200"):
+def _reproduce(tmp_path, *args, gpu="NVIDIA H200", as_gpu=None):
   """reproduce_h200.sh ARGS with a stand-in python3 (its parts' commands write stand-in parts), a stand-in
-  nvidia-smi naming `gpu`, and OUT a copy of benchmarks/results: (returncode, stderr, the part names it ran)."""
+  nvidia-smi naming `gpu`, AS_GPU=as_gpu if given, and OUT a copy of benchmarks/results: (returncode, stderr, the
+  part names it ran)."""
   bin_dir, out, ran = tmp_path / "bin", tmp_path / "results", tmp_path / "ran"
   bin_dir.mkdir(exist_ok=True)
   (bin_dir / "python3").write_text(_FAKE_PYTHON)
@@ -243,8 +244,9 @@ def _reproduce(tmp_path, *args, gpu="NVIDIA H200"):
   if not out.exists():
     shutil.copytree(RESULTS, out)
   ran.write_text("")
-  env = dict({k: v for k, v in os.environ.items() if k != "LLMCOMPRESSOR_PYTHON"}, PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran), FAKE_GPU=gpu,
-             OUT=str(out), PARTS=str(tmp_path / "parts"))
+  env = dict({k: v for k, v in os.environ.items() if k not in ("LLMCOMPRESSOR_PYTHON", "AS_GPU")},
+             PATH=f"{bin_dir}:{os.environ['PATH']}", REAL_PYTHON=sys.executable, RAN=str(ran), FAKE_GPU=gpu,
+             OUT=str(out), PARTS=str(tmp_path / "parts"), **({} if as_gpu is None else {"AS_GPU": as_gpu}))
   p = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
   return p.returncode, p.stderr, ran.read_text().split()
 
@@ -281,3 +283,27 @@ def test_reproduce_step_part_measures_only_the_named_parts(tmp_path):
     "'NVIDIA H100 80GB HBM3'" in err, err
   rc, err, ran = _reproduce(tmp_path, "needle:needle-smollm2", gpu="")
   assert rc == 0 and ran == ["needle-smollm2"], err
+
+
+def test_reproduce_as_h100_runs_the_h200_parts_under_their_h100_names(tmp_path):
+  """AS_GPU=h100 runs a step's H200 parts on an H100 as their H100 twins (CPU parts as they are) and merges them
+  beside the committed parts; a later H200 run of a part replaces its twin. It refuses another GPU, the multigpu
+  pair (a prediction for H200s) and an unknown AS_GPU, each in one line before anything runs."""
+  h100 = "NVIDIA H100 80GB HBM3"
+  rc, err, ran = _reproduce(tmp_path, "needle:needle-smollm2,needle-fp8-smollm2-h200", "stream", gpu=h100,
+                            as_gpu="h100")
+  assert rc == 0 and ran == ["needle-smollm2", "needle-fp8-smollm2-h100", "stream-h100"], err
+  needle = [p["name"] for p in json.loads((tmp_path / "results" / "needle.json").read_text())["parts"]]
+  assert "needle-fp8-smollm2-h100" in needle and "needle-fp8-smollm2-h200" in needle, needle
+  for args, gpu, as_gpu, want in (
+      (("stream",), "NVIDIA H200", "h100", "AS_GPU=h100 runs part stream-h200 on an H100, and this machine's GPU is "
+                                           "'NVIDIA H200'"),
+      (("multigpu",), h100, "h100", "does not run as AS_GPU=h100"),
+      (("multigpu:l70b-8layers-h200,8xh200-predicted",), h100, "h100", "does not run as AS_GPU=h100"),
+      (("stream",), h100, "a100", "AS_GPU=a100")):
+    rc, err, ran = _reproduce(tmp_path, *args, gpu=gpu, as_gpu=as_gpu)
+    assert rc == 2 and ran == [] and err.strip().count("\n") == 0 and want in err, (args, err)
+  rc, err, ran = _reproduce(tmp_path, "stream", gpu="NVIDIA H200")
+  assert rc == 0 and ran == ["stream-h200"], err
+  stream = [p["name"] for p in json.loads((tmp_path / "results" / "stream.json").read_text())["parts"]]
+  assert stream == ["stream-h200"], stream

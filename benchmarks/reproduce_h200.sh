@@ -87,7 +87,7 @@
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
 # Every argument is checked before any part runs; a part named for an H200 (every GPU part) refuses another GPU.
-# The committed H100 parts named below give way to their H200 parts in any merge (merge_results.REPLACED_BY).
+# The committed H100 parts named below give way to their H200 parts in any merge (merge_results: twins, REPLACED_BY).
 # AS_GPU=h100 runs the parts named NAME-h200 on an H100, as NAME-h100 (the same command, every "-h200" in it read
 # "-h100"; the machine must be an H100); a later merge of NAME-h200 replaces NAME-h100. Parts that need more than
 # an H100's 80 GB fail on it as any run out of memory does, and the multigpu step's pair (a prediction for H200s)

@@ -77,9 +77,9 @@ REPLACED_BY = {
 
 
 def twins_replaced(new: set[str]) -> set[str]:
-  """The H100 twins (NAME-h100: the part's command run on an H100, as `AS_GPU=h100 reproduce_h200.sh` runs it) of
-  the H200 parts in `new` (NAME-h200), which replace them in a --keep merge."""
-  return {name[:-len("-h200")] + "-h100" for name in new if name.endswith("-h200")}
+  """The H100 twins of the H200 parts in `new`, matched by name (-h200 read -h100: `AS_GPU=h100 reproduce_h200.sh`
+  names the parts it runs so), which they replace in a --keep merge."""
+  return {name.replace("-h200", "-h100") for name in new if "-h200" in name}
 
 
 # The `source` tools/benchlib.py records when neither $LCJAX_SOURCE_REVISION nor git gave a revision.

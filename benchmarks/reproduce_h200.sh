@@ -14,7 +14,8 @@
 #                 attention-fp8-decode-h200-b (fp8 paged decode beside the Triton kernel and cuDNN),
 #                 attention-decode-routing-h200 (issue 49: the Triton and Mosaic GPU decode paths, bf16 and fp8
 #                 pages, batch 1 and 8, 32K / 100,000 / 128K / 512K, 20 repetitions of 16 chained calls),
-#                 attention-decode-routing-70b-h200 (the same at the 70B's 64 query heads over 8 kv heads),
+#                 attention-decode-routing-70b-h200 (the same at the 70B's 64 query heads over 8 kv heads;
+#                 the committed two ran an older command: 4 dispatched calls a sample, their tree's impl names),
 #                 attention-chunk-paged-h200 (issue 47: prefill chunks of 1K / 4K / 16K rows over a 128K / 512K /
 #                 1M-key prefix in 64-token pages, and questions of 128 to 1,280 rows over 128K, the flash kernel
 #                 reading it in place and the FP8 path over the gathered prefix, each with its key splits chosen per
@@ -82,16 +83,19 @@
 #                 a step with k = 2, 4, 8 drafts beside a plain step (speculation-cost-8b-h200,
 #                 speculation-cost-8b-512k-h200 at 512K, speculation-cost-70b-h200)   predicted ~2 + 5 + 4 + 3 + 4 min
 #                 The committed speculation-cost-8b-h100 (an H100: no H200 was lent) is the first of these
-#                 commands at --contexts=32768,131072 --batches=1; this step's H200 parts replace it.
+#                 commands at --contexts=32768,131072 --batches=1; speculation-cost-8b-h200 replaces it.
 #   tables        README.md and docs/ tables regenerated from the topic files (benchmarks/tables.py)
 # Not regenerated here (2 GPUs): 2xh200-session3-tests.txt, the mesh tests' log on two NVLinked H200s
 # (python3 -m pytest -m gpu tests/test_gpu_engine.py -k mesh).
 # Every argument is checked before any part runs; a part named for an H200 (every GPU part) refuses another GPU.
-# The committed H100 parts named below give way to their H200 parts in any merge (merge_results: twins, REPLACED_BY).
-# AS_GPU=h100 runs the parts named NAME-h200 on an H100, as NAME-h100 (the same command, every "-h200" in it read
-# "-h100"; the machine must be an H100); a later merge of NAME-h200 replaces NAME-h100. Parts that need more than
-# an H100's 80 GB fail on it as any run out of memory does, and the multigpu step's pair (a prediction for H200s)
-# is refused. Committed twins made so: none.
+# The committed H100 parts named above give way to their H200 parts in any merge (merge_results: as twins, or as
+# REPLACED_BY says).
+# AS_GPU=h100 runs the parts named for an H200 on an H100, each as its twin (the same command, its --name's "-h200"
+# read "-h100": attention-fp8-h200-c as attention-fp8-h100-c); the machine must be an H100, and every step merges
+# as STEP:PART does (--keep: the twins join the committed parts; a later merge of the H200 part replaces its twin).
+# Parts named for several H200s or extrapolated to them (the multigpu steps' parts) are refused. A part that runs
+# out of an H100's 80 GB fails, and, as any failing part, stops the script before its step merges.
+# Committed twins made so: none.
 # Results go to $OUT (default benchmarks/results), each part naming the commit it ran: $LCJAX_SOURCE_REVISION when
 # set (do set it on a copy of the tree whose .git is absent or stale), else git. Needs the GPU image's packages
 # (jax[cuda13], torch, transformers, matplotlib; FA3 is optional in the attention step), and for the real SmolLM2
@@ -107,11 +111,14 @@ more=(multigpu-2 multigpu-8)         # steps for machines of several GPUs, asked
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all[@]}")
 
-# run CMD...: the command of one part, which names the part with --name=NAME; it runs when `wants NAME`. With
-# MODE=list, run prints NAME and runs nothing. ONLY (a comma list, from STEP:PART,...) limits a step to its parts.
+# run CMD...: the command of one part, which names the part with --name=NAME; it runs when `wants NAME` (with
+# AS_GPU set, a NAME containing -h200 runs as `twin NAME`). With MODE=list, run prints NAME and runs nothing. ONLY (a
+# comma list, from STEP:PART,...) limits a step to its parts.
 MODE=run ONLY=
 AS_GPU=${AS_GPU:-}
-case $AS_GPU in ""|h100) ;; *) echo "AS_GPU=$AS_GPU: the one other GPU parts run as is h100" >&2; exit 2 ;; esac
+case $AS_GPU in ""|h100) ;; *) echo "AS_GPU=$AS_GPU: the only value is h100 (parts named for an H200 run on an" \
+                                   "H100 as their twins)" >&2; exit 2 ;; esac
+twin() { echo "${1//-h200/-$AS_GPU}"; }
 wants() { [ "$MODE" = run ] && [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]; }
 run() {
   local name="" a
@@ -119,10 +126,10 @@ run() {
   [ -n "$name" ] || { echo "reproduce_h200.sh: a part's command names no part (--name=): $*" >&2; exit 2; }
   if [ "$MODE" = list ]; then echo "$name"; return 0; fi
   wants "$name" || return 0
-  if [[ -n $AS_GPU && $name == *-h200 ]]; then
+  if [[ -n $AS_GPU && $name == *-h200* ]]; then
     local args=()
-    for a in "$@"; do args+=("${a//-h200/-$AS_GPU}"); done
-    echo "part $name runs as ${name%-h200}-$AS_GPU"
+    for a in "$@"; do [[ $a == --name=* ]] && args+=("--name=$(twin "$name")") || args+=("$a"); done
+    echo "part $name runs as $(twin "$name")"
     "${args[@]}"
   else
     "$@"
@@ -290,7 +297,8 @@ step() {
 }
 
 # Every argument is checked before any part runs: its step, its parts, and what the parts it runs need. A part
-# named for an H200 (every GPU part) runs only on an H200: its name says where it was measured.
+# named for an H200 (every GPU part) runs only on an H200, or with AS_GPU=h100 on an H100 as its twin: its name
+# says where it was measured.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
 for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
   s=${arg%%:*}
@@ -313,8 +321,9 @@ for arg in "${steps[@]}"; do                    # STEP, or STEP:PART[,PART...]
   fi
   for part in "${parts[@]}"; do
     if [[ -n $AS_GPU && $part == *h200* ]]; then
-      if [[ $part != *-h200 || $part == l70b-8layers-h200 ]]; then
-        echo "$arg: part $part (with 8xh200-predicted, a prediction for H200s) does not run as AS_GPU=$AS_GPU" >&2
+      if [[ $part != *-h200* || $s == multigpu* ]]; then
+        echo "$arg: part $part is measured on several H200s or extrapolated to them: it does not run as" \
+          "AS_GPU=$AS_GPU" >&2
         exit 2
       fi
       if [[ $gpu != *H100* ]]; then
@@ -345,6 +354,7 @@ for arg in "${steps[@]}"; do
   topic=$s keep=()
   case "$s" in multigpu-2|multigpu-8) topic=multigpu ;; esac
   if [[ $arg == *:* ]]; then ONLY=${arg#*:} keep=(--keep); else ONLY=; fi
+  [ -z "$AS_GPU" ] || keep=(--keep)             # twins join the committed parts, never replace a topic
   step "$s"
   python3 benchmarks/merge_results.py "${keep[@]}" "$topic" "$OUT" "$P"
 done

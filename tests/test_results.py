@@ -202,7 +202,7 @@ def test_keep_merges_new_parts_into_the_committed_topic(tmp_path):
   a_section = before[before.index("\n## a-part\n"):before.index("\n## b-part\n")]
   assert a_section in md and "| lcjax | 8 | 1.25 |" in md and "| lcjax | 8 | 1.5 |" not in md
   assert md.index("\n## b-part\n") < md.index("\n## c-part\n")
-  # An H200 part drops its H100 twin (merge_results.twins_replaced) and the H100 parts REPLACED_BY names for it.
+  # An H200 part drops its H100 twin (merge_results.twins_replaced; REPLACED_BY's names: the test below).
   _write_part(tmp_path / "h100", "stream-h100", dict(PROBE, command="bench_stream.py --name=stream-h100"))
   assert m.main(["--keep", "stream", str(out), str(tmp_path / "h100")]) == 0
   _write_part(tmp_path / "h200", "stream-h200", dict(PROBE, command="bench_stream.py --name=stream-h200"))
@@ -286,24 +286,34 @@ def test_reproduce_step_part_measures_only_the_named_parts(tmp_path):
 
 
 def test_reproduce_as_h100_runs_the_h200_parts_under_their_h100_names(tmp_path):
-  """AS_GPU=h100 runs a step's H200 parts on an H100 as their H100 twins (CPU parts as they are) and merges them
-  beside the committed parts; a later H200 run of a part replaces its twin. It refuses another GPU, the multigpu
-  pair (a prediction for H200s) and an unknown AS_GPU, each in one line before anything runs."""
+  """AS_GPU=h100 runs a step's H200 parts on an H100 as their H100 twins (CPU parts as they are), merged beside
+  the committed parts even for a whole step; a later H200 run of a part replaces its twin, and an H200 part the
+  H100 parts REPLACED_BY names for it. It refuses another GPU, the multigpu parts (H200s measured or predicted)
+  and an unknown AS_GPU, each in one line before anything runs. Only the part's name changes: paths holding
+  "-h200" (this test's folder) stay as they are."""
+  tmp_path = tmp_path / "run-h200"
+  tmp_path.mkdir()
   h100 = "NVIDIA H100 80GB HBM3"
-  rc, err, ran = _reproduce(tmp_path, "needle:needle-smollm2,needle-fp8-smollm2-h200", "stream", gpu=h100,
-                            as_gpu="h100")
-  assert rc == 0 and ran == ["needle-smollm2", "needle-fp8-smollm2-h100", "stream-h100"], err
-  needle = [p["name"] for p in json.loads((tmp_path / "results" / "needle.json").read_text())["parts"]]
-  assert "needle-fp8-smollm2-h100" in needle and "needle-fp8-smollm2-h200" in needle, needle
+  committed = {t: {p["name"] for p in d["parts"]} for t, d in _topics().items()}
+  names = lambda topic: [p["name"] for p in json.loads((tmp_path / "results" / f"{topic}.json").read_text())["parts"]]
+  rc, err, ran = _reproduce(tmp_path, "needle", "stream", "attention:attention-fp8-h200-c", gpu=h100, as_gpu="h100")
+  assert rc == 0, err
+  assert ran == ["needle-smollm2", "needle-fp8-smollm2-h100", "needle-int8-smollm2-h100",
+                 "needle-fp8decode-smollm2-h100", "stream-h100", "attention-fp8-h100-c"], ran
+  assert set(names("needle")) == committed["needle"] | {"needle-fp8-smollm2-h100", "needle-int8-smollm2-h100",
+                                                        "needle-fp8decode-smollm2-h100"}
+  assert set(names("attention")) == committed["attention"] | {"attention-fp8-h100-c"}
+  assert set(names("stream")) == committed["stream"] | {"stream-h100"}
+  rc, err, ran = _reproduce(tmp_path, "stream:stream-h200", "attention:attention-chunk-paged-h200")
+  assert rc == 0 and ran == ["stream-h200", "attention-chunk-paged-h200"], err
+  assert "stream-h100" not in names("stream") and "stream-h200" in names("stream")
+  assert "attention-chunk-fp8pages-h100" not in names("attention") and "attention-fp8-h100-c" in names("attention")
   for args, gpu, as_gpu, want in (
       (("stream",), "NVIDIA H200", "h100", "AS_GPU=h100 runs part stream-h200 on an H100, and this machine's GPU is "
                                            "'NVIDIA H200'"),
       (("multigpu",), h100, "h100", "does not run as AS_GPU=h100"),
       (("multigpu:l70b-8layers-h200,8xh200-predicted",), h100, "h100", "does not run as AS_GPU=h100"),
-      (("stream",), h100, "a100", "AS_GPU=a100")):
+      (("multigpu-2",), h100, "h100", "does not run as AS_GPU=h100"),
+      (("stream",), h100, "a100", "AS_GPU=a100: the only value is h100")):
     rc, err, ran = _reproduce(tmp_path, *args, gpu=gpu, as_gpu=as_gpu)
     assert rc == 2 and ran == [] and err.strip().count("\n") == 0 and want in err, (args, err)
-  rc, err, ran = _reproduce(tmp_path, "stream", gpu="NVIDIA H200")
-  assert rc == 0 and ran == ["stream-h200"], err
-  stream = [p["name"] for p in json.loads((tmp_path / "results" / "stream.json").read_text())["parts"]]
-  assert stream == ["stream-h200"], stream

@@ -112,6 +112,18 @@ def test_check_exact_over_the_last_positions_and_with_fp8_weights(tmp_path):
 KERNEL_KEYS = {"attention", "prefill_kernel", "decode_kernel", "page_write", "linear"}
 
 
+def test_profile_step_counts_kernel_calls_a_layer():
+  """profile_step's per-line report: device ms, kinds and kernel calls a token and a layer, over the traced tokens,
+  from a trace line's {kernel: [total ns, count]} (on the CPU the trace has no device line to count)."""
+  from tools.benchlib import line_report
+  evs = {"gemv": [8e6, 64], "attention": [4e6, 16], "norm": [1e6, 48]}
+  rep = line_report(evs, per=4, layers=2)
+  assert (rep["events"], rep["calls_per_token"], rep["calls_per_layer"]) == (3, 32.0, 16.0), rep
+  assert rep["total_ms_per_token"] == pytest.approx(3.25)
+  assert [k["name"] for k in rep["kernels"]] == ["gemv", "attention", "norm"]
+  assert rep["kernels"][0]["calls_per_token"] == 16.0 and rep["kernels"][0]["share"] == pytest.approx(8 / 13)
+
+
 def test_profile_step_reports(tmp_path):
   p = _run("profile_step.py", "--preset=tiny", "--context=200", "--steps=4", "--page_size=16",
            "--prefill_chunk=128", "--weight_dtype=float8_e4m3fn", "--cache_dtype=float8_e4m3fn",

@@ -254,3 +254,18 @@ def longctx_markdown(rows) -> str:
                  f"{cell(r, 'decode_ms_per_token', '{:.1f}')} | {cell(r, 'peak_gib', '{:.1f}')} | "
                  f"{cell(r, 'planned_gib', '{:.1f}')} | {note} |")
   return "\n".join(lines)
+
+
+def line_report(evs: dict[str, list[float]], per: int, layers: int) -> dict:
+  """tools/profile_step.py's summary of one trace line's kernels ({event name: [total ns, count]}) per token (`per`
+  tokens traced; per model call with speculation): their device ms, their kinds, their calls a token and a layer
+  (all of a token's calls over its `layers` layers, the lm head's and the loop's few included: what a fusion
+  changes), each kernel ranked by time."""
+  total = sum(v[0] for v in evs.values())
+  calls = sum(v[1] for v in evs.values()) / per
+  ranked = sorted(evs.items(), key=lambda kv: -kv[1][0])
+  return dict(total_ms_per_token=total / 1e6 / per, events=len(evs), calls_per_token=calls,
+              calls_per_layer=calls / layers, kernels=[
+                  dict(name=n[:160], ms_per_token=v[0] / 1e6 / per, calls_per_token=v[1] / per,
+                       share=v[0] / total if total else 0.0)
+                  for n, v in ranked])

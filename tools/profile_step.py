@@ -166,11 +166,7 @@ def main(argv):
                 wall_ms_per_token=wall_ms, traced_ms_per_token=traced_ms,
                 floor_ms_per_token=floor_ms if FLAGS.phase == "decode" else None, lines={})
   for line, evs in kernel_times(trace_dir).items():
-    total = sum(v[0] for v in evs.values())
-    ranked = sorted(evs.items(), key=lambda kv: -kv[1][0])
-    report["lines"][line] = dict(total_ms_per_token=total / 1e6 / per, events=len(evs), kernels=[
-        dict(name=n[:160], ms_per_token=v[0] / 1e6 / per, calls_per_token=v[1] / per, share=v[0] / total)
-        for n, v in ranked])
+    report["lines"][line] = benchlib.line_report(evs, per, cfg.n_layers)
   with open(os.path.join(FLAGS.out, FLAGS.name + ".json"), "w") as f:
     json.dump(report, f, indent=1)
   if FLAGS.dump_hlo:      # keep the optimized HLO of the steps only
@@ -185,7 +181,8 @@ def main(argv):
         f"traced {traced_ms:.2f} ms per {report['per']}"
         + (f", floor {floor_ms:.2f}" if FLAGS.phase == "decode" else ""))
   for line, rep in report["lines"].items():
-    print(f"  [{line}] {rep['total_ms_per_token']:.3f} ms/token of device time in {rep['events']} kinds")
+    print(f"  [{line}] {rep['total_ms_per_token']:.3f} ms/token of device time in {rep['events']} kinds, "
+          f"{rep['calls_per_token']:.1f} kernel calls a token ({rep['calls_per_layer']:.1f} a layer)")
     for e in rep["kernels"][:FLAGS.top]:
       print(f"    {e['ms_per_token']:8.3f} ms {e['share']:6.1%} x{e['calls_per_token']:6.1f}  {e['name'][:110]}")
 

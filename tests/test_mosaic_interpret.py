@@ -6,8 +6,9 @@ shared-memory operands, and records data races between the warpgroups' reads and
 tests run the fp8 and bfloat16 paged decode kernels (lcjax.ops.mosaic_gpu.paged, with the Mosaic GPU combine) on
 every case of test_fp8_decode's GPU tests, the split combine (lcjax.ops.mosaic_gpu.combine) at every row width
 the engine gives it and the fp8 page writer (lcjax.ops.mosaic_gpu.page_write) against the same oracles as the
-GPU tests, and fail on any race the interpreter saw. The GEMV kernel (lcjax.ops.mosaic_gpu.gemv) is not among
-them: its wgmma takes the weight tile from registers, which the interpreter does not model.
+GPU tests, and fail on any race the interpreter saw. The GEMV kernel (lcjax.ops.mosaic_gpu.gemv) runs in its
+`a_in_smem` form: on a GPU its wgmma takes the weight tile from registers, which the interpreter does not model,
+and this form stores the same widened tile to shared memory first (the rest of the kernel is the same code).
 
 The interpreter counts a barrier phase that no thread waited for as an error when the kernel ends. The decode
 kernel's compute warpgroup frees ring slots the memory warpgroup never refills (the last `max_concurrent_steps`),
@@ -107,3 +108,33 @@ def test_fp8_page_write_interpreted(L, P, Z, K, H, B, layer, interpreter):
   case = _case(L=L, P=P, Z=Z, K=K, H=H, B=B)
   want = jax.jit(_reference)(*case, jnp.int32(layer))
   _assert_same(jax.jit(mgpu_page_write.write_token)(*case, jnp.int32(layer)), want)
+
+
+@pytest.mark.parametrize("R,dtype,tuning", [
+    (1, jnp.bfloat16, dict()),                              # split_fixed's two parts
+    (3, jnp.bfloat16, dict(num_ctas=5, block_k=128)),      # CTAs that share row blocks: several partial slots
+    (8, jnp.bfloat16, dict(num_ctas=7, block_k=64)),
+    (5, jnp.float32, dict(num_ctas=4)),                     # scale_rows' hi and lo parts, a row scale
+    (2, jnp.float16, dict(num_ctas=3)),                     # float16 x as the wgmma's operand
+    (6, jnp.bfloat16, dict(fixed_split=False, num_ctas=5)),
+    (3, jnp.bfloat16, dict(scale_in_kernel=True, num_ctas=5)),
+])
+def test_gemv_interpreted(R, dtype, tuning, interpreter):
+  """The fp8 GEMV kernel (its a_in_smem form) on layer 1 of 2 stacked weights [192, 512] with per-channel scales,
+  against the float64 product of the widened weights: rows of 1 to 8, bf16 x in two parts by magnitude (values
+  in both bands), row-scaled or scaled in the kernel, float32 and float16 x, over CTAs whose ranges split row
+  blocks (partial slots summed after the kernel)."""
+  import numpy as np
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  rng = np.random.default_rng(R)
+  L, N, Kd = 2, 192, 512
+  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
+  x = rng.normal(size=(R, Kd)) * np.where(rng.random((R, Kd)) < 0.5, 1.0, 1e-3)   # |x| on both sides of 1/4
+  x = jnp.asarray(x, dtype)
+  got = jax.jit(lambda x, w, s: mgpu_gemv.gemv_stacked(
+      x, w, s, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, **tuning),
+      dtype=jnp.float32))(x, w8, scale)
+  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
+  want = np.asarray(x.astype(jnp.float32), np.float64) @ w.T
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())

@@ -74,11 +74,13 @@ def _lowered_calls(fn, *args) -> list[str]:
     ("llama3.1-70b", 8, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)),
     ("llama3-8b", 40, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)),
     ("llama3-8b", 64, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(scale_in_kernel=True)),
-    ("llama3-8b", 8, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(fixed_split=False))])
+    ("llama3-8b", 8, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(fixed_split=False)),
+    ("llama3-8b", 1, jnp.bfloat16, mgpu_gemv.MgpuGemvTuning(a_in_smem=True))])
 def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
   """The fp8 GEMV at the four products of a model, bf16 rows (two parts by magnitude, or row-scaled) and float32
-  rows (hi and lo: at 64 rows RN 128, a shorter ring), and with x scaled in the kernel (x^T tiles, a float16 tile
-  written for the wgmma), over 132 SMs."""
+  rows (hi and lo: at 64 rows RN 128, a shorter ring), with x scaled in the kernel (x^T tiles, a float16 tile
+  written for the wgmma), and in the form the interpreter runs (the weight tile through shared memory), over 132
+  SMs."""
   monkeypatch.setattr(mgpu_gemv, "sm_count", lambda: 132)
   for name, shape in linear_shapes(preset(preset_name)).items():
     spec = LINEAR[name]

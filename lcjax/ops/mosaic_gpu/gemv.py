@@ -73,6 +73,9 @@ class MgpuGemvTuning:
   num_ctas: int | None = None    # G, overriding ctas_per_sm
   max_rows: int = WIDEN_MAX_ROWS
   fixed_split: bool = True       # bf16 x as `split_fixed`'s two parts (False: row-scaled; module docstring)
+  a_in_smem: bool = False        # the widened weight tile stored to shared memory for the wgmma instead of read
+                                 # from registers: 1.45x slower on the 70B shape, but the form Pallas' Mosaic GPU
+                                 # interpreter runs (it models no wgmma operand in registers), for the CPU tests
   scale_in_kernel: bool = False  # 16-bit x handed over as it is (transposed, padded to 16, 32 or 64 rows), each
                                  # tile scaled to float16 in the kernel (`tile_scale`; overrides fixed_split)
 
@@ -103,6 +106,7 @@ class Plan:
   G: int
   M: int                         # ring slots (max_concurrent_steps, fewer where x's rows need the room)
   scale_in_kernel: bool = False  # x arrives transposed [Kd, RN], in its 16-bit dtype, and is scaled tile by tile
+  a_in_smem: bool = False        # MgpuGemvTuning.a_in_smem
 
   @property
   def Ks(self) -> int:
@@ -146,20 +150,23 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
   # 64 or 128 bytes: in-kernel scaling pads x to 16, 32 or 64 rows.
   RN = next(n for n in (16, 32, 64) if n >= R) if scale_in_kernel else -(-(P * R) // 8) * 8
   bk, M = math.gcd(Kd, tuning.block_k), tuning.max_concurrent_steps    # bk: a multiple of 64 (unsupported_shape)
-  while smem_bytes(RN, bk, M, scale_in_kernel) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
-    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                   # ring, then narrower tiles
+  a_in_smem = tuning.a_in_smem
+  while smem_bytes(RN, bk, M, scale_in_kernel, a_in_smem) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a
+    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                        # shallower ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
-  fit = max(1, resident_ctas(smem_bytes(RN, bk, M, scale_in_kernel)))                # CTAs an SM holds at once
+  fit = max(1, resident_ctas(smem_bytes(RN, bk, M, scale_in_kernel, a_in_smem)))     # CTAs an SM holds at once
   G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
-  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel)
+  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel, a_in_smem=a_in_smem)
 
 
-def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False) -> int:
+def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False, a_in_smem: bool = False) -> int:
   """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] 16-bit, the partial
-  [64, RN] float32 it writes out, and with in-kernel scaling the scaled x tile [bk, RN] float16."""
-  return M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if scale_in_kernel else 0)
+  [64, RN] float32 it writes out, with in-kernel scaling the scaled x tile [bk, RN] float16, and with a_in_smem
+  the widened weight tile [64, bk] float16."""
+  return (M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if scale_in_kernel else 0)
+          + (BLOCK_N * bk * 2 if a_in_smem else 0))
 
 
 def tile_scale(xt):
@@ -185,7 +192,9 @@ def _call(layer, x16, w, p: Plan):
   bk, RN, Ks, scale_in_kernel = p.bk, p.RN, p.Ks, p.scale_in_kernel
   J = p.slots().shape[0]
 
-  def body(layer_ref, x_ref, w_ref, o_ref, o_smem, *xs_smem):
+  def body(layer_ref, x_ref, w_ref, o_ref, o_smem, *scratch):
+    xs_smem = scratch[:1] if scale_in_kernel else ()
+    a_smem = scratch[-1] if p.a_in_smem else None
     g = lax.axis_index("g")
     layer = layer_ref[0]
     start = p.first(g)
@@ -200,6 +209,10 @@ def _call(layer, x16, w, p: Plan):
         # shared-memory tile that wgmma reads instead measured 1.45x slower on the Llama-3.1-70B shape)
         a = load(w_smem, plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
         a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
+        if a_smem is not None:        # the previous step's wgmma_wait(0) has let go of the tile
+          a_smem[...] = a
+          plgpu.commit_smem()
+          a = a_smem
         plgpu.wgmma(part_ref, a, b)                                    # W tile x^T [bk, RN]
         plgpu.wgmma_wait(0)
         return part_ref[...]
@@ -252,6 +265,8 @@ def _call(layer, x16, w, p: Plan):
       grid_names=("g",),
       scratch_types=[plgpu.SMEM((BLOCK_N, RN), jnp.float32)] + (
           [plgpu.SMEM((bk, RN), jnp.float16, transforms=smem_transforms(jnp.float16, RN))] if scale_in_kernel
+          else []) + (
+          [plgpu.SMEM((BLOCK_N, bk), jnp.float16, transforms=smem_transforms(jnp.float16, bk))] if p.a_in_smem
           else []),
   )(layer, x16, w)
 

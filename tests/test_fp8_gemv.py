@@ -336,6 +336,31 @@ def test_gpu_kernel_at_model_shapes(preset_name, rows):
     assert err < 2 ** -8, (name, err)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset_name", ["llama3-8b", "llama3.1-70b"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_mosaic_kernel_with_the_norm_inside(preset_name, rows):
+  """The Mosaic GPU kernel with the RMS norm inside (gemv_stacked(norm=...)), compiled at the two products that
+  read a norm (QKV, gate/up), rows of different scales, against the float64 product of the float64 norm: within
+  the float16 rounding of x * s (tests/test_mosaic_interpret.py has the same check on the interpreted kernel)."""
+  if mgpu_gemv.unsupported():
+    pytest.skip(mgpu_gemv.unsupported())
+  eps = 1e-5
+  for name, spec, w8, scale, x in model_products(preset_name, rows):
+    if not spec.startswith("btd,"):
+      continue
+    x = (x.reshape(rows, -1) * (10.0 ** jnp.arange(rows) % 7 + 1)[:, None]).astype(x.dtype).reshape(x.shape)
+    s = jax.random.uniform(jax.random.PRNGKey(1), (2, x.shape[-1]), jnp.float32, 0.2, 3.0).astype(jnp.bfloat16)
+    got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(x, w, sc, jnp.int32(1), spec, dtype=jnp.float32,
+                                                             norm=(s, eps)))(x, w8, scale, s)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    xn = xf / np.sqrt((xf ** 2).mean(axis=-1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
+    want = _numpy_product(xn, w8, scale, 1, spec)
+    bound = 2.0 ** -11 * _numpy_product(np.abs(xn), jnp.abs(w8.astype(jnp.float32)), scale, 1, spec)
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert (err <= bound + 1e-6 * np.abs(want).max()).all(), (name, float(err.max()))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _random_e4m3(key, shape):
   """e4m3 values of uniformly drawn bytes (a misread byte anywhere changes a sum), NaN codes moved to +-448."""

@@ -18,6 +18,8 @@ JAX 0.10 has no interpreter for these kernels (no layout_cast on CPU): the modul
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -138,3 +140,32 @@ def test_gemv_interpreted(R, dtype, tuning, interpreter):
   w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
   want = np.asarray(x.astype(jnp.float32), np.float64) @ w.T
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("R,tuning", [(1, dict()), (3, dict(num_ctas=5, block_k=128)), (8, dict(num_ctas=7))])
+def test_gemv_with_the_norm_inside_interpreted(R, tuning, interpreter):
+  """gemv_stacked(norm=(s, eps)): the product of rms_norm(x) * s[layer] from bf16 x as it is, against the float64
+  product of the float64 norm: within the float16 rounding of x * s (2^-11 of each term's magnitude), rows of very
+  different scales (the factor is per row), values in both of split_fixed's bands."""
+  import numpy as np
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  rng = np.random.default_rng(10 + R)
+  L, N, Kd, eps = 2, 192, 512, 1e-5
+  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
+  s = jnp.asarray(rng.uniform(0.2, 3.0, size=(L, Kd)), jnp.bfloat16)
+  x = rng.normal(size=(R, Kd)) * np.where(rng.random((R, Kd)) < 0.5, 1.0, 1e-3) * (10.0 ** np.arange(R) % 7)[:, None]
+  x = jnp.asarray(x, jnp.bfloat16)
+  got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(
+      x, w, sc, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, **tuning),
+      dtype=jnp.float32, norm=(s, eps)))(x, w8, scale, s)
+  xf = np.asarray(x.astype(jnp.float32), np.float64)
+  xn = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
+  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
+  want = xn @ w.T
+  bound = 2.0 ** -11 * (np.abs(xn) @ np.abs(w).T) + 1e-6 * np.abs(want).max()
+  assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), np.abs(np.asarray(got, np.float64) - want).max()
+  for args, why in (((x.astype(jnp.float32), w8, scale, s), "got float32 x and a scale (2, 512)"),
+                    ((x[:, :64], w8[:, :, :64], scale, s[:, :64]), "got bfloat16 x and a scale (2, 64)")):
+    with pytest.raises(ValueError, match=r"norm inside takes bfloat16 x, .* multiple of 128 .*, " + re.escape(why)):
+      mgpu_gemv.gemv_stacked(*args[:3], jnp.int32(1), "rd,nd->rn", norm=(args[3], eps))

@@ -91,6 +91,23 @@ def test_gemv_lowers(preset_name, rows, dtype, tuning, monkeypatch):
     assert calls == [MOSAIC_CALL], (name, calls)
 
 
+@pytest.mark.parametrize("preset_name,rows", [("llama3-8b", 1), ("llama3-8b", 8), ("llama3.1-70b", 3)])
+def test_gemv_with_the_norm_inside_lowers(preset_name, rows, monkeypatch):
+  """The fp8 GEMV with the RMS norm inside (gemv_stacked(norm=...)) at the two products that read a norm's output
+  (the QKV and gate/up projections), bf16 rows as the residual holds them, over 132 SMs: one Mosaic GPU call."""
+  monkeypatch.setattr(mgpu_gemv, "sm_count", lambda: 132)
+  cfg = preset(preset_name)
+  normed = {name: shape for name, shape in linear_shapes(cfg).items() if LINEAR[name].startswith("btd,")}
+  assert len(normed) == 2, normed
+  for name, shape in normed.items():
+    spec = LINEAR[name]
+    w8, scale = jax.eval_shape(jax.vmap(lambda a: linear.quantize_weight(a, spec)), S((2, *shape), jnp.bfloat16))
+    x, s = S(x_shape(spec, shape, rows), jnp.bfloat16), S((2, cfg.dim), jnp.bfloat16)
+    calls = _lowered_calls(lambda x, w, sc, s, i: mgpu_gemv.gemv_stacked(x, w, sc, i, spec, norm=(s, 1e-5)),
+                           x, w8, scale, s, S((), jnp.int32))
+    assert calls == [MOSAIC_CALL], (name, calls)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kv_splits", [1, 3])
 def test_flash_prefill_lowers(fp8, kv_splits):

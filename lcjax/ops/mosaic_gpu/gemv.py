@@ -37,6 +37,14 @@ within the tile), writes the float16 tile to shared memory for the wgmma and mul
 inverse: nothing but a transpose and a pad before the kernel, and no range limit, but the per-step cross-warp max
 slows the stream (call 32: the GEMVs took 2.84 against 2.07 ms a token, +37%): it is not the default.
 
+With `norm` (gemv_stacked's), the product is of RMS-normed x and the kernel does the norm: x arrives as the
+residual holds it (bf16 [R, Kd], R <= NORM_ROWS), each CTA first computes every row's rsqrt(mean(x^2) + eps) from
+the whole row by plain loads, then its pipeline brings x's rows and the norm's scale tile by tile (TMA boxes of R
+rows and of one), and each step builds the x^T tile in registers: row r times the scale, split into
+`split_fixed`'s two parts as columns r and NORM_ROWS + r (RN = 16), stored where `scale_in_kernel` stores its
+tile. The partials' columns are multiplied by their row's factor before they are written. In a decode layer this
+replaces the two XLA kernels of each norm (the sum of squares, then the normalized x's conversion to the parts).
+
 The CTAs of a call are meant to be resident together: G is at most as many CTAs as fit an SM's shared memory
 (common.resident_ctas) times the SMs, so that many rows (a larger RN) lower ctas_per_sm rather than start a second wave.
 
@@ -62,6 +70,7 @@ from lcjax.ops.hardware import sm90_fp8_reason, sm_count
 
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
+NORM_ROWS = 8                  # rows of x a GEMV with the norm inside takes: x^T tile columns r (hi), 8 + r (lo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,7 @@ class Plan:
   M: int                         # ring slots (max_concurrent_steps, fewer where x's rows need the room)
   scale_in_kernel: bool = False  # x arrives transposed [Kd, RN], in its 16-bit dtype, and is scaled tile by tile
   a_in_smem: bool = False        # MgpuGemvTuning.a_in_smem
+  norm: bool = False             # x arrives as it is ([R, Kd] bf16) with a norm's scale: `gemv_stacked`'s norm
 
   @property
   def Ks(self) -> int:
@@ -132,7 +142,7 @@ class Plan:
 
 
 def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTuning(), *,
-         scale_in_kernel: bool = False) -> Plan:
+         scale_in_kernel: bool = False, norm: bool = False) -> Plan:
   """Tiles and CTAs for x [R, Kd] in P float16 parts (scale_in_kernel: one 16-bit part the kernel scales) times a
   weight of N rows of Kd."""
   if R > tuning.max_rows:
@@ -148,17 +158,20 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
     raise ValueError(reason)
   # x^T tiles [bk, RN] in shared memory have rows of RN 16-bit values, and Mosaic GPU swizzles rows of exactly 32,
   # 64 or 128 bytes: in-kernel scaling pads x to 16, 32 or 64 rows.
-  RN = next(n for n in (16, 32, 64) if n >= R) if scale_in_kernel else -(-(P * R) // 8) * 8
+  if norm and R > NORM_ROWS:
+    raise ValueError(f"{R} rows exceed the {NORM_ROWS} a GEMV with the norm inside takes")
+  RN = 2 * NORM_ROWS if norm else next(n for n in (16, 32, 64) if n >= R) if scale_in_kernel else -(-(P * R) // 8) * 8
   bk, M = math.gcd(Kd, tuning.block_k), tuning.max_concurrent_steps    # bk: a multiple of 64 (unsupported_shape)
-  a_in_smem = tuning.a_in_smem
-  while smem_bytes(RN, bk, M, scale_in_kernel, a_in_smem) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a
-    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                        # shallower ring, then narrower tiles
+  a_in_smem, tiled = tuning.a_in_smem, scale_in_kernel or norm     # tiled: an x^T tile written in the kernel
+  while smem_bytes(RN, bk, M, tiled, a_in_smem) > SMEM_BYTES and (M > 2 or bk > 64):   # many rows: a shallower
+    M, bk = (M - 1, bk) if M > 2 else (M, bk // 2)                                    # ring, then narrower tiles
   T = N // BLOCK_N * (Kd // bk)
-  fit = max(1, resident_ctas(smem_bytes(RN, bk, M, scale_in_kernel, a_in_smem)))     # CTAs an SM holds at once
+  fit = max(1, resident_ctas(smem_bytes(RN, bk, M, tiled, a_in_smem)))                # CTAs an SM holds at once
   G = min(T, tuning.num_ctas or min(tuning.ctas_per_sm, fit) * sm_count())
   if (T + 1) * G >= 2 ** 31:
     raise ValueError(f"{T} tiles over {G} CTAs overflow the kernel's int32 range arithmetic")
-  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel, a_in_smem=a_in_smem)
+  return Plan(R=R, P=P, RN=RN, N=N, Kd=Kd, bk=bk, G=G, M=M, scale_in_kernel=scale_in_kernel, a_in_smem=a_in_smem,
+              norm=norm)
 
 
 def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False, a_in_smem: bool = False) -> int:
@@ -183,24 +196,34 @@ def tile_scale(xt):
   return (xf * lax.broadcast_in_dim(s, xf.shape, [1])).astype(jnp.float16), inv
 
 
-def _call(layer, x16, w, p: Plan):
+def _call(layer, x16, w, p: Plan, norm_scale=None, eps: float = 0.0):
   """The kernel: partials [J, N, RN] float32 (out^T of each CTA's share of a row block; slots `p.slots()` written)
   for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3, or with p.scale_in_kernel x^T [Kd, RN] in x's 16-bit dtype,
-  scaled to float16 tile by tile in the kernel (`tile_scale`)."""
+  scaled to float16 tile by tile in the kernel (`tile_scale`), or with p.norm x [R, Kd] bf16 as it is and the
+  norm's scale norm_scale [L, 1, Kd]: each tile of x * scale split in the kernel into its `split_fixed` parts as
+  the x^T tile's columns r and NORM_ROWS + r (`_normed_tile`), and each partial's columns multiplied by their
+  row's rsqrt(mean(x^2) + eps), which every CTA computes from the whole row (`_row_factor`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  bk, RN, Ks, scale_in_kernel = p.bk, p.RN, p.Ks, p.scale_in_kernel
+  bk, RN, Ks, scale_in_kernel, norm = p.bk, p.RN, p.Ks, p.scale_in_kernel, p.norm
   J = p.slots().shape[0]
 
-  def body(layer_ref, x_ref, w_ref, o_ref, o_smem, *scratch):
-    xs_smem = scratch[:1] if scale_in_kernel else ()
+  def body(layer_ref, x_ref, w_ref, *refs):
+    (g_ref, o_ref, o_smem, *scratch) = refs if norm else (None, *refs)
+    xs_smem = scratch[:1] if scale_in_kernel or norm else ()
     a_smem = scratch[-1] if p.a_in_smem else None
     g = lax.axis_index("g")
     layer = layer_ref[0]
     start = p.first(g)
     count = p.first(g + 1) - start
+    if norm:                          # [64, RN]: row r's factor in columns r and NORM_ROWS + r, 0 elsewhere
+      cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N, RN), 1, layout=plgpu.Layout.WGMMA)
+      col_factor = jnp.zeros((BLOCK_N, RN), jnp.float32)
+      for r in range(p.R):
+        col_factor = jnp.where((cols == r) | (cols == NORM_ROWS + r), _row_factor(x_ref, r, p.Kd, eps), col_factor)
 
-    def step(idx, w_smem, x_smem, acc):
+    def step(idx, w_smem, x_smem, *rest):
+      (g_smem, acc) = rest if norm else (None, *rest)
       f = start + idx[0]
       k = lax.rem(f, Ks)
 
@@ -225,6 +248,10 @@ def _call(layer, x16, w, p: Plan):
         xs_smem[0][...] = x16t
         plgpu.commit_smem()           # a proxy fence and a warpgroup barrier: the whole tile is there for wgmma
         b = xs_smem[0]
+      elif norm:                      # x_smem [R, bk] bf16 rows, g_smem [1, bk]; the buffer as above
+        xs_smem[0][...] = _normed_tile(x_smem, g_smem, p.R, bk, RN)
+        plgpu.commit_smem()
+        b = xs_smem[0]
       else:
         b = x_smem.transpose((1, 0))
       part = pl.run_scoped(tile, plgpu.ACC((BLOCK_N, RN), jnp.float32))
@@ -239,23 +266,27 @@ def _call(layer, x16, w, p: Plan):
       def _():
         n = lax.div(f, Ks)
         plgpu.wait_smem_to_gmem(0)                                     # the previous partial has left o_smem
-        o_smem[...] = acc
+        o_smem[...] = acc * col_factor if norm else acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[g - p.owner(n * Ks), pl.ds(n * BLOCK_N, BLOCK_N)])
 
       return acc
 
+    cols_of = lambda t: lax.rem(start + t, Ks)
+    if norm:                          # x's rows and the scale's tile as they lie: no transforms
+      x_specs = [plgpu.BlockSpec((p.R, bk), lambda t: (0, cols_of(t))),
+                 plgpu.BlockSpec((1, bk), lambda t: (0, cols_of(t)))]
+    elif scale_in_kernel:
+      x_specs = [plgpu.BlockSpec((bk, RN), lambda t: (cols_of(t), 0), transforms=smem_transforms(x16.dtype, RN))]
+    else:
+      x_specs = [plgpu.BlockSpec((RN, bk), lambda t: (0, cols_of(t)), transforms=smem_transforms(jnp.float16, bk))]
     plgpu.emit_pipeline(
         step, grid=(count,),
-        in_specs=[plgpu.BlockSpec((BLOCK_N, bk), lambda t: (lax.div(start + t, Ks), lax.rem(start + t, Ks)),
-                                  transforms=smem_transforms(w.dtype, bk)),
-                  plgpu.BlockSpec((bk, RN), lambda t: (lax.rem(start + t, Ks), 0),
-                                  transforms=smem_transforms(x16.dtype, RN)) if scale_in_kernel else
-                  plgpu.BlockSpec((RN, bk), lambda t: (0, lax.rem(start + t, Ks)),
-                                  transforms=smem_transforms(jnp.float16, bk))],
+        in_specs=[plgpu.BlockSpec((BLOCK_N, bk), lambda t: (lax.div(start + t, Ks), cols_of(t)),
+                                  transforms=smem_transforms(w.dtype, bk))] + x_specs,
         max_concurrent_steps=p.M,
         init_carry=plgpu.layout_cast(jnp.zeros((BLOCK_N, RN), jnp.float32), plgpu.Layout.WGMMA),
-    )(w_ref.at[layer], x_ref)
+    )(w_ref.at[layer], x_ref, *([g_ref.at[layer]] if norm else []))
     plgpu.wait_smem_to_gmem(0)
 
   return plgpu.kernel(
@@ -264,25 +295,74 @@ def _call(layer, x16, w, p: Plan):
       grid=(p.G,),
       grid_names=("g",),
       scratch_types=[plgpu.SMEM((BLOCK_N, RN), jnp.float32)] + (
-          [plgpu.SMEM((bk, RN), jnp.float16, transforms=smem_transforms(jnp.float16, RN))] if scale_in_kernel
-          else []) + (
+          [plgpu.SMEM((bk, RN), jnp.float16, transforms=smem_transforms(jnp.float16, RN))]
+          if scale_in_kernel or norm else []) + (
           [plgpu.SMEM((BLOCK_N, bk), jnp.float16, transforms=smem_transforms(jnp.float16, bk))] if p.a_in_smem
           else []),
-  )(layer, x16, w)
+  )(layer, x16, w, *([norm_scale] if norm else []))
 
 
-def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning(), dtype=None):
+def _row_factor(x_ref, r: int, Kd: int, eps: float):
+  """rsqrt(mean(x[r]^2) + eps) of row r of x [R, Kd] in global memory: plain loads of 128 values (one a thread),
+  their squares summed in registers, then across the warpgroup."""
+  import jax.experimental.pallas as pl
+
+  def chunk(j, acc):
+    v = x_ref[r, pl.ds(pl.multiple_of(j * 128, 128), 128)].astype(jnp.float32)
+    return acc + v * v
+
+  total = lax.fori_loop(0, Kd // 128, chunk, jnp.zeros((128,), jnp.float32))
+  return lax.rsqrt(jnp.sum(total) / Kd + eps)
+
+
+def _normed_tile(x_smem, g_smem, R: int, bk: int, RN: int):
+  """The float16 x^T tile [bk, RN] of rows x_smem [R, bk] times g_smem [1, bk]: row r's `split_fixed` parts in
+  columns r and NORM_ROWS + r, zeros elsewhere (in WGMMA layout: each row read as a vector of one value a tile row,
+  broadcast along the columns)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  gv = load(g_smem.at[0], rows).astype(jnp.float32)
+  cols = plgpu.broadcasted_iota(jnp.int32, (bk, RN), 1, layout=plgpu.Layout.WGMMA)
+  t = jnp.zeros((bk, RN), jnp.float32)
+  for r in range(R):
+    vt = lax.broadcast_in_dim(load(x_smem.at[r], rows).astype(jnp.float32) * gv, (bk, RN), [0])
+    big = jnp.abs(vt) >= SPLIT_BAND
+    t = jnp.where(cols == r, jnp.where(big, vt * SPLIT_HI, 0.0),
+                  jnp.where(cols == NORM_ROWS + r, jnp.where(big, 0.0, vt * SPLIT_LO), t))
+  return t.astype(jnp.float16)
+
+
+def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning(), dtype=None,
+                 norm=None):
   """einsum(spec, x, w8[layer] * scale[layer]) in `dtype` (None: x's dtype): x of at most tuning.max_rows rows,
   w8 [L, ...] e4m3 and scale [L, ...] float32 stacked K-major weights (lcjax.ops.linear), layer a traced int
-  scalar. Its float32 model is lcjax.ops.linear.gemv_stacked_reference."""
-  return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning).astype(dtype or x.dtype)
+  scalar. Its float32 model is lcjax.ops.linear.gemv_stacked_reference.
+
+  norm = (s [L, Kd], eps): the product of RMS-normed x, x * rsqrt(mean(x^2) + eps) * s[layer], computed inside
+  the kernel from x as it is (bf16, at most NORM_ROWS rows): no XLA op before it. x * s is rounded to float16 parts
+  (`split_fixed`'s bands: a relative error of at most 2^-11 a value, where the norm applied in bf16 rounds to 2^-9)
+  and the rows' factor is applied to the float32 partials."""
+  return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning, norm=norm).astype(dtype or x.dtype)
 
 
-def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning()):
+def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = MgpuGemvTuning(), norm=None):
   """gemv_stacked's product in float32, before the cast to x's dtype."""
   L = w8.shape[0]
   R, N, Kd, out_shape = product_layout(x.shape, w8.shape, spec)
   wide = jnp.dtype(x.dtype).itemsize != 2
+  w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
+  layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
+  if norm is not None:
+    s, eps = norm
+    if x.dtype != jnp.bfloat16 or s.shape != (L, Kd) or Kd % 128:
+      raise ValueError(f"a GEMV with the norm inside takes bfloat16 x, a norm scale [L, Kd] = [{L}, {Kd}] and Kd a "
+                       f"multiple of 128 (its rows are read 128 values at a time), got {x.dtype.name} x and a scale "
+                       f"{tuple(s.shape)}")
+    p = plan(R, 2, N, Kd, tuning, norm=True)
+    parts = _call(layer1, x.reshape(R, Kd), w8.reshape(L, N, Kd), p, s.reshape(L, 1, Kd), float(eps))
+    yt = sum_slots(parts, p.slots())                                  # [N, RN]: hi columns, then lo from NORM_ROWS
+    y = (yt[:, :R] * (1 / SPLIT_HI) + yt[:, NORM_ROWS:NORM_ROWS + R] * (1 / SPLIT_LO)).T
+    return (y * w_scale).reshape(out_shape)
   if tuning.scale_in_kernel and not wide:                             # x^T as it is, padded: [Kd, RN]
     P, xs = 1, None
     p = plan(R, P, N, Kd, tuning, scale_in_kernel=True)
@@ -296,7 +376,7 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     P = x16.shape[0]
     p = plan(R, P, N, Kd, tuning)
     x16 = jnp.pad(x16.reshape(P * R, Kd), ((0, p.RN - P * R), (0, 0)))  # [RN, Kd]
-  parts = _call(jnp.reshape(layer, (1,)).astype(jnp.int32), x16, w8.reshape(L, N, Kd), p)   # [J, N, RN]
+  parts = _call(layer1, x16, w8.reshape(L, N, Kd), p)                # [J, N, RN]
   yt = sum_slots(parts, p.slots())                                    # [N, RN]
   if xs is None:                                                      # float16 x, or scaled in the kernel
     y = yt[:, :R].T                                                   # [R, N]
@@ -304,7 +384,6 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     y = sum(yt[:, i * R:(i + 1) * R] * xs[i] for i in range(P)).T
   else:                                                               # scale_rows: one row scale
     y = sum(yt[:, i * R:(i + 1) * R] for i in range(P)).T * xs
-  w_scale = lax.dynamic_index_in_dim(scale.reshape(L, N), layer, keepdims=False)
   return (y * w_scale).reshape(out_shape)
 
 

@@ -142,15 +142,16 @@ def test_gemv_interpreted(R, dtype, tuning, interpreter):
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("R,tuning", [(1, dict()), (3, dict(num_ctas=5, block_k=128)), (8, dict(num_ctas=7))])
-def test_gemv_with_the_norm_inside_interpreted(R, tuning, interpreter):
+@pytest.mark.parametrize("R,Kd,tuning", [(1, 512, dict()), (3, 512, dict(num_ctas=5, block_k=128)),
+                                         (8, 2048, dict(num_ctas=7))])       # 2048: the row read 1024 at a time
+def test_gemv_with_the_norm_inside_interpreted(R, Kd, tuning, interpreter):
   """gemv_stacked(norm=(s, eps)): the product of rms_norm(x) * s[layer] from bf16 x as it is, against the float64
   product of the float64 norm: within the float16 rounding of x * s (2^-11 of each term's magnitude), rows of very
   different scales (the factor is per row), values in both of split_fixed's bands."""
   import numpy as np
   from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
   rng = np.random.default_rng(10 + R)
-  L, N, Kd, eps = 2, 192, 512, 1e-5
+  L, N, eps = 2, 192, 1e-5
   w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
   scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
   s = jnp.asarray(rng.uniform(0.2, 3.0, size=(L, Kd)), jnp.bfloat16)
@@ -165,7 +166,40 @@ def test_gemv_with_the_norm_inside_interpreted(R, tuning, interpreter):
   want = xn @ w.T
   bound = 2.0 ** -11 * (np.abs(xn) @ np.abs(w).T) + 1e-6 * np.abs(want).max()
   assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), np.abs(np.asarray(got, np.float64) - want).max()
-  for args, why in (((x.astype(jnp.float32), w8, scale, s), "got float32 x and a scale (2, 512)"),
+  for args, why in (((x.astype(jnp.float32), w8, scale, s), f"got float32 x and a scale (2, {Kd})"),
                     ((x[:, :64], w8[:, :, :64], scale, s[:, :64]), "got bfloat16 x and a scale (2, 64)")):
     with pytest.raises(ValueError, match=r"norm inside takes bfloat16 x, .* multiple of 128 .*, " + re.escape(why)):
       mgpu_gemv.gemv_stacked(*args[:3], jnp.int32(1), "rd,nd->rn", norm=(args[3], eps))
+
+
+def test_gemv_with_the_norm_inside_at_the_split_edges(interpreter):
+  """Rows that each hold one value at an edge of the norm's float16 parts, so that every output is checked against
+  one rounding (no sum to average errors out): x * s = 32767 2^-17 (just below 1/4: a bf16 x times a bf16 s, which
+  a band edge at 1/4 overflowed), 0.30078125 (a subnormal hi under that band), 2 - 2^-7 and 2 (either side of
+  NORM_BAND), 3e4, 2^-20; a row of ~1e-3 values (eps weighs in its factor) and a row of normal draws."""
+  import numpy as np
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  rng = np.random.default_rng(7)
+  L, N, Kd, eps = 2, 128, 256, 1e-5
+  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
+  s = np.ones((L, Kd))
+  s[1, 5] = 217 / 2 ** 8
+  x = np.zeros((8, Kd))
+  for r, (col, v) in enumerate([(5, 151 / 2 ** 9), (77, 0.30078125), (100, 2 - 2 ** -7), (130, 2.0), (200, 3e4),
+                                (250, 2.0 ** -20)]):
+    x[r, col] = v
+  x[6] = rng.normal(size=Kd) * 1e-3
+  x[7] = rng.normal(size=Kd)
+  x, s = jnp.asarray(x, jnp.bfloat16), jnp.asarray(s, jnp.bfloat16)
+  got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(
+      x, w, sc, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, num_ctas=3),
+      dtype=jnp.float32, norm=(s, eps)))(x, w8, scale, s)
+  xf = np.asarray(x.astype(jnp.float32), np.float64)
+  xn = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
+  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
+  want = xn @ w.T
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all()
+  bound = 2.0 ** -11 * (np.abs(xn) @ np.abs(w).T) * (1 + 2.0 ** -10)      # the factor's own float32 rounding
+  assert (np.abs(got - want) <= bound).all(), np.max(np.abs(got - want) / bound)

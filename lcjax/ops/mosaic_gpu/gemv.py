@@ -71,6 +71,10 @@ from lcjax.ops.hardware import sm90_fp8_reason, sm_count
 BLOCK_N = 64                   # output channels per CTA: a wgmma's M
 SMEM_BYTES = 220 * 1024        # shared memory a CTA may plan for (Hopper: 227 KiB a block, some kept by Mosaic)
 NORM_ROWS = 8                  # rows of x a GEMV with the norm inside takes: x^T tile columns r (hi), 8 + r (lo)
+# Its parts of v = x * s (a float32 product, up to 24 significant bits): |v| >= NORM_BAND as v NORM_HI, the rest as
+# v NORM_LO. Both stay normal float16 (11 significant bits: a relative error of at most 2^-11) for 2^-28 <= |v| <
+# 2^31, and lo (|v| < 2, so below 2^15) cannot overflow.
+NORM_BAND, NORM_HI, NORM_LO = 2.0, 2.0 ** -15, 2.0 ** 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +147,10 @@ class Plan:
 
 def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTuning(), *,
          scale_in_kernel: bool = False, norm: bool = False) -> Plan:
-  """Tiles and CTAs for x [R, Kd] in P float16 parts (scale_in_kernel: one 16-bit part the kernel scales) times a
-  weight of N rows of Kd."""
+  """Tiles and CTAs for x [R, Kd] in P float16 parts (scale_in_kernel: one 16-bit part the kernel scales; norm: bf16
+  rows the kernel normalizes and splits) times a weight of N rows of Kd."""
+  if norm and scale_in_kernel:
+    raise ValueError("a GEMV plan is for x scaled in the kernel or for the norm inside it, not both")
   if R > tuning.max_rows:
     raise ValueError(f"{R} rows exceed MgpuGemvTuning.max_rows={tuning.max_rows}: not a decode-sized product")
   if tuning.block_k not in (64, 128, 256):
@@ -174,11 +180,12 @@ def plan(R: int, P: int, N: int, Kd: int, tuning: MgpuGemvTuning = MgpuGemvTunin
               norm=norm)
 
 
-def smem_bytes(RN: int, bk: int, M: int, scale_in_kernel: bool = False, a_in_smem: bool = False) -> int:
-  """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] 16-bit, the partial
-  [64, RN] float32 it writes out, with in-kernel scaling the scaled x tile [bk, RN] float16, and with a_in_smem
-  the widened weight tile [64, bk] float16."""
-  return (M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if scale_in_kernel else 0)
+def smem_bytes(RN: int, bk: int, M: int, x_tile: bool = False, a_in_smem: bool = False) -> int:
+  """Shared memory of a CTA: the ring's M weight tiles [64, bk] e4m3 and x tiles [RN, bk] 16-bit (with the norm
+  inside: x's rows and the scale's, fewer bytes), the partial [64, RN] float32 it writes out, with an x^T tile
+  written in the kernel (scale_in_kernel or the norm) that tile [bk, RN] float16, and with a_in_smem the widened
+  weight tile [64, bk] float16."""
+  return (M * (BLOCK_N * bk + RN * bk * 2) + BLOCK_N * RN * 4 + (RN * bk * 2 if x_tile else 0)
           + (BLOCK_N * bk * 2 if a_in_smem else 0))
 
 
@@ -303,20 +310,21 @@ def _call(layer, x16, w, p: Plan, norm_scale=None, eps: float = 0.0):
 
 
 def _row_factor(x_ref, r: int, Kd: int, eps: float):
-  """rsqrt(mean(x[r]^2) + eps) of row r of x [R, Kd] in global memory: plain loads of 128 values (one a thread),
-  their squares summed in registers, then across the warpgroup."""
+  """rsqrt(mean(x[r]^2) + eps) of row r of x [R, Kd] in global memory: plain loads of `w` values (8 a thread where
+  Kd allows, one 16-byte load each), their squares summed in registers, then across the warpgroup."""
   import jax.experimental.pallas as pl
+  w = 1024 if Kd % 1024 == 0 else 128
 
   def chunk(j, acc):
-    v = x_ref[r, pl.ds(pl.multiple_of(j * 128, 128), 128)].astype(jnp.float32)
+    v = x_ref[r, pl.ds(pl.multiple_of(j * w, w), w)].astype(jnp.float32)
     return acc + v * v
 
-  total = lax.fori_loop(0, Kd // 128, chunk, jnp.zeros((128,), jnp.float32))
+  total = lax.fori_loop(0, Kd // w, chunk, jnp.zeros((w,), jnp.float32), unroll=True)
   return lax.rsqrt(jnp.sum(total) / Kd + eps)
 
 
 def _normed_tile(x_smem, g_smem, R: int, bk: int, RN: int):
-  """The float16 x^T tile [bk, RN] of rows x_smem [R, bk] times g_smem [1, bk]: row r's `split_fixed` parts in
+  """The float16 x^T tile [bk, RN] of rows x_smem [R, bk] times g_smem [1, bk]: row r's two parts (NORM_BAND) in
   columns r and NORM_ROWS + r, zeros elsewhere (in WGMMA layout: each row read as a vector of one value a tile row,
   broadcast along the columns)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -326,9 +334,9 @@ def _normed_tile(x_smem, g_smem, R: int, bk: int, RN: int):
   t = jnp.zeros((bk, RN), jnp.float32)
   for r in range(R):
     vt = lax.broadcast_in_dim(load(x_smem.at[r], rows).astype(jnp.float32) * gv, (bk, RN), [0])
-    big = jnp.abs(vt) >= SPLIT_BAND
-    t = jnp.where(cols == r, jnp.where(big, vt * SPLIT_HI, 0.0),
-                  jnp.where(cols == NORM_ROWS + r, jnp.where(big, 0.0, vt * SPLIT_LO), t))
+    big = jnp.abs(vt) >= NORM_BAND
+    t = jnp.where(cols == r, jnp.where(big, vt * NORM_HI, 0.0),
+                  jnp.where(cols == NORM_ROWS + r, jnp.where(big, 0.0, vt * NORM_LO), t))
   return t.astype(jnp.float16)
 
 
@@ -339,9 +347,10 @@ def gemv_stacked(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning = Mgp
   scalar. Its float32 model is lcjax.ops.linear.gemv_stacked_reference.
 
   norm = (s [L, Kd], eps): the product of RMS-normed x, x * rsqrt(mean(x^2) + eps) * s[layer], computed inside
-  the kernel from x as it is (bf16, at most NORM_ROWS rows): no XLA op before it. x * s is rounded to float16 parts
-  (`split_fixed`'s bands: a relative error of at most 2^-11 a value, where the norm applied in bf16 rounds to 2^-9)
-  and the rows' factor is applied to the float32 partials."""
+  the kernel from x as it is (bf16, at most NORM_ROWS rows, Kd a multiple of 128): no XLA op before it. x * s is
+  rounded to two float16 parts (NORM_BAND: a relative error of at most 2^-11 a value for 2^-28 <= |x s| < 2^31,
+  where the norm applied in bf16 rounds to 2^-8) and the rows' factor is applied to the float32 partials.
+  tuning.scale_in_kernel and tuning.fixed_split do not apply."""
   return gemv_stacked_f32(x, w8, scale, layer, spec, tuning=tuning, norm=norm).astype(dtype or x.dtype)
 
 
@@ -361,7 +370,7 @@ def gemv_stacked_f32(x, w8, scale, layer, spec: str, *, tuning: MgpuGemvTuning =
     p = plan(R, 2, N, Kd, tuning, norm=True)
     parts = _call(layer1, x.reshape(R, Kd), w8.reshape(L, N, Kd), p, s.reshape(L, 1, Kd), float(eps))
     yt = sum_slots(parts, p.slots())                                  # [N, RN]: hi columns, then lo from NORM_ROWS
-    y = (yt[:, :R] * (1 / SPLIT_HI) + yt[:, NORM_ROWS:NORM_ROWS + R] * (1 / SPLIT_LO)).T
+    y = (yt[:, :R] * (1 / NORM_HI) + yt[:, NORM_ROWS:NORM_ROWS + R] * (1 / NORM_LO)).T
     return (y * w_scale).reshape(out_shape)
   if tuning.scale_in_kernel and not wide:                             # x^T as it is, padded: [Kd, RN]
     P, xs = 1, None

@@ -40,9 +40,8 @@ slows the stream (call 32: the GEMVs took 2.84 against 2.07 ms a token, +37%): i
 With `norm` (gemv_stacked's), the product is of RMS-normed x and the kernel does the norm: x arrives as the
 residual holds it (bf16 [R, Kd], R <= NORM_ROWS), each CTA first computes every row's rsqrt(mean(x^2) + eps) from
 the whole row by plain loads, then its pipeline brings x's rows and the norm's scale tile by tile (TMA boxes of R
-rows and of one), and each step builds the x^T tile in registers: row r times the scale, split into
-`split_fixed`'s two parts as columns r and NORM_ROWS + r (RN = 16), stored where `scale_in_kernel` stores its
-tile. The partials' columns are multiplied by their row's factor before they are written. In a decode layer this
+rows and of one), and each step builds the x^T tile in registers: row r times the scale, split into two float16
+parts at NORM_BAND as columns r and NORM_ROWS + r (RN = 16), stored where `scale_in_kernel` stores its tile. The partials' columns are multiplied by their row's factor before they are written. In a decode layer this
 replaces the two XLA kernels of each norm (the sum of squares, then the normalized x's conversion to the parts).
 
 The CTAs of a call are meant to be resident together: G is at most as many CTAs as fit an SM's shared memory
@@ -207,8 +206,8 @@ def _call(layer, x16, w, p: Plan, norm_scale=None, eps: float = 0.0):
   """The kernel: partials [J, N, RN] float32 (out^T of each CTA's share of a row block; slots `p.slots()` written)
   for x16 [RN, Kd] float16 and w [L, N, Kd] e4m3, or with p.scale_in_kernel x^T [Kd, RN] in x's 16-bit dtype,
   scaled to float16 tile by tile in the kernel (`tile_scale`), or with p.norm x [R, Kd] bf16 as it is and the
-  norm's scale norm_scale [L, 1, Kd]: each tile of x * scale split in the kernel into its `split_fixed` parts as
-  the x^T tile's columns r and NORM_ROWS + r (`_normed_tile`), and each partial's columns multiplied by their
+  norm's scale norm_scale [L, 1, Kd]: each tile of x * scale split in the kernel into two float16 parts (NORM_BAND)
+  as the x^T tile's columns r and NORM_ROWS + r (`_normed_tile`), and each partial's columns multiplied by their
   row's rsqrt(mean(x^2) + eps), which every CTA computes from the whole row (`_row_factor`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu

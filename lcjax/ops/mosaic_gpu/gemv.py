@@ -41,8 +41,9 @@ With `norm` (gemv_stacked's), the product is of RMS-normed x and the kernel does
 residual holds it (bf16 [R, Kd], R <= NORM_ROWS), each CTA first computes every row's rsqrt(mean(x^2) + eps) from
 the whole row by plain loads, then its pipeline brings x's rows and the norm's scale tile by tile (TMA boxes of R
 rows and of one), and each step builds the x^T tile in registers: row r times the scale, split into two float16
-parts at NORM_BAND as columns r and NORM_ROWS + r (RN = 16), stored where `scale_in_kernel` stores its tile. The partials' columns are multiplied by their row's factor before they are written. In a decode layer this
-replaces the two XLA kernels of each norm (the sum of squares, then the normalized x's conversion to the parts).
+parts at NORM_BAND as columns r and NORM_ROWS + r (RN = 16), stored where `scale_in_kernel` stores its tile. The
+partials' columns are multiplied by their row's factor before they are written. In a decode layer this replaces
+the two XLA kernels of each norm (the sum of squares, then the normalized x's conversion to the parts).
 
 The CTAs of a call are meant to be resident together: G is at most as many CTAs as fit an SM's shared memory
 (common.resident_ctas) times the SMs, so that many rows (a larger RN) lower ctas_per_sm rather than start a second wave.

@@ -105,6 +105,14 @@ def model_products(preset_name: str, rows: int):
     yield name, spec, w8, scale, jax.random.normal(key, x_shape(spec, shape, rows), jnp.bfloat16)
 
 
+def _normed64(x, s, eps):
+  """x * rsqrt(mean(x^2) + eps) * s over x's last axis, in float64: the RMS norm a GEMV with the norm inside
+  computes."""
+  xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  return xf / np.sqrt((xf ** 2).mean(axis=-1, keepdims=True) + eps) * np.asarray(
+      jnp.asarray(s).astype(jnp.float32), np.float64)
+
+
 def _numpy_product(x, w8, scale, layer, spec):
   """einsum(spec, x, dequantized weight of `layer`) in float64, from the K-major bytes and scales."""
   xs, ws, out = linear.contracted(spec)
@@ -353,8 +361,7 @@ def test_gpu_mosaic_kernel_with_the_norm_inside(preset_name, rows):
     s = jax.random.uniform(jax.random.PRNGKey(1), (2, x.shape[-1]), jnp.float32, 0.2, 3.0).astype(jnp.bfloat16)
     got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(x, w, sc, jnp.int32(1), spec, dtype=jnp.float32,
                                                              norm=(s, eps)))(x, w8, scale, s)
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    xn = xf / np.sqrt((xf ** 2).mean(axis=-1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
+    xn = _normed64(x, s[1], eps)
     want = _numpy_product(xn, w8, scale, 1, spec)
     bound = 2.0 ** -11 * _numpy_product(np.abs(xn), jnp.abs(w8.astype(jnp.float32)), scale, 1, spec)
     err = np.abs(np.asarray(got, np.float64) - want)

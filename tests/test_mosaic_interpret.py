@@ -112,6 +112,27 @@ def test_fp8_page_write_interpreted(L, P, Z, K, H, B, layer, interpreter):
   _assert_same(jax.jit(mgpu_page_write.write_token)(*case, jnp.int32(layer)), want)
 
 
+def _gemv_weights(rng, L, N, Kd):
+  """Stacked e4m3 weights [L, N, Kd] drawn at e4m3's scale and their per-channel scales [L, N, 1]."""
+  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+  return w8, jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
+
+
+def _gemv_interpreted(x, w8, scale, norm=None, **tuning):
+  """The interpreted GEMV kernel (its a_in_smem form) on layer 1, float32 out, as float64; norm = (s, eps) with eps
+  static."""
+  import numpy as np
+  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  t = mgpu_gemv.MgpuGemvTuning(a_in_smem=True, **tuning)
+  s, eps = norm or (None, None)
+  fn = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(x, w, sc, jnp.int32(1), GEMV_SPEC, tuning=t,
+                                                           dtype=jnp.float32, norm=None if s is None else (s, eps)))
+  return np.asarray(fn(x, w8, scale, s), np.float64)
+
+
+GEMV_SPEC = "rd,nd->rn"
+
+
 @pytest.mark.parametrize("R,dtype,tuning", [
     (1, jnp.bfloat16, dict()),                              # split_fixed's two parts
     (3, jnp.bfloat16, dict(num_ctas=5, block_k=128)),      # CTAs that share row blocks: several partial slots
@@ -127,19 +148,14 @@ def test_gemv_interpreted(R, dtype, tuning, interpreter):
   in both bands), row-scaled or scaled in the kernel, float32 and float16 x, over CTAs whose ranges split row
   blocks (partial slots summed after the kernel)."""
   import numpy as np
-  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  from tests.test_fp8_gemv import _numpy_product
   rng = np.random.default_rng(R)
-  L, N, Kd = 2, 192, 512
-  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
-  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
-  x = rng.normal(size=(R, Kd)) * np.where(rng.random((R, Kd)) < 0.5, 1.0, 1e-3)   # |x| on both sides of 1/4
+  w8, scale = _gemv_weights(rng, 2, 192, 512)
+  x = rng.normal(size=(R, 512)) * np.where(rng.random((R, 512)) < 0.5, 1.0, 1e-3)   # |x| on both sides of 1/4
   x = jnp.asarray(x, dtype)
-  got = jax.jit(lambda x, w, s: mgpu_gemv.gemv_stacked(
-      x, w, s, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, **tuning),
-      dtype=jnp.float32))(x, w8, scale)
-  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
-  want = np.asarray(x.astype(jnp.float32), np.float64) @ w.T
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
+  got = _gemv_interpreted(x, w8, scale, **tuning)
+  want = _numpy_product(x.astype(jnp.float32), w8, scale, 1, GEMV_SPEC)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("R,Kd,tuning", [(1, 512, dict()), (3, 512, dict(num_ctas=5, block_k=128)),
@@ -147,29 +163,25 @@ def test_gemv_interpreted(R, dtype, tuning, interpreter):
 def test_gemv_with_the_norm_inside_interpreted(R, Kd, tuning, interpreter):
   """gemv_stacked(norm=(s, eps)): the product of rms_norm(x) * s[layer] from bf16 x as it is, against the float64
   product of the float64 norm: within the float16 rounding of x * s (2^-11 of each term's magnitude), rows of very
-  different scales (the factor is per row), values in both of split_fixed's bands."""
+  different scales (the factor is per row), values on both sides of NORM_BAND."""
   import numpy as np
   from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  from tests.test_fp8_gemv import _normed64, _numpy_product
   rng = np.random.default_rng(10 + R)
-  L, N, eps = 2, 192, 1e-5
-  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
-  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
-  s = jnp.asarray(rng.uniform(0.2, 3.0, size=(L, Kd)), jnp.bfloat16)
+  eps = 1e-5
+  w8, scale = _gemv_weights(rng, 2, 192, Kd)
+  s = jnp.asarray(rng.uniform(0.2, 3.0, size=(2, Kd)), jnp.bfloat16)
   x = rng.normal(size=(R, Kd)) * np.where(rng.random((R, Kd)) < 0.5, 1.0, 1e-3) * (10.0 ** np.arange(R) % 7)[:, None]
   x = jnp.asarray(x, jnp.bfloat16)
-  got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(
-      x, w, sc, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, **tuning),
-      dtype=jnp.float32, norm=(s, eps)))(x, w8, scale, s)
-  xf = np.asarray(x.astype(jnp.float32), np.float64)
-  xn = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
-  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
-  want = xn @ w.T
-  bound = 2.0 ** -11 * (np.abs(xn) @ np.abs(w).T) + 1e-6 * np.abs(want).max()
-  assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), np.abs(np.asarray(got, np.float64) - want).max()
+  got = _gemv_interpreted(x, w8, scale, norm=(s, eps), **tuning)
+  xn = _normed64(x, s[1], eps)
+  want = _numpy_product(xn, w8, scale, 1, GEMV_SPEC)
+  bound = 2.0 ** -11 * _numpy_product(np.abs(xn), jnp.abs(w8.astype(jnp.float32)), scale, 1, GEMV_SPEC)
+  assert (np.abs(got - want) <= bound + 1e-6 * np.abs(want).max()).all(), np.abs(got - want).max()
   for args, why in (((x.astype(jnp.float32), w8, scale, s), f"got float32 x and a scale (2, {Kd})"),
                     ((x[:, :64], w8[:, :, :64], scale, s[:, :64]), "got bfloat16 x and a scale (2, 64)")):
     with pytest.raises(ValueError, match=r"norm inside takes bfloat16 x, .* multiple of 128 .*, " + re.escape(why)):
-      mgpu_gemv.gemv_stacked(*args[:3], jnp.int32(1), "rd,nd->rn", norm=(args[3], eps))
+      mgpu_gemv.gemv_stacked(*args[:3], jnp.int32(1), GEMV_SPEC, norm=(args[3], eps))
 
 
 def test_gemv_with_the_norm_inside_at_the_split_edges(interpreter):
@@ -178,11 +190,10 @@ def test_gemv_with_the_norm_inside_at_the_split_edges(interpreter):
   a band edge at 1/4 overflowed), 0.30078125 (a subnormal hi under that band), 2 - 2^-7 and 2 (either side of
   NORM_BAND), 3e4, 2^-20; a row of ~1e-3 values (eps weighs in its factor) and a row of normal draws."""
   import numpy as np
-  from lcjax.ops.mosaic_gpu import gemv as mgpu_gemv
+  from tests.test_fp8_gemv import _normed64, _numpy_product
   rng = np.random.default_rng(7)
-  L, N, Kd, eps = 2, 128, 256, 1e-5
-  w8 = jnp.asarray(rng.normal(size=(L, N, Kd)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
-  scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(L, N, 1)), jnp.float32)
+  L, Kd, eps = 2, 256, 1e-5
+  w8, scale = _gemv_weights(rng, L, 128, Kd)
   s = np.ones((L, Kd))
   s[1, 5] = 217 / 2 ** 8
   x = np.zeros((8, Kd))
@@ -192,14 +203,10 @@ def test_gemv_with_the_norm_inside_at_the_split_edges(interpreter):
   x[6] = rng.normal(size=Kd) * 1e-3
   x[7] = rng.normal(size=Kd)
   x, s = jnp.asarray(x, jnp.bfloat16), jnp.asarray(s, jnp.bfloat16)
-  got = jax.jit(lambda x, w, sc, s: mgpu_gemv.gemv_stacked(
-      x, w, sc, jnp.int32(1), "rd,nd->rn", tuning=mgpu_gemv.MgpuGemvTuning(a_in_smem=True, num_ctas=3),
-      dtype=jnp.float32, norm=(s, eps)))(x, w8, scale, s)
-  xf = np.asarray(x.astype(jnp.float32), np.float64)
-  xn = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(s[1].astype(jnp.float32), np.float64)
-  w = np.asarray(w8[1].astype(jnp.float32), np.float64) * np.asarray(scale[1], np.float64)
-  want = xn @ w.T
-  got = np.asarray(got, np.float64)
+  got = _gemv_interpreted(x, w8, scale, norm=(s, eps), num_ctas=3)
+  xn = _normed64(x, s[1], eps)
+  want = _numpy_product(xn, w8, scale, 1, GEMV_SPEC)
   assert np.isfinite(got).all()
-  bound = 2.0 ** -11 * (np.abs(xn) @ np.abs(w).T) * (1 + 2.0 ** -10)      # the factor's own float32 rounding
+  bound = (2.0 ** -11 * _numpy_product(np.abs(xn), jnp.abs(w8.astype(jnp.float32)), scale, 1, GEMV_SPEC)
+           * (1 + 2.0 ** -10))                                            # the factor's own float32 rounding
   assert (np.abs(got - want) <= bound).all(), np.max(np.abs(got - want) / bound)
